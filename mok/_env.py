@@ -1,0 +1,26 @@
+"""Every environment variable mok reads, read in this one place.
+
+TRITON_INTERPRET   "1" runs the Triton kernels under Triton's CPU interpreter. Triton reads it when
+                   a kernel is decorated, so mok decides it here, before any kernel module is
+                   imported: when no CUDA device is present and the variable is unset, mok sets it
+                   to "1" so that the layer runs on CPU tensors.
+MOK_VALIDATE       "1" makes every schedule check its device-side error flags at once (this
+                   synchronizes with the device; for debugging).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRET: bool = _flag("TRITON_INTERPRET")
+VALIDATE: bool = _flag("MOK_VALIDATE")

@@ -1,0 +1,529 @@
+"""MoK's functional API: workspace, schedule, forward, backward, recompute.
+
+Code written against MoK's functional API runs unchanged; `group=None` means one GPU.
+
+Legend: T local tokens, H hidden size, I expert intermediate size, I_s shared-expert intermediate
+size, E_local local experts, k experts per token (topk), C schedule rows (see mok.ops.Routing).
+
+The layer computes, per token t (DESIGN.md section 1):
+    y[t] = shared(x[t]) + sum_j router_weights[t, j] * expert_{topk_experts[t, j]}(x[t])
+    mlp(x) = W_down @ swiglu(W_gate @ x, W_up @ x),  swiglu(g, u) = silu(g) * u
+with, when swiglu_limit L is given, swiglu(g, u) = silu(min(g, L)) * clamp(u, -L, L).
+
+Data errors (expert ids out of range, schedule capacity overflow) are found on the device without a
+host sync; they are raised as MoKDataError by the first mok call that finds the device's check
+finished (on CPU: the next call), at once by `check_errors(workspace)`, and at once by
+`build_schedule(..., validate=True)` or MOK_VALIDATE=1. Routes affected are left out, never
+written out of bounds.
+
+NaN/Inf policy: no checks are made on values. Non-finite values propagate as IEEE arithmetic
+says: a non-finite x[t] or router weight of token t makes y[t] (and d_x[t]) non-finite and the
+weight gradients of the experts t routes to; other tokens' outputs are unaffected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mok import _env, ops
+from mok.errors import (
+    ERROR_MESSAGES,
+    NUM_ERROR_FLAGS,
+    ErrorFlag,
+    MoKDataError,
+    MoKInputError,
+)
+from mok.ops import Routing, TileConfig
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """Tuning knobs of the fused layer (MoK's names and meaning).
+
+    fwd_num_comm_sms / bwd_num_comm_sms: SMs reserved for communication in expert parallelism.
+    minibatch_size: rows per ready flag when tokens arrive from peers.
+    macrobatch_size: rows of the dispatch ring buffer.
+    schedule_capacity_multiplier: the schedule holds capacity_multiplier * T * k routes (never more
+        than can arrive); on one GPU any value >= 1 is dropless. Overflow is an error, never a
+        silent drop.
+    """
+
+    fwd_num_comm_sms: int = 16
+    bwd_num_comm_sms: int = 16
+    minibatch_size: int = 128
+    macrobatch_size: int = 8192
+    schedule_capacity_multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"MoKConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.macrobatch_size % self.minibatch_size != 0:
+            raise ValueError("MoKConfig.macrobatch_size must be a multiple of minibatch_size")
+        if not self.schedule_capacity_multiplier > 0:
+            raise ValueError("MoKConfig.schedule_capacity_multiplier must be positive")
+
+
+class Workspace:
+    """Device state shared by every layer of one shape on one group: error flags, caches.
+
+    Create with `get_workspace` (cached) or `create_workspace`.
+    """
+
+    def __init__(
+        self,
+        config: MoKConfig,
+        group: dist.ProcessGroup | None,
+        *,
+        device: torch.device | str,
+        num_local_tokens: int,
+        hidden_size: int,
+        topk: int,
+    ) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if group is not None and dist.get_world_size(group) > 1:
+            raise NotImplementedError("expert parallelism (group of size > 1) is not built yet")
+        for name, value in (("num_local_tokens", num_local_tokens),
+                            ("hidden_size", hidden_size), ("topk", topk)):
+            if int(value) < (0 if name == "num_local_tokens" else 1):
+                raise MoKInputError(f"{name} must be positive, got {value}")
+        self.config = config
+        self.group = group
+        self.device = device
+        self.num_local_tokens = int(num_local_tokens)
+        self.hidden_size = int(hidden_size)
+        self.topk = int(topk)
+        self.ep_size = 1
+        self.ep_rank = 0
+        self.error_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._host_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, pin_memory=pin)
+        self._flags_event: torch.cuda.Event | None = None
+        self._flags_pending = False
+        self._dense_routing: dict[tuple[int, int], Routing] = {}
+
+    # -- device-side error flags -------------------------------------------------------------
+    def _publish_errors(self) -> None:
+        """Start a copy of the error flags to the host; `_poll_errors` reads it once it landed."""
+        if self.device.type != "cuda":
+            self._host_flags.copy_(self.error_flags)
+            self._flags_pending = True
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        self._host_flags.copy_(self.error_flags, non_blocking=True)
+        if self._flags_event is None:
+            self._flags_event = torch.cuda.Event()
+        self._flags_event.record()
+        self._flags_pending = True
+
+    def _poll_errors(self) -> None:
+        """Raise the errors of an earlier call whose flag copy has landed; never waits."""
+        if not self._flags_pending:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        if self._flags_event is not None and not self._flags_event.query():
+            return
+        self._flags_pending = False
+        self._raise_if_set(self._host_flags.tolist())  # host memory: no device sync
+
+    def check_errors(self) -> None:
+        """Synchronize with the device and raise MoKDataError if any data error was flagged."""
+        self._flags_pending = False
+        self._raise_if_set(self.error_flags.tolist())
+
+    def _raise_if_set(self, flags: list[int]) -> None:
+        raised = [ErrorFlag(i) for i, value in enumerate(flags)
+                  if value and i in ErrorFlag._value2member_map_]
+        if not raised:
+            return
+        self.error_flags.zero_()
+        self._host_flags.zero_()
+        details = "; ".join(f"{flag.name}: {ERROR_MESSAGES[flag]}" for flag in raised)
+        raise MoKDataError(f"mok found invalid data on the device: {details}")
+
+    def dense_routing(self, num_tokens: int, align: int) -> Routing:
+        key = (num_tokens, align)
+        if key not in self._dense_routing:
+            self._dense_routing[key] = ops.dense_routing(num_tokens, align, self.device)
+        return self._dense_routing[key]
+
+    def __repr__(self) -> str:
+        return (f"Workspace(device={self.device}, ep_size={self.ep_size}, "
+                f"num_local_tokens={self.num_local_tokens}, hidden_size={self.hidden_size}, "
+                f"topk={self.topk})")
+
+
+_WORKSPACES: dict[tuple, Workspace] = {}
+
+
+def create_workspace(
+    config: MoKConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    device: torch.device | str,
+    num_local_tokens: int,
+    hidden_size: int,
+    topk: int,
+) -> Workspace:
+    """A new workspace (not cached). num_local_tokens: the most tokens a schedule may hold."""
+    return Workspace(config, group, device=device, num_local_tokens=num_local_tokens,
+                     hidden_size=hidden_size, topk=topk)
+
+
+def get_workspace(
+    config: MoKConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    device: torch.device | str,
+    num_local_tokens: int,
+    hidden_size: int,
+    topk: int,
+) -> Workspace:
+    """The workspace for these arguments, created on first use and cached."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (config, id(group) if group is not None else None, str(device), int(num_local_tokens),
+           int(hidden_size), int(topk))
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = create_workspace(
+            config, group, device=device, num_local_tokens=num_local_tokens,
+            hidden_size=hidden_size, topk=topk)
+    return _WORKSPACES[key]
+
+
+def check_errors(workspace: Workspace) -> None:
+    """Synchronize and raise MoKDataError for any data error flagged so far on this workspace."""
+    workspace.check_errors()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Routing of one batch: expert-ordered rows of the routed experts and of the shared expert.
+
+    expert_counts [E_local] int32 (device): tokens routed to each local expert, no host sync.
+    """
+
+    routing: Routing
+    shared_routing: Routing
+    tiles: TileConfig
+    num_experts: int
+    workspace: Workspace = field(repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.routing.num_tokens
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.routing.num_local_experts
+
+    @property
+    def expert_counts(self) -> torch.Tensor:
+        return self.routing.expert_counts
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What the backward needs beyond the inputs: the SwiGLU outputs, nothing else.
+
+    h        [C, I]: routed experts' SwiGLU output, in schedule row order (x.dtype).
+    h_shared [T_pad, I_s] or None: the shared expert's SwiGLU output.
+    The gate/up projections are recomputed inside the backward kernel; expert outputs are never
+    kept (the router-weight gradient is computed from h).
+    """
+
+    h: torch.Tensor
+    h_shared: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        total = self.h.numel() * self.h.element_size()
+        if self.h_shared is not None:
+            total += self.h_shared.numel() * self.h_shared.element_size()
+        return total
+
+
+# -- input checks (host-known facts only; never reads device values) ---------------------------
+
+def _check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    if tensor.device != device:
+        raise MoKInputError(f"{name} is on {tensor.device}, the workspace on {device}")
+    if device.type == "cpu" and not _env.INTERPRET:
+        raise MoKInputError(
+            "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before importing mok")
+
+
+def _check_tensor(name, tensor, shape, dtypes, device) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise MoKInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != tuple(shape):
+        raise MoKInputError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+    if tensor.dtype not in dtypes:
+        names = ", ".join(str(d) for d in dtypes)
+        raise MoKInputError(f"{name} has dtype {tensor.dtype}, expected one of {names}")
+    _check_device(name, tensor, device)
+
+
+def _check_size(name: str, value: int) -> None:
+    if value < 8 or value % 8 != 0:
+        raise MoKInputError(f"{name}={value} must be a positive multiple of 8 (16-byte rows)")
+
+
+def _check_weights(
+    schedule: Schedule,
+    x: torch.Tensor,
+    shared: tuple[torch.Tensor | None, ...],
+    routed: tuple[torch.Tensor, ...],
+    *,
+    need_down: bool = True,
+) -> None:
+    workspace = schedule.workspace
+    hidden = workspace.hidden_size
+    _check_tensor("x", x, (schedule.num_tokens, hidden), SUPPORTED_DTYPES, workspace.device)
+    _check_size("hidden_size", hidden)
+    w_gate, w_up = routed[0], routed[1]
+    if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
+        raise MoKInputError("w_routed_gate must be a 3-d tensor [E_local, I, H]")
+    num_local, intermediate = w_gate.shape[0], w_gate.shape[1]
+    if num_local != schedule.num_local_experts:
+        raise MoKInputError(f"w_routed_gate holds {num_local} experts, the schedule "
+                            f"{schedule.num_local_experts} local experts")
+    _check_size("intermediate_size", intermediate)
+    shapes = {"w_routed_gate": (num_local, intermediate, hidden),
+              "w_routed_up": (num_local, intermediate, hidden),
+              "w_routed_down": (num_local, hidden, intermediate)}
+    num_checked = 3 if need_down else 2
+    for (name, shape), tensor in list(zip(shapes.items(), routed, strict=True))[:num_checked]:
+        _check_tensor(name, tensor, shape, (x.dtype,), workspace.device)
+    present = [w is not None for w in shared[:num_checked]]
+    if any(present) and not all(present):
+        raise MoKInputError("the shared-expert weights must be all given or all None")
+    if all(present):
+        shared_size = shared[0].shape[0] if shared[0].dim() == 2 else -1
+        _check_size("shared intermediate size", shared_size)
+        shapes = {"w_shared_gate": (shared_size, hidden), "w_shared_up": (shared_size, hidden),
+                  "w_shared_down": (hidden, shared_size)}
+        for (name, shape), tensor in list(zip(shapes.items(), shared, strict=True))[:num_checked]:
+            _check_tensor(name, tensor, shape, (x.dtype,), workspace.device)
+
+
+def _check_router_weights(schedule: Schedule, router_weights: torch.Tensor) -> None:
+    _check_tensor("router_weights", router_weights,
+                  (schedule.num_tokens, schedule.routing.topk), (torch.float32,),
+                  schedule.workspace.device)
+
+
+def _rowmajor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _check_schedule(workspace: Workspace, schedule: Schedule) -> None:
+    if not isinstance(schedule, Schedule):
+        raise MoKInputError("schedule must come from mok.functional.build_schedule")
+    if schedule.workspace is not workspace:
+        raise MoKInputError("the schedule was built on another workspace")
+
+
+# -- the API -----------------------------------------------------------------------------------
+
+def build_schedule(
+    workspace: Workspace,
+    config: MoKConfig,
+    topk_experts: torch.Tensor,
+    *,
+    num_local_experts: int,
+    tiles: TileConfig | None = None,
+    validate: bool | None = None,
+) -> Schedule:
+    """Expert-ordered routing of `topk_experts` [T, k] (int32/int64, global expert ids), built on
+    the device without host sync.
+
+    num_local_experts: experts on this rank (E_local); E = E_local * EP size.
+    tiles: GEMM tiles (default: per device type); their `align` pads each expert's rows.
+    validate: synchronize and raise at once on invalid data (default: MOK_VALIDATE).
+    """
+    workspace._poll_errors()
+    if not isinstance(topk_experts, torch.Tensor) or topk_experts.dim() != 2:
+        raise MoKInputError("topk_experts must be a 2-d tensor [num_tokens, topk]")
+    num_tokens, topk = topk_experts.shape
+    _check_tensor("topk_experts", topk_experts, (num_tokens, workspace.topk), INDEX_DTYPES,
+                  workspace.device)
+    if num_tokens > workspace.num_local_tokens:
+        raise MoKInputError(f"{num_tokens} tokens exceed the workspace's num_local_tokens="
+                            f"{workspace.num_local_tokens}")
+    if int(num_local_experts) < 1:
+        raise MoKInputError(f"num_local_experts must be positive, got {num_local_experts}")
+    tiles = tiles or ops.default_tiles(workspace.device)
+    num_routes = num_tokens * topk
+    route_capacity = min(num_routes * workspace.ep_size,
+                         math.ceil(config.schedule_capacity_multiplier * num_routes))
+    routing = ops.build_routing(
+        topk_experts, workspace.error_flags,
+        num_experts=num_local_experts * workspace.ep_size,
+        first_local_expert=num_local_experts * workspace.ep_rank,
+        num_local_experts=num_local_experts, align=tiles.align, route_capacity=route_capacity,
+    )
+    workspace._publish_errors()
+    if validate or (validate is None and _env.VALIDATE):
+        workspace.check_errors()
+    return Schedule(routing, workspace.dense_routing(num_tokens, tiles.align), tiles,
+                    num_local_experts * workspace.ep_size, workspace)
+
+
+def _gate_up(schedule, x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_up, swiglu_limit):
+    tiles = schedule.tiles.gate_up
+    h = ops.gate_up_swiglu(x, w_routed_gate, w_routed_up, schedule.routing, tiles, swiglu_limit)
+    h_shared = None
+    if w_shared_gate is not None:
+        h_shared = ops.gate_up_swiglu(x, w_shared_gate[None], w_shared_up[None],
+                                      schedule.shared_routing, tiles, swiglu_limit)
+    return ForwardContext(h, h_shared)
+
+
+def forward(
+    config: MoKConfig,
+    workspace: Workspace,
+    schedule: Schedule,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_shared_gate: torch.Tensor | None,
+    w_shared_up: torch.Tensor | None,
+    w_shared_down: torch.Tensor | None,
+    w_routed_gate: torch.Tensor,
+    w_routed_up: torch.Tensor,
+    w_routed_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor, ForwardContext]:
+    """The MoE layer's forward.
+
+    x [T, H] bf16/fp16; router_weights [T, k] fp32; w_shared_gate, w_shared_up [I_s, H] and
+    w_shared_down [H, I_s] or all None; w_routed_gate, w_routed_up [E_local, I, H];
+    w_routed_down [E_local, H, I]; weights in x's dtype. Returns (y [T, H] in x's dtype, context).
+    """
+    workspace._poll_errors()
+    _check_schedule(workspace, schedule)
+    shared = (w_shared_gate, w_shared_up, w_shared_down)
+    routed = (w_routed_gate, w_routed_up, w_routed_down)
+    _check_weights(schedule, x, shared, routed)
+    _check_router_weights(schedule, router_weights)
+    x = _rowmajor(x)
+    router_weights = router_weights.contiguous()
+    context = _gate_up(schedule, x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_up,
+                       swiglu_limit)
+    tiles = schedule.tiles.down
+    rows = ops.down_proj(context.h, w_routed_down, schedule.routing, tiles, router_weights)
+    shared_rows = None
+    if w_shared_down is not None:
+        shared_rows = ops.down_proj(context.h_shared, w_shared_down[None],
+                                    schedule.shared_routing, tiles, None)
+    y = ops.combine(rows, schedule.routing, shared_rows, x.dtype)
+    return y, context
+
+
+def recompute_forward_context(
+    config: MoKConfig,
+    workspace: Workspace,
+    schedule: Schedule,
+    x: torch.Tensor,
+    w_shared_gate: torch.Tensor | None,
+    w_shared_up: torch.Tensor | None,
+    w_routed_gate: torch.Tensor,
+    w_routed_up: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+) -> ForwardContext:
+    """Rebuild the forward context (for activation checkpointing): the gate/up GEMMs only."""
+    workspace._poll_errors()
+    _check_schedule(workspace, schedule)
+    _check_weights(schedule, x, (w_shared_gate, w_shared_up, None),
+                   (w_routed_gate, w_routed_up, None), need_down=False)
+    return _gate_up(schedule, _rowmajor(x), w_shared_gate, w_shared_up, w_routed_gate,
+                    w_routed_up, swiglu_limit)
+
+
+def backward(
+    config: MoKConfig,
+    workspace: Workspace,
+    schedule: Schedule,
+    forward_context: ForwardContext,
+    d_output: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_shared_gate: torch.Tensor | None,
+    w_shared_up: torch.Tensor | None,
+    w_shared_down: torch.Tensor | None,
+    w_routed_gate: torch.Tensor,
+    w_routed_up: torch.Tensor,
+    w_routed_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The MoE layer's backward, from d_output [T, H] (x's dtype).
+
+    Returns (d_x [T, H], d_router_weights [T, k] fp32, d_w_routed_gate, d_w_routed_up,
+    d_w_routed_down, d_w_shared_gate, d_w_shared_up, d_w_shared_down), each weight gradient in
+    its weight's shape and dtype; the shared ones are None without a shared expert.
+    """
+    workspace._poll_errors()
+    _check_schedule(workspace, schedule)
+    shared = (w_shared_gate, w_shared_up, w_shared_down)
+    routed = (w_routed_gate, w_routed_up, w_routed_down)
+    _check_weights(schedule, x, shared, routed)
+    _check_router_weights(schedule, router_weights)
+    _check_tensor("d_output", d_output, tuple(x.shape), (x.dtype,), workspace.device)
+    if not isinstance(forward_context, ForwardContext):
+        raise MoKInputError("forward_context must come from forward or recompute_forward_context")
+    if (forward_context.h_shared is None) != (w_shared_gate is None):
+        raise MoKInputError("the forward context and the shared-expert weights disagree")
+    x, d_output = _rowmajor(x), _rowmajor(d_output)
+    router_weights = router_weights.contiguous()
+    tiles = schedule.tiles
+    routing = schedule.routing
+    intermediate = w_routed_gate.shape[1]
+
+    d_gate_up, partial = ops.down_bwd_dswiglu(
+        d_output, x, w_routed_down, w_routed_gate, w_routed_up, forward_context.h, routing,
+        tiles.down_bwd, router_weights, swiglu_limit)
+    d_router_weights = ops.router_grad(partial, routing)
+    d_x_rows = ops.d_x_rows(d_gate_up, w_routed_gate, w_routed_up, routing, tiles.d_x)
+    d_w_gate = ops.grouped_wgrad(d_gate_up[:, :intermediate], x, routing, tiles.wgrad,
+                                 gather_a=False, gather_b=True, out_dtype=w_routed_gate.dtype)
+    d_w_up = ops.grouped_wgrad(d_gate_up[:, intermediate:], x, routing, tiles.wgrad,
+                               gather_a=False, gather_b=True, out_dtype=w_routed_up.dtype)
+    d_w_down = ops.grouped_wgrad(d_output, forward_context.h, routing, tiles.wgrad,
+                                 gather_a=True, gather_b=False, router_weights=router_weights,
+                                 out_dtype=w_routed_down.dtype)
+
+    d_shared = (None, None, None)
+    d_x_shared_rows = None
+    if w_shared_gate is not None:
+        dense = schedule.shared_routing
+        shared_size = w_shared_gate.shape[0]
+        d_gate_up_s, _ = ops.down_bwd_dswiglu(
+            d_output, x, w_shared_down[None], w_shared_gate[None], w_shared_up[None],
+            forward_context.h_shared, dense, tiles.down_bwd, None, swiglu_limit)
+        d_x_shared_rows = ops.d_x_rows(d_gate_up_s, w_shared_gate[None], w_shared_up[None],
+                                       dense, tiles.d_x)
+        d_shared = (
+            ops.grouped_wgrad(d_gate_up_s[:, :shared_size], x, dense, tiles.wgrad,
+                              gather_a=False, gather_b=True, out_dtype=w_shared_gate.dtype)[0],
+            ops.grouped_wgrad(d_gate_up_s[:, shared_size:], x, dense, tiles.wgrad,
+                              gather_a=False, gather_b=True, out_dtype=w_shared_up.dtype)[0],
+            ops.grouped_wgrad(d_output, forward_context.h_shared, dense, tiles.wgrad,
+                              gather_a=True, gather_b=False, out_dtype=w_shared_down.dtype)[0],
+        )
+    d_x = ops.combine(d_x_rows, routing, d_x_shared_rows, x.dtype)
+    return (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, *d_shared)

@@ -1,0 +1,1 @@
+"""Triton kernels (@triton.jit code only; the launchers live in mok.ops)."""

@@ -1,0 +1,291 @@
+"""Grouped GEMM kernels of the MoE layer, forward and backward.
+
+Rows are the schedule's expert-ordered rows (mok.ops.routing): row_route[row] is the route id of a
+row (token * topk + slot) or -1 for padding; block_expert[row // ALIGN] is the local expert owning
+a block of ALIGN rows, or -1 past the last expert (such tiles exit at once). BLOCK_M divides ALIGN,
+so every row tile belongs to one expert. Token rows are gathered inside the GEMMs: no permuted copy
+of x or d_output is ever written. Each output element is written by exactly one program with a
+fixed reduction order, so every result is bitwise reproducible.
+
+Legend: M rows, N output columns, K reduction; E local experts; H hidden, I intermediate.
+UPCAST: under Triton's CPU interpreter (see mok.kernels.common).
+"""
+
+import triton
+import triton.language as tl
+
+from mok.kernels.common import cast_to, mma
+
+
+@triton.jit
+def _tile_coords(num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """Program id -> (m block, n block), GROUP_M row blocks at a time so weight tiles stay in L2."""
+    pid = tl.program_id(0)
+    width = GROUP_M * num_n_blocks
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M: tl.constexpr):
+    """Rows of a tile, their route ids, validity and source token."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    route = tl.load(row_route_ptr + rows)
+    valid = route >= 0
+    token = tl.where(valid, route // topk, 0)
+    return rows.to(tl.int64), route, valid, token.to(tl.int64)
+
+
+@triton.jit
+def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def gate_up_swiglu_kernel(
+    x_ptr, w_gate_ptr, w_up_ptr, h_ptr, row_route_ptr, block_expert_ptr,
+    num_m_blocks, N, K, topk,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_hm,
+    swiglu_limit,
+    HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """h[row, n] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, K], w [E, N, K]."""
+    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
+    if expert < 0:
+        return
+    rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
+    w_offsets = expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & (cols[None, :] < N)
+        b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
+        b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
+        acc_gate = mma(a, b_gate, acc_gate, UPCAST)
+        acc_up = mma(a, b_up, acc_up, UPCAST)
+        a_ptrs += BLOCK_K
+        w_offsets += BLOCK_K * stride_wk
+    h = _swiglu(acc_gate, acc_up, swiglu_limit, HAS_LIMIT)
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :]
+    tl.store(h_ptrs, cast_to(h, h_ptr.dtype.element_ty, UPCAST), mask=cols[None, :] < N)
+
+
+@triton.jit
+def down_proj_kernel(
+    h_ptr, w_down_ptr, out_ptr, router_weights_ptr, row_route_ptr, block_expert_ptr,
+    num_m_blocks, N, K,
+    stride_hm, stride_we, stride_wn, stride_wk, stride_om,
+    HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """out[row, n] = w[route] * (h[row] @ w_down[e].T); h [rows, K], w_down [E, N, K]."""
+    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
+    if expert < 0:
+        return
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None] * stride_hm + ks[None, :]
+    w_offsets = expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + ks) < K
+        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        b = tl.load(w_down_ptr + w_offsets, mask=k_mask[:, None] & (cols[None, :] < N), other=0.0)
+        acc = mma(a, b, acc, UPCAST)
+        a_ptrs += BLOCK_K
+        w_offsets += BLOCK_K * stride_wk
+    if HAS_WEIGHT:
+        route = tl.load(row_route_ptr + rows)
+        weight = tl.load(router_weights_ptr + route, mask=route >= 0, other=0.0)
+        acc = acc * weight[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, UPCAST), mask=cols[None, :] < N)
+
+
+@triton.jit
+def down_bwd_dswiglu_kernel(
+    d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, router_weights_ptr,
+    d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
+    num_m_blocks, N, K, topk,
+    stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
+    stride_we, stride_wn, stride_wk, stride_hm, stride_gm, stride_pm,
+    swiglu_limit,
+    HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Backward through the down projection and SwiGLU, gate/up recomputed in the same K loop.
+
+    With N = I and K = H: dh0 = d_out[token] @ w_down[e] (w_down [E, K, N]); gate, up = x[token] @
+    w_gate[e].T, x[token] @ w_up[e].T (w_gate, w_up [E, N, K]). Writes d_gate_up[row] = [d_gate,
+    d_up] (columns [0, N) and [N, 2N)) for dh = w[route] * dh0, and the partial router-weight
+    gradient sum_n dh0 * h over this tile's columns to d_weight_partial[row, pid_n].
+    """
+    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
+    if expert < 0:
+        return
+    rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    d_out_ptrs = d_out_ptr + token[:, None] * stride_dm + ks[None, :]
+    x_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
+    e64 = expert.to(tl.int64)
+    wd_offsets = e64 * stride_wd_e + ks[:, None] * stride_wd_k + cols[None, :] * stride_wd_n
+    w_offsets = e64 * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    acc_dh = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + ks) < K
+        a_mask = valid[:, None] & k_mask[None, :]
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        a_dy = tl.load(d_out_ptrs, mask=a_mask, other=0.0)
+        a_x = tl.load(x_ptrs, mask=a_mask, other=0.0)
+        b_down = tl.load(w_down_ptr + wd_offsets, mask=w_mask, other=0.0)
+        b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
+        b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
+        acc_dh = mma(a_dy, b_down, acc_dh, UPCAST)
+        acc_gate = mma(a_x, b_gate, acc_gate, UPCAST)
+        acc_up = mma(a_x, b_up, acc_up, UPCAST)
+        d_out_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        wd_offsets += BLOCK_K * stride_wd_k
+        w_offsets += BLOCK_K * stride_wk
+
+    if HAS_WEIGHT:
+        # d w[route] = <d_out[token], w_down[e] h[row]> = sum_n dh0[row, n] * h[row, n], with the
+        # h the forward stored (bf16), so the gradient matches the forward that ran.
+        h = tl.load(h_ptr + rows[:, None] * stride_hm + cols[None, :], mask=col_mask[None, :],
+                    other=0.0).to(tl.float32)
+        tl.store(d_weight_partial_ptr + rows * stride_pm + pid_n, tl.sum(acc_dh * h, axis=1))
+        weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
+        acc_dh = acc_dh * weight[:, None]
+
+    gate = acc_gate
+    up = acc_up
+    if HAS_LIMIT:
+        gate_pass = gate <= swiglu_limit
+        up_pass = (up >= -swiglu_limit) & (up <= swiglu_limit)
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    d_gate = acc_dh * up * (sig * (1.0 + gate * (1.0 - sig)))
+    d_up = acc_dh * silu
+    if HAS_LIMIT:
+        d_gate = tl.where(gate_pass, d_gate, 0.0)
+        d_up = tl.where(up_pass, d_up, 0.0)
+    g_ptrs = d_gate_up_ptr + rows[:, None] * stride_gm + cols[None, :]
+    dtype = d_gate_up_ptr.dtype.element_ty
+    tl.store(g_ptrs, cast_to(d_gate, dtype, UPCAST), mask=col_mask[None, :])
+    tl.store(g_ptrs + N, cast_to(d_up, dtype, UPCAST), mask=col_mask[None, :])
+
+
+@triton.jit
+def d_x_rows_kernel(
+    d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr,
+    num_m_blocks, N, K,
+    stride_gm, stride_we, stride_wk, stride_wn, stride_om,
+    ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """out[row] = d_gate[row] @ w_gate[e] + d_up[row] @ w_up[e]; N = H, K = I, w [E, K, N]."""
+    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
+    if expert < 0:
+        return
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = d_gate_up_ptr + rows[:, None] * stride_gm + ks[None, :]
+    w_offsets = expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + ks) < K
+        w_mask = k_mask[:, None] & (cols[None, :] < N)
+        a_gate = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        a_up = tl.load(a_ptrs + K, mask=k_mask[None, :], other=0.0)
+        b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
+        b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
+        acc = mma(a_gate, b_gate, acc, UPCAST)
+        acc = mma(a_up, b_up, acc, UPCAST)
+        a_ptrs += BLOCK_K
+        w_offsets += BLOCK_K * stride_wk
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, UPCAST), mask=cols[None, :] < N)
+
+
+@triton.jit
+def grouped_wgrad_kernel(
+    a_ptr, b_ptr, out_ptr, row_route_ptr, router_weights_ptr, expert_counts_ptr,
+    expert_offsets_ptr,
+    P, Q, topk,
+    stride_am, stride_bm, stride_oe, stride_op, stride_oq,
+    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """out[e] = sum over the rows of expert e of A[row, :P]^T B[row, :Q], out [E, P, Q].
+
+    GATHER_A / GATHER_B: that operand is token-indexed (row -> route // topk) rather than
+    row-indexed. SCALE_A: scale A's rows by router_weights[route] (rounded to A's dtype, as a
+    weighted copy would be). The rows are summed in order, so the result is deterministic.
+    """
+    pid = tl.program_id(0)
+    num_p_blocks = tl.cdiv(P, BLOCK_P)
+    num_q_blocks = tl.cdiv(Q, BLOCK_Q)
+    expert = pid // (num_p_blocks * num_q_blocks)
+    pid_pq = pid % (num_p_blocks * num_q_blocks)
+    pid_p = pid_pq // num_q_blocks
+    pid_q = pid_pq % num_q_blocks
+    start = tl.load(expert_offsets_ptr + expert)
+    end = start + tl.load(expert_counts_ptr + expert)
+    ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    for row0 in range(start, end, BLOCK_R):
+        rows = row0 + tl.arange(0, BLOCK_R)
+        row_mask = rows < end
+        route = tl.load(row_route_ptr + rows, mask=row_mask, other=-1)
+        valid = route >= 0
+        token = tl.where(valid, route // topk, 0).to(tl.int64)
+        if GATHER_A:
+            a_rows = token
+        else:
+            a_rows = rows.to(tl.int64)
+        if GATHER_B:
+            b_rows = token
+        else:
+            b_rows = rows.to(tl.int64)
+        a = tl.load(a_ptr + a_rows[None, :] * stride_am + ps[:, None],
+                    mask=valid[None, :] & (ps[:, None] < P), other=0.0)
+        if SCALE_A:
+            weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
+            a = cast_to(a.to(tl.float32) * weight[None, :], a_ptr.dtype.element_ty, UPCAST)
+        b = tl.load(b_ptr + b_rows[:, None] * stride_bm + qs[None, :],
+                    mask=valid[:, None] & (qs[None, :] < Q), other=0.0)
+        acc = mma(a, b, acc, UPCAST)
+    out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ps[:, None] * stride_op
+                + qs[None, :] * stride_oq)
+    tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, UPCAST),
+             mask=(ps[:, None] < P) & (qs[None, :] < Q))

@@ -1,0 +1,148 @@
+"""Routing-schedule kernels: a stable counting sort of routes by local expert, on the device.
+
+A route is one (token, slot) pair, route id r = token * topk + slot. The schedule orders the routes
+of each local expert by route id (so by token, then slot), pads every expert's rows to a multiple
+of ALIGN and records, per block of ALIGN rows, which expert owns it. Three launches, no atomics on
+data, no host sync:
+
+1. histogram: per chunk of routes, the count of each expert and each route's rank in its chunk;
+2. offsets (one program): per-chunk bases, expert counts, padded expert offsets, block owners;
+3. scatter: row_route[row] = route and route_row[route] = row.
+"""
+
+import triton
+import triton.language as tl
+
+# Slots of the error-flag vector (mok.errors.ErrorFlag).
+FLAG_EXPERT_ID_OUT_OF_RANGE = tl.constexpr(0)
+FLAG_CAPACITY_OVERFLOW = tl.constexpr(1)
+
+
+@triton.jit
+def _local_experts(
+    topk_experts_ptr,
+    routes,
+    num_routes,
+    num_experts_total,
+    first_local_expert,
+    num_local_experts,
+):
+    """Load expert ids of `routes`; return (local expert id, is local and valid, is out of range)."""
+    in_range = routes < num_routes
+    expert = tl.load(topk_experts_ptr + routes, mask=in_range, other=0)
+    # Compare in the loaded dtype (int64 ids must not wrap before the check).
+    bad = in_range & ((expert < 0) | (expert >= num_experts_total))
+    local_expert = (expert - first_local_expert).to(tl.int32)
+    is_local = in_range & ~bad & (local_expert >= 0) & (local_expert < num_local_experts)
+    return local_expert, is_local, bad
+
+
+@triton.jit
+def route_histogram_kernel(
+    topk_experts_ptr,
+    chunk_counts_ptr,
+    route_rank_ptr,
+    error_flags_ptr,
+    num_routes,
+    num_experts_total,
+    first_local_expert,
+    num_local_experts,
+    CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    routes = chunk * CHUNK + tl.arange(0, CHUNK)
+    local_expert, is_local, bad = _local_experts(
+        topk_experts_ptr, routes, num_routes, num_experts_total, first_local_expert,
+        num_local_experts,
+    )
+    tl.store(
+        error_flags_ptr + FLAG_EXPERT_ID_OUT_OF_RANGE, 1,
+        mask=tl.max(bad.to(tl.int32), axis=0) > 0,
+    )
+    experts = tl.arange(0, E_PAD)
+    one_hot = ((local_expert[:, None] == experts[None, :]) & is_local[:, None]).to(tl.int32)
+    tl.store(chunk_counts_ptr + chunk * E_PAD + experts, tl.sum(one_hot, axis=0))
+    # Exclusive rank of each route among the routes of its expert in this chunk.
+    rank = tl.sum((tl.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
+    tl.store(route_rank_ptr + routes, rank, mask=routes < num_routes)
+
+
+@triton.jit
+def route_offsets_kernel(
+    chunk_counts_ptr,
+    chunk_base_ptr,
+    expert_counts_ptr,
+    expert_offsets_ptr,
+    block_expert_ptr,
+    error_flags_ptr,
+    num_chunks,
+    num_local_experts,
+    capacity_rows,
+    num_blocks,
+    ALIGN: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNKS_PER_STEP: tl.constexpr,
+    BLOCKS_PER_STEP: tl.constexpr,
+):
+    experts = tl.arange(0, E_PAD)
+    running = tl.zeros([E_PAD], dtype=tl.int32)
+    for chunk0 in range(0, num_chunks, CHUNKS_PER_STEP):
+        chunks = chunk0 + tl.arange(0, CHUNKS_PER_STEP)
+        offsets = chunks[:, None] * E_PAD + experts[None, :]
+        mask = chunks[:, None] < num_chunks
+        counts = tl.load(chunk_counts_ptr + offsets, mask=mask, other=0)
+        exclusive = tl.cumsum(counts, axis=0) - counts
+        tl.store(chunk_base_ptr + offsets, running[None, :] + exclusive, mask=mask)
+        running += tl.sum(counts, axis=0)
+
+    padded = (running + ALIGN - 1) // ALIGN * ALIGN
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    is_expert = experts < num_local_experts
+    tl.store(expert_counts_ptr + experts, running, mask=is_expert)
+    tl.store(expert_offsets_ptr + experts, starts, mask=is_expert)
+    tl.store(expert_offsets_ptr + num_local_experts, total)
+    tl.store(error_flags_ptr + FLAG_CAPACITY_OVERFLOW, 1, mask=total > capacity_rows)
+
+    # Owner of each block of ALIGN rows: the number of experts whose rows end at or before it.
+    for block0 in range(0, num_blocks, BLOCKS_PER_STEP):
+        blocks = block0 + tl.arange(0, BLOCKS_PER_STEP)
+        first_row = blocks * ALIGN
+        done = (ends[None, :] <= first_row[:, None]) & is_expert[None, :]
+        owner = tl.sum(done.to(tl.int32), axis=1)
+        owner = tl.where(first_row < total, owner, -1)
+        tl.store(block_expert_ptr + blocks, owner, mask=blocks < num_blocks)
+
+
+@triton.jit
+def route_scatter_kernel(
+    topk_experts_ptr,
+    route_rank_ptr,
+    chunk_base_ptr,
+    expert_offsets_ptr,
+    row_route_ptr,
+    route_row_ptr,
+    num_routes,
+    num_experts_total,
+    first_local_expert,
+    num_local_experts,
+    capacity_rows,
+    CHUNK: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    routes = chunk * CHUNK + tl.arange(0, CHUNK)
+    local_expert, is_local, _ = _local_experts(
+        topk_experts_ptr, routes, num_routes, num_experts_total, first_local_expert,
+        num_local_experts,
+    )
+    safe_expert = tl.where(is_local, local_expert, 0)
+    rank = tl.load(route_rank_ptr + routes, mask=is_local, other=0)
+    base = tl.load(chunk_base_ptr + chunk * E_PAD + safe_expert, mask=is_local, other=0)
+    start = tl.load(expert_offsets_ptr + safe_expert, mask=is_local, other=0)
+    row = start + base + rank
+    placed = is_local & (row < capacity_rows)
+    tl.store(row_route_ptr + row, routes, mask=placed)
+    tl.store(route_row_ptr + routes, tl.where(placed, row, -1), mask=routes < num_routes)

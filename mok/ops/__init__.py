@@ -1,0 +1,31 @@
+"""Thin launchers around the Triton kernels (no autograd, no API policy)."""
+
+from mok.ops.experts import (
+    combine,
+    d_x_rows,
+    down_bwd_dswiglu,
+    down_proj,
+    gate_up_swiglu,
+    grouped_wgrad,
+    router_grad,
+)
+from mok.ops.routing import Routing, build_routing, capacity_rows, dense_routing
+from mok.ops.tuning import GemmTiles, TileConfig, default_tiles, small_tiles
+
+__all__ = [
+    "GemmTiles",
+    "Routing",
+    "TileConfig",
+    "build_routing",
+    "capacity_rows",
+    "combine",
+    "d_x_rows",
+    "default_tiles",
+    "dense_routing",
+    "down_bwd_dswiglu",
+    "down_proj",
+    "gate_up_swiglu",
+    "grouped_wgrad",
+    "router_grad",
+    "small_tiles",
+]

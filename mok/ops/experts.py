@@ -1,0 +1,210 @@
+"""Launchers of the expert GEMMs and the combine: allocate outputs, pick grids, pass strides.
+
+Legend: T tokens, H hidden, I intermediate, E local experts, C schedule rows (Routing).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from mok import _env
+from mok.kernels import combine as combine_kernels
+from mok.kernels import grouped_gemm as gemm_kernels
+from mok.ops.routing import Routing
+from mok.ops.tuning import GemmTiles
+
+UPCAST = _env.INTERPRET
+
+
+def _gemm_meta(tiles: GemmTiles) -> dict:
+    return dict(
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m, UPCAST=UPCAST,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def _row_grid(routing: Routing, tiles: GemmTiles, n: int) -> tuple[int, int]:
+    num_m_blocks = routing.capacity_rows // tiles.block_m
+    return num_m_blocks, num_m_blocks * triton.cdiv(n, tiles.block_n)
+
+
+def _limit_args(swiglu_limit: float | None) -> tuple[float, bool]:
+    return (0.0, False) if swiglu_limit is None else (float(swiglu_limit), True)
+
+
+def gate_up_swiglu(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    routing: Routing,
+    tiles: GemmTiles,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """h [C, I] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, H], w [E, I, H]."""
+    intermediate, hidden = w_gate.shape[1:]
+    h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
+    num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
+    limit, has_limit = _limit_args(swiglu_limit)
+    gemm_kernels.gate_up_swiglu_kernel[(grid,)](
+        x, w_gate, w_up, h, routing.row_route, routing.block_expert,
+        num_m_blocks, intermediate, hidden, routing.topk,
+        x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
+        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, **_gemm_meta(tiles),
+    )
+    return h
+
+
+def down_proj(
+    h: torch.Tensor,
+    w_down: torch.Tensor,
+    routing: Routing,
+    tiles: GemmTiles,
+    router_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """rows [C, H] = router_weights[route] * (h @ w_down[e].T); h [C, I], w_down [E, H, I]."""
+    hidden, intermediate = w_down.shape[1:]
+    out = torch.empty(routing.capacity_rows, hidden, dtype=h.dtype, device=h.device)
+    num_m_blocks, grid = _row_grid(routing, tiles, hidden)
+    gemm_kernels.down_proj_kernel[(grid,)](
+        h, w_down, out, router_weights if router_weights is not None else h,
+        routing.row_route, routing.block_expert,
+        num_m_blocks, hidden, intermediate,
+        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0),
+        HAS_WEIGHT=router_weights is not None, ALIGN=routing.align, **_gemm_meta(tiles),
+    )
+    return out
+
+
+def combine(
+    rows: torch.Tensor,
+    routing: Routing,
+    shared_rows: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """out [T, N] = shared_rows[t] + sum_slot rows[route_row[t * topk + slot]] (fp32 sums)."""
+    num_tokens, width = routing.num_tokens, rows.shape[1]
+    out = torch.empty(num_tokens, width, dtype=out_dtype, device=rows.device)
+    if num_tokens == 0:
+        return out
+    block_t, block_n = 16, min(256, triton.next_power_of_2(width))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_n))
+    combine_kernels.combine_kernel[grid](
+        rows, routing.route_row, shared_rows if shared_rows is not None else rows, out,
+        num_tokens, width, routing.topk,
+        rows.stride(0), shared_rows.stride(0) if shared_rows is not None else 0, out.stride(0),
+        HAS_SHARED=shared_rows is not None, BLOCK_T=block_t, BLOCK_N=block_n, UPCAST=UPCAST,
+        num_warps=4,
+    )
+    return out
+
+
+def down_bwd_dswiglu(
+    d_out: torch.Tensor,
+    x: torch.Tensor,
+    w_down: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    h: torch.Tensor,
+    routing: Routing,
+    tiles: GemmTiles,
+    router_weights: torch.Tensor | None,
+    swiglu_limit: float | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients at the gate/up outputs, gate/up recomputed in the same pass.
+
+    Returns d_gate_up [C, 2I] (d_gate in [:, :I], d_up in [:, I:]) and, with router weights, the
+    partial router-weight gradients [C, cdiv(I, block_n)] fp32 (summed by `router_grad`).
+    """
+    intermediate, hidden = w_gate.shape[1:]
+    rows = routing.capacity_rows
+    d_gate_up = torch.empty(rows, 2 * intermediate, dtype=x.dtype, device=x.device)
+    num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
+    partial = None
+    if router_weights is not None:
+        partial = torch.empty(rows, triton.cdiv(intermediate, tiles.block_n),
+                              dtype=torch.float32, device=x.device)
+    limit, has_limit = _limit_args(swiglu_limit)
+    gemm_kernels.down_bwd_dswiglu_kernel[(grid,)](
+        d_out, x, w_down, w_gate, w_up, h,
+        router_weights if router_weights is not None else h,
+        d_gate_up, partial if partial is not None else d_gate_up,
+        routing.row_route, routing.block_expert,
+        num_m_blocks, intermediate, hidden, routing.topk,
+        d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
+        w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0), d_gate_up.stride(0),
+        partial.stride(0) if partial is not None else 0,
+        limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
+        **_gemm_meta(tiles),
+    )
+    return d_gate_up, partial
+
+
+def d_x_rows(
+    d_gate_up: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    routing: Routing,
+    tiles: GemmTiles,
+) -> torch.Tensor:
+    """rows [C, H] = d_gate @ w_gate[e] + d_up @ w_up[e]; w [E, I, H]."""
+    intermediate, hidden = w_gate.shape[1:]
+    out = torch.empty(routing.capacity_rows, hidden, dtype=d_gate_up.dtype,
+                      device=d_gate_up.device)
+    num_m_blocks, grid = _row_grid(routing, tiles, hidden)
+    gemm_kernels.d_x_rows_kernel[(grid,)](
+        d_gate_up, w_gate, w_up, out, routing.block_expert,
+        num_m_blocks, hidden, intermediate,
+        d_gate_up.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), out.stride(0),
+        ALIGN=routing.align, **_gemm_meta(tiles),
+    )
+    return out
+
+
+def grouped_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    routing: Routing,
+    tiles: GemmTiles,
+    *,
+    gather_a: bool,
+    gather_b: bool,
+    router_weights: torch.Tensor | None = None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """out [E, P, Q] = sum over expert e's rows of a[row, :P]^T b[row, :Q].
+
+    a [rows or T, P] and b [rows or T, Q] (a view with unit column stride); a gathered operand is
+    indexed by token. With router_weights, a's rows are scaled by the route's weight.
+    """
+    width_p, width_q = a.shape[1], b.shape[1]
+    num_experts = routing.num_local_experts
+    out = torch.empty(num_experts, width_p, width_q, dtype=out_dtype, device=a.device)
+    grid = num_experts * triton.cdiv(width_p, tiles.block_m) * triton.cdiv(width_q, tiles.block_n)
+    gemm_kernels.grouped_wgrad_kernel[(grid,)](
+        a, b, out, routing.row_route,
+        router_weights if router_weights is not None else a,
+        routing.expert_counts, routing.expert_offsets,
+        width_p, width_q, routing.topk,
+        a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        GATHER_A=gather_a, SCALE_A=router_weights is not None, GATHER_B=gather_b,
+        BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n, BLOCK_R=tiles.block_k, UPCAST=UPCAST,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out
+
+
+def router_grad(partial: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """d_router_weights [T, topk] fp32 from the partial sums of `down_bwd_dswiglu`."""
+    num_routes = routing.num_tokens * routing.topk
+    out = torch.empty(routing.num_tokens, routing.topk, dtype=torch.float32,
+                      device=partial.device)
+    if num_routes == 0:
+        return out
+    block_r, block_p = 64, min(64, triton.next_power_of_2(partial.shape[1]))
+    combine_kernels.router_grad_kernel[(triton.cdiv(num_routes, block_r),)](
+        partial, routing.route_row, out, num_routes, partial.shape[1], partial.stride(0),
+        BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4,
+    )
+    return out

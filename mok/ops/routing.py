@@ -1,0 +1,124 @@
+"""Launchers of the routing-schedule kernels, and the routing metadata they produce."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from mok import _env  # noqa: F401  (decides TRITON_INTERPRET before kernels load)
+from mok.kernels import routing as kernels
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Expert-ordered rows of one GEMM group, all on the device, sized from host-known shapes.
+
+    Legend: R = num_tokens * topk routes; C = capacity_rows (a multiple of align); E local experts.
+
+    row_route      [C] int32: route id (token * topk + slot) of each row, -1 for padding.
+    route_row      [R] int32: row of each route, -1 when not scheduled (bad id, other rank's
+                   expert, or past the capacity).
+    block_expert   [C // align] int32: local expert owning each block of align rows, -1 past the
+                   last expert.
+    expert_counts  [E] int32: routes of each local expert (per-expert token counts).
+    expert_offsets [E + 1] int32: first row of each expert; [E] is the number of rows used.
+    """
+
+    row_route: torch.Tensor
+    route_row: torch.Tensor
+    block_expert: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    num_tokens: int
+    topk: int
+    num_local_experts: int
+    align: int
+
+    @property
+    def capacity_rows(self) -> int:
+        return self.row_route.shape[0]
+
+
+def capacity_rows(num_routes: int, num_local_experts: int, align: int, route_capacity: int) -> int:
+    """Rows for `route_capacity` routes once each expert's rows are padded to `align`."""
+    padded = triton.cdiv(min(num_routes, route_capacity), align) + num_local_experts
+    return max(padded, 1) * align
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def build_routing(
+    topk_experts: torch.Tensor,
+    error_flags: torch.Tensor,
+    *,
+    num_experts: int,
+    first_local_expert: int,
+    num_local_experts: int,
+    align: int,
+    route_capacity: int,
+) -> Routing:
+    """Stable counting sort of the routes of `topk_experts` [T, topk] (int32/int64) by local expert.
+
+    Routes of expert ids outside [0, num_experts) set ErrorFlag.EXPERT_ID_OUT_OF_RANGE and those
+    past the capacity ErrorFlag.CAPACITY_OVERFLOW in `error_flags` (int32, on the device); both are
+    left out of the schedule. No host synchronization.
+    """
+    num_tokens, topk = topk_experts.shape
+    num_routes = num_tokens * topk
+    device = topk_experts.device
+    rows = capacity_rows(num_routes, num_local_experts, align, route_capacity)
+    e_pad = _pow2(num_local_experts)
+    chunk = max(16, min(1024, _pow2(16384 // e_pad)))
+    num_chunks = max(triton.cdiv(num_routes, chunk), 1)
+    flat = topk_experts.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+
+    i32 = dict(dtype=torch.int32, device=device)
+    chunk_counts = torch.empty(num_chunks, e_pad, **i32)
+    chunk_base = torch.empty(num_chunks, e_pad, **i32)
+    route_rank = torch.empty(max(num_routes, 1), **i32)
+    row_route = torch.full((rows,), -1, **i32)
+    route_row = torch.empty(num_routes, **i32)
+    block_expert = torch.empty(rows // align, **i32)
+    expert_counts = torch.empty(num_local_experts, **i32)
+    expert_offsets = torch.empty(num_local_experts + 1, **i32)
+
+    scalars = (num_routes, num_experts, first_local_expert, num_local_experts)
+    kernels.route_histogram_kernel[(num_chunks,)](
+        flat, chunk_counts, route_rank, error_flags, *scalars, CHUNK=chunk, E_PAD=e_pad,
+    )
+    kernels.route_offsets_kernel[(1,)](
+        chunk_counts, chunk_base, expert_counts, expert_offsets, block_expert, error_flags,
+        num_chunks, num_local_experts, rows, rows // align,
+        ALIGN=align, E_PAD=e_pad,
+        CHUNKS_PER_STEP=max(1, min(64, 8192 // e_pad)), BLOCKS_PER_STEP=max(1, min(128, 8192 // e_pad)),
+    )
+    kernels.route_scatter_kernel[(num_chunks,)](
+        flat, route_rank, chunk_base, expert_offsets, row_route, route_row, *scalars, rows,
+        CHUNK=chunk, E_PAD=e_pad,
+    )
+    return Routing(row_route, route_row, block_expert, expert_counts, expert_offsets,
+                   num_tokens, topk, num_local_experts, align)
+
+
+def dense_routing(num_tokens: int, align: int, device: torch.device) -> Routing:
+    """The identity schedule of a dense MLP (the shared expert): row t is token t, one expert."""
+    rows = max(triton.cdiv(num_tokens, align), 1) * align
+    i32 = dict(dtype=torch.int32, device=device)
+    row_route = torch.arange(rows, **i32)
+    row_route[num_tokens:] = -1
+    return Routing(
+        row_route=row_route,
+        route_row=torch.arange(num_tokens, **i32),
+        block_expert=torch.zeros(rows // align, **i32),
+        expert_counts=torch.full((1,), num_tokens, **i32),
+        expert_offsets=torch.arange(2, **i32) * rows,  # no host-to-device copy
+        num_tokens=num_tokens, topk=1, num_local_experts=1, align=align,
+    )
+
+

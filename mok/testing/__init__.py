@@ -1,0 +1,35 @@
+"""Reference, inputs, tolerances and a multi-process launcher for testing mok."""
+
+from mok.testing.distributed import distributed_test, free_port, run_distributed
+from mok.testing.inputs import MoEInputs, RoutingPattern, make_inputs, make_topk
+from mok.testing.shapes import SHAPES, SHAPES_BY_NAME, MoEShape
+from mok.testing.reference import expert_mlp, moe_reference, moe_reference_grads, swiglu
+from mok.testing.tolerance import TOLERANCES, ErrorReport, Tolerance, assert_close, error_report
+
+GRAD_NAMES = (
+    "d_x", "d_router_weights", "d_w_routed_gate", "d_w_routed_up", "d_w_routed_down",
+    "d_w_shared_gate", "d_w_shared_up", "d_w_shared_down",
+)
+
+__all__ = [
+    "GRAD_NAMES",
+    "SHAPES",
+    "SHAPES_BY_NAME",
+    "MoEShape",
+    "TOLERANCES",
+    "ErrorReport",
+    "MoEInputs",
+    "RoutingPattern",
+    "Tolerance",
+    "assert_close",
+    "distributed_test",
+    "error_report",
+    "expert_mlp",
+    "free_port",
+    "make_inputs",
+    "make_topk",
+    "moe_reference",
+    "moe_reference_grads",
+    "run_distributed",
+    "swiglu",
+]

@@ -1,0 +1,134 @@
+"""A launcher for multi-process tests: one process per rank, gloo on CPU, NCCL on GPU.
+
+`run_distributed(fn, world_size, *args)` spawns `world_size` processes on a free port, runs
+fn(rank, world_size, *args) in each inside an initialized default process group, and returns the
+per-rank results (picklable, e.g. CPU tensors). A rank that raises, or a run past `timeout_s`,
+fails the whole call with the rank's traceback; no process is left behind.
+`distributed_test(world_sizes=...)` turns a test into one case per world size and skips (never
+xfails) the cases the machine cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _worker(rank, world_size, port, backend, fn, args, queue, env):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure, including assertion errors, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    *args,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list:
+    """Run fn(rank, world_size, *args) on `world_size` processes; return results by rank."""
+    backend = backend or default_backend()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker,
+                         args=(rank, world_size, port, backend, fn, args, queue, env or {}),
+                         daemon=True)
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, object] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout_s)
+            except Exception as exc:  # queue.Empty: some rank hung
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {missing} gave no result within {timeout_s:.0f} s")\
+                    from exc
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not failures else 0.5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if failures:
+        raise AssertionError("distributed test failed on " + "\n".join(failures))
+    return [results[rank] for rank in range(world_size)]
+
+
+_BODIES: dict[tuple[str, str], Callable] = {}
+
+
+def distributed_test(world_sizes: Sequence[int] = (2,), backend: str | None = None):
+    """Decorator: run the test body as fn(rank, world_size) on each world size.
+
+    The decorated function must be defined at module level (workers import its module and find
+    the body by name). NCCL cases are skipped when fewer GPUs than ranks are present.
+    """
+    import pytest
+
+    def decorate(fn):
+        _BODIES[(fn.__module__, fn.__qualname__)] = fn
+
+        @pytest.mark.parametrize("world_size", list(world_sizes))
+        @functools.wraps(fn)
+        def test(world_size):
+            chosen = backend or default_backend()
+            if chosen == "nccl" and torch.cuda.device_count() < world_size:
+                pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+            run_distributed(_Body(fn.__module__, fn.__qualname__), world_size, backend=chosen)
+
+        del test.__wrapped__  # pytest must see (world_size), not the body's (rank, world_size)
+        return test
+
+    return decorate
+
+
+class _Body:
+    """Picklable handle to the body of a distributed_test."""
+
+    def __init__(self, module: str, qualname: str) -> None:
+        self.module, self.qualname = module, qualname
+
+    def __call__(self, rank: int, world_size: int):
+        import importlib
+
+        importlib.import_module(self.module)
+        return _BODIES[(self.module, self.qualname)](rank, world_size)

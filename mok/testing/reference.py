@@ -1,0 +1,124 @@
+"""The one pure-PyTorch reference of the MoE layer (DESIGN.md section 1), EP-aware.
+
+Every test and benchmark compares against this; nobody copies it. It is written for clarity, not
+speed: it synchronizes with the device, loops over experts and differentiates through autograd
+(all_to_all_single with autograd when the experts are spread over a process group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with a limit L: silu(min(gate, L)) * clamp(up, -L, L)."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    limit: float | None = None,
+) -> torch.Tensor:
+    """w_down @ swiglu(w_gate @ x, w_up @ x) for rows x [N, H]; w_gate, w_up [I, H], w_down [H, I]."""
+    return swiglu(x @ w_gate.T, x @ w_up.T, limit) @ w_down.T
+
+
+def _local_experts(rows, local_expert, w_gate, w_up, w_down, limit, dtype):
+    out = rows.new_zeros(rows.shape[0], w_down.shape[1])
+    for expert in range(w_gate.shape[0]):
+        index = (local_expert == expert).nonzero().squeeze(1)
+        if index.numel() == 0:
+            continue
+        y = expert_mlp(rows[index], w_gate[expert].to(dtype), w_up[expert].to(dtype),
+                       w_down[expert].to(dtype), limit)
+        out = out.index_copy(0, index, y)
+    return out
+
+
+def moe_reference(
+    x: torch.Tensor,
+    topk_experts: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_shared_gate: torch.Tensor | None,
+    w_shared_up: torch.Tensor | None,
+    w_shared_down: torch.Tensor | None,
+    w_routed_gate: torch.Tensor,
+    w_routed_up: torch.Tensor,
+    w_routed_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """y [T, H] in compute_dtype, differentiable with respect to every floating input.
+
+    x [T, H]; topk_experts [T, k] global expert ids; router_weights [T, k]; shared weights
+    [I_s, H], [I_s, H], [H, I_s] or None; routed weights [E_local, I, H], [E_local, I, H],
+    [E_local, H, I]. With a process group of size W, expert e lives on rank e // E_local and the
+    token rows travel there and back with all_to_all_single.
+    """
+    world = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    num_tokens, topk = topk_experts.shape
+    num_local = w_routed_gate.shape[0]
+    num_experts = num_local * world
+    flat_expert = topk_experts.reshape(-1).long()
+    if flat_expert.numel() and (flat_expert.min() < 0 or flat_expert.max() >= num_experts):
+        raise ValueError(f"expert ids must lie in [0, {num_experts})")
+    xc = x.to(compute_dtype)
+    token = torch.arange(num_tokens, device=x.device).repeat_interleave(topk)
+    rows = xc[token]
+    routed = (w_routed_gate, w_routed_up, w_routed_down, swiglu_limit, compute_dtype)
+    if world == 1:
+        y_routes = _local_experts(rows, flat_expert, *routed)
+    else:
+        destination = flat_expert // num_local
+        order = torch.argsort(destination, stable=True)
+        send = torch.bincount(destination, minlength=world)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        send_splits, recv_splits = send.tolist(), recv.tolist()
+        expert_recv = flat_expert.new_empty(sum(recv_splits))
+        dist.all_to_all_single(expert_recv, flat_expert[order].contiguous(), recv_splits,
+                               send_splits, group=group)
+        rows_recv = dist_fn.all_to_all_single(
+            rows.new_empty(sum(recv_splits), rows.shape[1]), rows[order].contiguous(),
+            recv_splits, send_splits, group=group)
+        y_recv = _local_experts(rows_recv, expert_recv - rank * num_local, *routed)
+        y_sorted = dist_fn.all_to_all_single(
+            y_recv.new_empty(rows.shape[0], y_recv.shape[1]), y_recv, send_splits, recv_splits,
+            group=group)
+        y_routes = y_sorted[torch.argsort(order)]
+    weights = router_weights.to(compute_dtype).reshape(-1, 1)
+    y = (y_routes * weights).view(num_tokens, topk, -1).sum(dim=1)
+    if w_shared_gate is not None:
+        y = y + expert_mlp(xc, w_shared_gate.to(compute_dtype), w_shared_up.to(compute_dtype),
+                           w_shared_down.to(compute_dtype), swiglu_limit)
+    return y
+
+
+def moe_reference_grads(inputs, *, swiglu_limit=None, group=None,
+                        compute_dtype: torch.dtype = torch.float32):
+    """(y, gradients in MoK's backward order) of the reference for `inputs` (MoEInputs).
+
+    The gradients are those of sum(y * inputs.d_output): (d_x, d_router_weights,
+    d_w_routed_gate, d_w_routed_up, d_w_routed_down, d_w_shared_gate, d_w_shared_up,
+    d_w_shared_down), None for absent shared weights.
+    """
+    leaves = [t.detach().to(compute_dtype).requires_grad_(True) if t is not None else None
+              for t in (inputs.x, inputs.router_weights, *inputs.routed_weights,
+                        *inputs.shared_weights)]
+    x, router_weights, w_rg, w_ru, w_rd, w_sg, w_su, w_sd = leaves
+    y = moe_reference(x, inputs.topk_experts, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd,
+                      swiglu_limit=swiglu_limit, group=group, compute_dtype=compute_dtype)
+    y.backward(inputs.d_output.to(compute_dtype))
+    return y.detach(), tuple(t.grad if t is not None else None for t in leaves)

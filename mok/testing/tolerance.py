@@ -1,0 +1,90 @@
+"""Per-dtype tolerances and an assert_close that reports relative and max error.
+
+Errors are measured against the reference's scale: rel_rms = ||a - e|| / ||e|| and
+max_rel = max |a - e| / rms(e). Scaling by rms(e) rather than |e| keeps elements near zero (where
+relative error is meaningless) from dominating, while a wrong index or an unwritten element
+still shows as an O(1) error.
+
+Why these bounds: bf16 rounds to 2^-9 relative (unit roundoff). The layer rounds its operands
+(x, weights), h and the per-route expert outputs to bf16 and accumulates in fp32, so each output
+carries a few independent roundings: rel_rms ~ 2^-9 * sqrt(4) ~ 4e-3; the bound 1e-2 leaves 2.5x
+margin. Single elements can sit several sigma out and be large relative to the rms, hence
+max_rel 8e-2 (about 20x the typical error, far below the O(1) of a real bug). fp16 has 2^-11
+roundoff: a quarter of both. fp32 and fp64 are for the reference against itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rel_rms: float
+    max_rel: float
+
+
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.bfloat16: Tolerance(rel_rms=1e-2, max_rel=8e-2),
+    torch.float16: Tolerance(rel_rms=2.5e-3, max_rel=2e-2),
+    torch.float32: Tolerance(rel_rms=1e-5, max_rel=1e-4),
+    torch.float64: Tolerance(rel_rms=1e-10, max_rel=1e-9),
+}
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    name: str
+    rel_rms: float
+    max_abs: float
+    max_rel: float
+    worst_index: tuple[int, ...]
+    actual_at_worst: float
+    expected_at_worst: float
+    nonfinite: int
+
+    def __str__(self) -> str:
+        return (f"{self.name}: rel_rms={self.rel_rms:.3e} max_abs={self.max_abs:.3e} "
+                f"max_rel={self.max_rel:.3e} worst at {self.worst_index} "
+                f"(actual {self.actual_at_worst:.6g}, expected {self.expected_at_worst:.6g})"
+                + (f", {self.nonfinite} non-finite" if self.nonfinite else ""))
+
+
+def error_report(actual: torch.Tensor, expected: torch.Tensor, name: str = "tensor") -> ErrorReport:
+    """Relative RMS error, max error and the worst coordinate of `actual` against `expected`."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    nonfinite = int((~torch.isfinite(a) & torch.isfinite(e)).sum())
+    diff = (a - e).abs()
+    diff = torch.where(torch.isfinite(diff), diff, torch.full_like(diff, float("inf")))
+    if e.numel() == 0:
+        return ErrorReport(name, 0.0, 0.0, 0.0, (), 0.0, 0.0, 0)
+    rms = e.pow(2).mean().sqrt().item()
+    scale = rms if rms > 0 else 1.0
+    flat_worst = int(diff.reshape(-1).argmax())
+    worst = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_worst), e.shape))
+    max_abs = diff.reshape(-1)[flat_worst].item()
+    rel_rms = diff.pow(2).mean().sqrt().item() / scale
+    return ErrorReport(name, rel_rms, max_abs, max_abs / scale, worst,
+                       a.reshape(-1)[flat_worst].item(), e.reshape(-1)[flat_worst].item(),
+                       nonfinite)
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    name: str = "tensor",
+    tolerance: Tolerance | None = None,
+) -> ErrorReport:
+    """Assert rel_rms and max_rel within the tolerance of `dtype` (the inputs' dtype)."""
+    tol = tolerance or TOLERANCES[dtype]
+    report = error_report(actual, expected, name)
+    if report.nonfinite or report.rel_rms > tol.rel_rms or report.max_rel > tol.max_rel:
+        raise AssertionError(f"{report} exceeds {tol}")
+    return report

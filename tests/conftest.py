@@ -1,0 +1,52 @@
+"""Shared fixtures. Tests run the compiled kernels on CUDA when a GPU is present and the same
+kernels under Triton's interpreter on CPU otherwise (mok sets TRITON_INTERPRET=1 itself then)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok  # noqa: F401  (decides TRITON_INTERPRET before any kernel module loads)
+import mok.functional as F
+from mok.ops import small_tiles
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+def tiles_for_tests(block: int = 16, align: int | None = None):
+    """Small tiles under the interpreter (more tiles, more masking); the real ones on a GPU."""
+    if DEVICE.type == "cuda":
+        return None
+    return small_tiles(block, align)
+
+
+def run_layer(inputs, *, config=None, tiles=None, swiglu_limit=None, workspace=None,
+              validate=None):
+    """Schedule, forward and backward of mok on `inputs`; returns (y, grads, schedule, context)."""
+    config = config or F.MoKConfig()
+    num_tokens, topk = inputs.topk_experts.shape
+    workspace = workspace or F.create_workspace(
+        config, None, device=inputs.x.device, num_local_tokens=num_tokens,
+        hidden_size=inputs.x.shape[1], topk=topk)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=inputs.num_local_experts, tiles=tiles,
+                                validate=validate)
+    y, context = F.forward(config, workspace, schedule, *inputs.layer_args,
+                           swiglu_limit=swiglu_limit)
+    grads = F.backward(config, workspace, schedule, context, inputs.d_output,
+                       *inputs.layer_args, swiglu_limit=swiglu_limit)
+    return y, grads, schedule, context

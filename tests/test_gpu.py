@@ -1,0 +1,98 @@
+"""GPU-only properties: real shapes, no host sync, CUDA-graph capture, determinism at scale."""
+
+import pytest
+import torch
+
+import mok.functional as F
+from mok.testing import GRAD_NAMES, SHAPES, RoutingPattern, assert_close, make_inputs
+from mok.testing import moe_reference_grads
+
+from .conftest import run_layer
+
+pytestmark = pytest.mark.gpu
+
+
+def shape_inputs(shape, seed=0, routing=RoutingPattern.RANDOM):
+    return make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
+                       shape.num_experts, shape.topk,
+                       shared_intermediate_size=shape.shared_intermediate_size,
+                       device="cuda", seed=seed, routing=routing)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_real_shape_matches_reference_and_is_deterministic(shape):
+    inputs = shape_inputs(shape, seed=1)
+    y, grads, _, context = run_layer(inputs)
+    y2, grads2, _, _ = run_layer(inputs)
+    assert torch.equal(y, y2)
+    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    y_ref, grads_ref = moe_reference_grads(inputs, compute_dtype=torch.float32)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name)
+    # Saved for backward: h only (C x I), at most (T*k + E*align) rows.
+    rows = context.h.shape[0]
+    assert rows <= shape.num_tokens * shape.topk + shape.num_experts * 128
+
+
+def test_skewed_routing_at_scale():
+    shape = SHAPES[0]
+    inputs = shape_inputs(shape, seed=2, routing=RoutingPattern.SKEWED)
+    y, grads, _, _ = run_layer(inputs)
+    y_ref, grads_ref = moe_reference_grads(inputs, compute_dtype=torch.float32)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    for name, actual, expected in zip(GRAD_NAMES[:5], grads[:5], grads_ref[:5], strict=True):
+        assert_close(actual, expected, dtype=torch.bfloat16, name=name)
+
+
+def _step(config, workspace, inputs, limit):
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=inputs.num_local_experts)
+    y, context = F.forward(config, workspace, schedule, *inputs.layer_args, swiglu_limit=limit)
+    grads = F.backward(config, workspace, schedule, context, inputs.d_output,
+                       *inputs.layer_args, swiglu_limit=limit)
+    return (y, *grads)
+
+
+def test_no_host_sync_and_cuda_graph_replay_matches_eager():
+    inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
+                         seed=3)
+    config = F.MoKConfig()
+    workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=3000,
+                                   hidden_size=512, topk=4)
+    _step(config, workspace, inputs, 7.0)  # compile the kernels, fill the caches
+    torch.cuda.synchronize()
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = _step(config, workspace, inputs, 7.0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _step(config, workspace, inputs, 7.0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _step(config, workspace, inputs, 7.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured, strict=True):
+        assert torch.equal(a, b)
+
+    # New values and new routing in the same buffers: the replay follows them.
+    fresh = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
+                        seed=4, routing=RoutingPattern.SKEWED)
+    for name in ("x", "topk_experts", "router_weights", "d_output", "w_routed_gate"):
+        getattr(inputs, name).copy_(getattr(fresh, name))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = _step(config, workspace, inputs, 7.0)
+    for a, b in zip(expected, captured, strict=True):
+        assert torch.equal(a, b)
+    F.check_errors(workspace)

@@ -1,0 +1,148 @@
+"""The fused layer (forward and backward) against the reference, plus its properties."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import mok.functional as F
+from mok.testing import (
+    GRAD_NAMES,
+    RoutingPattern,
+    assert_close,
+    make_inputs,
+    moe_reference_grads,
+)
+
+from .conftest import DEVICE, run_layer, tiles_for_tests
+
+REF_DTYPE = torch.float32 if DEVICE.type == "cuda" else torch.float64
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tokens: int
+    hidden: int
+    intermediate: int
+    experts: int
+    topk: int
+    shared: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    routing: RoutingPattern = RoutingPattern.RANDOM
+    limit: float | None = None
+    block: int = 16
+    align: int | None = None
+    seed: int = 0
+
+    def inputs(self):
+        return make_inputs(self.tokens, self.hidden, self.intermediate, self.experts, self.topk,
+                           shared_intermediate_size=self.shared, dtype=self.dtype,
+                           device=DEVICE, seed=self.seed, routing=self.routing)
+
+
+CASES = [
+    Case("base", 40, 48, 32, 6, 3, seed=1),
+    Case("shared_and_limit", 37, 64, 48, 5, 2, shared=24, limit=0.8, seed=2),
+    Case("fp16_duplicate_experts", 33, 32, 16, 4, 4, shared=16, dtype=torch.float16,
+         routing=RoutingPattern.DUPLICATES, seed=3),
+    Case("skewed_block16_align32", 50, 40, 24, 8, 2, routing=RoutingPattern.SKEWED, align=32,
+         seed=4),
+    Case("expert_without_tokens", 24, 32, 32, 5, 2, routing=RoutingPattern.EMPTY_EXPERT, seed=5),
+    Case("every_token_on_one_expert", 30, 32, 16, 4, 2, routing=RoutingPattern.ONE_EXPERT,
+         seed=6),
+    Case("topk_1", 29, 32, 32, 4, 1, shared=16, seed=7),
+    Case("one_expert_in_all", 21, 32, 16, 1, 1, seed=8),
+    Case("smallest_hidden_and_intermediate", 19, 8, 8, 3, 2, shared=8, limit=1.0, seed=9),
+    Case("one_token", 1, 16, 16, 4, 2, shared=8, seed=10),
+    Case("block32", 45, 72, 40, 3, 2, shared=24, block=32, seed=11),
+]
+
+
+def check_against_reference(case: Case, y, grads):
+    inputs = case.inputs()
+    y_ref, grads_ref = moe_reference_grads(inputs, swiglu_limit=case.limit,
+                                           compute_dtype=REF_DTYPE)
+    assert_close(y, y_ref, dtype=case.dtype, name="y")
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if expected is None:
+            assert actual is None, name
+            continue
+        assert actual.dtype == (torch.float32 if name == "d_router_weights" else case.dtype)
+        assert_close(actual, expected, dtype=case.dtype, name=name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_layer_matches_reference(case):
+    y, grads, schedule, _ = run_layer(case.inputs(), swiglu_limit=case.limit,
+                                      tiles=tiles_for_tests(case.block, case.align))
+    check_against_reference(case, y, grads)
+    counts = torch.bincount(case.inputs().topk_experts.reshape(-1).cpu(),
+                            minlength=case.experts)
+    assert torch.equal(schedule.expert_counts.cpu().long(), counts)
+    if case.routing is RoutingPattern.EMPTY_EXPERT:
+        for grad in grads[2:5]:
+            assert bool((grad[-1] == 0).all()), "an expert without tokens gets zero gradients"
+
+
+def test_layer_is_bitwise_deterministic():
+    case = Case("determinism", 64, 48, 32, 6, 3, shared=16, limit=1.5, seed=12)
+    tiles = tiles_for_tests(16)
+    first = run_layer(case.inputs(), swiglu_limit=case.limit, tiles=tiles)
+    for _ in range(2):
+        again = run_layer(case.inputs(), swiglu_limit=case.limit, tiles=tiles)
+        assert torch.equal(first[0], again[0])
+        for name, a, b in zip(GRAD_NAMES, first[1], again[1], strict=True):
+            assert torch.equal(a, b), name
+        assert torch.equal(first[2].routing.row_route, again[2].routing.row_route)
+
+
+def test_recompute_forward_context_equals_forward_context():
+    case = Case("recompute", 30, 32, 16, 4, 2, shared=16, limit=2.0, seed=13)
+    inputs = case.inputs()
+    config = F.MoKConfig()
+    _, _, schedule, context = run_layer(inputs, config=config, swiglu_limit=case.limit,
+                                        tiles=tiles_for_tests(16))
+    again = F.recompute_forward_context(
+        config, schedule.workspace, schedule, inputs.x, inputs.w_shared_gate, inputs.w_shared_up,
+        inputs.w_routed_gate, inputs.w_routed_up, swiglu_limit=case.limit)
+    used = int(schedule.routing.expert_offsets[-1])  # rows past the last expert are never read
+    assert torch.equal(context.h[:used], again.h[:used])
+    assert torch.equal(context.h_shared[: case.tokens], again.h_shared[: case.tokens])
+    # It keeps only h: C x I (+ T_pad x I_s) elements.
+    rows = schedule.routing.capacity_rows
+    assert context.nbytes == (rows * 16 + schedule.shared_routing.capacity_rows * 16) * 2
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_nonfinite_inputs_stay_in_their_token():
+    case = Case("nan", 24, 32, 16, 6, 2, shared=16, seed=14)
+    inputs = case.inputs()
+    inputs.x[3, 5] = float("nan")
+    inputs.router_weights[7, 1] = float("inf")
+    y, grads, _, _ = run_layer(inputs, tiles=tiles_for_tests(16))
+    finite = torch.ones(case.tokens, dtype=torch.bool)
+    finite[[3, 7]] = False
+    assert bool(torch.isnan(y[3]).all())
+    assert not bool(torch.isfinite(y[7]).all())
+    clean = case.inputs()
+    y_ref, grads_ref = moe_reference_grads(clean, compute_dtype=REF_DTYPE)
+    assert_close(y[finite.to(y.device)], y_ref[finite.to(y_ref.device)], dtype=case.dtype,
+                 name="y of other tokens")
+    d_x = grads[0]
+    assert bool(torch.isfinite(d_x[finite.to(d_x.device)]).all())
+    # Experts reached by a non-finite route (any route of token 3, route (7, 1)) get non-finite
+    # weight gradients; all others stay finite.
+    touched = set(clean.topk_experts[3].tolist()) | {int(clean.topk_experts[7, 1])}
+    for expert in range(case.experts):
+        is_finite = bool(torch.isfinite(grads[2][expert]).all())
+        assert is_finite == (expert not in touched), expert
+
+
+def test_empty_batch():
+    inputs = make_inputs(0, 16, 16, 4, 2, shared_intermediate_size=8, device=DEVICE)
+    y, grads, _, _ = run_layer(inputs, tiles=tiles_for_tests(16))
+    assert y.shape == (0, 16)
+    assert grads[0].shape == (0, 16) and grads[1].shape == (0, 2)
+    for grad in grads[2:]:
+        assert bool((grad == 0).all())

@@ -1,0 +1,100 @@
+"""The reference itself: its forward against the formula written per token, its gradients
+against finite differences, and its expert-parallel form against the single-process one."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mok.testing import (
+    RoutingPattern,
+    assert_close,
+    distributed_test,
+    make_inputs,
+    moe_reference,
+    moe_reference_grads,
+    swiglu,
+)
+
+
+def per_token_formula(inputs, limit):
+    """y[t] = shared(x[t]) + sum_j w[t, j] * expert_e(x[t]), one token at a time, in fp64."""
+    d = torch.float64
+    x = inputs.x.to(d)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(inputs.topk_experts.shape[1]):
+            e = int(inputs.topk_experts[t, j])
+            g = inputs.w_routed_gate[e].to(d) @ x[t]
+            u = inputs.w_routed_up[e].to(d) @ x[t]
+            out[t] += inputs.router_weights[t, j].to(d) * (
+                inputs.w_routed_down[e].to(d) @ swiglu(g, u, limit))
+        if inputs.w_shared_gate is not None:
+            g = inputs.w_shared_gate.to(d) @ x[t]
+            u = inputs.w_shared_up.to(d) @ x[t]
+            out[t] += inputs.w_shared_down.to(d) @ swiglu(g, u, limit)
+    return out
+
+
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("pattern", [RoutingPattern.RANDOM, RoutingPattern.DUPLICATES])
+def test_reference_matches_per_token_formula(limit, pattern):
+    inputs = make_inputs(13, 16, 24, 5, 3, shared_intermediate_size=8, seed=3, routing=pattern)
+    y = moe_reference(inputs.x, inputs.topk_experts, inputs.router_weights,
+                      *inputs.shared_weights, *inputs.routed_weights, swiglu_limit=limit,
+                      compute_dtype=torch.float64)
+    assert_close(y, per_token_formula(inputs, limit), dtype=torch.float64, name="y")
+
+
+@pytest.mark.parametrize("limit", [None, 0.75])
+def test_reference_gradients_match_finite_differences(limit):
+    inputs = make_inputs(6, 8, 8, 3, 2, shared_intermediate_size=8, dtype=torch.float64, seed=4)
+    leaves = [t.to(torch.float64).clone().requires_grad_(True) for t in
+              (inputs.x, inputs.router_weights, *inputs.routed_weights, *inputs.shared_weights)]
+
+    def fn(x, rw, wg, wu, wd, sg, su, sd):
+        return moe_reference(x, inputs.topk_experts, rw, sg, su, sd, wg, wu, wd,
+                             swiglu_limit=limit, compute_dtype=torch.float64)
+
+    # Gradients at the clamp's kinks are one-sided; random data never sits exactly on them.
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6)
+
+
+def _ep_reference_body(rank, world_size):
+    num_local = 3
+    full = make_inputs(10, 16, 8, num_local * world_size, 2, shared_intermediate_size=8,
+                       dtype=torch.float64, seed=11, routing=RoutingPattern.SKEWED)
+    y_full, grads_full = moe_reference_grads(full, swiglu_limit=1.5,
+                                             compute_dtype=torch.float64)
+    # This rank's share: a slice of the tokens (rank 0 takes 6, rank 1 the other 4, ...) and
+    # experts [rank * num_local, (rank + 1) * num_local).
+    bounds = [0, 6, 10] if world_size == 2 else [0, 3, 6, 8, 10]
+    tokens = slice(bounds[rank], bounds[rank + 1])
+    experts = slice(rank * num_local, (rank + 1) * num_local)
+    local = dataclasses.replace(
+        full,
+        **{name: getattr(full, name)[tokens]
+           for name in ("x", "topk_experts", "router_weights", "d_output")},
+        **{name: getattr(full, name)[experts]
+           for name in ("w_routed_gate", "w_routed_up", "w_routed_down")},
+    )
+    import torch.distributed as dist
+
+    y, grads = moe_reference_grads(local, swiglu_limit=1.5, group=dist.group.WORLD,
+                                   compute_dtype=torch.float64)
+    tol = dict(dtype=torch.float64)
+    assert_close(y, y_full[tokens], name="y", **tol)
+    assert_close(grads[0], grads_full[0][tokens], name="d_x", **tol)
+    assert_close(grads[1], grads_full[1][tokens], name="d_router_weights", **tol)
+    for i, name in ((2, "d_w_routed_gate"), (3, "d_w_routed_up"), (4, "d_w_routed_down")):
+        assert_close(grads[i], grads_full[i][experts], name=name, **tol)
+    # Each rank sees only its tokens' share of the shared-expert gradient; the sum is the whole.
+    for i, name in ((5, "d_w_shared_gate"), (6, "d_w_shared_up"), (7, "d_w_shared_down")):
+        total = grads[i].clone()
+        dist.all_reduce(total)
+        assert_close(total, grads_full[i], name=name, **tol)
+
+
+@distributed_test(world_sizes=(2, 4), backend="gloo")
+def test_reference_expert_parallel_matches_single_process(rank, world_size):
+    _ep_reference_body(rank, world_size)
