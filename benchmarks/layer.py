@@ -152,6 +152,7 @@ def check(impl: Implementation, inputs: MoEInputs, reference) -> float:
         if expected is None:
             continue
         report = error_report(actual, expected, name)
+        print(f"  check {impl.name}: {report}", flush=True)
         if report.nonfinite or report.rel_rms > tol.rel_rms or report.max_rel > tol.max_rel:
             raise AssertionError(f"{impl.name}: {report} exceeds {tol}")
         worst = max(worst, report.max_rel)

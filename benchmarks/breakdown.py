@@ -1,0 +1,94 @@
+"""Time each stage of the mok layer separately (CUDA events, median), per shape.
+
+Prints ms, TFLOP/s (counted FLOPs of that stage) and GB/s (bytes it must move) so the bottleneck
+of each stage can be read against the H200 ceilings (about 693 TFLOP/s bf16, 4.27 TB/s copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import mok.functional as F
+from mok import ops
+from mok.testing import SHAPES, SHAPES_BY_NAME, make_inputs
+
+
+def median_ms(fn, repeats=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def breakdown(shape) -> None:
+    inputs = make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
+                         shape.num_experts, shape.topk, device="cuda", seed=5)
+    config = F.MoKConfig()
+    workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=shape.num_tokens,
+                                   hidden_size=shape.hidden_size, topk=shape.topk)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=shape.num_experts)
+    routing, tiles = schedule.routing, schedule.tiles
+    x, rw, d_out = inputs.x, inputs.router_weights, inputs.d_output
+    w_g, w_u, w_d = inputs.routed_weights
+    routes = shape.num_tokens * shape.topk
+    hid, inter = shape.hidden_size, shape.intermediate_size
+    gemm = 2.0 * routes * hid * inter
+    h = ops.gate_up_swiglu(x, w_g, w_u, routing, tiles.gate_up, None)
+    rows = ops.down_proj(h, w_d, routing, tiles.down, rw)
+    dgu, partial = ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, tiles.down_bwd, rw,
+                                        None)
+    dxr = ops.d_x_rows(dgu, w_g, w_u, routing, tiles.d_x)
+    stages = [
+        ("schedule", lambda: F.build_schedule(workspace, config, inputs.topk_experts,
+                                              num_local_experts=shape.num_experts), 0, 0),
+        ("gate_up_swiglu", lambda: ops.gate_up_swiglu(x, w_g, w_u, routing, tiles.gate_up, None),
+         2 * gemm, 0),
+        ("down_proj", lambda: ops.down_proj(h, w_d, routing, tiles.down, rw), gemm, 0),
+        ("combine", lambda: ops.combine(rows, routing, None, x.dtype), 0,
+         rows.numel() * 2 * routes / rows.shape[0] + x.numel() * 2),
+        ("down_bwd_dswiglu", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing,
+                                                          tiles.down_bwd, rw, None), 3 * gemm, 0),
+        ("router_grad", lambda: ops.router_grad(partial, routing), 0, 0),
+        ("d_x_rows", lambda: ops.d_x_rows(dgu, w_g, w_u, routing, tiles.d_x), 2 * gemm, 0),
+        ("combine_dx", lambda: ops.combine(dxr, routing, None, x.dtype), 0,
+         routes * hid * 2 + x.numel() * 2),
+        ("wgrad_gate", lambda: ops.grouped_wgrad(dgu[:, :inter], x, routing, tiles.wgrad,
+                                                 gather_a=False, gather_b=True,
+                                                 out_dtype=x.dtype), gemm, 0),
+        ("wgrad_down", lambda: ops.grouped_wgrad(d_out, h, routing, tiles.wgrad, gather_a=True,
+                                                 gather_b=False, router_weights=rw,
+                                                 out_dtype=x.dtype), gemm, 0),
+    ]
+    print(f"== {shape.name}: rows {routing.capacity_rows}, routes {routes}")
+    total = 0.0
+    for name, fn, flops, nbytes in stages:
+        ms = median_ms(fn)
+        total += ms * (2 if name == "wgrad_gate" else 1)
+        rate = f"{flops / ms / 1e9:7.1f} TFLOP/s" if flops else " " * 15
+        bw = f"{nbytes / ms / 1e6:7.1f} GB/s" if nbytes else ""
+        print(f"  {name:18s} {ms:8.3f} ms {rate} {bw}", flush=True)
+    print(f"  sum (wgrad_gate counted twice: gate and up) {total:.3f} ms; "
+          f"fwd+bwd {shape.flops() / total / 1e9:.1f} TFLOP/s")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="*", default=[s.name for s in SHAPES])
+    args = parser.parse_args(argv)
+    for name in args.shapes:
+        breakdown(SHAPES_BY_NAME[name])
+
+
+if __name__ == "__main__":
+    main()
