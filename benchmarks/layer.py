@@ -205,9 +205,11 @@ def run(shapes, impl_names, *, repeats=20, warmup=5, num_input_sets=3, csv_path=
             max_rel = check(impl, input_sets[0], reference)
             for mode in modes:
                 backward = mode == "forward+backward"
-                run_one = (lambda i, impl=impl: impl.step(input_sets[i % num_input_sets])) \
-                    if backward else (lambda i, impl=impl: impl.forward(
-                        input_sets[i % num_input_sets]))
+                call = impl.step if backward else impl.forward
+
+                def run_one(i, call=call, sets=input_sets):
+                    return call(sets[i % len(sets)])
+
                 for i in range(warmup):  # compile, autotune, build caches outside the timing
                     run_one(i)
                 torch.cuda.synchronize()

@@ -293,7 +293,7 @@ def _check_weights(
     hidden = workspace.hidden_size
     _check_tensor("x", x, (schedule.num_tokens, hidden), SUPPORTED_DTYPES, workspace.device)
     _check_size("hidden_size", hidden)
-    w_gate, w_up = routed[0], routed[1]
+    w_gate = routed[0]
     if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
         raise MoKInputError("w_routed_gate must be a 3-d tensor [E_local, I, H]")
     num_local, intermediate = w_gate.shape[0], w_gate.shape[1]

@@ -4,8 +4,14 @@ import pytest
 import torch
 
 import mok.functional as F
-from mok.testing import GRAD_NAMES, SHAPES, RoutingPattern, assert_close, make_inputs
-from mok.testing import moe_reference_grads
+from mok.testing import (
+    GRAD_NAMES,
+    SHAPES,
+    RoutingPattern,
+    assert_close,
+    make_inputs,
+    moe_reference_grads,
+)
 
 from .conftest import run_layer
 

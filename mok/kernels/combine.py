@@ -52,7 +52,8 @@ def router_grad_kernel(
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for p0 in range(0, num_parts, BLOCK_P):
         mask = valid[:, None] & ((p0 + parts) < num_parts)[None, :]
-        values = tl.load(partial_ptr + row.to(tl.int64)[:, None] * stride_pm + (p0 + parts)[None, :],
+        offsets = row.to(tl.int64)[:, None] * stride_pm + (p0 + parts)[None, :]
+        values = tl.load(partial_ptr + offsets,
                          mask=mask, other=0.0)
         acc += tl.sum(values, axis=1)
     tl.store(out_ptr + routes, acc, mask=route_mask)

@@ -66,7 +66,8 @@ def gate_up_swiglu_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
-    w_offsets = expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    w_offsets = (expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+                 + ks[:, None] * stride_wk)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -102,7 +103,8 @@ def down_proj_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_hm + ks[None, :]
-    w_offsets = expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    w_offsets = (expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+                 + ks[:, None] * stride_wk)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + ks) < K
@@ -218,7 +220,8 @@ def d_x_rows_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = d_gate_up_ptr + rows[:, None] * stride_gm + ks[None, :]
-    w_offsets = expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    w_offsets = (expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk
+                 + cols[None, :] * stride_wn)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + ks) < K

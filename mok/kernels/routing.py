@@ -27,7 +27,7 @@ def _local_experts(
     first_local_expert,
     num_local_experts,
 ):
-    """Load expert ids of `routes`; return (local expert id, is local and valid, is out of range)."""
+    """Expert ids of `routes` -> (local expert id, is local and valid, is out of range)."""
     in_range = routes < num_routes
     expert = tl.load(topk_experts_ptr + routes, mask=in_range, other=0)
     # Compare in the loaded dtype (int64 ids must not wrap before the check).

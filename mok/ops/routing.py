@@ -96,7 +96,8 @@ def build_routing(
         chunk_counts, chunk_base, expert_counts, expert_offsets, block_expert, error_flags,
         num_chunks, num_local_experts, rows, rows // align,
         ALIGN=align, E_PAD=e_pad,
-        CHUNKS_PER_STEP=max(1, min(64, 8192 // e_pad)), BLOCKS_PER_STEP=max(1, min(128, 8192 // e_pad)),
+        CHUNKS_PER_STEP=max(1, min(64, 8192 // e_pad)),
+        BLOCKS_PER_STEP=max(1, min(128, 8192 // e_pad)),
     )
     kernels.route_scatter_kernel[(num_chunks,)](
         flat, route_rank, chunk_base, expert_offsets, row_route, route_row, *scalars, rows,

@@ -2,8 +2,8 @@
 
 from mok.testing.distributed import distributed_test, free_port, run_distributed
 from mok.testing.inputs import MoEInputs, RoutingPattern, make_inputs, make_topk
-from mok.testing.shapes import SHAPES, SHAPES_BY_NAME, MoEShape
 from mok.testing.reference import expert_mlp, moe_reference, moe_reference_grads, swiglu
+from mok.testing.shapes import SHAPES, SHAPES_BY_NAME, MoEShape
 from mok.testing.tolerance import TOLERANCES, ErrorReport, Tolerance, assert_close, error_report
 
 GRAD_NAMES = (

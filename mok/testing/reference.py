@@ -28,7 +28,10 @@ def expert_mlp(
     w_down: torch.Tensor,
     limit: float | None = None,
 ) -> torch.Tensor:
-    """w_down @ swiglu(w_gate @ x, w_up @ x) for rows x [N, H]; w_gate, w_up [I, H], w_down [H, I]."""
+    """w_down @ swiglu(w_gate @ x, w_up @ x) for rows x [N, H].
+
+    w_gate, w_up [I, H]; w_down [H, I].
+    """
     return swiglu(x @ w_gate.T, x @ w_up.T, limit) @ w_down.T
 
 
