@@ -233,6 +233,28 @@ class Schedule:
     def expert_counts(self) -> torch.Tensor:
         return self.routing.expert_counts
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors of the routing (to carry a schedule through autograd or a graph)."""
+        r = self.routing
+        return (r.row_route, r.route_row, r.block_expert, r.expert_counts, r.expert_offsets)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        workspace: Workspace,
+        tensors: tuple[torch.Tensor, ...],
+        *,
+        num_tokens: int,
+        num_local_experts: int,
+        tiles: TileConfig | None = None,
+    ) -> Schedule:
+        """Rebuild a schedule from `Schedule.tensors()` (no kernel runs)."""
+        tiles = tiles or ops.default_tiles(workspace.device)
+        routing = Routing(*tensors, num_tokens=num_tokens, topk=workspace.topk,
+                          num_local_experts=num_local_experts, align=tiles.align)
+        return cls(routing, workspace.dense_routing(num_tokens, tiles.align), tiles,
+                   num_local_experts * workspace.ep_size, workspace)
+
 
 @dataclass(frozen=True)
 class ForwardContext:

@@ -1,0 +1,368 @@
+"""mok.nn: the MoE module (router + shared expert + routed experts) and an autograd entry point.
+
+Legend: T tokens, H hidden, I expert intermediate, I_s shared intermediate, E experts, k top-k.
+
+`moe_experts(...)` is the layer as a differentiable function of its tensors, registered as the
+torch.library custom ops `mok::moe_forward` / `mok::moe_backward` (with fake implementations, so
+torch.compile(fullgraph=True) traces a model containing it). `MoE` adds the router: softmax top-k
+(optionally renormalized) or sigmoid scores with a per-expert selection bias for auxiliary-loss-free
+balancing (DeepSeek-V3), the load-balancing auxiliary loss and the router z-loss.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as torch_f
+from torch import nn
+
+from mok import functional as F
+from mok.ops import capacity_rows, default_tiles
+
+
+class Backend(enum.Enum):
+    """Which implementation runs the experts."""
+
+    MOK = "mok"              # the fused Triton kernels (compiled on GPU, interpreted on CPU)
+    REFERENCE = "reference"  # mok.testing's pure-PyTorch reference, for debugging
+
+
+# -- the fused layer as custom ops ------------------------------------------------------------
+
+def _workspace(x: torch.Tensor, topk: int) -> F.Workspace:
+    return F.get_workspace(F.MoKConfig(), None, device=x.device, num_local_tokens=x.shape[0],
+                           hidden_size=x.shape[1], topk=topk)
+
+
+def _num_rows(x: torch.Tensor, topk: int, num_local_experts: int) -> int:
+    routes = x.shape[0] * topk
+    return capacity_rows(routes, num_local_experts, default_tiles(x.device).align, routes)
+
+
+@torch.library.custom_op("mok::moe_forward", mutates_args=())
+def _moe_forward(
+    x: torch.Tensor,
+    topk_experts: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_shared_gate: torch.Tensor | None,
+    w_shared_up: torch.Tensor | None,
+    w_shared_down: torch.Tensor | None,
+    w_routed_gate: torch.Tensor,
+    w_routed_up: torch.Tensor,
+    w_routed_down: torch.Tensor,
+    swiglu_limit: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, h_shared or empty, row_route, route_row, block_expert, expert_counts,
+    expert_offsets)."""
+    config = F.MoKConfig()
+    workspace = _workspace(x, topk_experts.shape[1])
+    schedule = F.build_schedule(workspace, config, topk_experts,
+                                num_local_experts=w_routed_gate.shape[0])
+    y, context = F.forward(config, workspace, schedule, x, router_weights, w_shared_gate,
+                           w_shared_up, w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
+                           swiglu_limit=swiglu_limit)
+    h_shared = context.h_shared if context.h_shared is not None else x.new_empty(0)
+    return (y, context.h, h_shared, *schedule.tensors())
+
+
+@_moe_forward.register_fake
+def _(x, topk_experts, router_weights, w_shared_gate, w_shared_up, w_shared_down,
+      w_routed_gate, w_routed_up, w_routed_down, swiglu_limit):
+    num_local = w_routed_gate.shape[0]
+    rows = _num_rows(x, topk_experts.shape[1], num_local)
+    align = default_tiles(x.device).align
+    i32 = dict(dtype=torch.int32, device=x.device)
+    h_shared = x.new_empty(0)
+    if w_shared_gate is not None:
+        h_shared = x.new_empty(math.ceil(max(x.shape[0], 1) / align) * align,
+                               w_shared_gate.shape[0])
+    return (x.new_empty(x.shape), x.new_empty(rows, w_routed_gate.shape[1]), h_shared,
+            torch.empty(rows, **i32), torch.empty(topk_experts.numel(), **i32),
+            torch.empty(rows // align, **i32), torch.empty(num_local, **i32),
+            torch.empty(num_local + 1, **i32))
+
+
+@torch.library.custom_op("mok::moe_backward", mutates_args=())
+def _moe_backward(
+    d_y: torch.Tensor,
+    x: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_shared_gate: torch.Tensor | None,
+    w_shared_up: torch.Tensor | None,
+    w_shared_down: torch.Tensor | None,
+    w_routed_gate: torch.Tensor,
+    w_routed_up: torch.Tensor,
+    w_routed_down: torch.Tensor,
+    h: torch.Tensor,
+    h_shared: torch.Tensor,
+    row_route: torch.Tensor,
+    route_row: torch.Tensor,
+    block_expert: torch.Tensor,
+    expert_counts: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    swiglu_limit: float | None,
+) -> list[torch.Tensor]:
+    config = F.MoKConfig()
+    workspace = _workspace(x, router_weights.shape[1])
+    schedule = F.Schedule.from_tensors(
+        workspace, (row_route, route_row, block_expert, expert_counts, expert_offsets),
+        num_tokens=x.shape[0], num_local_experts=w_routed_gate.shape[0])
+    context = F.ForwardContext(h, h_shared if w_shared_gate is not None else None)
+    grads = F.backward(config, workspace, schedule, context, d_y, x, router_weights,
+                       w_shared_gate, w_shared_up, w_shared_down, w_routed_gate, w_routed_up,
+                       w_routed_down, swiglu_limit=swiglu_limit)
+    return [g if g is not None else x.new_empty(0) for g in grads]
+
+
+@_moe_backward.register_fake
+def _(d_y, x, router_weights, w_shared_gate, w_shared_up, w_shared_down, w_routed_gate,
+      w_routed_up, w_routed_down, h, h_shared, row_route, route_row, block_expert,
+      expert_counts, expert_offsets, swiglu_limit):
+    shared = [torch.empty_like(w) if w is not None else x.new_empty(0)
+              for w in (w_shared_gate, w_shared_up, w_shared_down)]
+    return [torch.empty_like(x), torch.empty_like(router_weights), torch.empty_like(w_routed_gate),
+            torch.empty_like(w_routed_up), torch.empty_like(w_routed_down), *shared]
+
+
+def _setup_context(ctx, inputs, output):
+    (x, _, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, swiglu_limit) = inputs
+    _, h, h_shared, *routing = output
+    ctx.has_shared = w_sg is not None
+    ctx.swiglu_limit = swiglu_limit
+    shared = (w_sg, w_su, w_sd) if ctx.has_shared else (x.new_empty(0),) * 3
+    ctx.save_for_backward(x, router_weights, *shared, w_rg, w_ru, w_rd, h, h_shared, *routing)
+
+
+def _backward(ctx, d_y, *_unused):
+    x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, h, h_shared, *routing = \
+        ctx.saved_tensors
+    if not ctx.has_shared:
+        w_sg = w_su = w_sd = None
+    grads = _moe_backward(d_y.contiguous(), x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru,
+                          w_rd, h, h_shared, *routing, ctx.swiglu_limit)
+    d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd = grads
+    if not ctx.has_shared:
+        d_sg = d_su = d_sd = None
+    return d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd, None
+
+
+_moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    topk_experts: torch.Tensor,
+    router_weights: torch.Tensor,
+    w_shared_gate: torch.Tensor | None,
+    w_shared_up: torch.Tensor | None,
+    w_shared_down: torch.Tensor | None,
+    w_routed_gate: torch.Tensor,
+    w_routed_up: torch.Tensor,
+    w_routed_down: torch.Tensor,
+    *,
+    swiglu_limit: float | None = None,
+    backend: Backend | str = Backend.MOK,
+) -> torch.Tensor:
+    """The routed + shared experts as a differentiable function (DESIGN.md section 1).
+
+    x [T, H] bf16/fp16 (the kernels' dtypes; the reference backend takes any float dtype);
+    topk_experts [T, k] int; router_weights [T, k] fp32; weights as mok.functional.forward.
+    Weight views (e.g. slices of a fused gate_up parameter) are fine: strides are honoured and
+    gradients flow back into the viewed parameter.
+    """
+    if Backend(backend) is Backend.REFERENCE:
+        from mok.testing.reference import moe_reference
+
+        return moe_reference(x, topk_experts, router_weights, w_shared_gate, w_shared_up,
+                             w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
+                             swiglu_limit=swiglu_limit).to(x.dtype)
+    return _moe_forward(x, topk_experts, router_weights.float(), w_shared_gate, w_shared_up,
+                        w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
+                        swiglu_limit)[0]
+
+
+# -- the module -------------------------------------------------------------------------------
+
+class RouterScoring(enum.Enum):
+    SOFTMAX = "softmax"  # softmax over experts, then top-k
+    SIGMOID = "sigmoid"  # independent sigmoid scores (DeepSeek-V3), top-k of score + bias
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Router options.
+
+    scoring: softmax or sigmoid scores.
+    normalize_topk: rescale the k selected weights to sum to 1.
+    aux_loss_coef: weight of the load-balancing loss E * sum_e f_e * P_e (Switch Transformer).
+    z_loss_coef: weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE).
+    bias_update_rate: with sigmoid scoring, the auxiliary-loss-free balancing step: after each
+        training forward, expert_bias += rate * sign(mean load - load) (DeepSeek-V3). The bias
+        steers selection only; the weights come from the unbiased scores.
+    routed_scaling_factor: multiplies the routed experts' weights.
+    """
+
+    scoring: RouterScoring = RouterScoring.SOFTMAX
+    normalize_topk: bool = True
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass
+class RoutingOutput:
+    """topk_experts [T, k] int64; weights [T, k] fp32; logits [T, E] fp32;
+    tokens_per_expert [E] int64 (device); aux_loss scalar fp32 (0 when no loss is enabled)."""
+
+    topk_experts: torch.Tensor
+    weights: torch.Tensor
+    logits: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+class Router(nn.Module):
+    """Linear scores over experts, top-k selection and the balancing losses (fp32 throughout)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 config: RouterConfig = RouterConfig(), *, device=None, dtype=None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
+        self.num_experts, self.top_k, self.config = num_experts, top_k, config
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device,
+                                               dtype=dtype))
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device,
+                                                        dtype=torch.float32))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> RoutingOutput:
+        cfg = self.config
+        logits = torch_f.linear(x.float(), self.weight.float())
+        if RouterScoring(cfg.scoring) is RouterScoring.SOFTMAX:
+            scores = logits.softmax(dim=-1)
+            selection = scores
+        else:
+            scores = logits.sigmoid()
+            selection = scores + self.expert_bias
+        topk_experts = selection.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, topk_experts)
+        if cfg.normalize_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        weights = weights * cfg.routed_scaling_factor
+        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        tokens_per_expert.scatter_add_(0, topk_experts.reshape(-1),
+                                       torch.ones_like(topk_experts.reshape(-1)))
+        aux_loss = logits.new_zeros(())
+        if cfg.aux_loss_coef and x.shape[0]:
+            fraction = tokens_per_expert.float() / (x.shape[0] * self.top_k)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+            aux_loss = aux_loss + cfg.aux_loss_coef * self.num_experts * (
+                fraction * probs.mean(dim=0)).sum()
+        if cfg.z_loss_coef and x.shape[0]:
+            aux_loss = aux_loss + cfg.z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        if cfg.bias_update_rate and self.training:
+            with torch.no_grad():
+                load = tokens_per_expert.float()
+                self.expert_bias += cfg.bias_update_rate * torch.sign(load.mean() - load)
+        return RoutingOutput(topk_experts, weights, logits, tokens_per_expert, aux_loss)
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts block: router, optional shared expert, routed SwiGLU experts.
+
+    Parameters: router.weight [E, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]; and with
+    shared_intermediate_size > 0: shared_gate, shared_up [I_s, H], shared_down [H, I_s].
+    forward(hidden_states [..., H]) -> [..., H]. After each forward: `aux_loss` (add it to the
+    training loss) and `tokens_per_expert` [E] (device tensor, no host sync) hold that call's
+    values.
+
+    Compute dtype: the autocast dtype under torch.autocast (the output then has that dtype, as
+    nn.Linear's would); otherwise the parameters' dtype when bf16/fp16; fp32 parameters are cast
+    to bf16 for the kernels (gradients flow back in fp32) and the output has the input's dtype.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        shared_intermediate_size: int = 0,
+        *,
+        router: RouterConfig = RouterConfig(),
+        swiglu_limit: float | None = None,
+        ep_group: dist.ProcessGroup | None = None,
+        backend: Backend | str = Backend.MOK,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if ep_group is not None and dist.get_world_size(ep_group) > 1:
+            raise NotImplementedError("expert parallelism in mok.nn is not built yet")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.shared_intermediate_size = shared_intermediate_size
+        self.swiglu_limit = swiglu_limit
+        self.backend = Backend(backend)
+        factory = dict(device=device, dtype=dtype)
+        self.router = Router(hidden_size, num_experts, top_k, router, **factory)
+        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size,
+                                               **factory))
+        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size,
+                                             **factory))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
+                                               **factory))
+        if shared_intermediate_size:
+            self.shared_gate = nn.Parameter(torch.empty(shared_intermediate_size, hidden_size,
+                                                        **factory))
+            self.shared_up = nn.Parameter(torch.empty(shared_intermediate_size, hidden_size,
+                                                      **factory))
+            self.shared_down = nn.Parameter(torch.empty(hidden_size, shared_intermediate_size,
+                                                        **factory))
+        else:
+            self.shared_gate = self.shared_up = self.shared_down = None
+        self.reset_parameters()
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization, per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        for weight in (self.w_gate, self.w_up, self.w_down, self.shared_gate, self.shared_up,
+                       self.shared_down):
+            if weight is not None:
+                bound = 1.0 / math.sqrt(weight.shape[-1])
+                nn.init.uniform_(weight, -bound, bound)
+
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        if self.w_gate.dtype in (torch.bfloat16, torch.float16):
+            return self.w_gate.dtype
+        return torch.bfloat16
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, self.hidden_size)
+        routing = self.router(x)
+        self.aux_loss, self.tokens_per_expert = routing.aux_loss, routing.tokens_per_expert
+        dtype = self.compute_dtype(x)
+        out_dtype = dtype if torch.is_autocast_enabled(x.device.type) else hidden_states.dtype
+        shared = [w.to(dtype) if w is not None else None
+                  for w in (self.shared_gate, self.shared_up, self.shared_down)]
+        with torch.autocast(x.device.type, enabled=False):
+            y = moe_experts(x.to(dtype), routing.topk_experts, routing.weights, *shared,
+                            self.w_gate.to(dtype), self.w_up.to(dtype), self.w_down.to(dtype),
+                            swiglu_limit=self.swiglu_limit, backend=self.backend)
+        return y.to(out_dtype).view(hidden_states.shape)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"shared_intermediate_size={self.shared_intermediate_size}, "
+                f"backend={self.backend.value}")
