@@ -285,7 +285,8 @@ class MoE(nn.Module):
 
     Compute dtype: the autocast dtype under torch.autocast (the output then has that dtype, as
     nn.Linear's would); otherwise the parameters' dtype when bf16/fp16; fp32 parameters are cast
-    to bf16 for the kernels (gradients flow back in fp32) and the output has the input's dtype.
+    to bf16 for the kernels (gradients flow back in fp32) and the output has the input's dtype;
+    the reference backend computes fp32 parameters in fp32.
     """
 
     def __init__(
@@ -343,7 +344,8 @@ class MoE(nn.Module):
     def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
-        if self.w_gate.dtype in (torch.bfloat16, torch.float16):
+        kernel_dtype = self.w_gate.dtype in (torch.bfloat16, torch.float16)
+        if kernel_dtype or self.backend is Backend.REFERENCE:
             return self.w_gate.dtype
         return torch.bfloat16
 

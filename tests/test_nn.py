@@ -1,0 +1,163 @@
+"""mok.nn: the MoE module and its router, against the reference and PyTorch's own ops."""
+
+import pytest
+import torch
+
+from mok.nn import Backend, MoE, Router, RouterConfig, RouterScoring, moe_experts
+from mok.testing import assert_close, distributed_test, make_inputs, moe_reference
+
+from .conftest import DEVICE
+
+
+def make_module(shared=16, router=None, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return MoE(32, 16, 6, 2, shared, router=router or RouterConfig(), device=DEVICE, **kwargs)
+
+
+def loss_and_grads(module, x):
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    y = module(x)
+    (y.float() * torch.linspace(-1, 1, y.shape[-1], device=y.device)).sum().backward()
+    grads = {name.removeprefix("_orig_mod."): p.grad.clone()
+             for name, p in module.named_parameters()}
+    return y.detach(), x.grad, grads
+
+
+def test_module_matches_reference_backend():
+    module = make_module()
+    x = torch.randn(3, 10, 32, device=DEVICE)
+    y, d_x, grads = loss_and_grads(module, x)
+    module.backend = Backend.REFERENCE
+    y_ref, d_x_ref, grads_ref = loss_and_grads(module, x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    assert_close(d_x, d_x_ref, dtype=torch.bfloat16, name="d_x")
+    assert set(grads) == {"router.weight", "w_gate", "w_up", "w_down", "shared_gate",
+                          "shared_up", "shared_down"}
+    for name in grads:
+        assert grads[name].dtype == torch.float32
+        assert_close(grads[name], grads_ref[name], dtype=torch.bfloat16, name=name)
+
+
+def test_moe_experts_with_strided_weight_views():
+    """Slices of a fused gate_up parameter work as weights; gradients land in the fused one."""
+    inputs = make_inputs(20, 32, 16, 4, 2, device=DEVICE, seed=2)
+    gate_up = torch.cat([inputs.w_routed_gate, inputs.w_routed_up], dim=1).requires_grad_(True)
+    y = moe_experts(inputs.x, inputs.topk_experts, inputs.router_weights, None, None, None,
+                    gate_up[:, :16], gate_up[:, 16:], inputs.w_routed_down)
+    y.backward(inputs.d_output)
+    leaves = [t.detach().double().requires_grad_(True) for t in
+              (inputs.w_routed_gate, inputs.w_routed_up)]
+    y_ref = moe_reference(inputs.x, inputs.topk_experts, inputs.router_weights, None, None,
+                          None, *leaves, inputs.w_routed_down, compute_dtype=torch.float64)
+    y_ref.backward(inputs.d_output.double())
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    assert_close(gate_up.grad, torch.cat([leaves[0].grad, leaves[1].grad], dim=1),
+                 dtype=torch.bfloat16, name="d_gate_up")
+
+
+def test_softmax_router_selects_and_normalizes():
+    router = Router(16, 8, 3, RouterConfig(normalize_topk=True)).to(DEVICE)
+    x = torch.randn(40, 16, device=DEVICE)
+    out = router(x)
+    probs = torch.softmax(x @ router.weight.T, dim=-1)
+    expected = probs.topk(3, dim=-1)
+    assert torch.equal(out.topk_experts, expected.indices)
+    torch.testing.assert_close(out.weights, expected.values / expected.values.sum(-1, True))
+    assert torch.equal(out.tokens_per_expert,
+                       torch.bincount(expected.indices.reshape(-1), minlength=8))
+    assert float(out.aux_loss) == 0.0
+
+
+def test_sigmoid_router_bias_steers_selection_not_weights():
+    config = RouterConfig(scoring=RouterScoring.SIGMOID, normalize_topk=False,
+                          bias_update_rate=0.01, routed_scaling_factor=2.5)
+    router = Router(16, 8, 2, config).to(DEVICE)
+    x = torch.randn(64, 16, device=DEVICE)
+    router.expert_bias.copy_(torch.tensor([5.0, 5.0, 0, 0, 0, 0, 0, 0]))
+    router.eval()
+    out = router(x)
+    assert bool((out.topk_experts.sort(dim=-1).values == torch.tensor([0, 1],
+                                                                      device=DEVICE)).all())
+    scores = torch.sigmoid(x @ router.weight.T)
+    torch.testing.assert_close(out.weights, 2.5 * scores[:, :2].gather(
+        1, out.topk_experts))
+    router.train()
+    before = router.expert_bias.clone()
+    router(x)
+    # Overloaded experts 0 and 1 are pushed down, the idle ones up, by exactly the rate.
+    step = router.expert_bias - before
+    torch.testing.assert_close(step, torch.tensor([-0.01, -0.01] + [0.01] * 6, device=DEVICE),
+                               atol=1e-6, rtol=0)
+
+
+def test_aux_and_z_losses():
+    config = RouterConfig(aux_loss_coef=0.1, z_loss_coef=0.001)
+    router = Router(16, 4, 2, config).to(DEVICE)
+    x = torch.randn(50, 16, device=DEVICE)
+    out = router(x)
+    logits = x @ router.weight.T
+    probs = torch.softmax(logits, -1)
+    fraction = torch.bincount(probs.topk(2, -1).indices.reshape(-1), minlength=4) / 100
+    expected = 0.1 * 4 * (fraction * probs.mean(0)).sum() + \
+        0.001 * torch.logsumexp(logits, -1).pow(2).mean()
+    torch.testing.assert_close(out.aux_loss, expected)
+    out.aux_loss.backward()
+    assert router.weight.grad is not None and bool(router.weight.grad.abs().sum() > 0)
+
+
+def test_torch_compile_fullgraph_traces_the_module():
+    module = make_module(seed=3)
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    y, d_x, grads = loss_and_grads(module, x)
+    compiled = torch.compile(module, fullgraph=True,
+                             backend="inductor" if DEVICE.type == "cuda" else "aot_eager")
+    y_c, d_x_c, grads_c = loss_and_grads(compiled, x)
+    assert_close(y_c, y, dtype=torch.bfloat16, name="y")
+    assert_close(d_x_c, d_x, dtype=torch.bfloat16, name="d_x")
+    for name in grads:
+        assert_close(grads_c[name], grads[name], dtype=torch.bfloat16, name=name)
+
+
+def test_autocast_runs_in_the_autocast_dtype():
+    module = make_module(shared=0, seed=4)
+    x = torch.randn(12, 32, device=DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        y = module(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert module.w_gate.grad.dtype == torch.float32
+    module.backend = Backend.REFERENCE
+    y_ref = module(x)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+
+
+def test_bad_top_k_is_rejected():
+    with pytest.raises(ValueError, match="top_k"):
+        MoE(32, 16, 4, 5)
+
+
+def _fsdp_body(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    reference = MoE(32, 16, 4, 2, 16, backend=Backend.REFERENCE)
+    sharded = MoE(32, 16, 4, 2, 16, backend=Backend.REFERENCE)
+    sharded.load_state_dict(reference.state_dict())
+    fully_shard(sharded.router)  # the non-expert parameters, sharded over the ranks
+    fully_shard(sharded)
+    torch.manual_seed(1)
+    x_all = torch.randn(world_size, 10, 32)
+    reference(x_all.reshape(-1, 32)).pow(2).sum().div(world_size).backward()
+    sharded(x_all[rank]).pow(2).sum().backward()
+    for name, param in sharded.named_parameters():
+        full = param.grad.full_tensor()  # FSDP2 averages over ranks: times world_size
+        expected = dict(reference.named_parameters())[name].grad
+        torch.testing.assert_close(full * world_size, expected * world_size, rtol=1e-4,
+                                   atol=1e-5, msg=name)
+
+
+@distributed_test(world_sizes=(2,), backend="gloo")
+def test_fsdp2_shards_the_module(rank, world_size):
+    _fsdp_body(rank, world_size)
