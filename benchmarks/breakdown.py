@@ -43,30 +43,38 @@ def breakdown(shape) -> None:
     w_g, w_u, w_d = inputs.routed_weights
     routes = shape.num_tokens * shape.topk
     hid, inter = shape.hidden_size, shape.intermediate_size
+    t_gate_up = tiles.pick("gate_up", inter, hid)
+    t_down_bwd = tiles.pick("down_bwd", inter, hid)
+    t_down = tiles.pick("down", hid, inter)
+    t_d_x = tiles.pick("d_x", hid, inter)
+    t_wgrad_gu = tiles.pick("wgrad_gate_up", inter, hid)
+    t_wgrad_down = tiles.pick("wgrad_down", hid, inter)
     gemm = 2.0 * routes * hid * inter
-    h = ops.gate_up_swiglu(x, w_g, w_u, routing, tiles.gate_up, None)
-    rows = ops.down_proj(h, w_d, routing, tiles.down, rw)
-    dgu, partial = ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, tiles.down_bwd, rw,
+    h = ops.gate_up_swiglu(x, w_g, w_u, routing, t_gate_up, None)
+    rows = ops.down_proj(h, w_d, routing, t_down, rw)
+    dgu, partial = ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, t_down_bwd, rw,
                                         None)
-    dxr = ops.d_x_rows(dgu, w_g, w_u, routing, tiles.d_x)
+    dxr = ops.d_x_rows(dgu, w_g, w_u, routing, t_d_x)
     stages = [
         ("schedule", lambda: F.build_schedule(workspace, config, inputs.topk_experts,
                                               num_local_experts=shape.num_experts), 0, 0),
-        ("gate_up_swiglu", lambda: ops.gate_up_swiglu(x, w_g, w_u, routing, tiles.gate_up, None),
+        ("gate_up_swiglu", lambda: ops.gate_up_swiglu(x, w_g, w_u, routing, t_gate_up, None),
          2 * gemm, 0),
-        ("down_proj", lambda: ops.down_proj(h, w_d, routing, tiles.down, rw), gemm, 0),
+        ("down_proj", lambda: ops.down_proj(h, w_d, routing, t_down, rw), gemm, 0),
         ("combine", lambda: ops.combine(rows, routing, None, x.dtype), 0,
          rows.numel() * 2 * routes / rows.shape[0] + x.numel() * 2),
         ("down_bwd_dswiglu", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing,
-                                                          tiles.down_bwd, rw, None), 3 * gemm, 0),
+                                                          t_down_bwd, rw, None), 3 * gemm, 0),
         ("router_grad", lambda: ops.router_grad(partial, routing), 0, 0),
-        ("d_x_rows", lambda: ops.d_x_rows(dgu, w_g, w_u, routing, tiles.d_x), 2 * gemm, 0),
+        ("d_x_rows", lambda: ops.d_x_rows(dgu, w_g, w_u, routing, t_d_x), 2 * gemm, 0),
         ("combine_dx", lambda: ops.combine(dxr, routing, None, x.dtype), 0,
          routes * hid * 2 + x.numel() * 2),
-        ("wgrad_gate", lambda: ops.grouped_wgrad(dgu[:, :inter], x, routing, tiles.wgrad,
+        ("wgrad_gate", lambda: ops.grouped_wgrad(dgu[:, :inter], x, routing,
+                                                 t_wgrad_gu,
                                                  gather_a=False, gather_b=True,
                                                  out_dtype=x.dtype), gemm, 0),
-        ("wgrad_down", lambda: ops.grouped_wgrad(d_out, h, routing, tiles.wgrad, gather_a=True,
+        ("wgrad_down", lambda: ops.grouped_wgrad(d_out, h, routing,
+                                                 t_wgrad_down, gather_a=True,
                                                  gather_b=False, router_weights=rw,
                                                  out_dtype=x.dtype), gemm, 0),
     ]

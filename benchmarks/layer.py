@@ -183,7 +183,7 @@ def _commit() -> str:
                                cwd=root, text=True, capture_output=True).stdout.strip()
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MOK_COMMIT", "unknown")
+        return os.environ.get("MOK_COMMIT", "unknown")  # a copy of the tree without .git
 
 
 def run(shapes, impl_names, *, repeats=20, warmup=5, num_input_sets=3, csv_path=None,

@@ -405,12 +405,16 @@ def build_schedule(
 
 
 def _gate_up(schedule, x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_up, swiglu_limit):
-    tiles = schedule.tiles.gate_up
-    h = ops.gate_up_swiglu(x, w_routed_gate, w_routed_up, schedule.routing, tiles, swiglu_limit)
+    pick = schedule.tiles.pick
+    hidden, intermediate = x.shape[1], w_routed_gate.shape[1]
+    h = ops.gate_up_swiglu(x, w_routed_gate, w_routed_up, schedule.routing,
+                           pick("gate_up", intermediate, hidden), swiglu_limit)
     h_shared = None
     if w_shared_gate is not None:
         h_shared = ops.gate_up_swiglu(x, w_shared_gate[None], w_shared_up[None],
-                                      schedule.shared_routing, tiles, swiglu_limit)
+                                      schedule.shared_routing,
+                                      pick("gate_up", w_shared_gate.shape[0], hidden),
+                                      swiglu_limit)
     return ForwardContext(h, h_shared)
 
 
@@ -445,12 +449,15 @@ def forward(
     router_weights = router_weights.contiguous()
     context = _gate_up(schedule, x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_up,
                        swiglu_limit)
-    tiles = schedule.tiles.down
-    rows = ops.down_proj(context.h, w_routed_down, schedule.routing, tiles, router_weights)
+    pick = schedule.tiles.pick
+    hidden = x.shape[1]
+    rows = ops.down_proj(context.h, w_routed_down, schedule.routing,
+                         pick("down", hidden, w_routed_down.shape[2]), router_weights)
     shared_rows = None
     if w_shared_down is not None:
         shared_rows = ops.down_proj(context.h_shared, w_shared_down[None],
-                                    schedule.shared_routing, tiles, None)
+                                    schedule.shared_routing,
+                                    pick("down", hidden, w_shared_down.shape[1]), None)
     y = ops.combine(rows, schedule.routing, shared_rows, x.dtype)
     return y, context
 
@@ -474,6 +481,27 @@ def recompute_forward_context(
                    (w_routed_gate, w_routed_up, None), need_down=False)
     return _gate_up(schedule, _rowmajor(x), w_shared_gate, w_shared_up, w_routed_gate,
                     w_routed_up, swiglu_limit)
+
+
+def _expert_backward(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
+                     swiglu_limit):
+    """Backward of one group of experts: (d_x rows, d_router_weights or None, weight grads)."""
+    hidden, intermediate = x.shape[1], w_gate.shape[1]
+    pick = tiles.pick
+    d_gate_up, partial = ops.down_bwd_dswiglu(
+        d_output, x, w_down, w_gate, w_up, h, routing, pick("down_bwd", intermediate, hidden),
+        router_weights, swiglu_limit)
+    d_router_weights = ops.router_grad(partial, routing) if partial is not None else None
+    d_x_rows = ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate))
+    wgrad_gate_up = pick("wgrad_gate_up", intermediate, hidden)
+    d_w_gate = ops.grouped_wgrad(d_gate_up[:, :intermediate], x, routing, wgrad_gate_up,
+                                 gather_a=False, gather_b=True, out_dtype=w_gate.dtype)
+    d_w_up = ops.grouped_wgrad(d_gate_up[:, intermediate:], x, routing, wgrad_gate_up,
+                               gather_a=False, gather_b=True, out_dtype=w_up.dtype)
+    d_w_down = ops.grouped_wgrad(d_output, h, routing, pick("wgrad_down", hidden, intermediate),
+                                 gather_a=True, gather_b=False, router_weights=router_weights,
+                                 out_dtype=w_down.dtype)
+    return d_x_rows, d_router_weights, (d_w_gate, d_w_up, d_w_down)
 
 
 def backward(
@@ -512,40 +540,16 @@ def backward(
         raise MoKInputError("the forward context and the shared-expert weights disagree")
     x, d_output = _rowmajor(x), _rowmajor(d_output)
     router_weights = router_weights.contiguous()
-    tiles = schedule.tiles
     routing = schedule.routing
-    intermediate = w_routed_gate.shape[1]
-
-    d_gate_up, partial = ops.down_bwd_dswiglu(
-        d_output, x, w_routed_down, w_routed_gate, w_routed_up, forward_context.h, routing,
-        tiles.down_bwd, router_weights, swiglu_limit)
-    d_router_weights = ops.router_grad(partial, routing)
-    d_x_rows = ops.d_x_rows(d_gate_up, w_routed_gate, w_routed_up, routing, tiles.d_x)
-    d_w_gate = ops.grouped_wgrad(d_gate_up[:, :intermediate], x, routing, tiles.wgrad,
-                                 gather_a=False, gather_b=True, out_dtype=w_routed_gate.dtype)
-    d_w_up = ops.grouped_wgrad(d_gate_up[:, intermediate:], x, routing, tiles.wgrad,
-                               gather_a=False, gather_b=True, out_dtype=w_routed_up.dtype)
-    d_w_down = ops.grouped_wgrad(d_output, forward_context.h, routing, tiles.wgrad,
-                                 gather_a=True, gather_b=False, router_weights=router_weights,
-                                 out_dtype=w_routed_down.dtype)
-
+    d_x_rows, d_router_weights, d_routed = _expert_backward(
+        schedule.tiles, routing, d_output, x, forward_context.h, router_weights,
+        w_routed_gate, w_routed_up, w_routed_down, swiglu_limit)
     d_shared = (None, None, None)
     d_x_shared_rows = None
     if w_shared_gate is not None:
-        dense = schedule.shared_routing
-        shared_size = w_shared_gate.shape[0]
-        d_gate_up_s, _ = ops.down_bwd_dswiglu(
-            d_output, x, w_shared_down[None], w_shared_gate[None], w_shared_up[None],
-            forward_context.h_shared, dense, tiles.down_bwd, None, swiglu_limit)
-        d_x_shared_rows = ops.d_x_rows(d_gate_up_s, w_shared_gate[None], w_shared_up[None],
-                                       dense, tiles.d_x)
-        d_shared = (
-            ops.grouped_wgrad(d_gate_up_s[:, :shared_size], x, dense, tiles.wgrad,
-                              gather_a=False, gather_b=True, out_dtype=w_shared_gate.dtype)[0],
-            ops.grouped_wgrad(d_gate_up_s[:, shared_size:], x, dense, tiles.wgrad,
-                              gather_a=False, gather_b=True, out_dtype=w_shared_up.dtype)[0],
-            ops.grouped_wgrad(d_output, forward_context.h_shared, dense, tiles.wgrad,
-                              gather_a=True, gather_b=False, out_dtype=w_shared_down.dtype)[0],
-        )
+        d_x_shared_rows, _, d_shared = _expert_backward(
+            schedule.tiles, schedule.shared_routing, d_output, x, forward_context.h_shared, None,
+            w_shared_gate[None], w_shared_up[None], w_shared_down[None], swiglu_limit)
+        d_shared = tuple(grad[0] for grad in d_shared)
     d_x = ops.combine(d_x_rows, routing, d_x_shared_rows, x.dtype)
-    return (d_x, d_router_weights, d_w_gate, d_w_up, d_w_down, *d_shared)
+    return (d_x, d_router_weights, *d_routed, *d_shared)

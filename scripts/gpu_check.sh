@@ -1,23 +1,38 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: environment, GPU tests at real shapes, then the layer benchmark.
-# Writes logs and the benchmark CSV under $OUT (default ./gpu-out).
+# One call on a GPU machine, in priority order: tests, training comparison, tile sweep, layer
+# benchmark (with the tiles just measured), per-stage breakdown. Each step has its own time limit
+# and writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_TUNE RUN_BENCH
+# RUN_BREAKDOWN (1 runs it); *_TIMEOUT seconds; *_ARGS extra arguments.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv \
-  | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-TEST_TIMEOUT=${TEST_TIMEOUT:-330}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
+step() {  # step NAME TIMEOUT LOG command...
+  local name=$1 limit=$2 log=$3; shift 3
+  echo "== $name (limit ${limit}s)"
+  timeout -s KILL "$limit" "$@" 2>&1 | tee "$OUT/$log"
+  echo "== $name exit: ${PIPESTATUS[0]}"
+}
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  timeout -s KILL "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider tests/ ${PYTEST_ARGS:-} \
-    2>&1 | tee "$OUT/pytest.log"
-  echo "pytest exit: ${PIPESTATUS[0]}"
+  step tests "${TESTS_TIMEOUT:-330}" pytest.log python3 -m pytest -q -p no:cacheprovider tests/ \
+    ${TESTS_ARGS:-}
 fi
-timeout -s KILL "$BENCH_TIMEOUT" python3 -m mok bench --csv "$OUT/layer.csv" ${BENCH_ARGS:-} \
-  2>&1 | tee "$OUT/bench.log"
-echo "bench exit: ${PIPESTATUS[0]}"
+if [ "${RUN_TRAIN:-0}" = 1 ]; then
+  step train "${TRAIN_TIMEOUT:-150}" train.log python3 -m mok train --out "$OUT/train" \
+    ${TRAIN_ARGS:-}
+fi
+if [ "${RUN_TUNE:-0}" = 1 ]; then
+  step tune "${TUNE_TIMEOUT:-200}" tune.log python3 -m benchmarks.tune \
+    --out "$OUT/tuned_tiles.json" ${TUNE_ARGS:-}
+  [ -s "$OUT/tuned_tiles.json" ] && export MOK_TILES_FILE="$OUT/tuned_tiles.json"
+fi
+if [ "${RUN_BENCH:-1}" = 1 ]; then
+  step bench "${BENCH_TIMEOUT:-240}" bench.log python3 -m mok bench --csv "$OUT/layer.csv" \
+    ${BENCH_ARGS:-}
+fi
 if [ "${RUN_BREAKDOWN:-0}" = 1 ]; then
-  timeout -s KILL 150 python3 -m benchmarks.breakdown ${BREAKDOWN_ARGS:-} 2>&1 | tee "$OUT/breakdown.log"
+  step breakdown "${BREAKDOWN_TIMEOUT:-150}" breakdown.log python3 -m benchmarks.breakdown \
+    ${BREAKDOWN_ARGS:-}
 fi

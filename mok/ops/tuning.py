@@ -1,10 +1,33 @@
-"""Tile shapes of the grouped GEMMs, chosen per device once (no tuning inside a training step)."""
+"""Tile shapes of the grouped GEMMs: fixed per device and problem shape, never tuned at run time.
+
+A fixed choice per shape keeps results bitwise reproducible from one process to the next (a
+run-time autotuner may pick another tile, and so another reduction order). `TileConfig.pick`
+looks the problem up in the table measured by `python -m benchmarks.tune` (mok/ops/
+tuned_tiles.json, or the file MOK_TILES_FILE names) and falls back to the config's own tiles.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
 
 import torch
+
+from mok import _env
+
+TUNED_TILES_PATH = Path(__file__).with_name("tuned_tiles.json")
+
+# GEMM kinds and what their (n, k) key means. wgrad kinds: out [E, P, Q] keyed by (P, Q).
+KINDS = {
+    "gate_up": "n = I, k = H",
+    "down": "n = H, k = I",
+    "down_bwd": "n = I, k = H",
+    "d_x": "n = H, k = I",
+    "wgrad_gate_up": "P = I, Q = H",
+    "wgrad_down": "P = H, Q = I",
+}
 
 
 @dataclass(frozen=True)
@@ -25,6 +48,7 @@ class TileConfig:
 
     align: each expert's rows are padded to a multiple of align; every block_m of the row GEMMs
     must divide it, so a row tile never straddles two experts.
+    use_tuned: consult the measured table first (the GPU defaults do; test tiles don't).
     """
 
     align: int
@@ -33,16 +57,52 @@ class TileConfig:
     down_bwd: GemmTiles
     d_x: GemmTiles
     wgrad: GemmTiles
+    use_tuned: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up", "down", "down_bwd", "d_x"):
-            tiles = getattr(self, name)
-            if self.align % tiles.block_m != 0:
-                raise ValueError(f"{name}.block_m={tiles.block_m} must divide align={self.align}")
+            _check_row_tiles(name, getattr(self, name), self.align)
         for name in ("gate_up", "down", "down_bwd", "d_x", "wgrad"):
-            tiles = getattr(self, name)
-            if min(tiles.block_m, tiles.block_n, tiles.block_k) < 16:
-                raise ValueError(f"{name}: tl.dot needs tiles of at least 16 in every dimension")
+            _check_dot_tiles(name, getattr(self, name))
+
+    def pick(self, kind: str, n: int, k: int) -> GemmTiles:
+        """Tiles for GEMM `kind` (see KINDS) at problem size (n, k)."""
+        if self.use_tuned:
+            tuned = tuned_table().get((kind, n, k))
+            if tuned is not None and (kind.startswith("wgrad") or self.align % tuned.block_m == 0):
+                return tuned
+        return getattr(self, "wgrad" if kind.startswith("wgrad") else kind)
+
+
+def _check_row_tiles(name: str, tiles: GemmTiles, align: int) -> None:
+    if align % tiles.block_m != 0:
+        raise ValueError(f"{name}.block_m={tiles.block_m} must divide align={align}")
+
+
+def _check_dot_tiles(name: str, tiles: GemmTiles) -> None:
+    if min(tiles.block_m, tiles.block_n, tiles.block_k) < 16:
+        raise ValueError(f"{name}: tl.dot needs tiles of at least 16 in every dimension")
+
+
+@cache
+def tuned_table() -> dict[tuple[str, int, int], GemmTiles]:
+    """{(kind, n, k): tiles} from the tuned-tiles JSON ({kind: {"n,k": {tile fields}}})."""
+    path = Path(_env.TILES_FILE) if _env.TILES_FILE else TUNED_TILES_PATH
+    if not path.exists():
+        return {}
+    table = {}
+    for kind, entries in json.loads(path.read_text()).items():
+        for key, fields in entries.items():
+            n, k = (int(v) for v in key.split(","))
+            table[(kind, n, k)] = GemmTiles(**fields)
+    return table
+
+
+def table_to_json(table: dict[tuple[str, int, int], GemmTiles]) -> str:
+    out: dict[str, dict[str, dict]] = {}
+    for (kind, n, k), tiles in sorted(table.items()):
+        out.setdefault(kind, {})[f"{n},{k}"] = asdict(tiles)
+    return json.dumps(out, indent=1, sort_keys=True) + "\n"
 
 
 def _uniform(block: int, align: int) -> TileConfig:
@@ -50,8 +110,8 @@ def _uniform(block: int, align: int) -> TileConfig:
     return TileConfig(align, tiles, tiles, tiles, tiles, tiles)
 
 
-# Hopper (H100/H200), bf16. Two or three fp32 accumulators in gate/up and its backward keep
-# block_n at 64 there, so they fit the register file without spilling.
+# Hopper (H100/H200), bf16: the fallback when the table has no entry. Two or three fp32
+# accumulators in gate/up and its backward keep block_n at 64 there, so they fit the registers.
 HOPPER_TILES = TileConfig(
     align=128,
     gate_up=GemmTiles(128, 64, 64, group_m=8, num_warps=8, num_stages=4),
@@ -59,6 +119,7 @@ HOPPER_TILES = TileConfig(
     down_bwd=GemmTiles(128, 64, 64, group_m=8, num_warps=8, num_stages=3),
     d_x=GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
     wgrad=GemmTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3),
+    use_tuned=True,
 )
 
 # Triton's CPU interpreter: one program is one numpy step, so fewer, larger tiles run faster.

@@ -1,0 +1,118 @@
+"""Measure candidate tiles of every grouped GEMM at the DESIGN.md shapes; write the best per shape.
+
+    python -m benchmarks.tune --out mok/ops/tuned_tiles.json
+
+For each shape and GEMM kind (mok.ops.tuning.KINDS), each candidate is compiled, run on the
+shape's real routing and timed (CUDA events, median); candidates that do not compile (shared
+memory, registers) are skipped. The fallback tiles are always among the candidates, so the table
+never picks a slower tile than the fallback as measured. The table is keyed by (kind, n, k) and
+read by TileConfig.pick; a fixed table keeps results reproducible across processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+import mok.functional as F
+from mok import ops
+from mok.ops.tuning import HOPPER_TILES, GemmTiles, table_to_json
+from mok.testing import SHAPES, SHAPES_BY_NAME, make_inputs
+
+T = GemmTiles
+CANDIDATES: dict[str, list[GemmTiles]] = {
+    "gate_up": [T(128, 64, 64, 8, 8, 4), T(128, 128, 64, 8, 8, 3), T(64, 128, 64, 8, 4, 4),
+                T(128, 64, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 4)],
+    "down": [T(128, 128, 64, 8, 8, 4), T(128, 256, 64, 8, 8, 3), T(128, 128, 64, 8, 4, 4),
+             T(64, 256, 64, 8, 8, 3), T(128, 128, 128, 8, 8, 3)],
+    "down_bwd": [T(128, 64, 64, 8, 8, 3), T(64, 128, 64, 8, 8, 3), T(128, 64, 32, 8, 8, 4),
+                 T(64, 64, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 3)],
+    "d_x": [T(128, 128, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 2), T(128, 128, 32, 8, 8, 4),
+            T(128, 128, 64, 8, 4, 3), T(64, 256, 32, 8, 8, 3)],
+    "wgrad_gate_up": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
+                      T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
+                      T(128, 128, 64, 1, 4, 4)],
+    "wgrad_down": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
+                   T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
+                   T(128, 128, 64, 1, 4, 4)],
+}
+
+
+def median_ms(fn, repeats: int = 10, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def stage_runners(shape):
+    """{kind: ((n, k), run(tiles))} on the shape's real routing (routed experts)."""
+    inputs = make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
+                         shape.num_experts, shape.topk, device="cuda", seed=7)
+    config = F.MoKConfig()
+    workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=shape.num_tokens,
+                                   hidden_size=shape.hidden_size, topk=shape.topk)
+    routing = F.build_schedule(workspace, config, inputs.topk_experts,
+                               num_local_experts=shape.num_experts).routing
+    x, rw, d_out = inputs.x, inputs.router_weights, inputs.d_output
+    w_g, w_u, w_d = inputs.routed_weights
+    hid, inter = shape.hidden_size, shape.intermediate_size
+    h = ops.gate_up_swiglu(x, w_g, w_u, routing, HOPPER_TILES.gate_up, None)
+    dgu, _ = ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, HOPPER_TILES.down_bwd,
+                                  rw, None)
+    return {
+        "gate_up": ((inter, hid), lambda t: ops.gate_up_swiglu(x, w_g, w_u, routing, t, None)),
+        "down": ((hid, inter), lambda t: ops.down_proj(h, w_d, routing, t, rw)),
+        "down_bwd": ((inter, hid), lambda t: ops.down_bwd_dswiglu(
+            d_out, x, w_d, w_g, w_u, h, routing, t, rw, None)),
+        "d_x": ((hid, inter), lambda t: ops.d_x_rows(dgu, w_g, w_u, routing, t)),
+        "wgrad_gate_up": ((inter, hid), lambda t: ops.grouped_wgrad(
+            dgu[:, :inter], x, routing, t, gather_a=False, gather_b=True, out_dtype=x.dtype)),
+        "wgrad_down": ((hid, inter), lambda t: ops.grouped_wgrad(
+            d_out, h, routing, t, gather_a=True, gather_b=False, router_weights=rw,
+            out_dtype=x.dtype)),
+    }
+
+
+def tune(shapes) -> dict:
+    table = {}
+    for shape in shapes:
+        print(f"== {shape.name}", flush=True)
+        for kind, ((n, k), run) in stage_runners(shape).items():
+            results = []
+            for tiles in CANDIDATES[kind]:
+                try:
+                    results.append((median_ms(lambda t=tiles, run=run: run(t)), tiles))
+                except Exception as exc:  # a tile that does not fit this GPU: skip it
+                    print(f"   {kind} {tiles}: skipped ({type(exc).__name__})", flush=True)
+            fallback = results[0][0]
+            best_ms, best = min(results, key=lambda r: r[0])
+            table[(kind, n, k)] = best
+            print(f"   {kind:14s} n={n:6d} k={k:6d} fallback {fallback:7.3f} ms -> best "
+                  f"{best_ms:7.3f} ms ({fallback / best_ms:4.2f}x) {best}", flush=True)
+    return table
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="*", default=[s.name for s in SHAPES])
+    parser.add_argument("--out", default="tuned_tiles.json")
+    args = parser.parse_args(argv)
+    table = tune([SHAPES_BY_NAME[name] for name in args.shapes])
+    Path(args.out).write_text(table_to_json(table))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
