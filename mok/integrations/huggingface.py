@@ -1,0 +1,262 @@
+"""Swap the sparse MoE blocks of a Hugging Face transformers model in place for mok's layer.
+
+Legend: T tokens, H hidden, I expert intermediate, I_s shared intermediate, E experts, k top-k.
+
+    from mok.integrations.huggingface import patch_moe_blocks
+    model = AutoModelForCausalLM.from_config(config)      # or from_pretrained(...)
+    patch_moe_blocks(model)                               # returns the number of blocks replaced
+
+Supported block classes (where the installed transformers has them; transformers >= 5.17):
+
+| family | block | router | experts | shared experts |
+|---|---|---|---|---|
+| qwen3_moe | Qwen3MoeSparseMoeBlock | Qwen3MoeTopKRouter | Qwen3MoeExperts | - |
+| mixtral | MixtralSparseMoeBlock | MixtralTopKRouter | MixtralExperts | - |
+| olmoe | OlmoeSparseMoeBlock | OlmoeTopKRouter | OlmoeExperts | - |
+| deepseek_v3 | DeepseekV3MoE | DeepseekV3TopkRouter | DeepseekV3Experts | DeepseekV3MLP |
+
+Layout facts this relies on (checked at patch time, an unexpected layout raises ValueError):
+- experts.gate_up_proj [E, 2I, H] holds gate rows [:, :I] then up rows [:, I:] (concatenated,
+  not interleaved; the original splits its output with chunk(2)); experts.down_proj [E, H, I].
+  Both are nn.Linear's [out, in] layout, so gate_up_proj[:, :I], gate_up_proj[:, I:] and down_proj
+  are mok's w_gate, w_up [E, I, H] and w_down [E, H, I] as views: no copy, and gradients land in
+  the fused parameter. The activation is SiLU: expert(x) = down @ (silu(gate @ x) * (up @ x)).
+- the router module `gate` maps x [T, H] to (router_logits [T, E], topk_weights [T, k],
+  topk_ids [T, k]); its scoring (softmax, top-k, optional renormalization; DeepSeek-V3's sigmoid
+  scores with e_score_correction_bias, group-limited top-k, normalization and
+  routed_scaling_factor) stays the model's own: the replacement calls it. transformers records
+  router_logits (for output_router_logits and the auxiliary loss) with a hook on the router
+  module, so calling it keeps that working.
+- DeepSeek-V3's shared_experts is an MLP of bias-free nn.Linear gate_proj, up_proj [I_s, H] and
+  down_proj [H, I_s] with SiLU: exactly mok's shared expert, so it runs inside mok's kernels.
+- every block's forward maps hidden_states [B, S, H] to a tensor [B, S, H] of the input's dtype
+  (no router-logit tuple in transformers 5.x); the replacement does the same.
+
+The experts module's own forward is not called (its weights are read directly), so hooks on it,
+such as accelerate's weight offloading, and config._experts_implementation do not apply to patched
+blocks. Expert-parallel and quantized experts are refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+from torch import nn
+
+from mok.nn import Backend, moe_experts
+
+__all__ = ["MokSparseMoeBlock", "patch_moe_blocks", "supported_block_types"]
+
+# (transformers.models.<family>, block class) of the families whose blocks can be replaced.
+FAMILIES: tuple[tuple[str, str], ...] = (
+    ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    ("mixtral", "MixtralSparseMoeBlock"),
+    ("olmoe", "OlmoeSparseMoeBlock"),
+    ("deepseek_v3", "DeepseekV3MoE"),
+)
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def supported_block_types() -> dict[type[nn.Module], str]:
+    """The block classes of the installed transformers that can be replaced, -> family name."""
+    types: dict[type[nn.Module], str] = {}
+    for family, class_name in FAMILIES:
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        block_type = getattr(module, class_name, None)
+        if block_type is not None:
+            types[block_type] = family
+    return types
+
+
+def _silu_types() -> tuple[type[nn.Module], ...]:
+    from transformers import activations
+
+    found = getattr(activations, "SiLUActivation", None)
+    return (nn.SiLU,) if found is None else (nn.SiLU, found)
+
+
+def _check_experts(experts: nn.Module, router: nn.Module, where: str) -> None:
+    """Raise ValueError unless `experts` is the layout the module docstring describes."""
+    gate_up = getattr(experts, "gate_up_proj", None)
+    down = getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        raise ValueError(f"{where}: experts need gate_up_proj and down_proj tensors")
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2:
+        raise ValueError(f"{where}: gate_up_proj {tuple(gate_up.shape)} and down_proj "
+                         f"{tuple(down.shape)} must be [E, 2I, H] and [E, H, I]")
+    num_experts, two_i, hidden = gate_up.shape
+    if tuple(down.shape) != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"{where}: down_proj {tuple(down.shape)} does not match gate_up_proj "
+                         f"{tuple(gate_up.shape)} ([E, H, I] against [E, 2I, H])")
+    if not gate_up.is_floating_point() or not down.is_floating_point():
+        raise ValueError(f"{where}: expert weights of dtype {gate_up.dtype} (quantized?) are "
+                         "not supported")
+    # The flags transformers' use_experts_implementation sets (absent in some versions: their
+    # absence means the default, the layout above).
+    layout = {"is_transposed": False, "is_concatenated": True, "has_bias": False,
+              "has_gate": True, "has_post_expert_norm": False}
+    for flag, expected in layout.items():
+        if bool(getattr(experts, flag, expected)) != expected:
+            raise ValueError(f"{where}: experts.{flag}={not expected} is not supported")
+    if getattr(experts, "_is_expert_parallel", False):
+        raise NotImplementedError(f"{where}: expert parallelism is not supported")
+    if not isinstance(getattr(experts, "act_fn", None), _silu_types()):
+        raise ValueError(f"{where}: the experts' activation "
+                         f"{type(getattr(experts, 'act_fn', None)).__name__} is not SiLU; mok "
+                         "computes silu(gate) * up")
+    from transformers.integrations import moe as hf_moe
+
+    default_gate = getattr(hf_moe, "_default_apply_gate", None)
+    apply_gate = getattr(type(experts), "_apply_gate", default_gate)
+    if apply_gate is not default_gate:
+        raise ValueError(f"{where}: experts override _apply_gate; only act(gate) * up is "
+                         "supported")
+    router_weight = getattr(router, "weight", None)
+    if not isinstance(router_weight, torch.Tensor) or router_weight.shape[0] != num_experts:
+        raise ValueError(f"{where}: the router scores {getattr(router_weight, 'shape', None)} "
+                         f"experts, the experts hold {num_experts} (expert parallelism?)")
+
+
+def _check_shared(shared: nn.Module, hidden: int, where: str) -> None:
+    """Raise ValueError unless `shared` is a bias-free SiLU MLP in nn.Linear's layout."""
+    linears = [getattr(shared, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(layer, nn.Linear) and layer.bias is None for layer in linears):
+        raise ValueError(f"{where}: shared_experts needs bias-free nn.Linear gate_proj, up_proj "
+                         "and down_proj")
+    gate, up, down = (layer.weight for layer in linears)
+    size = gate.shape[0]
+    if (tuple(gate.shape) != (size, hidden) or tuple(up.shape) != (size, hidden)
+            or tuple(down.shape) != (hidden, size)):
+        raise ValueError(f"{where}: shared_experts weights {tuple(gate.shape)}, "
+                         f"{tuple(up.shape)}, {tuple(down.shape)} are not [I_s, H], [I_s, H], "
+                         "[H, I_s]")
+    if not isinstance(getattr(shared, "act_fn", None), _silu_types()):
+        raise ValueError(f"{where}: the shared experts' activation is not SiLU")
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The kernels' dtype: autocast's, else the weights' when bf16/fp16, else bf16."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        if dtype in _KERNEL_DTYPES:
+            return dtype
+    return weight.dtype if weight.dtype in _KERNEL_DTYPES else torch.bfloat16
+
+
+class MokSparseMoeBlock(nn.Module):
+    """A transformers sparse MoE block whose experts run in mok's fused layer.
+
+    It holds the original block's submodules (router `gate`, `experts`, and `shared_experts`
+    where present), parameters and buffers under the same names and in the same order, so
+    state_dict keys, parameter objects and checkpoints are the original's. forward(hidden_states
+    [B, S, H]) -> [B, S, H] in hidden_states' dtype, like the original block: the model's router
+    picks the experts and their weights, then mok.nn.moe_experts computes the routed experts and
+    the shared expert in one call.
+
+    Compute dtype (backend "mok"): the autocast dtype under torch.autocast; otherwise the expert
+    weights' dtype when bf16/fp16; fp32 weights are cast to bf16 for the kernels (gradients flow
+    back in fp32). Backend "reference": mok's pure-PyTorch reference on the tensors as they are
+    (computed in fp32), for debugging.
+    """
+
+    def __init__(self, block: nn.Module, *, backend: Backend | str = Backend.MOK,
+                 swiglu_limit: float | None = None) -> None:
+        super().__init__()
+        where = type(block).__name__
+        for name, parameter in block._parameters.items():
+            self.register_parameter(name, parameter)
+        for name, buffer in block._buffers.items():
+            self.register_buffer(name, buffer,
+                                 persistent=name not in block._non_persistent_buffers_set)
+        for name, child in block._modules.items():
+            self.add_module(name, child)
+        self.gate: nn.Module
+        self.experts: nn.Module
+        self.shared_experts: nn.Module | None
+        if not isinstance(getattr(block, "gate", None), nn.Module):
+            raise ValueError(f"{where}: no router module `gate`")
+        if not isinstance(getattr(block, "experts", None), nn.Module):
+            raise ValueError(f"{where}: no experts module `experts`")
+        _check_experts(self.experts, self.gate, where)
+        if "shared_experts" not in self._modules:
+            self.shared_experts = None
+        elif self.shared_experts is not None:
+            _check_shared(self.shared_experts, self.experts.gate_up_proj.shape[2], where)
+        self.block_type = where
+        self.backend = Backend(backend)
+        self.swiglu_limit = swiglu_limit
+        # Mixtral multiplies the block's input by U(1 - j, 1 + j) noise in training.
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
+        self.train(block.training)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        if self.training and self.jitter_noise > 0:
+            # Same draw as Mixtral's in-place multiply (same element count and order), made out
+            # of place so the caller's tensor is left alone.
+            noise = torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            x = x * noise
+        _, topk_weights, topk_ids = self.gate(x)
+        return self._experts(x, topk_ids, topk_weights).view(shape)
+
+    def _experts(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        """Routed (+ shared) experts: x [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H]."""
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        intermediate = down.shape[-1]
+        if self.backend is Backend.REFERENCE:
+            cast = lambda t: t
+        else:
+            dtype = _compute_dtype(x, gate_up)
+            cast = lambda t: t.to(dtype)
+        # One cast of the fused parameter serves both halves; without a cast the halves are views
+        # of the parameter itself.
+        gate_up = cast(gate_up)
+        shared: list[torch.Tensor | None] = [None, None, None]
+        if self.shared_experts is not None:
+            mlp = self.shared_experts
+            shared = [cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight),
+                      cast(mlp.down_proj.weight)]
+        with torch.autocast(x.device.type, enabled=False):
+            y = moe_experts(cast(x).contiguous(), topk_ids, topk_weights.float(), *shared,
+                            gate_up[:, :intermediate], gate_up[:, intermediate:], cast(down),
+                            swiglu_limit=self.swiglu_limit, backend=self.backend)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"block={self.block_type}, backend={self.backend.value}, "
+                f"swiglu_limit={self.swiglu_limit}")
+
+
+def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
+                     swiglu_limit: float | None = None) -> int:
+    """Replace, in place, every supported sparse MoE block below `model` by a MokSparseMoeBlock.
+
+    Returns the number of blocks replaced (0 when there are none, e.g. already patched). The
+    parameters stay the same objects, state_dict keys are unchanged, and checkpoints load into
+    the unpatched model. swiglu_limit clamps gate and up as mok's swiglu_limit does, for the
+    routed and the shared experts; it changes the model's math unless the model was trained so.
+    Raises ValueError (before changing anything) when a block has a layout mok cannot run.
+    """
+    block_types = supported_block_types()
+    replacements: dict[int, nn.Module] = {}
+    sites: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) in block_types:
+                sites.append((parent, name, child))
+    for _, _, block in sites:
+        if id(block) not in replacements:
+            replacements[id(block)] = MokSparseMoeBlock(block, backend=backend,
+                                                        swiglu_limit=swiglu_limit)
+    for parent, name, block in sites:
+        setattr(parent, name, replacements[id(block)])
+    return len(replacements)

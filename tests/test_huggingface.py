@@ -1,0 +1,312 @@
+"""mok.integrations.huggingface: patched transformers MoE models against the unpatched ones.
+
+Tiny random models of each family the installed transformers has (built in code, no downloads).
+The MoE weights are drawn at nn.Linear's scale (transformers' initializer_range of 0.02 would make
+the experts a rounding error of the residual stream), so the logits depend on them: a model whose
+gate and up halves are swapped misses the tolerance by far (test_swapped_gate_up_is_detected).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from torch import nn
+
+from mok.integrations.huggingface import MokSparseMoeBlock, patch_moe_blocks
+from mok.testing import TOLERANCES, Tolerance, assert_close, error_report
+
+from .conftest import DEVICE
+
+VOCAB, BATCH, SEQ = 64, 2, 8
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
+              max_position_embeddings=64, tie_word_embeddings=False)
+
+# The mok backend runs the experts of the fp32 model in bf16: each MoE layer rounds x, the fp32
+# weights, h and its output to bf16 (d_y and d_h in the backward), more roundings than the single
+# layer's bf16 bound counts (its inputs are bf16 already); two layers' errors add up, and a
+# router's weight gradient, a difference of nearly equal terms through the softmax, amplifies
+# them. Measured on these models: rel_rms up to 1.6e-2 (a router's gradient) and max_rel up to
+# 0.11 (the embedding's gradient); the bound leaves 2x. A wrong layout or routing costs O(1)
+# (test_swapped_gate_up_is_detected). The reference backend computes in fp32 like the original,
+# in another summation order.
+MODEL_BF16 = Tolerance(rel_rms=3e-2, max_rel=2.5e-1)
+TOLERANCE = {"mok": MODEL_BF16, "reference": TOLERANCES[torch.float32]}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str                 # transformers.models.<name>
+    model_class: str
+    config_class: str
+    config: dict = field(default_factory=dict)
+    moe_layers: int = 2
+    router_logits: bool = True  # the model returns router_logits and an aux_loss
+
+    def module(self) -> ModuleType:
+        try:
+            return importlib.import_module(f"transformers.models.{self.name}.modeling_{self.name}")
+        except ImportError:
+            pytest.skip(f"transformers has no {self.name}")
+
+
+FAMILIES = [
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+           dict(num_hidden_layers=3, mlp_only_layers=[1], intermediate_size=48,
+                moe_intermediate_size=16, num_key_value_heads=2, head_dim=8, num_experts=8,
+                num_experts_per_tok=2, norm_topk_prob=True, output_router_logits=True,
+                router_aux_loss_coef=0.01)),
+    Family("mixtral", "MixtralForCausalLM", "MixtralConfig",
+           dict(num_hidden_layers=2, intermediate_size=16, num_key_value_heads=2, head_dim=8,
+                num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1,
+                output_router_logits=True, router_aux_loss_coef=0.01)),
+    Family("olmoe", "OlmoeForCausalLM", "OlmoeConfig",
+           dict(num_hidden_layers=2, intermediate_size=16, num_key_value_heads=4,
+                num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                output_router_logits=True, router_aux_loss_coef=0.01, eos_token_id=2)),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config",
+           dict(num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=48,
+                moe_intermediate_size=16, num_key_value_heads=4, n_shared_experts=1,
+                n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                norm_topk_prob=True, routed_scaling_factor=2.5, kv_lora_rank=16,
+                q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+           router_logits=False),
+]
+BY_NAME = {family.name: family for family in FAMILIES}
+
+
+def build(family: Family, seed: int = 0) -> nn.Module:
+    """A tiny fp32 model of `family` on DEVICE, MoE weights at nn.Linear's scale."""
+    module = family.module()
+    config = getattr(module, family.config_class)(**COMMON, **family.config)
+    torch.manual_seed(seed)
+    model = getattr(module, family.model_class)(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".mlp." in name:
+                bound = parameter.shape[-1] ** -0.5
+                parameter.uniform_(-bound, bound)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)  # the selection bias takes part in choosing experts
+    return model.to(DEVICE)
+
+
+def patched_copy(model: nn.Module, backend: str) -> tuple[nn.Module, int]:
+    patched = copy.deepcopy(model)
+    return patched, patch_moe_blocks(patched, backend=backend)
+
+
+def token_ids() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator).to(DEVICE)
+
+
+@contextlib.contextmanager
+def recorded_routing(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """The top-k expert ids [T, k] (sorted per token) each router of `model` picks, in order."""
+    picked: list[torch.Tensor] = []
+    hooks = [module.register_forward_hook(
+        lambda _module, _args, output: picked.append(output[2].detach().sort(-1).values))
+        for name, module in model.named_modules() if name.split(".")[-1] == "gate"]
+    try:
+        yield picked
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def assert_same_routing(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """Routing is discrete: the bf16 rounding of one MoE layer may flip a near tie in a later
+    router, and then that token's values differ by O(1). The inputs are chosen with margins far
+    above that rounding; say so plainly if a flip happens anyway, rather than fail on values."""
+    assert len(actual) == len(expected) > 0
+    for layer, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        flipped = int((a != e).any(-1).sum())
+        assert flipped == 0, (f"router {layer}: {flipped} tokens picked other experts (a near "
+                              "tie flipped by bf16 rounding, or wrong routing)")
+
+
+def moe_block_prefixes(model: nn.Module) -> list[str]:
+    return [f"{name}." for name, module in model.named_modules()
+            if isinstance(module, MokSparseMoeBlock)]
+
+
+def checked_parameters(model: nn.Module) -> list[str]:
+    """Every parameter of the MoE blocks (router, experts, shared experts) and the embedding,
+    whose gradient flows through the blocks' d_x."""
+    prefixes = moe_block_prefixes(model)
+    return [name for name, _ in model.named_parameters()
+            if name.startswith(tuple(prefixes)) or "embed_tokens" in name]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_patch_keeps_parameters_and_state_dict_keys(family):
+    model = build(family)
+    before = model.state_dict(keep_vars=True)
+    count = patch_moe_blocks(model)
+    assert count == family.moe_layers
+    blocks = [m for m in model.modules() if isinstance(m, MokSparseMoeBlock)]
+    assert len(blocks) == family.moe_layers
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before)
+    for key, tensor in after.items():
+        assert tensor is before[key], key
+        assert tensor.data_ptr() == before[key].data_ptr(), key
+    # The experts, routers and shared experts are the original modules, parameters included.
+    names = [name for name, _ in model.named_parameters()]
+    assert any(".experts.gate_up_proj" in name for name in names)
+    assert sum(".mlp.gate.weight" in name for name in names) == family.moe_layers
+    assert patch_moe_blocks(model) == 0  # nothing left to replace
+
+
+@pytest.mark.parametrize("backend", ["mok", "reference"])
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_logits_match_original(family, backend):
+    original = build(family).eval()
+    patched, _ = patched_copy(original, backend)
+    ids = token_ids()
+    with torch.no_grad(), recorded_routing(original) as routing:
+        expected = original(ids)
+    with torch.no_grad(), recorded_routing(patched) as patched_routing:
+        actual = patched(ids)
+    assert_same_routing(patched_routing, routing)
+    tolerance = TOLERANCE[backend]
+    assert actual.logits.dtype == torch.float32
+    assert_close(actual.logits, expected.logits, dtype=torch.float32, name="logits",
+                 tolerance=tolerance)
+    if family.router_logits:
+        # Recorded from the model's own router modules, which the patched blocks call.
+        assert len(actual.router_logits) == family.moe_layers
+        for layer, (a, e) in enumerate(zip(actual.router_logits, expected.router_logits,
+                                           strict=True)):
+            assert_close(a, e, dtype=torch.float32, name=f"router_logits[{layer}]",
+                         tolerance=tolerance)
+        assert_close(actual.aux_loss, expected.aux_loss, dtype=torch.float32, name="aux_loss",
+                     tolerance=tolerance)
+
+
+@pytest.mark.parametrize("backend", ["mok", "reference"])
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_gradients_match_original(family, backend):
+    original = build(family).train()  # train mode: Mixtral's router jitter is on
+    patched, _ = patched_copy(original, backend)
+    ids = token_ids()
+    losses, routings = [], []
+    for model in (original, patched):
+        torch.manual_seed(7)  # the same jitter noise in both
+        with recorded_routing(model) as routing:
+            output = model(ids, labels=ids)
+        output.loss.backward()
+        losses.append(output.loss.detach())
+        routings.append(routing)
+    assert_same_routing(routings[1], routings[0])
+    tolerance = TOLERANCE[backend]
+    assert_close(losses[1], losses[0], dtype=torch.float32, name="loss", tolerance=tolerance)
+    names = checked_parameters(patched)
+    assert len(names) >= 1 + 3 * family.moe_layers
+    expected = dict(original.named_parameters())
+    for name, parameter in patched.named_parameters():
+        if name not in names:
+            continue
+        assert parameter.grad is not None, name
+        assert parameter.grad.abs().max() > 0, name
+        assert_close(parameter.grad, expected[name].grad, dtype=torch.float32, name=name,
+                     tolerance=tolerance)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_checkpoint_of_patched_model_loads_into_original(family, tmp_path: Path):
+    original = build(family).eval()
+    patched, _ = patched_copy(original, "reference")
+    ids = token_ids()
+    with torch.no_grad():
+        expected = original(ids).logits
+    torch.save(patched.state_dict(), tmp_path / "moe.pt")
+    fresh = build(family, seed=1).eval()
+    with torch.no_grad():
+        assert not torch.equal(fresh(ids).logits, expected)  # other weights before loading
+        fresh.load_state_dict(torch.load(tmp_path / "moe.pt"), strict=True)
+        assert torch.equal(fresh(ids).logits, expected)
+    patched.save_pretrained(tmp_path / "hf")
+    model_class = getattr(family.module(), family.model_class)
+    reloaded = model_class.from_pretrained(tmp_path / "hf", dtype=torch.float32).to(DEVICE)
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(ids).logits, expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_swapped_gate_up_is_detected(family):
+    """The comparisons above can tell the gate/up layout apart: a model whose experts' gate and
+    up halves are swapped is far outside even the mok backend's tolerance."""
+    original = build(family).eval()
+    swapped = copy.deepcopy(original)
+    with torch.no_grad():
+        for name, parameter in swapped.named_parameters():
+            if name.endswith("experts.gate_up_proj"):
+                parameter.copy_(parameter.roll(parameter.shape[1] // 2, dims=1))
+        ids = token_ids()
+        report = error_report(swapped(ids).logits, original(ids).logits)
+    assert report.rel_rms > 10 * MODEL_BF16.rel_rms, report
+
+
+def test_swiglu_limit_reaches_both_backends():
+    family = BY_NAME["qwen3_moe"]
+    original = build(family).eval()
+    ids = token_ids()
+    logits, routings = {}, {}
+    for backend, limit in (("mok", 0.5), ("reference", 0.5), ("reference", None)):
+        patched = copy.deepcopy(original)
+        patch_moe_blocks(patched, backend=backend, swiglu_limit=limit)
+        with torch.no_grad(), recorded_routing(patched) as routing:
+            logits[backend, limit] = patched(ids).logits
+        routings[backend, limit] = routing
+    assert_same_routing(routings["mok", 0.5], routings["reference", 0.5])
+    assert_close(logits["mok", 0.5], logits["reference", 0.5], dtype=torch.float32,
+                 name="logits with limit", tolerance=MODEL_BF16)
+    # The clamp changes the model: gate and up values beyond 0.5 are common at this scale.
+    report = error_report(logits["reference", 0.5], logits["reference", None])
+    assert report.rel_rms > 10 * MODEL_BF16.rel_rms, report
+
+
+def test_block_dtypes_follow_autocast_and_parameters():
+    block = build(BY_NAME["qwen3_moe"]).model.layers[0].mlp
+    patched = MokSparseMoeBlock(copy.deepcopy(block))
+    x = torch.randn(BATCH, SEQ, 32, device=DEVICE)
+    with torch.no_grad():
+        with recorded_routing(block) as routing:
+            expected = block(x)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            original_autocast = block(x)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16), \
+                recorded_routing(patched) as autocast_routing:
+            actual = patched(x)
+        # Under autocast the output keeps the input's dtype, as the original block's does.
+        assert actual.dtype == original_autocast.dtype == torch.float32
+        assert_same_routing(autocast_routing, routing)
+        assert_close(actual, expected, dtype=torch.bfloat16, name="autocast bf16")
+        patched.to(torch.float16)
+        with recorded_routing(patched) as fp16_routing:
+            actual = patched(x.half())
+        assert actual.dtype == torch.float16
+        assert_same_routing(fp16_routing, routing)
+        assert_close(actual, expected, dtype=torch.float16, name="fp16 parameters")
+
+
+def test_non_silu_experts_are_refused():
+    family = BY_NAME["qwen3_moe"]
+    module = family.module()
+    config = getattr(module, family.config_class)(**COMMON, **family.config, hidden_act="gelu")
+    model = getattr(module, family.model_class)(config)
+    with pytest.raises(ValueError, match="not SiLU"):
+        patch_moe_blocks(model)
+    # Nothing was replaced: the check runs on every block before the first swap.
+    assert not any(isinstance(m, MokSparseMoeBlock) for m in model.modules())
+
