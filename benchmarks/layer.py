@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import os
 import statistics
 import subprocess
 from collections.abc import Callable
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as torch_f
 
 import mok.functional as F
+from mok import _env
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
@@ -183,7 +183,7 @@ def _commit() -> str:
                                cwd=root, text=True, capture_output=True).stdout.strip()
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MOK_COMMIT", "unknown")  # a copy of the tree without .git
+        return _env.COMMIT  # a copy of the tree without .git
 
 
 def run(shapes, impl_names, *, repeats=20, warmup=5, num_input_sets=3, csv_path=None,

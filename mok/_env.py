@@ -6,6 +6,7 @@ TRITON_INTERPRET   "1" runs the Triton kernels under Triton's CPU interpreter. T
                    to "1" so that the layer runs on CPU tensors.
 MOK_VALIDATE       "1" makes every schedule check its device-side error flags at once (this
                    synchronizes with the device; for debugging).
+MOK_COMMIT         the commit recorded in benchmark rows when the tree has no .git (a copy).
 MOK_TILES_FILE     a JSON file of tuned GEMM tiles to use instead of the committed
                    mok/ops/tuned_tiles.json (written by `python -m benchmarks.tune`).
 """
@@ -27,3 +28,4 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 INTERPRET: bool = _flag("TRITON_INTERPRET")
 VALIDATE: bool = _flag("MOK_VALIDATE")
 TILES_FILE: str | None = os.environ.get("MOK_TILES_FILE") or None
+COMMIT: str = os.environ.get("MOK_COMMIT", "unknown")
