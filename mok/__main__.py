@@ -1,5 +1,11 @@
-"""Command line: `python -m mok [demo|bench] ...`.
+"""Command line: `python -m mok [train|demo|bench] ...`.
 
+train  the main job (also what `python -m mok` runs with no command): train a small
+       mixture-of-experts byte-level language model with mok.nn.MoE feed-forwards on the bundled
+       public-domain corpus, print the loss and tokens/s, write summary.json and loss.png
+       (mok/train.py; `python -m mok train --help`). On CPU it trains the tiny model with the
+       pure-PyTorch reference experts unless --backend mok is given, since Triton's interpreter
+       takes seconds per layer and step.
 demo   run one forward and backward of the fused layer on a small problem (compiled kernels on a
        GPU, Triton's interpreter on CPU), check it against the reference and print the result.
 bench  the layer benchmark (benchmarks/layer.py; run from the repository root, needs a GPU).
@@ -58,8 +64,12 @@ def demo(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    command, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("demo", argv)
-    if command == "demo":
+    command, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("train", argv)
+    if command == "train":
+        from mok import train
+
+        train.main(rest)
+    elif command == "demo":
         demo(rest)
     elif command == "bench":
         try:
@@ -69,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"(benchmarks/ must be importable): {exc}") from exc
         layer.main(rest)
     else:
-        raise SystemExit(f"unknown command {command!r}; use demo or bench")
+        raise SystemExit(f"unknown command {command!r}; use train, demo or bench")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,912 @@
+"""The main job: train a small mixture-of-experts language model, `python -m mok train`.
+
+The model is a decoder-only transformer in Qwen3-MoE's style (RMSNorm before each sublayer,
+causal self-attention with grouped key/value heads, per-head RMSNorm on queries and keys, rotary
+positions, residual connections) whose feed-forward in every block is `mok.nn.MoE`. It reads bytes
+(vocabulary 256) of the public-domain English text shipped in `mok/data/corpus.txt`: the King
+James Bible (Genesis 1-3, Psalms, Ecclesiastes, Matthew 5-7, Luke 2, 1 Corinthians 13),
+Shakespeare's sonnets and speeches, Lewis Carroll's Alice (chapter 1, verses), the first chapters
+of Austen's Pride and Prejudice, Lincoln's Gettysburg Address and Aesop's fables.
+
+Backends of the feed-forward (`--backend`):
+  mok        the fused Triton kernels (compiled on a GPU; on CPU, Triton's interpreter, which takes
+             seconds per layer and step even for the tiny model).
+  reference  mok.testing's pure-PyTorch reference behind the same module and parameters.
+  hf         Hugging Face's Qwen3MoeSparseMoeBlock, built with the same sizes and started from the
+             same weights (copied from a mok.nn.MoE created with the same seed), with transformers'
+             grouped_mm experts (--hf-experts eager: its loop over experts). Its load-balancing
+             loss lives at the model level in transformers, so the hf runs add no auxiliary loss.
+  auto       mok on CUDA, reference on CPU.
+
+Precision: bf16 autocast on CUDA, where every backend's experts compute in bf16 from the fp32
+weights; fp32 on CPU, where the reference and hf experts compute in fp32 and mok's kernels
+(--backend mok) in bf16.
+
+Every step's batch is a function of (seed, step) alone and the initial weights of (seed, config),
+so runs are reproducible, `--resume` continues a run exactly where its checkpoint left it, and
+`--compare` trains the hf block on the same weights and batches as the selected backend.
+
+Outputs in --out: summary.json, loss.png and checkpoint.pt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as torch_f
+from torch import nn
+from tqdm import tqdm
+
+from mok.nn import MoE, RouterConfig
+
+CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
+VOCAB_SIZE = 256  # bytes
+BACKENDS = ("mok", "reference", "hf")
+HF_EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm")
+TIMING_WARMUP_STEPS = 3  # steps left out of tokens/s: Triton compilation, allocator warm-up
+SAMPLE_PROMPT = b"The "
+SAMPLE_TEMPERATURE = 0.8
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the MoE language model (Qwen3-MoE's shape, scaled down).
+
+    Every block has num_heads query heads and num_kv_heads key/value heads of head_dim each, and
+    a mok.nn.MoE feed-forward: num_experts routed SwiGLU experts of moe_intermediate_size, top_k
+    of them per token, plus a shared expert of shared_intermediate_size when that is not 0 (Qwen3
+    MoE has none).
+    """
+
+    vocab_size: int = VOCAB_SIZE
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    moe_intermediate_size: int = 64
+    num_experts: int = 8
+    top_k: int = 2
+    shared_intermediate_size: int = 0
+    aux_loss_coef: float = 0.001  # Qwen3-MoE's router_aux_loss_coef
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary positions)")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must lie in [1, {self.num_experts}]")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What decides the trajectory of a run: optimizer, schedule, batches and seed.
+
+    The learning rate warms up linearly over warmup_steps, then follows a cosine down to
+    lr * min_lr_ratio at schedule_steps and stays there. schedule_steps is the run's planned length;
+    it is kept apart from steps so that a run stopped early and resumed follows the same schedule
+    as one run straight through.
+    """
+
+    steps: int
+    schedule_steps: int
+    warmup_steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class SizePreset:
+    """A model and the training defaults that go with it."""
+
+    model: ModelConfig
+    batch_size: int
+    seq_len: int
+    lr: float
+    steps: int
+    log_every: int
+    checkpoint_every: int
+    eval_batches: int
+
+
+SIZES: dict[str, SizePreset] = {
+    # One small layer: what the Triton interpreter can run in a second per step (tests).
+    "micro": SizePreset(
+        ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                    moe_intermediate_size=32, num_experts=4, top_k=2),
+        batch_size=2, seq_len=16, lr=3e-3, steps=20, log_every=5, checkpoint_every=100,
+        eval_batches=2),
+    # The CPU default: a step of the reference backend takes tens of milliseconds.
+    "tiny": SizePreset(
+        ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                    moe_intermediate_size=64, num_experts=8, top_k=2),
+        batch_size=8, seq_len=64, lr=3e-3, steps=1000, log_every=50, checkpoint_every=250,
+        eval_batches=8),
+    # The GPU default, the one worth measuring: 164M parameters, 32M active; 16,384 tokens a
+    # step (the token count of the layer benchmark's qwen3-30b-a3b shape).
+    "small": SizePreset(
+        ModelConfig(hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, head_dim=64,
+                    moe_intermediate_size=256, num_experts=32, top_k=4),
+        batch_size=16, seq_len=1024, lr=1e-3, steps=200, log_every=25, checkpoint_every=100,
+        eval_batches=4),
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto: CUDA when a GPU is present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    return device
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """auto: mok on CUDA; on CPU the reference, as the interpreted kernels are slow."""
+    if name == "auto":
+        return "mok" if device.type == "cuda" else "reference"
+    return name
+
+
+def resolve_size(name: str, device: torch.device) -> str:
+    """auto: small (the measured config) on CUDA, tiny on CPU."""
+    if name == "auto":
+        return "small" if device.type == "cuda" else "tiny"
+    return name
+
+
+# -- data ------------------------------------------------------------------------------------
+
+def load_corpus(path: str | Path | None = None) -> torch.Tensor:
+    """The corpus as a 1-D uint8 tensor of bytes (the shipped one unless path is given)."""
+    data = Path(path or CORPUS_PATH).read_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def split_corpus(data: torch.Tensor, block_size: int = 1024,
+                 validation_every: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation): every validation_every-th block of block_size bytes is held out.
+
+    Interleaved blocks rather than the tail, so that validation covers every work in the corpus.
+    """
+    blocks = data.split(block_size)
+    validation = [b for i, b in enumerate(blocks) if i % validation_every == validation_every - 1]
+    train = [b for i, b in enumerate(blocks) if i % validation_every != validation_every - 1]
+    if not validation:
+        raise ValueError(f"corpus of {data.numel()} bytes is too small to hold out a block")
+    return torch.cat(train), torch.cat(validation)
+
+
+class BatchSampler:
+    """Random windows of seq_len + 1 bytes (inputs and next-byte targets).
+
+    Batch i is drawn from a generator seeded with (seed, stream, i) alone, so any step's batch
+    can be drawn again: a resumed run needs only the step it stopped at. On CUDA the windows
+    travel from pinned memory without blocking the host.
+    """
+
+    def __init__(self, data: torch.Tensor, batch_size: int, seq_len: int, *, seed: int,
+                 stream: int, device: torch.device) -> None:
+        if data.numel() < seq_len + 2:
+            raise ValueError(f"{data.numel()} bytes cannot hold a window of {seq_len + 1}")
+        self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
+        self.seed, self.stream, self.device = seed, stream, device
+        self.offsets = torch.arange(seq_len + 1)
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each [batch_size, seq_len] int64 on the device."""
+        generator = torch.Generator().manual_seed(
+            ((self.seed * 1_000_003 + self.stream) * 1_000_000_007 + index) % 2**63)
+        starts = torch.randint(0, self.data.numel() - self.seq_len, (self.batch_size,),
+                               generator=generator)
+        windows = self.data[starts[:, None] + self.offsets].long()
+        if self.device.type == "cuda":
+            windows = windows.pin_memory().to(self.device, non_blocking=True)
+        else:
+            windows = windows.to(self.device)
+        return windows[:, :-1], windows[:, 1:]
+
+
+# -- model -----------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and returned in x's dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [seq_len, head_dim // 2] fp32 of the rotary position embedding."""
+    inverse_frequency = theta ** -(torch.arange(0, head_dim, 2, device=device).float()
+                                   / head_dim)
+    angles = torch.arange(seq_len, device=device).float()[:, None] * inverse_frequency
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the two halves of x [..., S, head_dim] (Qwen's and Llama's convention)."""
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Grouped-query causal attention with per-head RMSNorm on queries and keys (Qwen3)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, config.num_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, config.num_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, config.num_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = torch_f.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the hf backend's stand-in for mok's shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch_f.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class HFSparseMoE(nn.Module):
+    """Hugging Face's Qwen3MoeSparseMoeBlock holding a copy of a mok.nn.MoE's weights.
+
+    router.weight [E, H] -> gate.weight; w_gate, w_up [E, I, H] -> experts.gate_up_proj
+    [E, 2I, H] (gate rows first, as the block chunks them); w_down [E, H, I] ->
+    experts.down_proj. transformers 4.x's per-expert Linear modules are filled the same way.
+    A shared expert, which Qwen3-MoE has not, becomes a SwiGLU added to the block's output.
+    `aux_loss` is None: transformers computes the balancing loss at the model level.
+    """
+
+    def __init__(self, moe: MoE, experts_implementation: str = "grouped_mm") -> None:
+        super().__init__()
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        config = Qwen3MoeConfig(
+            hidden_size=moe.hidden_size, moe_intermediate_size=moe.intermediate_size,
+            num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, norm_topk_prob=True,
+            hidden_act="silu", experts_implementation=experts_implementation)
+        factory = dict(device=moe.w_gate.device, dtype=moe.w_gate.dtype)
+        # Keep the global RNG where it was, so that the layers built after this one get the
+        # same initial weights as in a mok model (every weight here is overwritten anyway).
+        with torch.random.fork_rng(devices=[]):
+            self.block = Qwen3MoeSparseMoeBlock(config).to(**factory)
+            self.shared_expert = (SwiGLU(moe.hidden_size, moe.shared_intermediate_size)
+                                  .to(**factory) if moe.shared_intermediate_size else None)
+        self._copy_weights(moe)
+        self.aux_loss: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def _copy_weights(self, moe: MoE) -> None:
+        self.block.gate.weight.copy_(moe.router.weight)
+        experts = self.block.experts
+        if hasattr(experts, "gate_up_proj"):  # transformers 5.x: fused 3-D parameters
+            _copy_checked(experts.gate_up_proj, torch.cat((moe.w_gate, moe.w_up), dim=1))
+            _copy_checked(experts.down_proj, moe.w_down)
+        else:  # transformers 4.x: one MLP module per expert
+            for index, expert in enumerate(experts):
+                _copy_checked(expert.gate_proj.weight, moe.w_gate[index])
+                _copy_checked(expert.up_proj.weight, moe.w_up[index])
+                _copy_checked(expert.down_proj.weight, moe.w_down[index])
+        if self.shared_expert is not None:
+            _copy_checked(self.shared_expert.gate_proj.weight, moe.shared_gate)
+            _copy_checked(self.shared_expert.up_proj.weight, moe.shared_up)
+            _copy_checked(self.shared_expert.down_proj.weight, moe.shared_down)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        device_type = hidden_states.device.type
+        if torch.is_autocast_enabled(device_type):
+            # transformers' grouped_mm path computes in the weights' dtype (torch's grouped_mm
+            # ignores autocast), fp32 for fp32 master weights: hand the block copies in the
+            # autocast dtype, as mok.nn.MoE does with its own weights (gradients flow back).
+            dtype = torch.get_autocast_dtype(device_type)
+            weights = {name: p.to(dtype) for name, p in self.block.named_parameters()}
+            out = torch.func.functional_call(self.block, weights, (hidden_states,))
+        else:
+            out = self.block(hidden_states)
+        if isinstance(out, tuple):  # transformers 4.x returns (hidden_states, router_logits)
+            out = out[0]
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(hidden_states)
+        return out
+
+
+def _copy_checked(destination: torch.Tensor, source: torch.Tensor) -> None:
+    if destination.shape != source.shape:
+        raise ValueError(f"Hugging Face parameter of shape {tuple(destination.shape)} cannot "
+                         f"take mok's {tuple(source.shape)}: unexpected transformers layout")
+    destination.copy_(source)
+
+
+class DecoderBlock(nn.Module):
+    """x + attention(norm(x)), then + moe(norm(x))."""
+
+    def __init__(self, config: ModelConfig, backend: str, hf_experts: str) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attention = CausalSelfAttention(config)
+        self.moe_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        moe = MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                  config.top_k, config.shared_intermediate_size,
+                  router=RouterConfig(aux_loss_coef=config.aux_loss_coef),
+                  backend="reference" if backend == "hf" else backend)
+        self.moe: MoE | HFSparseMoE = HFSparseMoE(moe, hf_experts) if backend == "hf" else moe
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.moe(self.moe_norm(x))
+
+
+class MoELanguageModel(nn.Module):
+    """Byte-level decoder-only transformer with a mixture-of-experts feed-forward per block.
+
+    forward(tokens [B, S] int64) -> logits [B, S, vocab]. After each forward, aux_loss() is the
+    sum of the blocks' router losses (zero for the hf backend).
+    """
+
+    def __init__(self, config: ModelConfig, backend: str = "reference",
+                 hf_experts: str = "grouped_mm") -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+        self.config, self.backend = config, backend
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(config, backend, hf_experts)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary_tables(tokens.shape[1], self.config.head_dim, self.config.rope_theta,
+                                 tokens.device)
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the MoE layers' auxiliary losses from the last forward (fp32 scalar)."""
+        total = self.lm_head.weight.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            if layer.moe.aux_loss is not None:
+                total = total + layer.moe.aux_loss
+        return total
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(total, active per token): active leaves out the routed experts a token skips."""
+        total = sum(p.numel() for p in self.parameters())
+        c = self.config
+        skipped = 3 * c.hidden_size * c.moe_intermediate_size * (c.num_experts - c.top_k)
+        return total, total - c.num_layers * skipped
+
+
+def build_model(config: ModelConfig, backend: str, seed: int, device: torch.device,
+                hf_experts: str = "grouped_mm") -> MoELanguageModel:
+    """The model with the initial weights of (config, seed), whatever the backend.
+
+    The weights are drawn on the CPU, so that they do not depend on the device either.
+    """
+    torch.manual_seed(seed)
+    return MoELanguageModel(config, backend, hf_experts).to(device)
+
+
+# -- training --------------------------------------------------------------------------------
+
+def lr_multiplier(step: int, config: TrainConfig) -> float:
+    """Linear warmup to 1, then a cosine to min_lr_ratio at schedule_steps, then flat."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    decay_steps = max(1, config.schedule_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
+
+
+def build_optimizer(model: nn.Module, config: TrainConfig,
+                    device: torch.device) -> torch.optim.AdamW:
+    """AdamW; matrices (and the experts' 3-D weights) decay, norm weights do not."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # The fused CUDA kernel keeps the step count on the device: no host sync in the step.
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2),
+                             fused=device.type == "cuda")
+
+
+def autocast_context(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA; fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(model: MoELanguageModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+               targets: torch.Tensor, *, lr: float, grad_clip: float,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on (inputs, targets); returns (cross-entropy, auxiliary loss) as
+    detached device scalars. Nothing in it waits for the GPU (with the mok backend)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    with autocast_context(device):
+        logits = model(inputs)
+        lm_loss = torch_f.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        aux_loss = model.aux_loss()
+    optimizer.zero_grad(set_to_none=True)
+    (lm_loss + aux_loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return lm_loss.detach(), aux_loss.detach()
+
+
+@torch.no_grad()
+def evaluate(model: MoELanguageModel, sampler: BatchSampler, num_batches: int,
+             device: torch.device) -> float:
+    """Mean cross-entropy (nats per byte) over num_batches fixed validation batches."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device)
+    for index in range(num_batches):
+        inputs, targets = sampler.batch(index)
+        with autocast_context(device):
+            logits = model(inputs)
+        total += torch_f.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    model.train(was_training)
+    return total.item() / num_batches
+
+
+@torch.no_grad()
+def generate(model: MoELanguageModel, prompt: bytes, num_bytes: int, context: int,
+             device: torch.device, *, seed: int, temperature: float = SAMPLE_TEMPERATURE) -> bytes:
+    """prompt followed by num_bytes sampled bytes (temperature sampling, seeded)."""
+    was_training = model.training
+    model.eval()
+    tokens = list(prompt)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(num_bytes):
+        window = torch.tensor([tokens[-context:]], device=device)
+        with autocast_context(device):
+            logits = model(window)[0, -1].float()
+        probs = torch.softmax(logits / temperature, dim=-1).cpu()
+        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+    model.train(was_training)
+    return bytes(tokens)
+
+
+@dataclass
+class RunOptions:
+    """How a run reports and saves; none of these change its trajectory."""
+
+    log_every: int
+    checkpoint_every: int
+    eval_batches: int
+    sample_bytes: int
+    hf_experts: str
+    progress: bool = True
+
+
+@dataclass
+class RunResult:
+    """What one training run measured."""
+
+    backend: str
+    losses: list[float]
+    aux_losses: list[float]
+    val_loss: float
+    tokens_per_s: float | None
+    timed_steps: int
+    train_seconds: float
+    params_total: int
+    params_active: int
+    start_step: int
+    sample: bytes | None
+
+    def brief(self) -> dict:
+        """The entry of this run in summary.json's compare section."""
+        return {"backend": self.backend, "initial_loss": self.losses[0],
+                "final_loss": self.losses[-1], "val_loss": self.val_loss,
+                "tokens_per_s": self.tokens_per_s, "timed_steps": self.timed_steps,
+                "train_seconds": self.train_seconds, "losses": self.losses}
+
+
+def _save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     step: int, losses: list[float], aux_losses: list[float],
+                     model_config: ModelConfig, train_config: TrainConfig, backend: str,
+                     size: str, hf_experts: str) -> None:
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,  # the next step to run: the schedule position and the data position
+        "losses": losses,
+        "aux_losses": aux_losses,
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "model_config": dataclasses.asdict(model_config),
+        "train_config": dataclasses.asdict(train_config),
+        "backend": backend,
+        "size": size,
+        "hf_experts": hf_experts,
+    }
+    temporary = path.with_suffix(".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)  # a crash while saving leaves the previous checkpoint intact
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint written by train_run, on the CPU."""
+    if not path.exists():
+        raise SystemExit(f"--resume: no checkpoint at {path}")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def train_run(model_config: ModelConfig, train_config: TrainConfig, backend: str,
+              device: torch.device, train_data: torch.Tensor, val_data: torch.Tensor,
+              options: RunOptions, *, size: str = "custom", checkpoint_path: Path | None = None,
+              resume: dict | None = None) -> RunResult:
+    """Train one model from its seed (or from `resume`, a loaded checkpoint) to config.steps."""
+    model = build_model(model_config, backend, train_config.seed, device, options.hf_experts)
+    optimizer = build_optimizer(model, train_config, device)
+    start, losses, aux_losses = 0, [], []
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        start = resume["step"]
+        losses, aux_losses = list(resume["losses"]), list(resume["aux_losses"])
+        torch.set_rng_state(resume["rng_cpu"])
+        if resume["rng_cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(resume["rng_cuda"])
+    params_total, params_active = model.parameter_counts()
+    sampler = BatchSampler(train_data, train_config.batch_size, train_config.seq_len,
+                           seed=train_config.seed, stream=0, device=device)
+    steps_to_run = max(0, train_config.steps - start)
+    # Per-step losses stay on the device; they are read only when logging (one sync per log).
+    step_losses = torch.zeros(steps_to_run, device=device)
+    step_aux = torch.zeros(steps_to_run, device=device)
+    warmup = TIMING_WARMUP_STEPS if steps_to_run > TIMING_WARMUP_STEPS else 0
+    timer_start: float | None = None
+    paused = 0.0  # checkpoint writing inside the timed window, left out of tokens/s
+    tokens = train_config.tokens_per_step
+    bar = tqdm(range(start, train_config.steps), initial=start, total=train_config.steps,
+               desc=f"train {backend}", unit="step", disable=not options.progress,
+               dynamic_ncols=True)
+    last_log_time, last_log_step = time.perf_counter(), start
+    model.train()
+    run_start = time.perf_counter()
+    for step in bar:
+        local = step - start
+        if local == warmup:
+            synchronize(device)
+            timer_start = time.perf_counter()
+        inputs, targets = sampler.batch(step)
+        lr = train_config.lr * lr_multiplier(step, train_config)
+        lm_loss, aux_loss = train_step(model, optimizer, inputs, targets, lr=lr,
+                                       grad_clip=train_config.grad_clip, device=device)
+        step_losses[local] = lm_loss
+        step_aux[local] = aux_loss
+        done = step + 1
+        if local == 0 or done % options.log_every == 0 or done == train_config.steps:
+            loss_value, aux_value = torch.stack((lm_loss, aux_loss)).tolist()  # the one sync
+            now = time.perf_counter()
+            rate = tokens * (done - last_log_step) / max(now - last_log_time, 1e-9)
+            last_log_time, last_log_step = now, done
+            bar.set_postfix(loss=f"{loss_value:.4f}", tokens_per_s=f"{rate:,.0f}")
+            tqdm.write(f"step {done:>6}/{train_config.steps}  loss {loss_value:.4f}  "
+                       f"aux {aux_value:.4f}  lr {lr:.2e}  {rate:>12,.0f} tokens/s")
+        if checkpoint_path is not None and done % options.checkpoint_every == 0 \
+                and done != train_config.steps:
+            synchronize(device)  # the steps queued so far count as training, not saving
+            saved = time.perf_counter()
+            _save_checkpoint(checkpoint_path, model, optimizer, done,
+                             losses + step_losses[:local + 1].tolist(),
+                             aux_losses + step_aux[:local + 1].tolist(), model_config,
+                             train_config, backend, size, options.hf_experts)
+            paused += time.perf_counter() - saved
+    bar.close()
+    synchronize(device)
+    end = time.perf_counter()
+    timed_steps = steps_to_run - warmup
+    tokens_per_s = (tokens * timed_steps / (end - timer_start - paused)
+                    if timer_start is not None and timed_steps > 0 else None)
+    losses += step_losses.tolist()
+    aux_losses += step_aux.tolist()
+    if checkpoint_path is not None:
+        _save_checkpoint(checkpoint_path, model, optimizer, max(start, train_config.steps),
+                         losses, aux_losses, model_config, train_config, backend, size,
+                         options.hf_experts)
+    val_sampler = BatchSampler(val_data, train_config.batch_size, train_config.seq_len,
+                               seed=train_config.seed, stream=1, device=device)
+    val_loss = evaluate(model, val_sampler, options.eval_batches, device)
+    sample = None
+    if options.sample_bytes:
+        sample = generate(model, SAMPLE_PROMPT, options.sample_bytes, train_config.seq_len,
+                          device, seed=train_config.seed)
+    return RunResult(backend=backend, losses=losses, aux_losses=aux_losses, val_loss=val_loss,
+                     tokens_per_s=tokens_per_s, timed_steps=max(timed_steps, 0),
+                     train_seconds=end - run_start, params_total=params_total,
+                     params_active=params_active, start_step=start, sample=sample)
+
+
+def plot_losses(path: Path, runs: list[RunResult]) -> None:
+    """Training loss per step of each run (and its validation loss at the end), as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5), dpi=120)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for run in runs:
+        line, = axes.plot(range(1, len(run.losses) + 1), run.losses,
+                          label=f"{run.backend} (train)", linewidth=1.2)
+        axes.scatter([len(run.losses)], [run.val_loss], color=line.get_color(), marker="o",
+                     zorder=3, label=f"{run.backend} validation {run.val_loss:.3f}")
+    axes.set_xlabel("step")
+    axes.set_ylabel("cross-entropy (nats per byte)")
+    axes.set_title("MoE byte-level language model")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+# -- command line ----------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m mok train",
+        description="Train a small mixture-of-experts byte-level language model (mok.nn.MoE in "
+                    "every block) on the bundled public-domain corpus.")
+    parser.add_argument("--size", choices=("auto", *SIZES), default="auto",
+                        help="model size: auto is small on CUDA (164M parameters, 32M active), "
+                             "tiny on CPU; micro is one small layer")
+    parser.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
+                        help="experts implementation: auto is mok on CUDA and reference on CPU, "
+                             "because on CPU mok's Triton kernels run under Triton's "
+                             "interpreter, which takes seconds per layer and step (pass "
+                             "--backend mok to run them anyway, e.g. with --size micro); hf is "
+                             "Hugging Face's Qwen3MoeSparseMoeBlock on the same initial weights, "
+                             "trained without auxiliary loss")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
+    parser.add_argument("--steps", type=int, help="total steps (default: the size's; tiny 1000, "
+                                                  "small 200)")
+    parser.add_argument("--schedule-steps", type=int,
+                        help="length of the warmup + cosine learning-rate schedule (default: "
+                             "--steps); set it when the run will be continued with --resume")
+    parser.add_argument("--warmup-steps", type=int,
+                        help="learning-rate warmup (default: a tenth of the schedule, at most 100)")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--seed", type=int, help="seed of the initial weights and batches "
+                                                 "(default: 0)")
+    parser.add_argument("--out", default="runs/train", help="output folder (default: %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from OUT/checkpoint.pt (model, optimizer, step, losses) to "
+                             "--steps; the model and training settings are the checkpoint's")
+    parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
+    parser.add_argument("--log-every", type=int,
+                        help="steps between printed losses (default: the size's, tiny 50 and "
+                             "small 25, or an eighth of the run when that is fewer)")
+    parser.add_argument("--eval-batches", type=int, help="validation batches at the end")
+    parser.add_argument("--sample-bytes", type=int, default=64,
+                        help="bytes to generate at the end (0: none; default: %(default)s)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also train the hf backend from the same weights on the same "
+                             "batches and report the speedup")
+    parser.add_argument("--hf-experts", choices=HF_EXPERTS_IMPLEMENTATIONS,
+                        default="grouped_mm",
+                        help="transformers' experts implementation for the hf backend: "
+                             "grouped_mm (the default of transformers 5 models) or eager (a "
+                             "loop over experts)")
+    parser.add_argument("--corpus", help="train on this file's bytes instead of the bundled text")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def _configs_from_args(args: argparse.Namespace, preset: SizePreset,
+                       steps: int) -> tuple[ModelConfig, TrainConfig]:
+    schedule_steps = args.schedule_steps or steps
+    warmup = args.warmup_steps if args.warmup_steps is not None else \
+        max(1, min(100, schedule_steps // 10))
+    train_config = TrainConfig(
+        steps=steps, schedule_steps=schedule_steps, warmup_steps=warmup,
+        batch_size=args.batch_size or preset.batch_size, seq_len=args.seq_len or preset.seq_len,
+        lr=args.lr if args.lr is not None else preset.lr,
+        seed=args.seed if args.seed is not None else 0)
+    return preset.model, train_config
+
+
+def _configs_from_checkpoint(args: argparse.Namespace,
+                             checkpoint: dict) -> tuple[ModelConfig, TrainConfig, str, str]:
+    """The checkpoint's configs with steps from the command line; options that would change the
+    run's trajectory may not differ from the checkpoint's."""
+    model_config = ModelConfig(**checkpoint["model_config"])
+    saved = TrainConfig(**checkpoint["train_config"])
+    backend, size = checkpoint["backend"], checkpoint["size"]
+    given = {"batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
+             "schedule_steps": args.schedule_steps, "warmup_steps": args.warmup_steps,
+             "seed": args.seed}
+    for name, value in given.items():
+        if value is not None and value != getattr(saved, name):
+            raise SystemExit(f"--resume: --{name.replace('_', '-')} {value} differs from the "
+                             f"checkpoint's {getattr(saved, name)}")
+    if args.backend not in ("auto", backend):
+        raise SystemExit(f"--resume: --backend {args.backend} differs from the checkpoint's "
+                         f"{backend}")
+    if args.size not in ("auto", size):
+        raise SystemExit(f"--resume: --size {args.size} differs from the checkpoint's {size}")
+    steps = args.steps if args.steps is not None else saved.steps
+    if steps < checkpoint["step"]:
+        raise SystemExit(f"--resume: --steps {steps} is before the checkpoint's step "
+                         f"{checkpoint['step']}")
+    return model_config, dataclasses.replace(saved, steps=steps), backend, size
+
+
+def printable(data: bytes) -> str:
+    """data as text: printable ASCII and newlines as they are, other bytes as \\xNN escapes."""
+    return "".join(chr(b) if 32 <= b < 127 or b == 10 else f"\\x{b:02x}" for b in data)
+
+
+def _format_rate(rate: float | None) -> str:
+    return "n/a (too few steps)" if rate is None else f"{rate:,.0f}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run `python -m mok train`; returns the summary written to OUT/summary.json."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = out / "checkpoint.pt"
+    resume = None
+    if args.resume:
+        if args.compare:
+            raise SystemExit("--resume and --compare cannot be combined")
+        resume = load_checkpoint(checkpoint_path)
+        model_config, train_config, backend, size = _configs_from_checkpoint(args, resume)
+        preset = SIZES.get(size, SIZES["tiny"])
+    else:
+        size = resolve_size(args.size, device)
+        preset = SIZES[size]
+        backend = resolve_backend(args.backend, device)
+        steps = args.steps if args.steps is not None else preset.steps
+        model_config, train_config = _configs_from_args(args, preset, steps)
+    if args.compare and backend == "hf":
+        raise SystemExit("--compare trains the hf backend beside another one: pick mok or "
+                         "reference")
+    if train_config.steps < 1:
+        raise SystemExit("--steps must be at least 1")
+    hf_experts = resume["hf_experts"] if resume is not None else args.hf_experts
+    options = RunOptions(
+        # Short runs log more often, so that a few dozen steps still show a curve.
+        log_every=args.log_every or max(1, min(preset.log_every, train_config.steps // 8)),
+        checkpoint_every=args.checkpoint_every or preset.checkpoint_every,
+        eval_batches=args.eval_batches or preset.eval_batches,
+        sample_bytes=args.sample_bytes, hf_experts=hf_experts,
+        progress=not args.no_progress)
+    train_data, val_data = split_corpus(load_corpus(args.corpus))
+
+    print(f"mok train: size {size}, backend {backend}, device {device}, "
+          f"{train_config.steps} steps of {train_config.batch_size} x {train_config.seq_len} "
+          f"bytes ({train_data.numel():,} training bytes, {val_data.numel():,} validation)")
+    print(f"  model: {dataclasses.asdict(model_config)}")
+    if resume is not None:
+        print(f"  resuming from {checkpoint_path} at step {resume['step']}")
+    run = train_run(model_config, train_config, backend, device, train_data, val_data, options,
+                    size=size, checkpoint_path=checkpoint_path, resume=resume)
+    runs = [run]
+    print(f"{backend}: validation loss {run.val_loss:.4f}, "
+          f"{_format_rate(run.tokens_per_s)} tokens/s ({run.timed_steps} timed steps)")
+    if args.compare:
+        hf_options = dataclasses.replace(options, sample_bytes=0)
+        hf_run = train_run(model_config, train_config, "hf", device, train_data, val_data,
+                           hf_options, size=size)
+        runs.append(hf_run)
+        print(f"hf: validation loss {hf_run.val_loss:.4f}, "
+              f"{_format_rate(hf_run.tokens_per_s)} tokens/s ({hf_run.timed_steps} timed steps)")
+
+    summary = {
+        "initial_loss": run.losses[0],
+        "final_loss": run.losses[-1],
+        "val_loss": run.val_loss,
+        "tokens_per_s": run.tokens_per_s,
+        "timed_steps": run.timed_steps,
+        "train_seconds": run.train_seconds,
+        "steps": train_config.steps,
+        "resumed_from_step": run.start_step if resume is not None else None,
+        "device": str(device),
+        "backend": backend,
+        "size": size,
+        "params_total": run.params_total,
+        "params_active": run.params_active,
+        "tokens_per_step": train_config.tokens_per_step,
+        "config": {"model": dataclasses.asdict(model_config),
+                   "train": dataclasses.asdict(train_config),
+                   "hf_experts": hf_experts if args.compare or backend == "hf" else None},
+        "losses": run.losses,
+        "aux_losses": run.aux_losses,
+        "sample": printable(run.sample) if run.sample is not None else None,
+        "torch": torch.__version__,
+    }
+    if args.compare:
+        hf_run = runs[1]
+        speedup = (run.tokens_per_s / hf_run.tokens_per_s
+                   if run.tokens_per_s and hf_run.tokens_per_s else None)
+        summary["compare"] = {backend: run.brief(), "hf": hf_run.brief(), "speedup": speedup}
+        print(f"tokens/s: {backend} {_format_rate(run.tokens_per_s)}, "
+              f"hf {_format_rate(hf_run.tokens_per_s)}, speedup "
+              + (f"{speedup:.2f}x" if speedup is not None else "n/a"))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_losses(out / "loss.png", runs)
+    print(f"loss: {run.losses[0]:.4f} -> {run.losses[-1]:.4f} (validation {run.val_loss:.4f})")
+    if run.sample is not None:
+        print(f"sample ({SAMPLE_TEMPERATURE} temperature, after {SAMPLE_PROMPT!r}):\n"
+              f"{summary['sample']}")
+    print(f"wrote {out / 'summary.json'}, {out / 'loss.png'}, {checkpoint_path}")
+    return summary

@@ -1,0 +1,197 @@
+"""The training job (`python -m mok train`, mok/train.py): summary, learning, exact resume, the
+mok backend in a model, the hf comparison and its shared initial weights.
+
+These run on the CPU (the reference backend, and the mok kernels under Triton's interpreter at a
+micro size); the GPU test checks that a training step never waits for the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mok import __main__ as cli
+from mok import train
+from mok.nn import MoE
+
+COMMON = ["--device", "cpu", "--no-progress"]
+
+
+def run(out: Path, *args: str, device: str = "cpu") -> dict:
+    """`python -m mok train` in this process; returns the summary.json it wrote."""
+    returned = train.main(["--device", device, "--no-progress", "--out", str(out), *args])
+    written = json.loads((out / "summary.json").read_text())
+    assert written == json.loads(json.dumps(returned))
+    return written
+
+
+def expected_parameter_counts(c: train.ModelConfig) -> tuple[int, int]:
+    attention = (c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+                 + 2 * c.head_dim)
+    experts = 3 * c.num_experts * c.hidden_size * c.moe_intermediate_size
+    shared = 3 * c.hidden_size * c.shared_intermediate_size
+    block = attention + 2 * c.hidden_size + c.num_experts * c.hidden_size + experts + shared
+    total = 2 * c.vocab_size * c.hidden_size + c.hidden_size + c.num_layers * block
+    skipped = 3 * (c.num_experts - c.top_k) * c.hidden_size * c.moe_intermediate_size
+    return total, total - c.num_layers * skipped
+
+
+def test_tiny_run_learns_and_writes_summary(tmp_path):
+    out = tmp_path / "run"
+    cli.main(["train", *COMMON, "--out", str(out), "--size", "tiny", "--backend", "reference",
+              "--steps", "40", "--sample-bytes", "16"])
+    summary = json.loads((out / "summary.json").read_text())
+    config = train.SIZES["tiny"].model
+    assert summary["steps"] == 40 and len(summary["losses"]) == 40
+    assert summary["device"] == "cpu" and summary["backend"] == "reference"
+    assert summary["size"] == "tiny" and summary["resumed_from_step"] is None
+    assert summary["config"]["model"] == dataclasses.asdict(config)
+    assert summary["config"]["train"]["steps"] == 40
+    assert (summary["params_total"], summary["params_active"]) == \
+        expected_parameter_counts(config) == (255_360, 107_904)
+    # A fresh model is close to uniform over 256 bytes; 40 steps take it well below.
+    assert summary["initial_loss"] == summary["losses"][0]
+    assert abs(summary["initial_loss"] - math.log(256)) < 0.3
+    assert summary["final_loss"] == summary["losses"][-1]
+    assert summary["final_loss"] < summary["initial_loss"] - 1.5
+    assert summary["val_loss"] < summary["initial_loss"] - 1.0
+    assert all(0 < a < 0.1 for a in summary["aux_losses"])  # ~ coef * num_layers when balanced
+    assert summary["timed_steps"] == 40 - train.TIMING_WARMUP_STEPS
+    assert summary["tokens_per_s"] > 0 and summary["tokens_per_step"] == 8 * 64
+    assert summary["sample"].startswith("The ") and len(summary["sample"]) >= 4 + 16
+    assert "compare" not in summary
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    checkpoint = train.load_checkpoint(out / "checkpoint.pt")
+    assert checkpoint["step"] == 40 and checkpoint["losses"] == summary["losses"]
+
+
+def test_resume_continues_exactly(tmp_path):
+    tiny = ["--size", "tiny", "--backend", "reference", "--sample-bytes", "0"]
+    first = run(tmp_path / "resumed", *tiny, "--steps", "6", "--schedule-steps", "10")
+    assert len(first["losses"]) == 6
+    resumed = run(tmp_path / "resumed", "--resume", "--steps", "10", "--sample-bytes", "0")
+    straight = run(tmp_path / "straight", *tiny, "--steps", "10")
+    assert resumed["resumed_from_step"] == 6
+    assert resumed["losses"][:6] == first["losses"]
+    # Same weights, optimizer state, schedule position and batches: bitwise the same run.
+    assert resumed["losses"] == straight["losses"]
+    assert resumed["aux_losses"] == straight["aux_losses"]
+    assert resumed["val_loss"] == straight["val_loss"]
+    assert resumed["config"] == straight["config"]
+    with pytest.raises(SystemExit, match="batch-size"):
+        train.main([*COMMON, "--out", str(tmp_path / "resumed"), "--resume", "--steps", "12",
+                    "--batch-size", "4"])
+
+
+def test_mok_backend_trains_like_the_reference(tmp_path):
+    micro = ["--size", "micro", "--steps", "2", "--eval-batches", "1", "--sample-bytes", "2"]
+    # The kernels run where mok runs them: compiled on a GPU, interpreted on CPU.
+    fused = run(tmp_path / "mok", *micro, "--backend", "mok", device="auto")
+    reference = run(tmp_path / "reference", *micro, "--backend", "reference", device="auto")
+    assert fused["backend"] == "mok" and len(fused["losses"]) == 2
+    assert all(math.isfinite(v) for v in fused["losses"])
+    assert abs(fused["initial_loss"] - math.log(256)) < 0.5
+    # Same weights and batches; the two differ only by the kernels' bf16 rounding.
+    for got, want in zip(fused["losses"], reference["losses"], strict=True):
+        assert abs(got - want) < 1e-2
+    assert abs(fused["val_loss"] - reference["val_loss"]) < 1e-2
+
+
+def test_compare_trains_hf_from_the_same_start(tmp_path):
+    out = tmp_path / "compare"
+    summary = run(out, "--size", "tiny", "--backend", "reference", "--steps", "3",
+                  "--compare", "--sample-bytes", "0", "--eval-batches", "2")
+    compare = summary["compare"]
+    assert set(compare) == {"reference", "hf", "speedup"}
+    ours, hf = compare["reference"], compare["hf"]
+    assert ours["losses"] == summary["losses"] and ours["tokens_per_s"] == summary["tokens_per_s"]
+    assert hf["backend"] == "hf" and len(hf["losses"]) == 3
+    assert compare["speedup"] == pytest.approx(ours["tokens_per_s"] / hf["tokens_per_s"])
+    # Identical initial weights and batches: the curves differ by rounding only (mok.nn.MoE
+    # runs its experts in bf16, Hugging Face's block in fp32 here; hf adds no aux loss).
+    assert abs(ours["initial_loss"] - hf["initial_loss"]) < 1e-2
+    assert abs(ours["final_loss"] - hf["final_loss"]) < 5e-2
+    assert (out / "loss.png").stat().st_size > 0
+
+
+def test_hf_block_starts_from_mok_weights():
+    config = dataclasses.replace(train.SIZES["micro"].model, num_layers=2,
+                                       shared_intermediate_size=16)
+    ours = train.build_model(config, "reference", seed=3, device=torch.device("cpu"))
+    hf = train.build_model(config, "hf", seed=3, device=torch.device("cpu"))
+    outside = [{name: p for name, p in model.named_parameters() if ".moe." not in name}
+               for model in (ours, hf)]
+    assert outside[0].keys() == outside[1].keys()
+    for name, parameter in outside[0].items():
+        assert torch.equal(parameter, outside[1][name]), name
+    assert ours.parameter_counts() == hf.parameter_counts() == expected_parameter_counts(config)
+    for layer, hf_layer in zip(ours.layers, hf.layers, strict=True):
+        moe, block = layer.moe, hf_layer.moe.block
+        assert isinstance(moe, MoE) and isinstance(hf_layer.moe, train.HFSparseMoE)
+        assert torch.equal(block.gate.weight, moe.router.weight)
+        assert torch.equal(block.experts.gate_up_proj, torch.cat((moe.w_gate, moe.w_up), dim=1))
+        assert torch.equal(block.experts.down_proj, moe.w_down)
+        assert torch.equal(hf_layer.moe.shared_expert.gate_proj.weight, moe.shared_gate)
+        assert torch.equal(hf_layer.moe.shared_expert.down_proj.weight, moe.shared_down)
+        x = torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(0))
+        y_ours, y_hf = moe(x), hf_layer.moe(x)
+        assert y_hf.shape == y_ours.shape == x.shape
+        assert hf_layer.moe.aux_loss is None
+        # mok.nn.MoE rounds fp32 weights and inputs to bf16 for its experts.
+        torch.testing.assert_close(y_ours, y_hf, rtol=2e-2, atol=2e-2)
+
+
+def test_batches_and_split_are_deterministic():
+    corpus = train.load_corpus()
+    assert corpus.numel() > 50_000 and int(corpus.max()) < 128  # ASCII text
+    train_data, val_data = train.split_corpus(corpus)
+    assert train_data.numel() + val_data.numel() == corpus.numel()
+    assert 0.05 < val_data.numel() / corpus.numel() < 0.15
+    sampler = train.BatchSampler(train_data, 4, 32, seed=1, stream=0, device=torch.device("cpu"))
+    again = train.BatchSampler(train_data, 4, 32, seed=1, stream=0, device=torch.device("cpu"))
+    inputs, targets = sampler.batch(7)
+    assert inputs.shape == targets.shape == (4, 32) and inputs.dtype == torch.int64
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the next bytes
+    assert torch.equal(inputs, again.batch(7)[0])
+    assert not torch.equal(inputs, sampler.batch(8)[0])
+
+
+def test_learning_rate_schedule():
+    config = train.TrainConfig(steps=50, schedule_steps=100, warmup_steps=10, batch_size=1,
+                               seq_len=8, lr=1.0, min_lr_ratio=0.1)
+    multipliers = [train.lr_multiplier(step, config) for step in range(120)]
+    assert multipliers[0] == pytest.approx(0.1) and multipliers[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(multipliers[9:], multipliers[10:], strict=False))
+    assert multipliers[55] == pytest.approx(0.55)  # half way down the cosine
+    assert multipliers[100] == multipliers[119] == pytest.approx(0.1)
+
+
+@pytest.mark.gpu
+def test_training_step_never_waits_for_the_gpu():
+    device = torch.device("cuda")
+    preset = train.SIZES["tiny"]
+    config = train.TrainConfig(steps=3, schedule_steps=3, warmup_steps=1,
+                               batch_size=preset.batch_size, seq_len=preset.seq_len, lr=1e-3)
+    model = train.build_model(preset.model, "mok", seed=0, device=device)
+    optimizer = train.build_optimizer(model, config, device)
+    sampler = train.BatchSampler(train.split_corpus(train.load_corpus())[0], config.batch_size,
+                                 config.seq_len, seed=0, stream=0, device=device)
+    inputs, targets = sampler.batch(0)
+    losses = [train.train_step(model, optimizer, inputs, targets, lr=1e-3, grad_clip=1.0,
+                               device=device)[0]]  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in (1, 2):
+            sampler.batch(step)  # drawing a batch does not wait either
+            losses.append(train.train_step(model, optimizer, inputs, targets, lr=1e-3,
+                                           grad_clip=1.0, device=device)[0])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    values = torch.stack(losses).tolist()
+    assert all(math.isfinite(v) for v in values) and values[2] < values[0]
