@@ -139,14 +139,18 @@ def test_bad_top_k_is_rejected():
 
 
 def _fsdp_body(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    # gloo on CPU: name the mesh's device, else FSDP2 picks CUDA whenever a GPU is present.
+    mesh = init_device_mesh("cpu", (world_size,))
 
     torch.manual_seed(0)
     reference = MoE(32, 16, 4, 2, 16, backend=Backend.REFERENCE)
     sharded = MoE(32, 16, 4, 2, 16, backend=Backend.REFERENCE)
     sharded.load_state_dict(reference.state_dict())
-    fully_shard(sharded.router)  # the non-expert parameters, sharded over the ranks
-    fully_shard(sharded)
+    fully_shard(sharded.router, mesh=mesh)  # the non-expert parameters, sharded over the ranks
+    fully_shard(sharded, mesh=mesh)
     torch.manual_seed(1)
     x_all = torch.randn(world_size, 10, 32)
     reference(x_all.reshape(-1, 32)).pow(2).sum().div(world_size).backward()
