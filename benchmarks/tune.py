@@ -12,12 +12,10 @@ read by TileConfig.pick; a fixed table keeps results reproducible across process
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
-import torch
-
 import mok.functional as F
+from benchmarks.breakdown import median_ms
 from mok import ops
 from mok.ops.tuning import HOPPER_TILES, GemmTiles, table_to_json
 from mok.testing import SHAPES, SHAPES_BY_NAME, make_inputs
@@ -39,20 +37,6 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
                    T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
                    T(128, 128, 64, 1, 4, 4)],
 }
-
-
-def median_ms(fn, repeats: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def stage_runners(shape):
