@@ -7,13 +7,14 @@ of each stage can be read against the H200 ceilings (about 693 TFLOP/s bf16, 4.2
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
 
 import mok.functional as F
 from mok import ops
-from mok.testing import SHAPES, SHAPES_BY_NAME, make_inputs
+from mok.testing import SHAPES, SHAPES_BY_NAME, make_shape_inputs
 
 
 def median_ms(fn, repeats=20, warmup=3):
@@ -30,14 +31,20 @@ def median_ms(fn, repeats=20, warmup=3):
     return statistics.median(times)
 
 
-def breakdown(shape) -> None:
-    inputs = make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
-                         shape.num_experts, shape.topk, device="cuda", seed=5)
+def shape_setup(shape, seed: int):
+    """(inputs without a shared expert, config, workspace, schedule) at a benchmark shape."""
+    inputs = make_shape_inputs(dataclasses.replace(shape, shared_intermediate_size=0),
+                               device="cuda", seed=seed)
     config = F.MoKConfig()
     workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=shape.num_tokens,
                                    hidden_size=shape.hidden_size, topk=shape.topk)
     schedule = F.build_schedule(workspace, config, inputs.topk_experts,
                                 num_local_experts=shape.num_experts)
+    return inputs, config, workspace, schedule
+
+
+def breakdown(shape) -> None:
+    inputs, config, workspace, schedule = shape_setup(shape, seed=5)
     routing, tiles = schedule.routing, schedule.tiles
     x, rw, d_out = inputs.x, inputs.router_weights, inputs.d_output
     w_g, w_u, w_d = inputs.routed_weights

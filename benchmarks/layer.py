@@ -35,7 +35,7 @@ from mok.testing import (
     MoEInputs,
     MoEShape,
     error_report,
-    make_inputs,
+    make_shape_inputs,
     moe_reference_grads,
 )
 from mok.testing.tolerance import TOLERANCES
@@ -194,10 +194,7 @@ def run(shapes, impl_names, *, repeats=20, warmup=5, num_input_sets=3, csv_path=
     commit, date = _commit(), datetime.datetime.now().isoformat(timespec="seconds")
     rows = []
     for shape in shapes:
-        input_sets = [make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
-                                  shape.num_experts, shape.topk,
-                                  shared_intermediate_size=shape.shared_intermediate_size,
-                                  device="cuda", seed=100 + i)
+        input_sets = [make_shape_inputs(shape, device="cuda", seed=100 + i)
                       for i in range(num_input_sets)]
         reference = moe_reference_grads(input_sets[0], compute_dtype=torch.float32)
         for impl_name in impl_names:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import mok.functional as F
-from benchmarks.breakdown import median_ms
+from benchmarks.breakdown import median_ms, shape_setup
 from mok import ops
 from mok.ops.tuning import HOPPER_TILES, GemmTiles, table_to_json
-from mok.testing import SHAPES, SHAPES_BY_NAME, make_inputs
+from mok.testing import SHAPES, SHAPES_BY_NAME
 
 T = GemmTiles
 CANDIDATES: dict[str, list[GemmTiles]] = {
@@ -41,13 +40,8 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
 
 def stage_runners(shape):
     """{kind: ((n, k), run(tiles))} on the shape's real routing (routed experts)."""
-    inputs = make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
-                         shape.num_experts, shape.topk, device="cuda", seed=7)
-    config = F.MoKConfig()
-    workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=shape.num_tokens,
-                                   hidden_size=shape.hidden_size, topk=shape.topk)
-    routing = F.build_schedule(workspace, config, inputs.topk_experts,
-                               num_local_experts=shape.num_experts).routing
+    inputs, _, _, schedule = shape_setup(shape, seed=7)
+    routing = schedule.routing
     x, rw, d_out = inputs.x, inputs.router_weights, inputs.d_output
     w_g, w_u, w_d = inputs.routed_weights
     hid, inter = shape.hidden_size, shape.intermediate_size

@@ -10,6 +10,7 @@ from mok.testing import (
     RoutingPattern,
     assert_close,
     make_inputs,
+    make_shape_inputs,
     moe_reference_grads,
 )
 
@@ -19,10 +20,7 @@ pytestmark = pytest.mark.gpu
 
 
 def shape_inputs(shape, seed=0, routing=RoutingPattern.RANDOM):
-    return make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
-                       shape.num_experts, shape.topk,
-                       shared_intermediate_size=shape.shared_intermediate_size,
-                       device="cuda", seed=seed, routing=routing)
+    return make_shape_inputs(shape, device="cuda", seed=seed, routing=routing)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)

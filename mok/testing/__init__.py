@@ -1,7 +1,13 @@
 """Reference, inputs, tolerances and a multi-process launcher for testing mok."""
 
 from mok.testing.distributed import distributed_test, free_port, run_distributed
-from mok.testing.inputs import MoEInputs, RoutingPattern, make_inputs, make_topk
+from mok.testing.inputs import (
+    MoEInputs,
+    RoutingPattern,
+    make_inputs,
+    make_shape_inputs,
+    make_topk,
+)
 from mok.testing.reference import expert_mlp, moe_reference, moe_reference_grads, swiglu
 from mok.testing.shapes import SHAPES, SHAPES_BY_NAME, MoEShape
 from mok.testing.tolerance import TOLERANCES, ErrorReport, Tolerance, assert_close, error_report
@@ -27,6 +33,7 @@ __all__ = [
     "expert_mlp",
     "free_port",
     "make_inputs",
+    "make_shape_inputs",
     "make_topk",
     "moe_reference",
     "moe_reference_grads",

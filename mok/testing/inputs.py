@@ -115,3 +115,12 @@ def make_inputs(
               normal(num_local, hidden_size, intermediate_size, fan_in=intermediate_size))
     d_output = normal(num_tokens, hidden_size)
     return MoEInputs(x, topk_experts.to(device), router_weights, *shared, *routed, d_output)
+
+
+def make_shape_inputs(shape, *, device: torch.device | str = "cuda", seed: int = 0,
+                      routing: RoutingPattern | str = RoutingPattern.RANDOM) -> MoEInputs:
+    """`make_inputs` at a benchmark shape (mok.testing.shapes.MoEShape), bf16."""
+    return make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
+                       shape.num_experts, shape.topk,
+                       shared_intermediate_size=shape.shared_intermediate_size, device=device,
+                       seed=seed, routing=routing)
