@@ -8,7 +8,8 @@ train  the main job (also what `python -m mok` runs with no command): train a sm
        takes seconds per layer and step.
 demo   run one forward and backward of the fused layer on a small problem (compiled kernels on a
        GPU, Triton's interpreter on CPU), check it against the reference and print the result.
-bench  the layer benchmark (benchmarks/layer.py; run from the repository root, needs a GPU).
+bench  the layer benchmark (benchmarks/layer.py; run from the repository root); with --ep N the
+       expert-parallel benchmark on N GPUs (benchmarks/ep.py).
 """
 
 from __future__ import annotations
@@ -72,12 +73,13 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "demo":
         demo(rest)
     elif command == "bench":
+        expert_parallel = any(arg == "--ep" or arg.startswith("--ep=") for arg in rest)
         try:
-            from benchmarks import layer
+            from benchmarks import ep, layer
         except ImportError as exc:
             raise SystemExit("`python -m mok bench` runs from the repository root "
                              f"(benchmarks/ must be importable): {exc}") from exc
-        layer.main(rest)
+        (ep if expert_parallel else layer).main(rest)
     else:
         raise SystemExit(f"unknown command {command!r}; use train, demo or bench")
 

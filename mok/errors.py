@@ -22,6 +22,7 @@ class ErrorFlag(enum.IntEnum):
 
     EXPERT_ID_OUT_OF_RANGE = 0
     CAPACITY_OVERFLOW = 1
+    PEER_TIMEOUT = 2  # slot 3 holds 1 + the rank that did not answer (0: this rank's own pull)
 
 
 NUM_ERROR_FLAGS = 4
@@ -34,5 +35,9 @@ ERROR_MESSAGES = {
     ErrorFlag.CAPACITY_OVERFLOW: (
         "the routed rows exceeded the schedule capacity (MoKConfig.schedule_capacity_multiplier); "
         "the routes past the capacity were left out of the result. Raise the multiplier"
+    ),
+    ErrorFlag.PEER_TIMEOUT: (
+        "a wait on another rank of the expert-parallel group timed out "
+        "(MoKConfig.peer_timeout_s); results of that call are invalid"
     ),
 }

@@ -37,6 +37,7 @@ from mok.errors import (
     MoKDataError,
     MoKInputError,
 )
+from mok.expert_parallel import ExchangePlan, ExpertParallel, Phase
 from mok.ops import Routing, TileConfig
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -53,6 +54,8 @@ class MoKConfig:
     schedule_capacity_multiplier: the schedule holds capacity_multiplier * T * k routes (never more
         than can arrive); on one GPU any value >= 1 is dropless. Overflow is an error, never a
         silent drop.
+    peer_timeout_s: how long a wait on another rank of the group may last before it is given up
+        and reported (MoKDataError naming the rank): a dead peer ends in an error, not a hang.
     """
 
     fwd_num_comm_sms: int = 16
@@ -60,6 +63,7 @@ class MoKConfig:
     minibatch_size: int = 128
     macrobatch_size: int = 8192
     schedule_capacity_multiplier: float = 2.0
+    peer_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
@@ -69,6 +73,8 @@ class MoKConfig:
             raise ValueError("MoKConfig.macrobatch_size must be a multiple of minibatch_size")
         if not self.schedule_capacity_multiplier > 0:
             raise ValueError("MoKConfig.schedule_capacity_multiplier must be positive")
+        if not self.peer_timeout_s > 0:
+            raise ValueError("MoKConfig.peer_timeout_s must be positive")
 
 
 class Workspace:
@@ -90,8 +96,6 @@ class Workspace:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if group is not None and dist.get_world_size(group) > 1:
-            raise NotImplementedError("expert parallelism (group of size > 1) is not built yet")
         for name, value in (("num_local_tokens", num_local_tokens),
                             ("hidden_size", hidden_size), ("topk", topk)):
             if int(value) < (0 if name == "num_local_tokens" else 1):
@@ -102,9 +106,16 @@ class Workspace:
         self.num_local_tokens = int(num_local_tokens)
         self.hidden_size = int(hidden_size)
         self.topk = int(topk)
-        self.ep_size = 1
-        self.ep_rank = 0
         self.error_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device)
+        self.ep: ExpertParallel | None = None
+        if group is not None and dist.get_world_size(group) > 1:
+            if device.type == "cpu" and not _env.INTERPRET:
+                raise MoKInputError("expert parallelism on CPU needs Triton's interpreter")
+            self.ep = ExpertParallel(group, device, num_tokens=self.num_local_tokens,
+                                     hidden_size=self.hidden_size, topk=self.topk,
+                                     timeout_s=config.peer_timeout_s)
+        self.ep_size = self.ep.world_size if self.ep is not None else 1
+        self.ep_rank = self.ep.rank if self.ep is not None else 0
         pin = device.type == "cuda"
         self._host_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, pin_memory=pin)
         self._flags_event: torch.cuda.Event | None = None
@@ -150,6 +161,10 @@ class Workspace:
         self.error_flags.zero_()
         self._host_flags.zero_()
         details = "; ".join(f"{flag.name}: {ERROR_MESSAGES[flag]}" for flag in raised)
+        if ErrorFlag.PEER_TIMEOUT in raised:
+            peer = flags[ErrorFlag.PEER_TIMEOUT + 1] - 1
+            who = f"rank {peer}" if peer >= 0 else "this rank's own pull"
+            details += f" (rank {self.ep_rank} waited on {who})"
         raise MoKDataError(f"mok found invalid data on the device: {details}")
 
     def dense_routing(self, num_tokens: int, align: int) -> Routing:
@@ -220,10 +235,11 @@ class Schedule:
     tiles: TileConfig
     num_experts: int
     workspace: Workspace = field(repr=False)
+    exchange: ExchangePlan | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
-        return self.routing.num_tokens
+        return self.shared_routing.num_tokens
 
     @property
     def num_local_experts(self) -> int:
@@ -248,7 +264,9 @@ class Schedule:
         num_local_experts: int,
         tiles: TileConfig | None = None,
     ) -> Schedule:
-        """Rebuild a schedule from `Schedule.tensors()` (no kernel runs)."""
+        """Rebuild a schedule from `Schedule.tensors()` (no kernel runs; one GPU only)."""
+        if workspace.ep is not None:
+            raise NotImplementedError("Schedule.from_tensors with expert parallelism")
         tiles = tiles or ops.default_tiles(workspace.device)
         routing = Routing(*tensors, num_tokens=num_tokens, topk=workspace.topk,
                           num_local_experts=num_local_experts, align=tiles.align)
@@ -262,19 +280,22 @@ class ForwardContext:
 
     h        [C, I]: routed experts' SwiGLU output, in schedule row order (x.dtype).
     h_shared [T_pad, I_s] or None: the shared expert's SwiGLU output.
+    x_rows [C, H], weights_rows [C] (expert parallelism only): the token rows and router weights
+        pulled from the other ranks, in schedule row order, kept so the backward need not pull
+        them again.
     The gate/up projections are recomputed inside the backward kernel; expert outputs are never
     kept (the router-weight gradient is computed from h).
     """
 
     h: torch.Tensor
     h_shared: torch.Tensor | None
+    x_rows: torch.Tensor | None = None
+    weights_rows: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        total = self.h.numel() * self.h.element_size()
-        if self.h_shared is not None:
-            total += self.h_shared.numel() * self.h_shared.element_size()
-        return total
+        parts = (self.h, self.h_shared, self.x_rows, self.weights_rows)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 # -- input checks (host-known facts only; never reads device values) ---------------------------
@@ -343,7 +364,7 @@ def _check_weights(
 
 def _check_router_weights(schedule: Schedule, router_weights: torch.Tensor) -> None:
     _check_tensor("router_weights", router_weights,
-                  (schedule.num_tokens, schedule.routing.topk), (torch.float32,),
+                  (schedule.num_tokens, schedule.workspace.topk), (torch.float32,),
                   schedule.workspace.device)
 
 
@@ -391,31 +412,58 @@ def build_schedule(
     num_routes = num_tokens * topk
     route_capacity = min(num_routes * workspace.ep_size,
                          math.ceil(config.schedule_capacity_multiplier * num_routes))
-    routing = ops.build_routing(
-        topk_experts, workspace.error_flags,
-        num_experts=num_local_experts * workspace.ep_size,
-        first_local_expert=num_local_experts * workspace.ep_rank,
-        num_local_experts=num_local_experts, align=tiles.align, route_capacity=route_capacity,
-    )
+    exchange = None
+    if workspace.ep is not None:
+        if num_tokens != workspace.num_local_tokens:
+            raise MoKInputError(
+                f"with expert parallelism every rank holds num_local_tokens="
+                f"{workspace.num_local_tokens} tokens, got {num_tokens}")
+        exchange = workspace.ep.build_plan(
+            workspace.ep.peer_flags(workspace.error_flags), topk_experts,
+            num_local_experts=int(num_local_experts), align=tiles.align,
+            route_capacity=route_capacity)
+        routing = exchange.rows_routing
+    else:
+        routing = ops.build_routing(
+            topk_experts, workspace.error_flags, num_experts=int(num_local_experts),
+            first_local_expert=0, num_local_experts=int(num_local_experts), align=tiles.align,
+            route_capacity=route_capacity,
+        )
     workspace._publish_errors()
     if validate or (validate is None and _env.VALIDATE):
         workspace.check_errors()
     return Schedule(routing, workspace.dense_routing(num_tokens, tiles.align), tiles,
-                    num_local_experts * workspace.ep_size, workspace)
+                    num_local_experts * workspace.ep_size, workspace, exchange)
 
 
-def _gate_up(schedule, x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_up, swiglu_limit):
+def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_routed_gate,
+             w_routed_up, swiglu_limit):
+    """The gate/up GEMMs; with expert parallelism, pulling the rows (and router weights) from
+    their ranks beside them. The shared expert goes first: it needs no remote rows."""
     pick = schedule.tiles.pick
     hidden, intermediate = x.shape[1], w_routed_gate.shape[1]
-    h = ops.gate_up_swiglu(x, w_routed_gate, w_routed_up, schedule.routing,
-                           pick("gate_up", intermediate, hidden), swiglu_limit)
     h_shared = None
     if w_shared_gate is not None:
         h_shared = ops.gate_up_swiglu(x, w_shared_gate[None], w_shared_up[None],
                                       schedule.shared_routing,
                                       pick("gate_up", w_shared_gate.shape[0], hidden),
                                       swiglu_limit)
-    return ForwardContext(h, h_shared)
+    ep = schedule.workspace.ep
+    if ep is None:
+        h = ops.gate_up_swiglu(x, w_routed_gate, w_routed_up, schedule.routing,
+                               pick("gate_up", intermediate, hidden), swiglu_limit)
+        return ForwardContext(h, h_shared)
+    peer = ep.peer_flags(schedule.workspace.error_flags)
+    ep.publish(peer, Phase.FORWARD, [(ep.x_pub(x.dtype), x),
+                                     (ep.weights_pub, router_weights.reshape(-1))])
+    x_rows, weights_rows, wait = ep.pull(
+        peer, Phase.FORWARD, schedule.exchange, src=ep.x_pub(x.dtype),
+        weights=ep.weights_pub, minibatch=config.minibatch_size,
+        num_programs=config.fwd_num_comm_sms)
+    h = ops.gate_up_swiglu(x_rows, w_routed_gate, w_routed_up, schedule.routing,
+                           pick("gate_up", intermediate, hidden), swiglu_limit, wait=wait)
+    ep.join()
+    return ForwardContext(h, h_shared, x_rows, weights_rows)
 
 
 def forward(
@@ -447,18 +495,29 @@ def forward(
     _check_router_weights(schedule, router_weights)
     x = _rowmajor(x)
     router_weights = router_weights.contiguous()
-    context = _gate_up(schedule, x, w_shared_gate, w_shared_up, w_routed_gate, w_routed_up,
-                       swiglu_limit)
+    context = _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up,
+                       w_routed_gate, w_routed_up, swiglu_limit)
     pick = schedule.tiles.pick
     hidden = x.shape[1]
-    rows = ops.down_proj(context.h, w_routed_down, schedule.routing,
-                         pick("down", hidden, w_routed_down.shape[2]), router_weights)
+    down_tiles = pick("down", hidden, w_routed_down.shape[2])
+    ep = workspace.ep
+    if ep is None:
+        rows = ops.down_proj(context.h, w_routed_down, schedule.routing, down_tiles,
+                             router_weights)
+        combine_routing = schedule.routing
+    else:  # each weighted row lands in its token's rank's combine buffer
+        rows = ops.down_proj(context.h, w_routed_down, schedule.routing, down_tiles,
+                             context.weights_rows, scatter=ep.scatter_rows(schedule.exchange,
+                                                                           x.dtype))
+        combine_routing = schedule.exchange.source_routing
     shared_rows = None
     if w_shared_down is not None:
         shared_rows = ops.down_proj(context.h_shared, w_shared_down[None],
                                     schedule.shared_routing,
                                     pick("down", hidden, w_shared_down.shape[1]), None)
-    y = ops.combine(rows, schedule.routing, shared_rows, x.dtype)
+    if ep is not None:
+        ep.finish(ep.peer_flags(workspace.error_flags), Phase.FORWARD)
+    y = ops.combine(rows, combine_routing, shared_rows, x.dtype)
     return y, context
 
 
@@ -479,8 +538,12 @@ def recompute_forward_context(
     _check_schedule(workspace, schedule)
     _check_weights(schedule, x, (w_shared_gate, w_shared_up, None),
                    (w_routed_gate, w_routed_up, None), need_down=False)
-    return _gate_up(schedule, _rowmajor(x), w_shared_gate, w_shared_up, w_routed_gate,
-                    w_routed_up, swiglu_limit)
+    router_weights = None
+    if workspace.ep is not None:  # the pull carries the router weights the forward pulled
+        raise NotImplementedError(
+            "recompute_forward_context with expert parallelism: keep the forward context")
+    return _gate_up(config, schedule, _rowmajor(x), router_weights, w_shared_gate, w_shared_up,
+                    w_routed_gate, w_routed_up, swiglu_limit)
 
 
 def _expert_backward(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
@@ -540,16 +603,67 @@ def backward(
         raise MoKInputError("the forward context and the shared-expert weights disagree")
     x, d_output = _rowmajor(x), _rowmajor(d_output)
     router_weights = router_weights.contiguous()
-    routing = schedule.routing
-    d_x_rows, d_router_weights, d_routed = _expert_backward(
-        schedule.tiles, routing, d_output, x, forward_context.h, router_weights,
-        w_routed_gate, w_routed_up, w_routed_down, swiglu_limit)
+    if (forward_context.x_rows is None) != (workspace.ep is None):
+        raise MoKInputError("the forward context was made for another workspace")
     d_shared = (None, None, None)
     d_x_shared_rows = None
-    if w_shared_gate is not None:
+    if w_shared_gate is not None:  # first: with expert parallelism it overlaps the pulls
         d_x_shared_rows, _, d_shared = _expert_backward(
             schedule.tiles, schedule.shared_routing, d_output, x, forward_context.h_shared, None,
             w_shared_gate[None], w_shared_up[None], w_shared_down[None], swiglu_limit)
         d_shared = tuple(grad[0] for grad in d_shared)
-    d_x = ops.combine(d_x_rows, routing, d_x_shared_rows, x.dtype)
+    if workspace.ep is None:
+        d_x_rows, d_router_weights, d_routed = _expert_backward(
+            schedule.tiles, schedule.routing, d_output, x, forward_context.h, router_weights,
+            w_routed_gate, w_routed_up, w_routed_down, swiglu_limit)
+        d_x = ops.combine(d_x_rows, schedule.routing, d_x_shared_rows, x.dtype)
+    else:
+        d_x, d_router_weights, d_routed = _expert_parallel_backward(
+            config, schedule, forward_context, d_output, d_x_shared_rows,
+            w_routed_gate, w_routed_up, w_routed_down, swiglu_limit)
     return (d_x, d_router_weights, *d_routed, *d_shared)
+
+
+def _expert_parallel_backward(config, schedule, context, d_output, d_x_shared_rows, w_gate, w_up,
+                              w_down, swiglu_limit):
+    """The routed experts' backward when d_output's rows live on their tokens' ranks: pull them
+    beside the first GEMM, send d_x rows and router-weight gradients back, keep weight grads."""
+    workspace, plan = schedule.workspace, schedule.exchange
+    ep = workspace.ep
+    peer = ep.peer_flags(workspace.error_flags)
+    dtype = d_output.dtype
+    hidden, intermediate = d_output.shape[1], w_gate.shape[1]
+    pick = schedule.tiles.pick
+    routing = schedule.routing
+    ep.publish(peer, Phase.BACKWARD, [(ep.dy_pub(dtype), d_output)])
+    dy_rows, _, wait = ep.pull(peer, Phase.BACKWARD, plan, src=ep.dy_pub(dtype), weights=None,
+                               minibatch=config.minibatch_size,
+                               num_programs=config.bwd_num_comm_sms)
+    d_gate_up, partial = ops.down_bwd_dswiglu(
+        dy_rows, context.x_rows, w_down, w_gate, w_up, context.h, routing,
+        pick("down_bwd", intermediate, hidden), context.weights_rows, swiglu_limit, wait=wait)
+    ep.join()
+    # Router-weight gradients by route of the group, each sent to its token's rank.
+    by_route = ops.router_grad(partial, plan.group_routing)
+    ops.scatter_route_values(by_route.reshape(-1), plan.group_routing.route_row, ep.d_weights,
+                             ep.buffer.deltas(torch.float32), plan.routes_per_rank)
+    ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate),
+                 scatter=ep.scatter_rows(plan, dtype))
+    ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
+    wgrad_gate_up = pick("wgrad_gate_up", intermediate, hidden)
+    d_w_gate = ops.grouped_wgrad(d_gate_up[:, :intermediate], context.x_rows, routing,
+                                 wgrad_gate_up, gather_a=False, gather_b=True,
+                                 out_dtype=w_gate.dtype)
+    d_w_up = ops.grouped_wgrad(d_gate_up[:, intermediate:], context.x_rows, routing,
+                               wgrad_gate_up, gather_a=False, gather_b=True,
+                               out_dtype=w_up.dtype)
+    d_w_down = ops.grouped_wgrad(dy_rows, context.h, routing,
+                                 pick("wgrad_down", hidden, intermediate), gather_a=True,
+                                 gather_b=False, router_weights=context.weights_rows,
+                                 out_dtype=w_down.dtype)
+    ops.wait_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
+    source = plan.source_routing
+    d_x = ops.combine(ep.combine_buffer(dtype), source, d_x_shared_rows, dtype)
+    valid = (source.route_row >= 0).view(source.num_tokens, source.topk)
+    d_router_weights = torch.where(valid, ep.d_weights.view(source.num_tokens, source.topk), 0.0)
+    return d_x, d_router_weights, (d_w_gate, d_w_up, d_w_down)

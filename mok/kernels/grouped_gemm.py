@@ -9,11 +9,17 @@ fixed reduction order, so every result is bitwise reproducible.
 
 Legend: M rows, N output columns, K reduction; E local experts; H hidden, I intermediate.
 UPCAST: under Triton's CPU interpreter (see mok.kernels.common).
+
+Expert parallelism adds two switches. WAIT: before its K loop a tile waits until the rows it
+reads have been pulled from the peers (mok.kernels.comm.wait_rows_ready). SCATTER: a row's output
+goes to the rank that owns its token, at `out + delta[g // routes_per_rank]`, row g %
+routes_per_rank of that rank's combine buffer, g = dest_route[row] (a route of the whole group).
 """
 
 import triton
 import triton.language as tl
 
+from mok.kernels.comm import wait_rows_ready
 from mok.kernels.common import cast_to, mma
 
 
@@ -40,6 +46,31 @@ def _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M: tl.constexpr,
+               MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr):
+    wait_rows_ready(ready_ptr, pid_m * BLOCK_M, BLOCK_M, tl.load(seq_ptr + phase), timeout,
+                    error_ptr, MINIBATCH, HAS_TIMER)
+
+
+@triton.jit
+def _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
+                routes_per_rank, SCATTER: tl.constexpr, UPCAST: tl.constexpr):
+    """out[row, cols] = acc, or with SCATTER on the rank owning the row's token (see above)."""
+    mask = cols[None, :] < N
+    if SCATTER:
+        route = tl.load(dest_route_ptr + rows)
+        valid = route >= 0
+        safe = tl.where(valid, route, 0)
+        delta = tl.load(out_delta_ptr + safe // routes_per_rank, mask=valid, other=0)
+        offsets = delta + (safe % routes_per_rank).to(tl.int64) * stride_om
+        mask = mask & valid[:, None]
+    else:
+        offsets = rows * stride_om
+    tl.store(out_ptr + offsets[:, None] + cols[None, :],
+             cast_to(acc, out_ptr.dtype.element_ty, UPCAST), mask=mask)
+
+
+@triton.jit
 def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
@@ -50,11 +81,13 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
 @triton.jit
 def gate_up_swiglu_kernel(
     x_ptr, w_gate_ptr, w_up_ptr, h_ptr, row_route_ptr, block_expert_ptr,
-    num_m_blocks, N, K, topk,
+    ready_ptr, seq_ptr, error_ptr,
+    num_m_blocks, N, K, topk, phase, timeout,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WAIT: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """h[row, n] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, K], w [E, N, K]."""
@@ -62,6 +95,9 @@ def gate_up_swiglu_kernel(
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     if expert < 0:
         return
+    if WAIT:
+        _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M, MINIBATCH,
+                   HAS_TIMER)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -88,11 +124,12 @@ def gate_up_swiglu_kernel(
 @triton.jit
 def down_proj_kernel(
     h_ptr, w_down_ptr, out_ptr, router_weights_ptr, row_route_ptr, block_expert_ptr,
-    num_m_blocks, N, K,
+    dest_route_ptr, out_delta_ptr,
+    num_m_blocks, N, K, routes_per_rank,
     stride_hm, stride_we, stride_wn, stride_wk, stride_om,
     HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
+    SCATTER: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[row, n] = w[route] * (h[row] @ w_down[e].T); h [rows, K], w_down [E, N, K]."""
     pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -117,20 +154,22 @@ def down_proj_kernel(
         route = tl.load(row_route_ptr + rows)
         weight = tl.load(router_weights_ptr + route, mask=route >= 0, other=0.0)
         acc = acc * weight[:, None]
-    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, UPCAST), mask=cols[None, :] < N)
+    _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
+                routes_per_rank, SCATTER, UPCAST)
 
 
 @triton.jit
 def down_bwd_dswiglu_kernel(
     d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, router_weights_ptr,
     d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
-    num_m_blocks, N, K, topk,
+    ready_ptr, seq_ptr, error_ptr,
+    num_m_blocks, N, K, topk, phase, timeout,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
     stride_we, stride_wn, stride_wk, stride_hm, stride_gm, stride_pm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WAIT: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Backward through the down projection and SwiGLU, gate/up recomputed in the same K loop.
@@ -144,6 +183,9 @@ def down_bwd_dswiglu_kernel(
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     if expert < 0:
         return
+    if WAIT:
+        _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M, MINIBATCH,
+                   HAS_TIMER)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -205,11 +247,12 @@ def down_bwd_dswiglu_kernel(
 @triton.jit
 def d_x_rows_kernel(
     d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr,
-    num_m_blocks, N, K,
+    dest_route_ptr, out_delta_ptr,
+    num_m_blocks, N, K, routes_per_rank,
     stride_gm, stride_we, stride_wk, stride_wn, stride_om,
     ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
+    SCATTER: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[row] = d_gate[row] @ w_gate[e] + d_up[row] @ w_up[e]; N = H, K = I, w [E, K, N]."""
     pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -234,8 +277,8 @@ def d_x_rows_kernel(
         acc = mma(a_up, b_up, acc, UPCAST)
         a_ptrs += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
-    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, UPCAST), mask=cols[None, :] < N)
+    _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
+                routes_per_rank, SCATTER, UPCAST)
 
 
 @triton.jit

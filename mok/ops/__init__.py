@@ -1,5 +1,14 @@
 """Thin launchers around the Triton kernels (no autograd, no API policy)."""
 
+from mok.ops.comm import (
+    PeerFlags,
+    RowsReady,
+    ScatterRows,
+    SymmetricBuffer,
+    scatter_route_values,
+    signal_peers,
+    wait_peers,
+)
 from mok.ops.experts import (
     combine,
     d_x_rows,
@@ -14,6 +23,10 @@ from mok.ops.tuning import GemmTiles, TileConfig, default_tiles, small_tiles
 
 __all__ = [
     "GemmTiles",
+    "PeerFlags",
+    "RowsReady",
+    "ScatterRows",
+    "SymmetricBuffer",
     "Routing",
     "TileConfig",
     "build_routing",
@@ -27,5 +40,8 @@ __all__ = [
     "gate_up_swiglu",
     "grouped_wgrad",
     "router_grad",
+    "scatter_route_values",
+    "signal_peers",
     "small_tiles",
+    "wait_peers",
 ]

@@ -11,10 +11,26 @@ import triton
 from mok import _env
 from mok.kernels import combine as combine_kernels
 from mok.kernels import grouped_gemm as gemm_kernels
+from mok.ops.comm import HAS_TIMER, RowsReady, ScatterRows
 from mok.ops.routing import Routing
 from mok.ops.tuning import GemmTiles
 
 UPCAST = _env.INTERPRET
+
+
+def _wait_args(wait: RowsReady | None, fallback: torch.Tensor) -> tuple[tuple, dict, dict]:
+    """(pointer args, scalar args, constexprs) of a GEMM's optional wait for pulled rows."""
+    if wait is None:
+        return (fallback, fallback, fallback), dict(phase=0, timeout=0), dict(
+            WAIT=False, MINIBATCH=1, HAS_TIMER=HAS_TIMER)
+    return wait.kernel_args(), dict(phase=wait.phase, timeout=wait.timeout), dict(
+        WAIT=True, MINIBATCH=wait.minibatch, HAS_TIMER=HAS_TIMER)
+
+
+def _scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> tuple[tuple, int, dict]:
+    if scatter is None:
+        return (out, out), 1, dict(SCATTER=False)
+    return (scatter.dest_route, scatter.deltas), scatter.routes_per_rank, dict(SCATTER=True)
 
 
 def _gemm_meta(tiles: GemmTiles) -> dict:
@@ -41,17 +57,23 @@ def gate_up_swiglu(
     routing: Routing,
     tiles: GemmTiles,
     swiglu_limit: float | None,
+    wait: RowsReady | None = None,
 ) -> torch.Tensor:
-    """h [C, I] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, H], w [E, I, H]."""
+    """h [C, I] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, H], w [E, I, H].
+
+    wait: x's rows are being pulled from the peers; each tile waits for its own.
+    """
     intermediate, hidden = w_gate.shape[1:]
     h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     limit, has_limit = _limit_args(swiglu_limit)
+    wait_ptrs, wait_scalars, wait_meta = _wait_args(wait, h)
     gemm_kernels.gate_up_swiglu_kernel[(grid,)](
-        x, w_gate, w_up, h, routing.row_route, routing.block_expert,
-        num_m_blocks, intermediate, hidden, routing.topk,
+        x, w_gate, w_up, h, routing.row_route, routing.block_expert, *wait_ptrs,
+        num_m_blocks, intermediate, hidden, routing.topk, wait_scalars["phase"],
+        wait_scalars["timeout"],
         x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
-        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, **_gemm_meta(tiles),
+        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, **wait_meta, **_gemm_meta(tiles),
     )
     return h
 
@@ -62,17 +84,26 @@ def down_proj(
     routing: Routing,
     tiles: GemmTiles,
     router_weights: torch.Tensor | None,
+    scatter: ScatterRows | None = None,
 ) -> torch.Tensor:
-    """rows [C, H] = router_weights[route] * (h @ w_down[e].T); h [C, I], w_down [E, H, I]."""
+    """rows [C, H] = router_weights[route] * (h @ w_down[e].T); h [C, I], w_down [E, H, I].
+
+    scatter: write each row into its token's rank's combine buffer instead (returns that buffer).
+    """
     hidden, intermediate = w_down.shape[1:]
-    out = torch.empty(routing.capacity_rows, hidden, dtype=h.dtype, device=h.device)
+    if scatter is None:
+        out = torch.empty(routing.capacity_rows, hidden, dtype=h.dtype, device=h.device)
+    else:
+        out = scatter.out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
+    scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
     gemm_kernels.down_proj_kernel[(grid,)](
         h, w_down, out, router_weights if router_weights is not None else h,
-        routing.row_route, routing.block_expert,
-        num_m_blocks, hidden, intermediate,
+        routing.row_route, routing.block_expert, *scatter_ptrs,
+        num_m_blocks, hidden, intermediate, routes_per_rank,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0),
-        HAS_WEIGHT=router_weights is not None, ALIGN=routing.align, **_gemm_meta(tiles),
+        HAS_WEIGHT=router_weights is not None, ALIGN=routing.align, **scatter_meta,
+        **_gemm_meta(tiles),
     )
     return out
 
@@ -111,6 +142,7 @@ def down_bwd_dswiglu(
     tiles: GemmTiles,
     router_weights: torch.Tensor | None,
     swiglu_limit: float | None,
+    wait: RowsReady | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients at the gate/up outputs, gate/up recomputed in the same pass.
 
@@ -126,17 +158,19 @@ def down_bwd_dswiglu(
         partial = torch.empty(rows, triton.cdiv(intermediate, tiles.block_n),
                               dtype=torch.float32, device=x.device)
     limit, has_limit = _limit_args(swiglu_limit)
+    wait_ptrs, wait_scalars, wait_meta = _wait_args(wait, d_gate_up)
     gemm_kernels.down_bwd_dswiglu_kernel[(grid,)](
         d_out, x, w_down, w_gate, w_up, h,
         router_weights if router_weights is not None else h,
         d_gate_up, partial if partial is not None else d_gate_up,
-        routing.row_route, routing.block_expert,
-        num_m_blocks, intermediate, hidden, routing.topk,
+        routing.row_route, routing.block_expert, *wait_ptrs,
+        num_m_blocks, intermediate, hidden, routing.topk, wait_scalars["phase"],
+        wait_scalars["timeout"],
         d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
         w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0), d_gate_up.stride(0),
         partial.stride(0) if partial is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
-        **_gemm_meta(tiles),
+        **wait_meta, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 
@@ -147,17 +181,25 @@ def d_x_rows(
     w_up: torch.Tensor,
     routing: Routing,
     tiles: GemmTiles,
+    scatter: ScatterRows | None = None,
 ) -> torch.Tensor:
-    """rows [C, H] = d_gate @ w_gate[e] + d_up @ w_up[e]; w [E, I, H]."""
+    """rows [C, H] = d_gate @ w_gate[e] + d_up @ w_up[e]; w [E, I, H].
+
+    scatter: write each row into its token's rank's combine buffer instead (returns that buffer).
+    """
     intermediate, hidden = w_gate.shape[1:]
-    out = torch.empty(routing.capacity_rows, hidden, dtype=d_gate_up.dtype,
-                      device=d_gate_up.device)
+    if scatter is None:
+        out = torch.empty(routing.capacity_rows, hidden, dtype=d_gate_up.dtype,
+                          device=d_gate_up.device)
+    else:
+        out = scatter.out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
+    scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
     gemm_kernels.d_x_rows_kernel[(grid,)](
-        d_gate_up, w_gate, w_up, out, routing.block_expert,
-        num_m_blocks, hidden, intermediate,
+        d_gate_up, w_gate, w_up, out, routing.block_expert, *scatter_ptrs,
+        num_m_blocks, hidden, intermediate, routes_per_rank,
         d_gate_up.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), out.stride(0),
-        ALIGN=routing.align, **_gemm_meta(tiles),
+        ALIGN=routing.align, **scatter_meta, **_gemm_meta(tiles),
     )
     return out
 

@@ -1,0 +1,320 @@
+"""Expert-parallel benchmark: `python -m mok bench --ep N` (N processes, one GPU each).
+
+For each shape (DESIGN.md section 4, tokens per GPU as listed; E in total, except kimi whose 6
+experts are per GPU), on the same inputs on every rank:
+- mok: build_schedule + forward (+ backward) over the group (symmetric memory, pulls beside the
+  GEMMs);
+- nccl_grouped_mm: the torchtitan way: split sizes exchanged and read on the host, NCCL
+  all_to_all_single of the token rows, torch._grouped_mm experts, all_to_all_single back,
+  weighted sum; backward through autograd;
+- compute_only: mok on one GPU with the same per-GPU work (T tokens, the E_local local experts),
+  no communication: the floor the overlap aims at;
+- dispatch: mok's publish + pull of the forward alone, for the NVLink bandwidth it reaches
+  (bytes pulled from other ranks / time; the measured pull ceiling of copy_ is 371 GB/s).
+Every implementation is checked against the mok.testing reference on the group first. Collective
+code is timed with a fixed loop count and CUDA events (never do_bench: ranks must issue the same
+number of collectives); a row reports the slowest rank's median. Rows go to
+benchmarks/results/ep.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as torch_f
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CSV_FIELDS = ("gpu", "commit", "date", "ep", "shape", "impl", "mode", "ms", "tflops",
+              "vs_compute_only", "gb_s", "peak_mem_gb", "max_rel_err")
+DEFAULT_SHAPES = ("qwen3-30b-a3b", "kimi-ep64-slice")
+PULL_CEILING_GB_S = 371.0
+
+
+def ep_shape(shape, world_size):
+    """E in total stays as listed, except for kimi's slice whose experts are per GPU."""
+    import dataclasses
+
+    if shape.name.startswith("kimi"):
+        return dataclasses.replace(shape, num_experts=shape.num_experts * world_size)
+    return shape
+
+
+def rank_inputs(shape, rank, world_size, device, seed=0):
+    from mok.testing import make_inputs
+
+    num_local = shape.num_experts // world_size
+    return make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
+                       shape.num_experts, shape.topk,
+                       shared_intermediate_size=shape.shared_intermediate_size,
+                       num_local_experts=num_local, device=device, seed=seed * 1000 + rank)
+
+
+# -- the baseline: NCCL all_to_all + grouped_mm ---------------------------------------------------
+
+def nccl_grouped_mm_moe(x, topk_experts, router_weights, w_gate_up, w_down, shared, group):
+    """torchtitan's expert parallelism: w_gate_up [E_local, 2I, H], w_down [E_local, H, I]."""
+    from torch.distributed.nn import functional as dist_fn
+
+    world = dist.get_world_size(group)
+    num_tokens, topk = topk_experts.shape
+    num_local = w_gate_up.shape[0]
+    flat = topk_experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)               # by expert, so by destination rank
+    send_counts = torch.bincount(flat // num_local, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # host sync
+    sorted_experts = flat[order]
+    recv_experts = torch.empty(sum(recv_splits), dtype=flat.dtype, device=x.device)
+    dist.all_to_all_single(recv_experts, sorted_experts, recv_splits, send_splits, group=group)
+    rows = dist_fn.all_to_all_single(
+        torch.empty(sum(recv_splits), x.shape[1], dtype=x.dtype, device=x.device),
+        x[order // topk], recv_splits, send_splits, group=group)
+    local = recv_experts % num_local
+    local_order = torch.argsort(local, stable=True)
+    offsets = torch.cumsum(torch.bincount(local, minlength=num_local), 0).to(torch.int32)
+    gate_up = torch._grouped_mm(rows[local_order], w_gate_up.transpose(-2, -1), offs=offsets)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out_sorted = torch._grouped_mm(torch_f.silu(gate) * up, w_down.transpose(-2, -1),
+                                   offs=offsets)
+    out_rows = torch.empty_like(out_sorted).index_copy(0, local_order, out_sorted)
+    back = dist_fn.all_to_all_single(
+        torch.empty(num_tokens * topk, x.shape[1], dtype=x.dtype, device=x.device),
+        out_rows, send_splits, recv_splits, group=group)
+    weighted = (back.float() * router_weights.reshape(-1)[order, None]).to(x.dtype)
+    y = torch.zeros_like(x).index_add(0, order // topk, weighted)
+    if shared is not None:
+        w_sg, w_su, w_sd = shared
+        y = y + (torch_f.silu(x @ w_sg.T) * (x @ w_su.T)) @ w_sd.T
+    return y
+
+
+class Baseline:
+    def __init__(self, inputs, group):
+        self.group = group
+        self.inputs = inputs
+        leaf = lambda t: t.detach().clone().requires_grad_(True)  # noqa: E731
+        self.x = leaf(inputs.x)
+        self.rw = leaf(inputs.router_weights)
+        self.w_gate_up = leaf(torch.cat([inputs.w_routed_gate, inputs.w_routed_up], dim=1))
+        self.w_down = leaf(inputs.w_routed_down)
+        self.shared = (tuple(leaf(w) for w in inputs.shared_weights)
+                       if inputs.w_shared_gate is not None else None)
+
+    def forward(self):
+        with torch.no_grad():
+            return nccl_grouped_mm_moe(self.x, self.inputs.topk_experts, self.rw, self.w_gate_up,
+                                       self.w_down, self.shared, self.group)
+
+    def step(self):
+        leaves = (self.x, self.rw, self.w_gate_up, self.w_down, *(self.shared or ()))
+        for t in leaves:
+            t.grad = None
+        y = nccl_grouped_mm_moe(self.x, self.inputs.topk_experts, self.rw, self.w_gate_up,
+                                self.w_down, self.shared, self.group)
+        y.backward(self.inputs.d_output)
+        i = self.inputs.w_routed_gate.shape[1]
+        shared = tuple(s.grad for s in self.shared) if self.shared else (None, None, None)
+        return y, (self.x.grad, self.rw.grad, self.w_gate_up.grad[:, :i],
+                   self.w_gate_up.grad[:, i:], self.w_down.grad, *shared)
+
+
+class MoKLayer:
+    def __init__(self, inputs, group, config):
+        import mok.functional as F
+
+        self.F, self.inputs, self.config = F, inputs, config
+        self.workspace = F.create_workspace(
+            config, group, device=inputs.x.device, num_local_tokens=inputs.x.shape[0],
+            hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
+
+    def schedule(self):
+        return self.F.build_schedule(self.workspace, self.config, self.inputs.topk_experts,
+                                     num_local_experts=self.inputs.num_local_experts)
+
+    def forward(self):
+        return self.F.forward(self.config, self.workspace, self.schedule(),
+                              *self.inputs.layer_args)[0]
+
+    def step(self):
+        schedule = self.schedule()
+        y, ctx = self.F.forward(self.config, self.workspace, schedule, *self.inputs.layer_args)
+        grads = self.F.backward(self.config, self.workspace, schedule, ctx, self.inputs.d_output,
+                                *self.inputs.layer_args)
+        return y, grads
+
+
+def timed(fn, iters, warmup, group):
+    """Median ms of `fn` over `iters` calls (fixed count on every rank), slowest rank."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if group is not None:
+        dist.barrier(group)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    median = torch.tensor([statistics.median(times)], device="cuda")
+    if group is not None:
+        dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
+    return float(median)
+
+
+def max_error(y, grads, inputs, group):
+    from mok.testing import GRAD_NAMES, error_report, moe_reference_grads
+
+    y_ref, grads_ref = moe_reference_grads(inputs, group=group, compute_dtype=torch.float32)
+    worst = error_report(y, y_ref, "y").max_rel
+    for name, a, b in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if b is not None:
+            worst = max(worst, error_report(a, b, name).max_rel)
+    value = torch.tensor([worst], device="cuda")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return float(value)
+
+
+def _rank_main(rank, world_size, shape_names, iters, warmup, commit):
+    import mok.functional as F
+    from mok.testing import SHAPES_BY_NAME, make_inputs
+    from mok.testing.tolerance import TOLERANCES
+
+    group = dist.group.WORLD
+    device = torch.device("cuda", rank)
+    config = F.MoKConfig()
+    rows = []
+    gpu = torch.cuda.get_device_name(device)
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    limit = TOLERANCES[torch.bfloat16].max_rel
+
+    def row(shape, impl, mode, ms, flops, compute_ms=None, gb_s=None, err=float("nan")):
+        rows.append(dict(gpu=gpu, commit=commit, date=date, ep=world_size, shape=shape.name,
+                         impl=impl, mode=mode, ms=round(ms, 4),
+                         tflops=round(flops / ms / 1e9, 1) if flops else "",
+                         vs_compute_only=round(ms / compute_ms, 3) if compute_ms else "",
+                         gb_s=round(gb_s, 1) if gb_s else "",
+                         peak_mem_gb=round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+                         max_rel_err=f"{err:.2e}"))
+        if rank == 0:
+            print(f"  {impl:16s} {mode:17s} {ms:9.3f} ms  "
+                  f"{rows[-1]['tflops']!s:>6} TFLOP/s  x{rows[-1]['vs_compute_only']!s:6} "
+                  f"{rows[-1]['gb_s']!s:>6} GB/s  err {err:.2e}", flush=True)
+
+    for name in shape_names:
+        shape = ep_shape(SHAPES_BY_NAME[name], world_size)
+        fwd_flops = shape.flops() / 3
+        if rank == 0:
+            print(f"== {shape.name} EP={world_size}: T={shape.num_tokens}/GPU, "
+                  f"E={shape.num_experts}, H={shape.hidden_size}, I={shape.intermediate_size}, "
+                  f"k={shape.topk}", flush=True)
+        inputs = rank_inputs(shape, rank, world_size, device)
+        # compute only: the same per-GPU work on one GPU, no group
+        num_local = shape.num_experts // world_size
+        solo = make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
+                           num_local, shape.topk,
+                           shared_intermediate_size=shape.shared_intermediate_size,
+                           device=device, seed=7 + rank)
+        solo_layer = MoKLayer(solo, None, config)
+        compute = {"forward": timed(solo_layer.forward, iters, warmup, group),
+                   "forward+backward": timed(solo_layer.step, iters, warmup, group)}
+        for mode, ms in compute.items():
+            row(shape, "compute_only", mode, ms, fwd_flops * (3 if "backward" in mode else 1))
+        del solo_layer, solo
+
+        for impl_name in ("mok", "nccl_grouped_mm"):
+            impl = (MoKLayer(inputs, group, config) if impl_name == "mok"
+                    else Baseline(inputs, group))
+            y, grads = impl.step()
+            err = max_error(y, grads, inputs, group)
+            if err > limit:
+                if rank == 0:
+                    print(f"  {impl_name}: max_rel_err {err:.2e} above {limit}: not timed")
+                continue
+            del y, grads
+            torch.cuda.reset_peak_memory_stats(device)
+            for mode, fn in (("forward", impl.forward), ("forward+backward", impl.step)):
+                ms = timed(fn, iters, warmup, group)
+                flops = fwd_flops * (3 if "backward" in mode else 1)
+                row(shape, impl_name, mode, ms, flops, compute[mode], err=err)
+            if impl_name == "mok":
+                ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)
+                row(shape, "mok", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
+            del impl
+    return rows
+
+
+def dispatch_only(layer, inputs, iters, warmup, group):
+    """Time the forward's publish + pull alone; bytes that crossed NVLink into this rank."""
+    from mok.expert_parallel import Phase
+
+    workspace, config = layer.workspace, layer.config
+    ep = workspace.ep
+    schedule = layer.schedule()
+    x = inputs.x
+    weights = inputs.router_weights.contiguous()
+
+    def run():
+        peer = ep.peer_flags(workspace.error_flags)
+        ep.publish(peer, Phase.FORWARD, [(ep.x_pub(x.dtype), x),
+                                         (ep.weights_pub, weights.reshape(-1))])
+        ep.pull(peer, Phase.FORWARD, schedule.exchange, src=ep.x_pub(x.dtype),
+                weights=ep.weights_pub, minibatch=config.minibatch_size,
+                num_programs=config.fwd_num_comm_sms)
+        ep.join()
+
+    ms = timed(run, iters, warmup, group)
+    routes = schedule.exchange.group_routing.row_route
+    remote = ((routes >= 0) & (routes // ep.routes_per_rank != ep.rank)).sum()
+    nbytes = float(remote) * x.shape[1] * x.element_size()
+    value = torch.tensor([nbytes], device="cuda")
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return ms, float(value)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mok bench --ep N", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ep", type=int, required=True, help="processes, one GPU each")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                        help="comma-separated shape names, or 'all'")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--csv", type=Path, default=RESULTS / "ep.csv")
+    parser.add_argument("--timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+    from benchmarks.layer import _commit
+    from mok.testing import SHAPES, run_distributed
+
+    if torch.cuda.device_count() < args.ep:
+        raise SystemExit(f"--ep {args.ep} needs {args.ep} GPUs, found "
+                         f"{torch.cuda.device_count()}")
+    names = [s.name for s in SHAPES] if args.shapes == "all" else args.shapes.split(",")
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)  # never NVLink multicast
+    results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, _commit(),
+                              backend="nccl", timeout_s=args.timeout)
+    rows = results[0]
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    new = not args.csv.exists()
+    with args.csv.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    print(f"{len(rows)} rows appended to {args.csv}")
+
+
+if __name__ == "__main__":
+    main()

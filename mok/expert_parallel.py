@@ -1,0 +1,228 @@
+"""Expert parallelism inside a node: the symmetric workspace and the exchange of each phase.
+
+Used by mok.functional when its group has more than one rank. Legend: P ranks, T tokens per rank,
+k slots, H hidden, E_local experts per rank, TK = T * k routes per rank; a route of the group is
+g = rank * TK + t * k + j. C = schedule rows of this rank.
+
+Each rank's symmetric buffer holds what it publishes (topk ids, x and router weights, d_output)
+and what the other ranks deliver to it (expert output rows and d_x rows in its combine buffer,
+router-weight gradients), plus the flags. Every phase is numbered on the device (seq), identically
+on every rank since every rank makes the same calls:
+
+- schedule: publish topk; pull every rank's topk (waiting on each rank's publish flag); sort the
+  routes of the local experts, exactly as on one GPU but over the P * TK routes of the group.
+- forward: publish x and the router weights; a pull kernel on a side stream copies the rows of the
+  local experts from their ranks in minibatches, raising a ready flag per minibatch, while the
+  gate/up GEMM starts on each row tile as soon as its minibatch has landed; the down GEMM writes
+  each weighted row straight into its token's rank's combine buffer; each rank signals "done" to
+  every rank and, once all have, combines its own tokens in a fixed order.
+- backward: the same for d_output; d_x rows and router-weight gradients go back to the token's
+  rank; weight gradients stay with the experts.
+
+Buffers a rank publishes are overwritten in the next round of the phase only after every rank
+acknowledged having pulled them; buffers written by other ranks are read after their "done".
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+
+from mok import ops
+from mok.ops import Routing, comm
+
+
+class Phase(enum.IntEnum):
+    SCHEDULE = 0
+    FORWARD = 1
+    BACKWARD = 2
+
+
+NUM_PHASES = len(Phase)
+
+
+class FlagSlots:
+    """Slots of the int64 flag vector: pub[phase] (this rank's own), then ack[phase][rank] and
+    done[phase][rank] written by the other ranks."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.size = NUM_PHASES * (1 + 2 * world_size)
+
+    def pub(self, phase: Phase) -> int:
+        return int(phase)
+
+    def ack(self, phase: Phase) -> int:
+        return NUM_PHASES + int(phase) * self.world_size
+
+    def done(self, phase: Phase) -> int:
+        return NUM_PHASES * (1 + self.world_size) + int(phase) * self.world_size
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """The per-schedule facts of the exchange (device tensors, no host sync).
+
+    rows_routing: the routing of the local rows as the GEMMs see them: row r reads row r of the
+        pulled buffers (row_route = r, or -1 for padding; topk 1).
+    group_routing: the sort of the group's routes (row_route = g per row; route_row per g).
+    source_routing: this rank's own routes for the combine: route_row[t * k + j] = t * k + j, or
+        -1 when the expert id is out of range (those routes are computed nowhere).
+    """
+
+    rows_routing: Routing
+    group_routing: Routing
+    source_routing: Routing
+    routes_per_rank: int
+
+
+class ExpertParallel:
+    """The expert-parallel state of a workspace: symmetric buffer, flags, side stream."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, *, num_tokens: int,
+                 hidden_size: int, topk: int, timeout_s: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = world = dist.get_world_size(group)
+        self.device = device
+        self.num_tokens, self.hidden_size, self.topk = num_tokens, hidden_size, topk
+        self.routes_per_rank = routes = num_tokens * topk
+        self.slots = FlagSlots(world)
+        up = comm.SymmetricBuffer.round_up
+        nbytes = (up(self.slots.size * 8)
+                  + 2 * up(num_tokens * hidden_size * 2)   # x, d_output (2-byte dtypes)
+                  + up(routes * hidden_size * 2)           # combine buffer
+                  + 3 * up(routes * 4))                    # topk, router weights, their grads
+        self.buffer = buffer = comm.SymmetricBuffer(nbytes, group, device)
+        self.flags = buffer.take((self.slots.size,), torch.int64)
+        self._x_pub = buffer.take((num_tokens, hidden_size), torch.bfloat16)
+        self._dy_pub = buffer.take((num_tokens, hidden_size), torch.bfloat16)
+        self._combine = buffer.take((routes, hidden_size), torch.bfloat16)
+        self.topk_pub = buffer.take((routes,), torch.int32)
+        self.weights_pub = buffer.take((routes,), torch.float32)
+        self.d_weights = buffer.take((routes,), torch.float32)
+        self.seq = torch.zeros(NUM_PHASES, dtype=torch.int64, device=device)
+        self._ready: dict[Phase, torch.Tensor] = {}
+        self.timeout_s = timeout_s
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def peer_flags(self, errors: torch.Tensor) -> comm.PeerFlags:
+        return comm.PeerFlags(self.flags, self.buffer.deltas(torch.int64), self.seq, errors,
+                              self.rank, self.world_size, comm.timeout_units(self.timeout_s))
+
+    def x_pub(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._x_pub.view(dtype)
+
+    def dy_pub(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._dy_pub.view(dtype)
+
+    def combine_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._combine.view(dtype)
+
+    def ready(self, phase: Phase, rows: int, minibatch: int) -> torch.Tensor:
+        """Ready flags of `phase`'s pulls (zeros at first; the values only grow)."""
+        needed = max(triton.cdiv(rows, minibatch), 1)
+        flags = self._ready.get(phase)
+        if flags is None or flags.shape[0] < needed:
+            flags = torch.zeros(needed, dtype=torch.int64, device=self.device)
+            self._ready[phase] = flags
+        return flags
+
+    # -- steps shared by the phases ----------------------------------------------------------
+    def publish(self, peer: comm.PeerFlags, phase: Phase,
+                copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Wait until every rank pulled the last round, copy `copies` (dst <- src) into the
+        symmetric buffer, and announce the new round."""
+        comm.wait_peers(peer, phase, self.slots.ack(phase))
+        for dst, src in copies:
+            dst.copy_(src)
+        comm.advance(peer, phase, self.slots.pub(phase))
+
+    def side_stream(self):
+        """A context in which the pulls run beside the GEMMs (CUDA), or a no-op (CPU)."""
+        if self.stream is None:
+            return _NoStream()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def pull(self, peer: comm.PeerFlags, phase: Phase, plan: ExchangePlan, *,
+             src: torch.Tensor, weights: torch.Tensor | None, minibatch: int,
+             num_programs: int) -> tuple[torch.Tensor, torch.Tensor | None, comm.RowsReady]:
+        """Start pulling the rows of this rank's schedule (and their weights) beside the GEMMs;
+        returns the destination buffers and what the GEMMs wait on."""
+        routing = plan.group_routing
+        rows = routing.capacity_rows
+        dst = torch.empty(rows, src.shape[1], dtype=src.dtype, device=self.device)
+        dst_weights = (torch.empty(rows, dtype=torch.float32, device=self.device)
+                       if weights is not None else None)
+        ready = self.ready(phase, rows, minibatch)
+        with self.side_stream():
+            comm.pull_rows(
+                peer, src=src, dst=dst, weights=weights, dst_weights=dst_weights,
+                row_route=routing.row_route, expert_offsets=routing.expert_offsets, ready=ready,
+                phase=phase, publish_slot=self.slots.pub(phase),
+                routes_per_rank=self.routes_per_rank, topk=self.topk,
+                num_programs=num_programs, minibatch=minibatch,
+                src_deltas=self.buffer.deltas(src.dtype),
+                weights_deltas=self.buffer.deltas(torch.float32) if weights is not None else None)
+            comm.signal_peers(peer, phase, self.slots.ack(phase))
+        wait = comm.RowsReady(ready, self.seq, int(phase), peer.errors, peer.timeout, minibatch)
+        return dst, dst_weights, wait
+
+    def scatter_rows(self, plan: ExchangePlan, dtype: torch.dtype) -> comm.ScatterRows:
+        return comm.ScatterRows(self.combine_buffer(dtype), self.buffer.deltas(dtype),
+                                plan.group_routing.row_route, self.routes_per_rank)
+
+    def finish(self, peer: comm.PeerFlags, phase: Phase) -> None:
+        """Tell every rank this rank's deliveries of `phase` landed; wait for theirs."""
+        comm.signal_peers(peer, phase, self.slots.done(phase))
+        comm.wait_peers(peer, phase, self.slots.done(phase))
+
+    # -- the schedule ------------------------------------------------------------------------
+    def build_plan(self, peer: comm.PeerFlags, topk_experts: torch.Tensor, *,
+                   num_local_experts: int, align: int, route_capacity: int) -> ExchangePlan:
+        world, routes = self.world_size, self.routes_per_rank
+        self.publish(peer, Phase.SCHEDULE, [(self.topk_pub, topk_experts.reshape(-1))])
+        group_topk = torch.empty(world * routes, dtype=torch.int32, device=self.device)
+        comm.gather_peers(peer, self.topk_pub, group_topk, self.buffer.deltas(torch.int32),
+                          Phase.SCHEDULE, self.slots.pub(Phase.SCHEDULE))
+        comm.signal_peers(peer, Phase.SCHEDULE, self.slots.ack(Phase.SCHEDULE))
+        num_experts = num_local_experts * world
+        group_routing = ops.build_routing(
+            group_topk.view(world * self.num_tokens, self.topk), peer.errors,
+            num_experts=num_experts, first_local_expert=num_local_experts * self.rank,
+            num_local_experts=num_local_experts, align=align, route_capacity=route_capacity)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        rows = torch.arange(group_routing.capacity_rows, **i32)
+        rows_routing = Routing(
+            row_route=torch.where(group_routing.row_route >= 0, rows, -1),
+            route_row=group_routing.route_row, block_expert=group_routing.block_expert,
+            expert_counts=group_routing.expert_counts,
+            expert_offsets=group_routing.expert_offsets,
+            num_tokens=group_routing.capacity_rows, topk=1,
+            num_local_experts=num_local_experts, align=align)
+        own = topk_experts.reshape(-1)
+        source_route_row = torch.where((own >= 0) & (own < num_experts),
+                                       torch.arange(routes, **i32), -1)
+        empty = torch.empty(0, **i32)
+        source_routing = Routing(
+            row_route=empty, route_row=source_route_row, block_expert=empty,
+            expert_counts=empty, expert_offsets=empty, num_tokens=self.num_tokens,
+            topk=self.topk, num_local_experts=num_local_experts, align=align)
+        return ExchangePlan(rows_routing, group_routing, source_routing, routes)
+
+
+class _NoStream:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

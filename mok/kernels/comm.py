@@ -1,0 +1,186 @@
+"""Expert-parallel communication kernels: flags, waits with timeouts, pulls from peers.
+
+Every rank of an expert-parallel group owns one symmetric buffer (the same layout on every rank,
+mapped into every rank's address space: PyTorch symmetric memory on GPUs, shared-memory files on
+CPU). A kernel reaches a peer's copy of a buffer at `local_ptr + delta[peer]`, delta being the
+distance between the two mappings in elements. The kernels only ever move data and flags; every
+GEMM stays in mok.kernels.grouped_gemm.
+
+Flags are int64 sequence numbers that only grow: a phase (schedule, forward, backward) is numbered
+on the device (`seq`), so the same code works when replayed by a CUDA graph. A waiter spins until
+a flag reaches the phase's number. Every spin has a timeout: on GPU in nanoseconds of the global
+timer, under the interpreter (no timer) in spins. A wait that times out records the peer in the
+error flags and gives up, so a dead peer ends in an error naming it, never in a hang.
+
+Memory order: a producer's stores, then a CTA barrier, then a release store of the flag (system
+scope for peers); a consumer's acquire load of the flag, then a CTA barrier, then its loads.
+"""
+
+import triton
+import triton.language as tl
+
+# Slots of the error-flag vector (mok.errors.ErrorFlag).
+FLAG_PEER_TIMEOUT = tl.constexpr(2)
+FLAG_PEER_RANK = tl.constexpr(3)  # 1 + the rank that did not answer
+
+
+@triton.jit
+def _now(HAS_TIMER: tl.constexpr):
+    if HAS_TIMER:
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return tl.zeros([], dtype=tl.int64)
+
+
+@triton.jit
+def wait_at_least(flag_ptr, target, peer, timeout, error_ptr, HAS_TIMER: tl.constexpr):
+    """Spin until *flag_ptr >= target (acquire, system scope) or `timeout` passes.
+
+    On timeout, sets the PEER_TIMEOUT error and records `peer`. Returns whether the flag came.
+    """
+    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    start = _now(HAS_TIMER)
+    elapsed = tl.zeros([], dtype=tl.int64)
+    while (value < target) & (elapsed <= timeout):
+        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        if HAS_TIMER:
+            elapsed = _now(HAS_TIMER) - start
+        else:
+            elapsed += 1
+    arrived = value >= target
+    if not arrived:
+        tl.atomic_max(error_ptr + FLAG_PEER_TIMEOUT, 1)
+        tl.atomic_max(error_ptr + FLAG_PEER_RANK, peer + 1)
+    tl.debug_barrier()
+    return arrived
+
+
+@triton.jit
+def advance_kernel(seq_ptr, flags_ptr, phase, publish_slot, PUBLISH: tl.constexpr):
+    """seq[phase] += 1; with PUBLISH, also release it into this rank's flag `publish_slot`."""
+    value = tl.load(seq_ptr + phase) + 1
+    tl.store(seq_ptr + phase, value)
+    if PUBLISH:
+        tl.debug_barrier()
+        tl.atomic_xchg(flags_ptr + publish_slot, value, sem="release", scope="sys")
+
+
+@triton.jit
+def signal_peers_kernel(flags_ptr, delta_ptr, seq_ptr, phase, slot, rank, world_size,
+                        P_PAD: tl.constexpr):
+    """Every peer's flags[slot + rank] = seq[phase] (release, system scope), this rank included."""
+    value = tl.load(seq_ptr + phase)
+    peers = tl.arange(0, P_PAD)
+    mask = peers < world_size
+    delta = tl.load(delta_ptr + peers, mask=mask, other=0)
+    tl.debug_barrier()
+    tl.atomic_xchg(flags_ptr + delta + slot + rank, tl.zeros([P_PAD], dtype=tl.int64) + value,
+                   mask=mask, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_peers_kernel(flags_ptr, delta_ptr, seq_ptr, error_ptr, phase, slot, stride_peer,
+                      world_size, timeout, REMOTE: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Wait until flag(p) >= seq[phase] for every rank p, where flag(p) is this rank's
+    flags[slot + p * stride_peer] or, with REMOTE, rank p's own flags[slot]."""
+    target = tl.load(seq_ptr + phase)
+    for peer in range(0, world_size):
+        if REMOTE:
+            ptr = flags_ptr + tl.load(delta_ptr + peer) + slot
+        else:
+            ptr = flags_ptr + slot + peer * stride_peer
+        wait_at_least(ptr, target, peer, timeout, error_ptr, HAS_TIMER)
+
+
+@triton.jit
+def gather_peers_kernel(src_ptr, delta_ptr, dst_ptr, flags_ptr, flag_delta_ptr, seq_ptr,
+                        error_ptr, phase, publish_slot, numel, world_size, timeout,
+                        BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """dst[p * numel + i] = rank p's src[i], once rank p has published the phase (grid: P, n)."""
+    peer = tl.program_id(0)
+    target = tl.load(seq_ptr + phase)
+    wait_at_least(flags_ptr + tl.load(flag_delta_ptr + peer) + publish_slot, target, peer,
+                  timeout, error_ptr, HAS_TIMER)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    values = tl.load(src_ptr + tl.load(delta_ptr + peer) + offsets, mask=mask)
+    tl.store(dst_ptr + peer.to(tl.int64) * numel + offsets, values, mask=mask)
+
+
+@triton.jit
+def pull_rows_kernel(
+    src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
+    row_route_ptr, expert_offsets_ptr, ready_ptr,
+    flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
+    phase, publish_slot, num_local_experts, routes_per_rank, topk, width, world_size, timeout,
+    stride_src, stride_dst,
+    HAS_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
+):
+    """The dispatch: dst[row] = (rank of route g)'s src[token of g], g = row_route[row].
+
+    A route g of the whole group is rank g // routes_per_rank's route g % routes_per_rank, token
+    (g % routes_per_rank) // topk. Programs take minibatches of MINIBATCH rows in turn, in row
+    order, up to the rows in use, and set ready[minibatch] = seq[phase] when one has landed, so
+    the expert GEMMs start on the first rows while later ones are in flight. With HAS_WEIGHTS the
+    route's router weight comes along: dst_weights[row] = weights of rank g's route.
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    target = tl.load(seq_ptr + phase)
+    for peer in range(0, world_size):
+        wait_at_least(flags_ptr + tl.load(flag_delta_ptr + peer) + publish_slot, target, peer,
+                      timeout, error_ptr, HAS_TIMER)
+    used_rows = tl.load(expert_offsets_ptr + num_local_experts)
+    num_minibatches = tl.cdiv(used_rows, MINIBATCH)
+    cols = tl.arange(0, BLOCK_W)
+    for minibatch in range(pid, num_minibatches, num_programs):
+        for r0 in range(0, MINIBATCH, BLOCK_R):
+            rows = minibatch * MINIBATCH + r0 + tl.arange(0, BLOCK_R)
+            in_batch = (rows < used_rows) & (rows < (minibatch + 1) * MINIBATCH)
+            route = tl.load(row_route_ptr + rows, mask=in_batch, other=-1)
+            valid = route >= 0
+            safe = tl.where(valid, route, 0)
+            src_rank = safe // routes_per_rank
+            local_route = safe % routes_per_rank
+            token = (local_route // topk).to(tl.int64)
+            src_rows = tl.load(src_delta_ptr + src_rank, mask=valid, other=0) \
+                + token * stride_src
+            dst_rows = rows.to(tl.int64) * stride_dst
+            for c0 in range(0, width, BLOCK_W):
+                mask = valid[:, None] & ((c0 + cols) < width)[None, :]
+                values = tl.load(src_ptr + src_rows[:, None] + (c0 + cols)[None, :], mask=mask)
+                tl.store(dst_ptr + dst_rows[:, None] + (c0 + cols)[None, :], values, mask=mask)
+            if HAS_WEIGHTS:
+                w_delta = tl.load(weights_delta_ptr + src_rank, mask=valid, other=0)
+                weight = tl.load(weights_ptr + w_delta + local_route, mask=valid, other=0.0)
+                tl.store(dst_weights_ptr + rows, weight, mask=in_batch)
+        tl.debug_barrier()
+        tl.atomic_xchg(ready_ptr + minibatch, target, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_rows_ready(ready_ptr, first_row, num_rows, target, timeout, error_ptr,
+                    MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Inside a GEMM: wait until the minibatches holding rows [first_row, first_row + num_rows)
+    have landed (see pull_rows_kernel). The peer reported on timeout is -1 (this rank's pull)."""
+    for minibatch in range(first_row // MINIBATCH, tl.cdiv(first_row + num_rows, MINIBATCH)):
+        wait_at_least(ready_ptr + minibatch, target, -1, timeout, error_ptr, HAS_TIMER)
+
+
+@triton.jit
+def scatter_route_values_kernel(
+    values_ptr, route_row_ptr, out_ptr, out_delta_ptr, num_routes, routes_per_rank,
+    BLOCK: tl.constexpr,
+):
+    """out on rank g // routes_per_rank, at g % routes_per_rank = values[g] for every route g
+    scheduled here (route_row[g] >= 0); the others are left to the ranks that own them."""
+    routes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = routes < num_routes
+    row = tl.load(route_row_ptr + routes, mask=in_range, other=-1)
+    here = row >= 0
+    value = tl.load(values_ptr + routes, mask=here, other=0.0)
+    dst_rank = routes // routes_per_rank
+    delta = tl.load(out_delta_ptr + dst_rank, mask=here, other=0)
+    tl.store(out_ptr + delta + routes % routes_per_rank, value, mask=here)

@@ -1,0 +1,236 @@
+"""Symmetric buffers of an expert-parallel group and the launchers of the communication kernels.
+
+A `SymmetricBuffer` is one allocation per rank, of the same size on every rank, that every rank
+of the group can read and write: PyTorch symmetric memory on CUDA (NVLink multicast is never
+used), shared-memory files mapped by every process on CPU (Triton's interpreter then runs the
+same kernels and the same flag logic as the GPU). Kernels reach rank p's copy of a local view at
+`view + deltas(dtype)[p]`.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+
+from mok import _env
+from mok.kernels import comm as kernels
+
+HAS_TIMER = not _env.INTERPRET
+# The interpreter has no clock: its waits count spins instead (about this many per second).
+INTERPRETER_SPINS_PER_S = 2000
+_ALIGN_BYTES = 256
+
+
+def timeout_units(seconds: float) -> int:
+    """A wait's timeout in the kernels' unit: ns of the GPU timer, or interpreter spins."""
+    if HAS_TIMER:
+        return int(seconds * 1e9)
+    return max(1, int(seconds * INTERPRETER_SPINS_PER_S))
+
+
+def _p_pad(world_size: int) -> int:
+    return triton.next_power_of_2(max(world_size, 2))
+
+
+class SymmetricBuffer:
+    """`nbytes` on every rank of `group`, mapped into every rank's address space."""
+
+    def __init__(self, nbytes: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = device
+        self.nbytes = nbytes = max(int(nbytes), _ALIGN_BYTES)
+        self._offset = 0
+        self._peers: list[torch.Tensor] = []
+        if device.type == "cuda":
+            from torch.distributed import _symmetric_memory as symm_mem
+
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+            self.local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+            self.local.zero_()
+            torch.cuda.synchronize(device)
+            handle = symm_mem.rendezvous(self.local, group.group_name)
+            self._handle = handle
+            addresses = [int(ptr) for ptr in handle.buffer_ptrs]
+        else:
+            self.local, addresses = self._map_shared_files(nbytes)
+        base = self.local.data_ptr()
+        self._delta_bytes = [address - base for address in addresses]
+        if any(delta % 8 for delta in self._delta_bytes):
+            raise RuntimeError("symmetric buffers are not 8-byte aligned alike on every rank")
+        # Made once here: a host-to-device copy later would be a sync in the forward.
+        self._deltas = {size: torch.tensor([delta // size for delta in self._delta_bytes],
+                                           dtype=torch.int64).to(device)
+                        for size in (1, 2, 4, 8)}
+        dist.barrier(group)
+
+    def _map_shared_files(self, nbytes: int) -> tuple[torch.Tensor, list[int]]:
+        """CPU: each rank creates a file in shared memory; every rank maps all of them."""
+        token = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0),
+                                   group=self.group)
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        paths = [os.path.join(root or "/tmp", f"mok-{token[0]}-{peer}")
+                 for peer in range(self.world_size)]
+        local = torch.from_file(paths[self.rank], shared=True, size=nbytes, dtype=torch.uint8)
+        local.zero_()
+        dist.barrier(self.group)
+        mappings = [local if peer == self.rank else
+                    torch.from_file(paths[peer], shared=True, size=nbytes, dtype=torch.uint8)
+                    for peer in range(self.world_size)]
+        dist.barrier(self.group)
+        os.unlink(paths[self.rank])  # the mappings stay valid; nothing is left on disk
+        self._peers = mappings
+        return local, [mapping.data_ptr() for mapping in mappings]
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next free region of the buffer as a local tensor of `shape` and `dtype`."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        start = self._offset
+        end = start + numel * itemsize
+        if end > self.nbytes:
+            raise ValueError(f"symmetric buffer of {self.nbytes} bytes is full")
+        self._offset = -(-end // _ALIGN_BYTES) * _ALIGN_BYTES
+        return self.local[start:end].view(dtype).view(shape)
+
+    def deltas(self, dtype: torch.dtype) -> torch.Tensor:
+        """[world_size] int64 on the device: rank p's mapping of a view = view + deltas[p]."""
+        return self._deltas[torch.empty((), dtype=dtype).element_size()]
+
+    @staticmethod
+    def round_up(nbytes: int) -> int:
+        return -(-int(nbytes) // _ALIGN_BYTES) * _ALIGN_BYTES
+
+
+@dataclass(frozen=True)
+class PeerFlags:
+    """Flags and sequence numbers of one workspace (see mok.kernels.comm).
+
+    flags  [num_slots] int64, symmetric; seq [num_phases] int64, local; errors: the error flags.
+    """
+
+    flags: torch.Tensor
+    flag_deltas: torch.Tensor
+    seq: torch.Tensor
+    errors: torch.Tensor
+    rank: int
+    world_size: int
+    timeout: int
+
+
+def advance(peer: PeerFlags, phase: int, publish_slot: int | None) -> None:
+    """Number the next round of `phase`; with publish_slot, tell the peers it is published."""
+    kernels.advance_kernel[(1,)](
+        peer.seq, peer.flags, phase, publish_slot or 0, PUBLISH=publish_slot is not None)
+
+
+def signal_peers(peer: PeerFlags, phase: int, slot: int) -> None:
+    """Every rank's flags[slot + this rank] = the current round of `phase`."""
+    kernels.signal_peers_kernel[(1,)](
+        peer.flags, peer.flag_deltas, peer.seq, phase, slot, peer.rank, peer.world_size,
+        P_PAD=_p_pad(peer.world_size))
+
+
+def wait_peers(peer: PeerFlags, phase: int, slot: int, *, remote: bool = False) -> None:
+    """Wait for flags[slot + p] of this rank (or, remote, flags[slot] of rank p) for every p."""
+    kernels.wait_peers_kernel[(1,)](
+        peer.flags, peer.flag_deltas, peer.seq, peer.errors, phase, slot, 1, peer.world_size,
+        peer.timeout, REMOTE=remote, HAS_TIMER=HAS_TIMER)
+
+
+def gather_peers(peer: PeerFlags, src: torch.Tensor, dst: torch.Tensor, src_deltas: torch.Tensor,
+                 phase: int, publish_slot: int) -> None:
+    """dst [P, *src.shape] = every rank's src, each once that rank published `phase`."""
+    numel = src.numel()
+    block = min(1024, triton.next_power_of_2(max(numel, 16)))
+    kernels.gather_peers_kernel[(peer.world_size, triton.cdiv(numel, block))](
+        src, src_deltas, dst, peer.flags, peer.flag_deltas, peer.seq, peer.errors,
+        phase, publish_slot, numel, peer.world_size, peer.timeout,
+        BLOCK=block, HAS_TIMER=HAS_TIMER)
+
+
+def pull_rows(
+    peer: PeerFlags,
+    *,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    weights: torch.Tensor | None,
+    dst_weights: torch.Tensor | None,
+    row_route: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    ready: torch.Tensor,
+    phase: int,
+    publish_slot: int,
+    routes_per_rank: int,
+    topk: int,
+    num_programs: int,
+    minibatch: int,
+    src_deltas: torch.Tensor,
+    weights_deltas: torch.Tensor | None,
+) -> None:
+    """The dispatch (see mok.kernels.comm.pull_rows_kernel): dst[row] = the token row of the
+    row's route on the rank that holds it; ready[minibatch] is set as minibatches land."""
+    width = src.shape[1]
+    # Tiles of 16K elements (32 KB) per program keep enough bytes in flight over NVLink.
+    block_w = min(512, triton.next_power_of_2(width))
+    block_r = max(1, min(triton.next_power_of_2(minibatch), 16384 // block_w))
+    has_weights = weights is not None
+    num_local_experts = expert_offsets.shape[0] - 1
+    kernels.pull_rows_kernel[(num_programs,)](
+        src, src_deltas, weights if has_weights else src,
+        weights_deltas if has_weights else src_deltas, dst,
+        dst_weights if has_weights else dst,
+        row_route, expert_offsets, ready, peer.flags, peer.flag_deltas, peer.seq, peer.errors,
+        phase, publish_slot, num_local_experts, routes_per_rank, topk, width, peer.world_size,
+        peer.timeout, src.stride(0), dst.stride(0),
+        HAS_WEIGHTS=has_weights, MINIBATCH=minibatch, BLOCK_R=block_r, BLOCK_W=block_w,
+        HAS_TIMER=HAS_TIMER, num_warps=8 if HAS_TIMER else 1,
+    )
+
+
+def scatter_route_values(values: torch.Tensor, route_row: torch.Tensor, out: torch.Tensor,
+                         out_deltas: torch.Tensor, routes_per_rank: int) -> None:
+    """For every route g scheduled here: rank g // routes_per_rank's out[g % routes_per_rank] =
+    values[g]."""
+    num_routes = route_row.shape[0]
+    if num_routes == 0:
+        return
+    block = 256
+    kernels.scatter_route_values_kernel[(triton.cdiv(num_routes, block),)](
+        values, route_row, out, out_deltas, num_routes, routes_per_rank, BLOCK=block)
+
+
+@dataclass(frozen=True)
+class RowsReady:
+    """A GEMM's wait for pulled rows: ready[minibatch] >= seq[phase] (see pull_rows)."""
+
+    ready: torch.Tensor
+    seq: torch.Tensor
+    phase: int
+    errors: torch.Tensor
+    timeout: int
+    minibatch: int
+
+    def kernel_args(self) -> tuple:
+        return (self.ready, self.seq, self.errors)
+
+
+@dataclass(frozen=True)
+class ScatterRows:
+    """Where a GEMM's output rows go: row g % routes_per_rank of `out` on rank
+    g // routes_per_rank, g = dest_route[row] (routes of the whole group)."""
+
+    out: torch.Tensor
+    deltas: torch.Tensor
+    dest_route: torch.Tensor
+    routes_per_rank: int

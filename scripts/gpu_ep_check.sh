@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on a machine with several GPUs: the expert-parallel tests, then the EP benchmark.
+# Writes under $OUT (default ./gpu-out). EP_SIZE (default 2) ranks; EP_TESTS=0 / EP_BENCH=0 skip
+# a step; *_TIMEOUT seconds; EP_BENCH_ARGS extra benchmark arguments. NVLink multicast stays off.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+EP_SIZE=${EP_SIZE:-2}
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
+nvidia-smi topo -m | head -n $((EP_SIZE + 2))
+# Output goes to files only (no pipes): a killed run must not leave children holding a pipe.
+if [ "${EP_TESTS:-1}" = 1 ]; then
+  echo "== ep tests (limit ${EP_TESTS_TIMEOUT:-240}s)"
+  timeout -s KILL "${EP_TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
+    tests/test_expert_parallel.py ${EP_TESTS_ARGS:-} > "$OUT/ep_tests.log" 2>&1
+  echo "== ep tests exit: $?"; tail -n 40 "$OUT/ep_tests.log"
+fi
+if [ "${EP_BENCH:-1}" = 1 ]; then
+  echo "== ep bench (limit ${EP_BENCH_TIMEOUT:-300}s)"
+  timeout -s KILL "${EP_BENCH_TIMEOUT:-300}" python3 -m mok bench --ep "$EP_SIZE" \
+    --csv "$OUT/ep.csv" ${EP_BENCH_ARGS:-} > "$OUT/ep_bench.log" 2>&1
+  echo "== ep bench exit: $?"; tail -n 60 "$OUT/ep_bench.log"
+fi

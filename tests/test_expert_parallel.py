@@ -1,0 +1,191 @@
+"""Expert parallelism: the symmetric-buffer protocol on several processes against the reference.
+
+On CPU the ranks are gloo processes whose symmetric buffers are shared-memory files mapped by
+every process, and the kernels (pulls, flags, GEMMs with waits and scattered outputs) run under
+Triton's interpreter: the same kernels and flag logic as on GPUs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mok.functional as F
+from mok.errors import MoKDataError, MoKInputError
+from mok.testing import (
+    GRAD_NAMES,
+    RoutingPattern,
+    assert_close,
+    distributed_test,
+    make_inputs,
+    moe_reference_grads,
+)
+
+from .conftest import DEVICE, tiles_for_tests
+
+REF_DTYPE = torch.float32 if DEVICE.type == "cuda" else torch.float64
+pytestmark = pytest.mark.timeout(900)
+
+
+def _device(rank: int) -> torch.device:
+    return torch.device("cuda", rank) if DEVICE.type == "cuda" else DEVICE
+
+
+def _rank_inputs(rank, world_size, *, tokens=24, hidden=32, intermediate=16, num_local=2, topk=3,
+                 shared=0, pattern=RoutingPattern.RANDOM, seed=0):
+    """This rank's tokens and its experts [rank * num_local, (rank + 1) * num_local)."""
+    return make_inputs(tokens, hidden, intermediate, num_local * world_size, topk,
+                       shared_intermediate_size=shared, num_local_experts=num_local,
+                       device=_device(rank), seed=seed * 100 + rank, routing=pattern)
+
+
+def _run(workspace, config, inputs, *, swiglu_limit=None, tiles=None):
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=inputs.num_local_experts, tiles=tiles)
+    y, context = F.forward(config, workspace, schedule, *inputs.layer_args,
+                           swiglu_limit=swiglu_limit)
+    grads = F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args,
+                       swiglu_limit=swiglu_limit)
+    return y, grads, schedule
+
+
+def _check_against_reference(inputs, y, grads, swiglu_limit):
+    y_ref, grads_ref = moe_reference_grads(inputs, swiglu_limit=swiglu_limit,
+                                           group=dist.group.WORLD, compute_dtype=REF_DTYPE)
+    assert_close(y, y_ref, dtype=inputs.x.dtype, name="y")
+    for name, grad, grad_ref in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if grad_ref is None:
+            assert grad is None, name
+            continue
+        assert grad.dtype == (torch.float32 if name == "d_router_weights" else inputs.x.dtype)
+        assert_close(grad, grad_ref, dtype=inputs.x.dtype, name=name)
+
+
+def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config):
+    inputs = _rank_inputs(rank, world_size, shared=shared, pattern=pattern, seed=1)
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=inputs.x.shape[0],
+                                   hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
+    tiles = tiles_for_tests()
+    y, grads, schedule = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
+    F.check_errors(workspace)
+    _check_against_reference(inputs, y, grads, limit)
+    # Per-expert counts of the local experts: the routes of the whole group that chose them.
+    everyone = [torch.empty_like(inputs.topk_experts) for _ in range(world_size)]
+    dist.all_gather(everyone, inputs.topk_experts)
+    group_ids = torch.cat(everyone).reshape(-1)
+    first = rank * inputs.num_local_experts
+    expected = torch.bincount(group_ids, minlength=world_size * inputs.num_local_experts)
+    assert torch.equal(schedule.expert_counts.cpu().long(),
+                       expected[first:first + inputs.num_local_experts].cpu())
+    # Bitwise deterministic, also through a second round of every phase (flags keep counting).
+    y2, grads2, _ = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
+    assert torch.equal(y, y2)
+    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
+SMALL_MINIBATCHES = F.MoKConfig(fwd_num_comm_sms=2, bwd_num_comm_sms=3, minibatch_size=8,
+                                macrobatch_size=64, peer_timeout_s=300.0)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_matches_reference(rank, world_size):
+    _matches_reference_body(rank, world_size, shared=0, limit=None,
+                            pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES)
+
+
+@distributed_test(world_sizes=(2, 4))
+def test_ep_shared_expert_limit_skewed(rank, world_size):
+    _matches_reference_body(rank, world_size, shared=16, limit=0.8,
+                            pattern=RoutingPattern.SKEWED, config=SMALL_MINIBATCHES)
+
+
+def _errors_body(rank, world_size):
+    config = SMALL_MINIBATCHES
+    inputs = _rank_inputs(rank, world_size, seed=2)
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=inputs.x.shape[0],
+                                   hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
+    with pytest.raises(MoKInputError, match="num_local_tokens"):
+        F.build_schedule(workspace, config, inputs.topk_experts[:-1],
+                         num_local_experts=inputs.num_local_experts)
+    # An expert id out of range on rank 0 is seen by every rank (each sorts the group's routes).
+    topk = inputs.topk_experts.clone()
+    if rank == 0:
+        topk[3, 1] = world_size * inputs.num_local_experts
+    F.build_schedule(workspace, config, topk, num_local_experts=inputs.num_local_experts,
+                     tiles=tiles_for_tests())
+    with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE"):
+        F.check_errors(workspace)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_errors(rank, world_size):
+    _errors_body(rank, world_size)
+
+
+def _timeout_body(rank, world_size):
+    """Rank 1 never builds its schedule: rank 0's wait for it times out with an error naming it."""
+    config = F.MoKConfig(peer_timeout_s=1.0)
+    inputs = _rank_inputs(rank, world_size, seed=3)
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=inputs.x.shape[0],
+                                   hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
+    if rank == 0:
+        F.build_schedule(workspace, config, inputs.topk_experts,
+                         num_local_experts=inputs.num_local_experts, tiles=tiles_for_tests())
+        with pytest.raises(MoKDataError, match="PEER_TIMEOUT.*waited on rank 1"):
+            F.check_errors(workspace)
+    dist.barrier()
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_peer_timeout_names_the_rank(rank, world_size):
+    _timeout_body(rank, world_size)
+
+
+def _graph_body(rank, world_size):
+    """GPU: no host sync in the EP step, and a CUDA graph of it replays bitwise like eager."""
+    config = F.MoKConfig()
+    inputs = _rank_inputs(rank, world_size, tokens=1024, hidden=256, intermediate=128,
+                          num_local=4, topk=4, shared=128, seed=4)
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=1024, hidden_size=256, topk=4)
+
+    def step():
+        y, grads, _ = _run(workspace, config, inputs, swiglu_limit=7.0)
+        return (y, *grads)
+
+    step()  # compile the kernels, fill the caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(2):  # every replay is one more round of each phase on every rank
+        graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    F.check_errors(workspace)
+    dist.barrier()
+
+
+@pytest.mark.gpu
+@distributed_test(world_sizes=(2,))
+def test_ep_no_host_sync_and_cuda_graph(rank, world_size):
+    _graph_body(rank, world_size)
