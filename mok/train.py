@@ -155,6 +155,16 @@ SIZES: dict[str, SizePreset] = {
                     moe_intermediate_size=256, num_experts=32, top_k=4),
         batch_size=16, seq_len=1024, lr=1e-3, steps=200, log_every=25, checkpoint_every=100,
         eval_batches=4),
+    # The training benchmark's model (benchmarks/train.py): Qwen3-MoE's expert layout (128
+    # experts, top-8, no shared expert) at hidden 1024; 1,020,931,712 parameters (1.02B), 77.2M
+    # active; 16,384 tokens a step. Weights, gradients and AdamW state take 16 GB and a step's
+    # activations about 10 GB (estimated, Hugging Face's eager block the largest): one H200
+    # holds it without gradient checkpointing.
+    "1b": SizePreset(
+        ModelConfig(hidden_size=1024, num_layers=5, num_heads=16, num_kv_heads=4, head_dim=64,
+                    moe_intermediate_size=512, num_experts=128, top_k=8),
+        batch_size=16, seq_len=1024, lr=5e-4, steps=200, log_every=25, checkpoint_every=200,
+        eval_batches=4),
 }
 
 
@@ -721,7 +731,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "every block) on the bundled public-domain corpus.")
     parser.add_argument("--size", choices=("auto", *SIZES), default="auto",
                         help="model size: auto is small on CUDA (164M parameters, 32M active), "
-                             "tiny on CPU; micro is one small layer")
+                             "tiny on CPU; micro is one small layer; 1b is the training "
+                             "benchmark's model (1.02B parameters, 77M active, 128 experts, "
+                             "top-8)")
     parser.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
                         help="experts implementation: auto is mok on CUDA and reference on CPU, "
                              "because on CPU mok's Triton kernels run under Triton's "
