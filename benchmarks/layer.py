@@ -1,15 +1,26 @@
-"""Layer benchmark: mok and the anchors on the same inputs, checked before timed.
+"""Layer benchmark: mok and the other MoE implementations on the same inputs, checked, then timed.
 
-For each shape of DESIGN.md section 4 and each mode (forward, forward+backward), every
-implementation is first compared with the mok.testing reference, then timed with CUDA events
-(median over repeats, several input sets rotated so the L2 holds none of them), and a row per
-(shape, implementation, mode) is appended to benchmarks/results/layer.csv.
+    python -m mok bench [--shapes ...] [--impls ...] [--modes ...] [--repeats N] [--out DIR]
 
-Implementations:
-- mok: build_schedule + forward (+ backward) of mok.functional;
-- grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
-  torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
-  sync; backward through autograd.
+For each shape (DESIGN.md section 4; `tiny` is a small one for CPU runs) and each mode (forward,
+backward, forward+backward), every implementation of benchmarks/implementations.py is first
+compared with the mok.testing reference on the first input set (y for forward; y and every
+gradient for the training modes, bf16 tolerances of mok.testing.tolerance), then timed: median
+over --repeats calls, rotating several input sets so the L2 holds none of them, CUDA events
+around each call (wall clock on CPU), the device idle before each. Backward times the backward
+alone; its forward runs untimed just before. TFLOP/s counts FLOPs as DESIGN.md section 4:
+forward 6*T*k*H*I (+ 6*T*H*I_s), backward twice that, forward+backward three times. Peak memory
+is the most allocated during a timed call above what was allocated before the timing (inputs,
+weights and workspaces; CUDA only).
+
+An implementation that fails (unavailable, wrong against the reference, out of memory) is skipped
+with its reason for that shape and mode; the others go on. Each row is appended to the CSV as
+soon as it is measured, the chart (<csv>.png: TFLOP/s per shape, implementation and mode) is
+redrawn after each shape, and a table with the skips is printed at the end.
+
+On a machine without CUDA it runs the `tiny` shape by default, mok under Triton's interpreter
+(wall-clock times, no memory figures; the numbers only show that the path works), and writes
+under runs/bench/ rather than into the committed benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -17,21 +28,23 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import enum
+import functools
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as torch_f
 
-import mok.functional as F
+from benchmarks.implementations import IMPLEMENTATIONS, REPO_ROOT, Implementation, Settings
 from mok import _env
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
-    SHAPES_BY_NAME,
+    ErrorReport,
     MoEInputs,
     MoEShape,
     error_report,
@@ -41,213 +54,331 @@ from mok.testing import (
 from mok.testing.tolerance import TOLERANCES
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CPU_RESULTS = REPO_ROOT / "runs" / "bench"
 CSV_FIELDS = ("gpu", "commit", "date", "shape", "impl", "mode", "ms", "tflops", "peak_mem_gb",
               "max_rel_err")
+TINY = MoEShape("tiny", 4, 64, 32, 2, 64, 32)  # every path, shared expert included, in seconds
+BENCH_SHAPES = {shape.name: shape for shape in (*SHAPES, TINY)}
 
 
-@dataclass
-class Implementation:
-    """forward(inputs) -> y; step(inputs) -> (y, grads in MoK's order) for the correctness check;
-    train(inputs) runs forward+backward as a training step would."""
+class Mode(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    FORWARD_BACKWARD = "forward+backward"
 
-    name: str
-    forward: Callable[[MoEInputs], torch.Tensor]
-    step: Callable[[MoEInputs], tuple]
+    @property
+    def flops_factor(self) -> int:
+        """Counted FLOPs over the forward's: the backward does twice the forward's GEMM work."""
+        return {Mode.FORWARD: 1, Mode.BACKWARD: 2, Mode.FORWARD_BACKWARD: 3}[self]
 
-
-def mok_implementation(shape: MoEShape) -> Implementation:
-    config = F.MoKConfig()
-    workspace = F.get_workspace(config, None, device="cuda" if torch.cuda.is_available() else "cpu",
-                                num_local_tokens=shape.num_tokens, hidden_size=shape.hidden_size,
-                                topk=shape.topk)
-
-    def forward(inputs):
-        schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                    num_local_experts=inputs.num_local_experts)
-        return F.forward(config, workspace, schedule, *inputs.layer_args)[0]
-
-    def step(inputs):
-        schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                    num_local_experts=inputs.num_local_experts)
-        y, context = F.forward(config, workspace, schedule, *inputs.layer_args)
-        grads = F.backward(config, workspace, schedule, context, inputs.d_output,
-                           *inputs.layer_args)
-        return y, grads
-
-    return Implementation("mok", forward, step)
+    @property
+    def trains(self) -> bool:
+        return self is not Mode.FORWARD
 
 
-def grouped_mm_moe(x, topk_experts, router_weights, w_shared, w_gate_up, w_down):
-    """The torchtitan way. w_gate_up [E, 2I, H] (gate rows then up rows), w_down [E, H, I]."""
-    num_tokens, topk = topk_experts.shape
-    num_experts = w_gate_up.shape[0]
-    flat = topk_experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.histc(flat.float(), bins=num_experts, min=0, max=num_experts - 1)
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
-    token = order // topk
-    rows = x[token]
-    gate_up = torch._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs=offsets)
-    gate, up = gate_up.chunk(2, dim=-1)
-    h = torch_f.silu(gate) * up
-    out_rows = torch._grouped_mm(h, w_down.transpose(-2, -1), offs=offsets)
-    out_rows = (out_rows.float() * router_weights.reshape(-1)[order, None]).to(x.dtype)
-    y = torch.zeros_like(x).index_add_(0, token, out_rows)
-    if w_shared is not None:
-        w_sg, w_su, w_sd = w_shared
-        y = y + (torch_f.silu(x @ w_sg.T) * (x @ w_su.T)) @ w_sd.T
-    return y
+@dataclass(frozen=True)
+class Skip:
+    shape: str
+    impl: str
+    mode: str
+    reason: str
 
 
-def grouped_mm_implementation(shape: MoEShape) -> Implementation:
-    cache: dict[int, tuple] = {}
-
-    def params(inputs):
-        key = id(inputs)
-        if key not in cache:  # one-time weight layout (gate and up fused), outside the timing
-            w_gate_up = torch.cat([inputs.w_routed_gate, inputs.w_routed_up], dim=1)
-            cache[key] = (w_gate_up.requires_grad_(True),
-                          inputs.w_routed_down.detach().clone().requires_grad_(True),
-                          inputs.x.detach().clone().requires_grad_(True),
-                          inputs.router_weights.detach().clone().requires_grad_(True),
-                          tuple(w.detach().clone().requires_grad_(True)
-                                for w in inputs.shared_weights)
-                          if inputs.w_shared_gate is not None else None)
-        return cache[key]
-
-    def forward(inputs):
-        with torch.no_grad():
-            w_gate_up, w_down, x, rw, shared = params(inputs)
-            return grouped_mm_moe(x, inputs.topk_experts, rw, shared, w_gate_up, w_down)
-
-    def step(inputs):
-        w_gate_up, w_down, x, rw, shared = params(inputs)
-        for leaf in (w_gate_up, w_down, x, rw, *(shared or ())):
-            leaf.grad = None
-        y = grouped_mm_moe(x, inputs.topk_experts, rw, shared, w_gate_up, w_down)
-        y.backward(inputs.d_output)
-        intermediate = inputs.w_routed_gate.shape[1]
-        grads = (x.grad, rw.grad, w_gate_up.grad[:, :intermediate],
-                 w_gate_up.grad[:, intermediate:], w_down.grad,
-                 *((s.grad for s in shared) if shared else (None, None, None)))
-        return y, grads
-
-    return Implementation("grouped_mm", forward, step)
+def train_step(impl: Implementation, inputs: MoEInputs) -> tuple:
+    """(y, gradients in MoK's order) of one forward+backward."""
+    y, saved = impl.forward_train(inputs)
+    return y, impl.backward(saved, inputs)
 
 
-IMPLEMENTATIONS: dict[str, Callable[[MoEShape], Implementation]] = {
-    "mok": mok_implementation,
-    "grouped_mm": grouped_mm_implementation,
-}
+def timed_call(impl: Implementation, mode: Mode, inputs: MoEInputs) -> Callable[[], object]:
+    """The call to time for `mode`; for the backward, its forward runs here, untimed."""
+    if mode is Mode.FORWARD:
+        return functools.partial(impl.forward, inputs)
+    if mode is Mode.BACKWARD:
+        _, saved = impl.forward_train(inputs)
+        return functools.partial(impl.backward, saved, inputs)
+    return functools.partial(train_step, impl, inputs)
 
 
-def check(impl: Implementation, inputs: MoEInputs, reference) -> float:
-    """Worst max_rel over y and every gradient; raises if any exceeds the bf16 tolerance."""
+def check(impl: Implementation, inputs: MoEInputs, reference: tuple, trains: bool) -> ErrorReport:
+    """The worst (max_rel) report of y, and of every gradient when `trains`, against the
+    reference; raises AssertionError when any exceeds the bf16 tolerance."""
     y_ref, grads_ref = reference
-    y, grads = impl.step(inputs)
+    if trains:
+        y, grads = train_step(impl, inputs)
+        pairs = zip(("y", *GRAD_NAMES), (y, *grads), (y_ref, *grads_ref), strict=True)
+    else:
+        pairs = [("y", impl.forward(inputs), y_ref)]
     tol = TOLERANCES[inputs.x.dtype]
-    worst = 0.0
-    for name, actual, expected in zip(("y", *GRAD_NAMES), (y, *grads), (y_ref, *grads_ref),
-                                      strict=True):
-        if expected is None:
-            continue
-        report = error_report(actual, expected, name)
-        print(f"  check {impl.name}: {report}", flush=True)
+    reports = [error_report(actual, expected, name) for name, actual, expected in pairs
+               if expected is not None]
+    for report in reports:
         if report.nonfinite or report.rel_rms > tol.rel_rms or report.max_rel > tol.max_rel:
-            raise AssertionError(f"{impl.name}: {report} exceeds {tol}")
-        worst = max(worst, report.max_rel)
-    return worst
+            where = "" if inputs.x.is_cuda else " (under Triton's CPU interpreter)"
+            raise AssertionError(f"wrong against the reference{where}: {report} exceeds {tol}")
+    return max(reports, key=lambda report: report.max_rel)
 
 
-def time_ms(fn: Callable[[int], object], repeats: int, warmup: int) -> float:
-    """Median milliseconds of fn(i) over `repeats` calls, CUDA events around each call."""
-    for i in range(warmup):
-        fn(i)
-    times = []
-    for i in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def measure(prepare: Callable[[int], Callable[[], object]], repeats: int, warmup: int,
+            device: torch.device) -> tuple[float, float | None]:
+    """(median ms, peak GiB) of the calls prepare(i) returns, i = 0, 1, ...; prepare's own work
+    is not timed. CUDA events on a GPU (device idle before each call), wall clock on CPU, where
+    the peak is None (not measured)."""
+    for i in range(warmup):  # compile, autotune, caches: outside the timing
+        prepare(i)()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+    times, peak = [], 0
+    for i in range(warmup, warmup + repeats):
+        call = prepare(i)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        else:
+            start_s = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - start_s) * 1e3)
+        del call
+    return statistics.median(times), peak / 2**30 if cuda else None
 
 
 def _commit() -> str:
     try:
-        root = Path(__file__).resolve().parent.parent
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, text=True,
                              capture_output=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, text=True, capture_output=True).stdout.strip()
+                               cwd=REPO_ROOT, text=True, capture_output=True).stdout.strip()
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return _env.COMMIT  # a copy of the tree without .git
 
 
-def run(shapes, impl_names, *, repeats=20, warmup=5, num_input_sets=3, csv_path=None,
-        modes=("forward", "forward+backward")) -> list[dict]:
-    if not torch.cuda.is_available():
-        raise SystemExit("the layer benchmark needs a CUDA GPU")
-    gpu = torch.cuda.get_device_name()
-    commit, date = _commit(), datetime.datetime.now().isoformat(timespec="seconds")
-    rows = []
+def append_row(csv_path: Path, row: dict) -> None:
+    """Append one row (header first when the file is new), so a later failure loses nothing."""
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    new = not csv_path.exists() or csv_path.stat().st_size == 0
+    with csv_path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def _error(exc: BaseException) -> str:
+    """The exception's type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def bench_implementation(impl_name: str, shape: MoEShape, settings: Settings,
+                         input_sets: list[MoEInputs], reference: tuple | None, modes: list[Mode],
+                         *, repeats: int, warmup: int, record: Callable[[dict], None],
+                         skip: Callable[[Skip], None]) -> None:
+    """Check and time one implementation at one shape in every mode; failures become skips."""
+    try:
+        impl = IMPLEMENTATIONS[impl_name](shape, settings)
+    except Exception as exc:
+        for mode in modes:
+            skip(Skip(shape.name, impl_name, mode.value, _error(exc)))
+        return
+    checks: dict[bool, ErrorReport | str] = {}  # by mode.trains: the worst report, or why not
+    for mode in modes:
+        if impl.checked and mode.trains not in checks:
+            kind = "forward+backward" if mode.trains else "forward"
+            start_s = time.perf_counter()
+            try:
+                checks[mode.trains] = check(impl, input_sets[0], reference, mode.trains)
+                print(f"  check {impl.name} {kind}: worst {checks[mode.trains]} "
+                      f"({time.perf_counter() - start_s:.1f} s, first calls included)", flush=True)
+            except Exception as exc:
+                checks[mode.trains] = f"check of the {kind} failed: {_error(exc)}"
+        worst = checks.get(mode.trains)
+        if isinstance(worst, str):
+            skip(Skip(shape.name, impl.name, mode.value, worst))
+            continue
+
+        def prepare(i, mode=mode):
+            return timed_call(impl, mode, input_sets[i % len(input_sets)])
+
+        try:
+            ms, peak = measure(prepare, repeats, warmup, settings.device)
+        except Exception as exc:
+            skip(Skip(shape.name, impl.name, mode.value, f"timing failed: {_error(exc)}"))
+            if settings.device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        tflops = shape.flops(backward=False) * mode.flops_factor / ms / 1e9
+        record(dict(shape=shape.name, impl=impl.name, mode=mode.value, ms=float(f"{ms:.5g}"),
+                    tflops=float(f"{tflops:.4g}"),
+                    peak_mem_gb="" if peak is None else round(peak, 3),
+                    max_rel_err="n/a" if worst is None else f"{worst.max_rel:.2e}"))
+
+
+def run(shapes: list[MoEShape], impl_names: list[str], modes: list[Mode], *, repeats: int = 20,
+        warmup: int = 5, num_input_sets: int = 3, csv_path: Path | None = None,
+        liger_autotune: bool = True) -> tuple[list[dict], list[Skip]]:
+    """Benchmark; returns (rows as appended to csv_path, skips). Draws csv_path's chart."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    settings = Settings(device, liger_autotune=liger_autotune)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    common = dict(gpu=gpu, commit=_commit(),
+                  date=datetime.datetime.now().isoformat(timespec="seconds"))
+    rows: list[dict] = []
+    skips: list[Skip] = []
+
+    def record(row: dict) -> None:
+        row = {**common, **row}
+        rows.append(row)
+        if csv_path is not None:
+            append_row(csv_path, row)
+        peak = "n/a" if row["peak_mem_gb"] == "" else f"{row['peak_mem_gb']:.2f} GiB"
+        print(f"{row['shape']:18s} {row['impl']:14s} {row['mode']:17s} {row['ms']:10.3f} ms "
+              f"{row['tflops']:9.4g} TFLOP/s  peak {peak}  max_rel {row['max_rel_err']}",
+              flush=True)
+
+    def skip(entry: Skip) -> None:
+        repeated = any((s.shape, s.impl, s.reason) == (entry.shape, entry.impl, entry.reason)
+                       for s in skips)
+        skips.append(entry)
+        reason = "the same as above" if repeated else entry.reason
+        print(f"{entry.shape:18s} {entry.impl:14s} {entry.mode:17s} skipped: {reason}",
+              flush=True)
+
     for shape in shapes:
-        input_sets = [make_shape_inputs(shape, device="cuda", seed=100 + i)
-                      for i in range(num_input_sets)]
-        reference = moe_reference_grads(input_sets[0], compute_dtype=torch.float32)
+        print(f"== {shape.name} on {gpu}", flush=True)
+        try:
+            input_sets = [make_shape_inputs(shape, device=device, seed=100 + i)
+                          for i in range(num_input_sets)]
+            reference = moe_reference_grads(input_sets[0], compute_dtype=torch.float32)
+        except Exception as exc:  # e.g. out of memory: the other shapes may still fit
+            skip(Skip(shape.name, "all", "all", f"inputs or reference failed: {_error(exc)}"))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         for impl_name in impl_names:
-            impl = IMPLEMENTATIONS[impl_name](shape)
-            max_rel = check(impl, input_sets[0], reference)
-            for mode in modes:
-                backward = mode == "forward+backward"
-                call = impl.step if backward else impl.forward
-
-                def run_one(i, call=call, sets=input_sets):
-                    return call(sets[i % len(sets)])
-
-                for i in range(warmup):  # compile, autotune, build caches outside the timing
-                    run_one(i)
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                ms = time_ms(run_one, repeats, warmup=0)
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-                row = dict(gpu=gpu, commit=commit, date=date, shape=shape.name, impl=impl_name,
-                           mode=mode, ms=round(ms, 4),
-                           tflops=round(shape.flops(backward) / ms / 1e9, 1),
-                           peak_mem_gb=round(peak, 3), max_rel_err=f"{max_rel:.2e}")
-                rows.append(row)
-                print(f"{shape.name:18s} {impl_name:11s} {mode:17s} {ms:9.3f} ms "
-                      f"{row['tflops']:7.1f} TFLOP/s  peak {peak:6.2f} GiB  "
-                      f"max_rel {max_rel:.1e}", flush=True)
+            bench_implementation(impl_name, shape, settings, input_sets, reference, modes,
+                                 repeats=repeats, warmup=warmup, record=record, skip=skip)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         del input_sets, reference
-        torch.cuda.empty_cache()
-    if csv_path is not None:
-        csv_path = Path(csv_path)
-        csv_path.parent.mkdir(parents=True, exist_ok=True)
-        new = not csv_path.exists()
-        with csv_path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
-    return rows
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if csv_path is not None and rows:
+            try:
+                draw_chart(csv_path.with_suffix(".png"), rows)
+            except Exception as exc:  # the rows are in the CSV already
+                print(f"chart not drawn: {_error(exc)}", flush=True)
+    print_table(rows, skips)
+    return rows, skips
+
+
+def print_table(rows: list[dict], skips: list[Skip]) -> None:
+    """Per shape and implementation: ms, TFLOP/s and peak GiB of each mode, then the skips."""
+    modes = [mode.value for mode in Mode if any(row["mode"] == mode.value for row in rows)]
+    cells = {(row["shape"], row["impl"], row["mode"]): row for row in rows}
+    header = f"{'shape':18s} {'impl':14s}" + "".join(f" | {mode:>27s}" for mode in modes)
+    units = f" | {'ms':>9s} {'TFLOP/s':>8s} {'peak GiB':>8s}"
+    print("\n" + header + "\n" + " " * 33 + units * len(modes))
+    print("-" * len(header))
+    for shape, impl in dict.fromkeys((row["shape"], row["impl"]) for row in rows):
+        line = f"{shape:18s} {impl:14s}"
+        for mode in modes:
+            row = cells.get((shape, impl, mode))
+            if row is None:
+                line += f" | {'-':>27s}"
+            else:
+                peak = "n/a" if row["peak_mem_gb"] == "" else f"{row['peak_mem_gb']:.2f}"
+                line += f" | {row['ms']:9.3f} {row['tflops']:8.4g} {peak:>8s}"
+        print(line)
+    modes_by_reason: dict[tuple[str, str, str], list[str]] = {}
+    for entry in skips:
+        modes_by_reason.setdefault((entry.shape, entry.impl, entry.reason), []).append(entry.mode)
+    for (shape, impl, reason), skipped_modes in modes_by_reason.items():
+        print(f"skipped {shape} {impl} ({', '.join(skipped_modes)}): {reason}")
+
+
+def draw_chart(path: Path, rows: list[dict]) -> None:
+    """TFLOP/s per shape (groups) and implementation (bars), one panel per mode, as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    shapes = list(dict.fromkeys(row["shape"] for row in rows))
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    modes = [mode.value for mode in Mode if any(row["mode"] == mode.value for row in rows)]
+    tflops = {(row["shape"], row["impl"], row["mode"]): float(row["tflops"]) for row in rows}
+    width = 0.8 / len(impls)
+    figure = Figure(figsize=(max(7.0, 1.7 * len(shapes) + 2.0), 0.6 + 3.2 * len(modes)), dpi=110)
+    FigureCanvasAgg(figure)
+    for panel, mode in enumerate(modes):
+        axes = figure.add_subplot(len(modes), 1, panel + 1)
+        for index, impl in enumerate(impls):
+            xs = [s + (index - (len(impls) - 1) / 2) * width for s in range(len(shapes))]
+            values = [tflops.get((shape, impl, mode), 0.0) for shape in shapes]
+            style = dict(color="0.65", hatch="//") if impl == "dense" else {}  # the ceiling
+            bars = axes.bar(xs, values, width, label=impl, **style)
+            axes.bar_label(bars, labels=[f"{v:.3g}" if v else "" for v in values], fontsize=6,
+                           rotation=90, padding=2)
+        axes.set_xticks(range(len(shapes)), shapes, fontsize=8)
+        axes.set_ylabel("TFLOP/s")
+        axes.set_title(mode, fontsize=10)
+        axes.margins(y=0.25)
+        axes.grid(axis="y", alpha=0.3)
+    first = rows[0]
+    handles, labels = figure.axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="upper center", ncols=min(len(impls), 7), fontsize=8,
+                  bbox_to_anchor=(0.5, 0.995 - 0.25 / figure.get_figheight()))
+    figure.suptitle(f"MoE layer, {first['gpu']}, commit {first['commit']}: counted TFLOP/s "
+                    "(DESIGN.md section 4)", fontsize=10)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.6 / figure.get_figheight()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
 
 
 def main(argv: list[str] | None = None) -> None:
+    cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="python -m mok bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="*", default=[s.name for s in SHAPES],
-                        choices=[s.name for s in SHAPES])
-    parser.add_argument("--impls", nargs="*", default=list(IMPLEMENTATIONS),
-                        choices=list(IMPLEMENTATIONS))
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--csv", default=str(RESULTS / "layer.csv"))
+    parser.add_argument("--shapes", nargs="+", choices=list(BENCH_SHAPES), metavar="SHAPE",
+                        default=[s.name for s in SHAPES] if cuda else [TINY.name],
+                        help=f"of {', '.join(BENCH_SHAPES)} (default: the DESIGN.md shapes on a "
+                             "GPU, tiny on CPU)")
+    parser.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS), metavar="IMPL",
+                        default=list(IMPLEMENTATIONS),
+                        help=f"of {', '.join(IMPLEMENTATIONS)} (default: all, in this order)")
+    parser.add_argument("--modes", nargs="+", choices=[mode.value for mode in Mode],
+                        default=[mode.value for mode in Mode], metavar="MODE",
+                        help=f"of {', '.join(mode.value for mode in Mode)} (default: all)")
+    parser.add_argument("--repeats", type=int, default=20 if cuda else 2,
+                        help="timed calls per implementation and mode (median reported)")
+    parser.add_argument("--warmup", type=int, default=5 if cuda else 1,
+                        help="untimed calls before the timed ones")
+    parser.add_argument("--input-sets", type=int, default=3,
+                        help="input sets rotated through the calls (the first is checked)")
+    parser.add_argument("--out", type=Path, default=RESULTS if cuda else CPU_RESULTS,
+                        help="folder of layer.csv (appended) and layer.png")
+    parser.add_argument("--csv", type=Path, default=None,
+                        help="the CSV instead of OUT/layer.csv; the chart goes next to it")
+    parser.add_argument("--liger-autotune", action=argparse.BooleanOptionalAction, default=cuda,
+                        help="let Liger autotune its kernels on its first call per shape "
+                             "(minutes each on a GPU); --no-liger-autotune pins one config "
+                             "(rows named liger_untuned)")
     args = parser.parse_args(argv)
-    run([SHAPES_BY_NAME[name] for name in args.shapes], args.impls, repeats=args.repeats,
-        csv_path=args.csv)
+    csv_path = args.csv or args.out / "layer.csv"
+    run([BENCH_SHAPES[name] for name in args.shapes], list(dict.fromkeys(args.impls)),
+        [Mode(mode) for mode in dict.fromkeys(args.modes)], repeats=args.repeats,
+        warmup=args.warmup, num_input_sets=args.input_sets, csv_path=csv_path,
+        liger_autotune=args.liger_autotune)
+    print(f"rows appended to {csv_path}; chart {csv_path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
