@@ -257,6 +257,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit):
 def dispatch_only(layer, inputs, iters, warmup, group):
     """Time the forward's publish + pull alone; bytes that crossed NVLink into this rank."""
     from mok.expert_parallel import Phase
+    from mok.ops import comm
 
     workspace, config = layer.workspace, layer.config
     ep = workspace.ep
@@ -268,10 +269,18 @@ def dispatch_only(layer, inputs, iters, warmup, group):
         peer = ep.peer_flags(workspace.error_flags)
         ep.publish(peer, Phase.FORWARD, [(ep.x_pub(x.dtype), x),
                                          (ep.weights_pub, weights.reshape(-1))])
-        ep.pull(peer, Phase.FORWARD, schedule.exchange, src=ep.x_pub(x.dtype),
-                weights=ep.weights_pub, minibatch=config.minibatch_size,
-                num_programs=config.fwd_num_comm_sms)
-        ep.join()
+        dst, dst_weights, pull = ep.pull(
+            peer, Phase.FORWARD, schedule.exchange, src=ep.x_pub(x.dtype),
+            weights=ep.weights_pub, minibatch=config.minibatch_size,
+            num_programs=config.fwd_num_comm_sms)
+        comm.pull_rows(peer, src=pull.src, dst=dst, weights=pull.weights,
+                       dst_weights=dst_weights, row_route=pull.row_route,
+                       expert_offsets=pull.expert_offsets, ready=pull.ready, phase=pull.phase,
+                       publish_slot=pull.publish_slot, routes_per_rank=pull.routes_per_rank,
+                       topk=pull.topk, num_programs=pull.num_programs,
+                       minibatch=pull.minibatch, src_deltas=pull.src_deltas,
+                       weights_deltas=pull.weights_deltas)
+        ep.pulled(peer, Phase.FORWARD)
 
     ms = timed(run, iters, warmup, group)
     routes = schedule.exchange.group_routing.row_route

@@ -11,9 +11,11 @@ on every rank since every rank makes the same calls:
 
 - schedule: publish topk; pull every rank's topk (waiting on each rank's publish flag); sort the
   routes of the local experts, exactly as on one GPU but over the P * TK routes of the group.
-- forward: publish x and the router weights; a pull kernel on a side stream copies the rows of the
-  local experts from their ranks in minibatches, raising a ready flag per minibatch, while the
-  gate/up GEMM starts on each row tile as soon as its minibatch has landed; the down GEMM writes
+- forward: publish x and the router weights; the first programs of the gate/up GEMM's launch pull
+  the rows of the local experts from their ranks in minibatches, raising a ready flag per
+  minibatch, while its other programs start on each row tile as soon as its minibatch has
+  landed (one launch: the pulling programs start first, so a spinning tile can never keep them
+  from running, as a separate kernel on a side stream could); the down GEMM writes
   each weighted row straight into its token's rank's combine buffer; each rank signals "done" to
   every rank and, once all have, combines its own tokens in a fixed order.
 - backward: the same for d_output; d_x rows and router-weight gradients go back to the token's
@@ -108,7 +110,6 @@ class ExpertParallel:
         self.seq = torch.zeros(NUM_PHASES, dtype=torch.int64, device=device)
         self._ready: dict[Phase, torch.Tensor] = {}
         self.timeout_s = timeout_s
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def peer_flags(self, errors: torch.Tensor) -> comm.PeerFlags:
         return comm.PeerFlags(self.flags, self.buffer.deltas(torch.int64), self.seq, errors,
@@ -142,40 +143,27 @@ class ExpertParallel:
             dst.copy_(src)
         comm.advance(peer, phase, self.slots.pub(phase))
 
-    def side_stream(self):
-        """A context in which the pulls run beside the GEMMs (CUDA), or a no-op (CPU)."""
-        if self.stream is None:
-            return _NoStream()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self.stream)
-
-    def join(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
     def pull(self, peer: comm.PeerFlags, phase: Phase, plan: ExchangePlan, *,
              src: torch.Tensor, weights: torch.Tensor | None, minibatch: int,
-             num_programs: int) -> tuple[torch.Tensor, torch.Tensor | None, comm.RowsReady]:
-        """Start pulling the rows of this rank's schedule (and their weights) beside the GEMMs;
-        returns the destination buffers and what the GEMMs wait on."""
+             num_programs: int) -> tuple[torch.Tensor, torch.Tensor | None, comm.Pull]:
+        """The buffers the rows of this rank's schedule (and their weights) are pulled into, and
+        the pull for the GEMM that reads them to run in its launch (then call `pulled`)."""
         routing = plan.group_routing
         rows = routing.capacity_rows
         dst = torch.empty(rows, src.shape[1], dtype=src.dtype, device=self.device)
         dst_weights = (torch.empty(rows, dtype=torch.float32, device=self.device)
                        if weights is not None else None)
-        ready = self.ready(phase, rows, minibatch)
-        with self.side_stream():
-            comm.pull_rows(
-                peer, src=src, dst=dst, weights=weights, dst_weights=dst_weights,
-                row_route=routing.row_route, expert_offsets=routing.expert_offsets, ready=ready,
-                phase=phase, publish_slot=self.slots.pub(phase),
-                routes_per_rank=self.routes_per_rank, topk=self.topk,
-                num_programs=num_programs, minibatch=minibatch,
-                src_deltas=self.buffer.deltas(src.dtype),
-                weights_deltas=self.buffer.deltas(torch.float32) if weights is not None else None)
-            comm.signal_peers(peer, phase, self.slots.ack(phase))
-        wait = comm.RowsReady(ready, self.seq, int(phase), peer.errors, peer.timeout, minibatch)
-        return dst, dst_weights, wait
+        pull = comm.Pull(
+            peer, src, self.buffer.deltas(src.dtype), weights,
+            self.buffer.deltas(torch.float32) if weights is not None else None, dst_weights,
+            routing.row_route, routing.expert_offsets, self.ready(phase, rows, minibatch),
+            int(phase), self.slots.pub(phase), self.routes_per_rank, self.topk,
+            max(1, int(num_programs)), int(minibatch))
+        return dst, dst_weights, pull
+
+    def pulled(self, peer: comm.PeerFlags, phase: Phase) -> None:
+        """After the GEMM that pulled: tell every rank its published rows may be overwritten."""
+        comm.signal_peers(peer, phase, self.slots.ack(phase))
 
     def scatter_rows(self, plan: ExchangePlan, dtype: torch.dtype) -> comm.ScatterRows:
         return comm.ScatterRows(self.combine_buffer(dtype), self.buffer.deltas(dtype),
@@ -218,11 +206,3 @@ class ExpertParallel:
             expert_counts=empty, expert_offsets=empty, num_tokens=self.num_tokens,
             topk=self.topk, num_local_experts=num_local_experts, align=align)
         return ExchangePlan(rows_routing, group_routing, source_routing, routes)
-
-
-class _NoStream:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -438,8 +438,9 @@ def build_schedule(
 
 def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_routed_gate,
              w_routed_up, swiglu_limit):
-    """The gate/up GEMMs; with expert parallelism, pulling the rows (and router weights) from
-    their ranks beside them. The shared expert goes first: it needs no remote rows."""
+    """The gate/up GEMMs; with expert parallelism the routed one pulls its rows (and router
+    weights) from their ranks in its own launch. The shared expert goes first: it needs no
+    remote rows, and the other ranks have time to publish theirs."""
     pick = schedule.tiles.pick
     hidden, intermediate = x.shape[1], w_routed_gate.shape[1]
     h_shared = None
@@ -456,13 +457,13 @@ def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_
     peer = ep.peer_flags(schedule.workspace.error_flags)
     ep.publish(peer, Phase.FORWARD, [(ep.x_pub(x.dtype), x),
                                      (ep.weights_pub, router_weights.reshape(-1))])
-    x_rows, weights_rows, wait = ep.pull(
+    x_rows, weights_rows, pull = ep.pull(
         peer, Phase.FORWARD, schedule.exchange, src=ep.x_pub(x.dtype),
         weights=ep.weights_pub, minibatch=config.minibatch_size,
         num_programs=config.fwd_num_comm_sms)
     h = ops.gate_up_swiglu(x_rows, w_routed_gate, w_routed_up, schedule.routing,
-                           pick("gate_up", intermediate, hidden), swiglu_limit, wait=wait)
-    ep.join()
+                           pick("gate_up", intermediate, hidden), swiglu_limit, pull=pull)
+    ep.pulled(peer, Phase.FORWARD)
     return ForwardContext(h, h_shared, x_rows, weights_rows)
 
 
@@ -636,13 +637,13 @@ def _expert_parallel_backward(config, schedule, context, d_output, d_x_shared_ro
     pick = schedule.tiles.pick
     routing = schedule.routing
     ep.publish(peer, Phase.BACKWARD, [(ep.dy_pub(dtype), d_output)])
-    dy_rows, _, wait = ep.pull(peer, Phase.BACKWARD, plan, src=ep.dy_pub(dtype), weights=None,
+    dy_rows, _, pull = ep.pull(peer, Phase.BACKWARD, plan, src=ep.dy_pub(dtype), weights=None,
                                minibatch=config.minibatch_size,
                                num_programs=config.bwd_num_comm_sms)
     d_gate_up, partial = ops.down_bwd_dswiglu(
         dy_rows, context.x_rows, w_down, w_gate, w_up, context.h, routing,
-        pick("down_bwd", intermediate, hidden), context.weights_rows, swiglu_limit, wait=wait)
-    ep.join()
+        pick("down_bwd", intermediate, hidden), context.weights_rows, swiglu_limit, pull=pull)
+    ep.pulled(peer, Phase.BACKWARD)
     # Router-weight gradients by route of the group, each sent to its token's rank.
     by_route = ops.router_grad(partial, plan.group_routing)
     ops.scatter_route_values(by_route.reshape(-1), plan.group_routing.route_row, ep.d_weights,

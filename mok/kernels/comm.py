@@ -109,7 +109,8 @@ def gather_peers_kernel(src_ptr, delta_ptr, dst_ptr, flags_ptr, flag_delta_ptr, 
 
 
 @triton.jit
-def pull_rows_kernel(
+def pull_rows(
+    pid, num_programs,
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
     row_route_ptr, expert_offsets_ptr, ready_ptr,
     flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
@@ -118,16 +119,19 @@ def pull_rows_kernel(
     HAS_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
 ):
-    """The dispatch: dst[row] = (rank of route g)'s src[token of g], g = row_route[row].
+    """The dispatch, as program `pid` of `num_programs`: dst[row] = (rank of route g)'s
+    src[token of g], g = row_route[row].
 
     A route g of the whole group is rank g // routes_per_rank's route g % routes_per_rank, token
     (g % routes_per_rank) // topk. Programs take minibatches of MINIBATCH rows in turn, in row
     order, up to the rows in use, and set ready[minibatch] = seq[phase] when one has landed, so
     the expert GEMMs start on the first rows while later ones are in flight. With HAS_WEIGHTS the
     route's router weight comes along: dst_weights[row] = weights of rank g's route.
+
+    The GEMMs that wait on these rows run the pull in their own launch, as its first programs
+    (see mok.kernels.grouped_gemm): programs start in order, so the pull always has SMs and a
+    GEMM tile never spins on rows that no running program will deliver.
     """
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
     target = tl.load(seq_ptr + phase)
     for peer in range(0, world_size):
         wait_at_least(flags_ptr + tl.load(flag_delta_ptr + peer) + publish_slot, target, peer,
@@ -158,6 +162,25 @@ def pull_rows_kernel(
                 tl.store(dst_weights_ptr + rows, weight, mask=in_batch)
         tl.debug_barrier()
         tl.atomic_xchg(ready_ptr + minibatch, target, sem="release", scope="gpu")
+
+
+@triton.jit
+def pull_rows_kernel(
+    src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
+    row_route_ptr, expert_offsets_ptr, ready_ptr,
+    flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
+    phase, publish_slot, num_local_experts, routes_per_rank, topk, width, world_size, timeout,
+    stride_src, stride_dst,
+    HAS_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
+):
+    """pull_rows on its own (to measure the dispatch alone)."""
+    pull_rows(tl.program_id(0), tl.num_programs(0),
+              src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
+              row_route_ptr, expert_offsets_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr,
+              error_ptr, phase, publish_slot, num_local_experts, routes_per_rank, topk, width,
+              world_size, timeout, stride_src, stride_dst,
+              HAS_WEIGHTS, MINIBATCH, BLOCK_R, BLOCK_W, HAS_TIMER)
 
 
 @triton.jit

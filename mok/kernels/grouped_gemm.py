@@ -10,8 +10,9 @@ fixed reduction order, so every result is bitwise reproducible.
 Legend: M rows, N output columns, K reduction; E local experts; H hidden, I intermediate.
 UPCAST: under Triton's CPU interpreter (see mok.kernels.common).
 
-Expert parallelism adds two switches. WAIT: before its K loop a tile waits until the rows it
-reads have been pulled from the peers (mok.kernels.comm.wait_rows_ready). SCATTER: a row's output
+Expert parallelism adds two switches. PULL: the launch's first programs pull the rows the GEMM
+reads from the other ranks (mok.kernels.comm.pull_rows) and every tile, before its K loop, waits
+until its own rows have landed (mok.kernels.comm.wait_rows_ready). SCATTER: a row's output
 goes to the rank that owns its token, at `out + delta[g // routes_per_rank]`, row g %
 routes_per_rank of that rank's combine buffer, g = dest_route[row] (a route of the whole group).
 """
@@ -19,14 +20,13 @@ routes_per_rank of that rank's combine buffer, g = dest_route[row] (a route of t
 import triton
 import triton.language as tl
 
-from mok.kernels.comm import wait_rows_ready
+from mok.kernels.comm import pull_rows, wait_rows_ready
 from mok.kernels.common import cast_to, mma
 
 
 @triton.jit
-def _tile_coords(num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+def _tile_coords(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     """Program id -> (m block, n block), GROUP_M row blocks at a time so weight tiles stay in L2."""
-    pid = tl.program_id(0)
     width = GROUP_M * num_n_blocks
     first_m = (pid // width) * GROUP_M
     size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
@@ -43,6 +43,29 @@ def _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M: tl.constexpr):
     valid = route >= 0
     token = tl.where(valid, route // topk, 0)
     return rows.to(tl.int64), route, valid, token.to(tl.int64)
+
+
+@triton.jit
+def _pull_programs(
+    dst_ptr, stride_dst, width,
+    pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
+    pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
+    num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
+    world_size, timeout, stride_pull_src,
+    PULL_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr,
+    PULL_BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
+):
+    """The first num_pull_programs programs pull dst's rows; returns the GEMM tile's program id
+    of the others (negative for the pulling ones)."""
+    pid = tl.program_id(0)
+    if pid < num_pull_programs:
+        pull_rows(pid, num_pull_programs, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
+                  pull_w_delta_ptr, dst_ptr, pull_dst_w_ptr, pull_route_ptr, pull_offsets_ptr,
+                  ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot,
+                  pull_num_experts, routes_per_rank, pull_topk, width, world_size, timeout,
+                  stride_pull_src, stride_dst, PULL_WEIGHTS, MINIBATCH, PULL_BLOCK_R,
+                  PULL_BLOCK_W, HAS_TIMER)
+    return pid - num_pull_programs
 
 
 @triton.jit
@@ -81,21 +104,38 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
 @triton.jit
 def gate_up_swiglu_kernel(
     x_ptr, w_gate_ptr, w_up_ptr, h_ptr, row_route_ptr, block_expert_ptr,
-    ready_ptr, seq_ptr, error_ptr,
-    num_m_blocks, N, K, topk, phase, timeout,
+    pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
+    pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
+    num_m_blocks, N, K, topk,
+    num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
+    world_size, timeout, stride_pull_src,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WAIT: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr,
+    PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr,
+    PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """h[row, n] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, K], w [E, N, K]."""
-    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    """h[row, n] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, K], w [E, N, K].
+
+    With PULL, x's rows are pulled from the other ranks by the launch's first programs.
+    """
+    pid = tl.program_id(0)
+    if PULL:
+        pid = _pull_programs(
+            x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr,
+            pull_dst_w_ptr, pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr,
+            flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, pull_num_experts,
+            routes_per_rank, pull_topk, world_size, timeout, stride_pull_src, PULL_WEIGHTS,
+            MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W, HAS_TIMER)
+        if pid < 0:
+            return
+    pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     if expert < 0:
         return
-    if WAIT:
+    if PULL:
         _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M, MINIBATCH,
                    HAS_TIMER)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
@@ -132,7 +172,7 @@ def down_proj_kernel(
     SCATTER: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[row, n] = w[route] * (h[row] @ w_down[e].T); h [rows, K], w_down [E, N, K]."""
-    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     if expert < 0:
         return
@@ -162,14 +202,18 @@ def down_proj_kernel(
 def down_bwd_dswiglu_kernel(
     d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, router_weights_ptr,
     d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
-    ready_ptr, seq_ptr, error_ptr,
-    num_m_blocks, N, K, topk, phase, timeout,
+    pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
+    pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
+    num_m_blocks, N, K, topk,
+    num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
+    world_size, timeout, stride_pull_src,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
     stride_we, stride_wn, stride_wk, stride_hm, stride_gm, stride_pm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    WAIT: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr,
+    PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr,
+    PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Backward through the down projection and SwiGLU, gate/up recomputed in the same K loop.
@@ -177,13 +221,24 @@ def down_bwd_dswiglu_kernel(
     With N = I and K = H: dh0 = d_out[token] @ w_down[e] (w_down [E, K, N]); gate, up = x[token] @
     w_gate[e].T, x[token] @ w_up[e].T (w_gate, w_up [E, N, K]). Writes d_gate_up[row] = [d_gate,
     d_up] (columns [0, N) and [N, 2N)) for dh = w[route] * dh0, and the partial router-weight
-    gradient sum_n dh0 * h over this tile's columns to d_weight_partial[row, pid_n].
+    gradient sum_n dh0 * h over this tile's columns to d_weight_partial[row, pid_n]. With PULL,
+    d_out's rows are pulled from the other ranks by the launch's first programs.
     """
-    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid = tl.program_id(0)
+    if PULL:
+        pid = _pull_programs(
+            d_out_ptr, stride_dm, K, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr,
+            pull_dst_w_ptr, pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr,
+            flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, pull_num_experts,
+            routes_per_rank, pull_topk, world_size, timeout, stride_pull_src, PULL_WEIGHTS,
+            MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W, HAS_TIMER)
+        if pid < 0:
+            return
+    pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     if expert < 0:
         return
-    if WAIT:
+    if PULL:
         _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M, MINIBATCH,
                    HAS_TIMER)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
@@ -255,7 +310,7 @@ def d_x_rows_kernel(
     SCATTER: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[row] = d_gate[row] @ w_gate[e] + d_up[row] @ w_up[e]; N = H, K = I, w [E, K, N]."""
-    pid_m, pid_n = _tile_coords(num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     if expert < 0:
         return

@@ -2,7 +2,7 @@
 
 from mok.ops.comm import (
     PeerFlags,
-    RowsReady,
+    Pull,
     ScatterRows,
     SymmetricBuffer,
     scatter_route_values,
@@ -24,7 +24,7 @@ from mok.ops.tuning import GemmTiles, TileConfig, default_tiles, small_tiles
 __all__ = [
     "GemmTiles",
     "PeerFlags",
-    "RowsReady",
+    "Pull",
     "ScatterRows",
     "SymmetricBuffer",
     "Routing",

@@ -182,8 +182,7 @@ def pull_rows(
     row's route on the rank that holds it; ready[minibatch] is set as minibatches land."""
     width = src.shape[1]
     # Tiles of 16K elements (32 KB) per program keep enough bytes in flight over NVLink.
-    block_w = min(512, triton.next_power_of_2(width))
-    block_r = max(1, min(triton.next_power_of_2(minibatch), 16384 // block_w))
+    block_r, block_w = _pull_blocks(width, minibatch, 16384)
     has_weights = weights is not None
     num_local_experts = expert_offsets.shape[0] - 1
     kernels.pull_rows_kernel[(num_programs,)](
@@ -210,19 +209,55 @@ def scatter_route_values(values: torch.Tensor, route_row: torch.Tensor, out: tor
         values, route_row, out, out_deltas, num_routes, routes_per_rank, BLOCK=block)
 
 
-@dataclass(frozen=True)
-class RowsReady:
-    """A GEMM's wait for pulled rows: ready[minibatch] >= seq[phase] (see pull_rows)."""
+def _pull_blocks(width: int, minibatch: int, elements: int) -> tuple[int, int]:
+    block_w = min(512, triton.next_power_of_2(width))
+    return max(1, min(triton.next_power_of_2(minibatch), elements // block_w)), block_w
 
+
+@dataclass(frozen=True)
+class Pull:
+    """Rows a GEMM pulls from the other ranks in its own launch (mok.kernels.comm.pull_rows):
+    the GEMM's A operand, row r = the token row of route row_route[r] on the rank holding it,
+    read from that rank's copy of `src`; with weights, dst_weights[r] = that route's weight."""
+
+    peer: PeerFlags
+    src: torch.Tensor
+    src_deltas: torch.Tensor
+    weights: torch.Tensor | None
+    weights_deltas: torch.Tensor | None
+    dst_weights: torch.Tensor | None
+    row_route: torch.Tensor
+    expert_offsets: torch.Tensor
     ready: torch.Tensor
-    seq: torch.Tensor
     phase: int
-    errors: torch.Tensor
-    timeout: int
+    publish_slot: int
+    routes_per_rank: int
+    topk: int
+    num_programs: int
     minibatch: int
 
-    def kernel_args(self) -> tuple:
-        return (self.ready, self.seq, self.errors)
+    @staticmethod
+    def kernel_args(pull: Pull | None, fallback: torch.Tensor) -> tuple[tuple, tuple, dict]:
+        """(pointers, scalars, constexprs) of a GEMM's pull, in the kernels' order."""
+        if pull is None:
+            return ((fallback,) * 12, (0,) * 9, dict(
+                PULL=False, PULL_WEIGHTS=False, MINIBATCH=1, PULL_BLOCK_R=1, PULL_BLOCK_W=1,
+                HAS_TIMER=HAS_TIMER))
+        peer = pull.peer
+        has_weights = pull.weights is not None
+        block_r, block_w = _pull_blocks(pull.src.shape[1], pull.minibatch, 8192)
+        pointers = (pull.src, pull.src_deltas,
+                    pull.weights if has_weights else pull.src,
+                    pull.weights_deltas if has_weights else pull.src_deltas,
+                    pull.dst_weights if has_weights else pull.src,
+                    pull.row_route, pull.expert_offsets, pull.ready, peer.seq, peer.flags,
+                    peer.flag_deltas, peer.errors)
+        scalars = (pull.num_programs, pull.phase, pull.publish_slot,
+                   pull.expert_offsets.shape[0] - 1, pull.routes_per_rank, pull.topk,
+                   peer.world_size, peer.timeout, pull.src.stride(0))
+        return pointers, scalars, dict(
+            PULL=True, PULL_WEIGHTS=has_weights, MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r,
+            PULL_BLOCK_W=block_w, HAS_TIMER=HAS_TIMER)
 
 
 @dataclass(frozen=True)

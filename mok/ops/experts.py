@@ -11,20 +11,11 @@ import triton
 from mok import _env
 from mok.kernels import combine as combine_kernels
 from mok.kernels import grouped_gemm as gemm_kernels
-from mok.ops.comm import HAS_TIMER, RowsReady, ScatterRows
+from mok.ops.comm import Pull, ScatterRows
 from mok.ops.routing import Routing
 from mok.ops.tuning import GemmTiles
 
 UPCAST = _env.INTERPRET
-
-
-def _wait_args(wait: RowsReady | None, fallback: torch.Tensor) -> tuple[tuple, dict, dict]:
-    """(pointer args, scalar args, constexprs) of a GEMM's optional wait for pulled rows."""
-    if wait is None:
-        return (fallback, fallback, fallback), dict(phase=0, timeout=0), dict(
-            WAIT=False, MINIBATCH=1, HAS_TIMER=HAS_TIMER)
-    return wait.kernel_args(), dict(phase=wait.phase, timeout=wait.timeout), dict(
-        WAIT=True, MINIBATCH=wait.minibatch, HAS_TIMER=HAS_TIMER)
 
 
 def _scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> tuple[tuple, int, dict]:
@@ -57,23 +48,22 @@ def gate_up_swiglu(
     routing: Routing,
     tiles: GemmTiles,
     swiglu_limit: float | None,
-    wait: RowsReady | None = None,
+    pull: Pull | None = None,
 ) -> torch.Tensor:
     """h [C, I] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, H], w [E, I, H].
 
-    wait: x's rows are being pulled from the peers; each tile waits for its own.
+    pull: x's rows come from the other ranks, pulled by this launch's first programs.
     """
     intermediate, hidden = w_gate.shape[1:]
     h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     limit, has_limit = _limit_args(swiglu_limit)
-    wait_ptrs, wait_scalars, wait_meta = _wait_args(wait, h)
-    gemm_kernels.gate_up_swiglu_kernel[(grid,)](
-        x, w_gate, w_up, h, routing.row_route, routing.block_expert, *wait_ptrs,
-        num_m_blocks, intermediate, hidden, routing.topk, wait_scalars["phase"],
-        wait_scalars["timeout"],
+    pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, h)
+    gemm_kernels.gate_up_swiglu_kernel[(grid + pull_scalars[0],)](
+        x, w_gate, w_up, h, routing.row_route, routing.block_expert, *pull_ptrs,
+        num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
         x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
-        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, **wait_meta, **_gemm_meta(tiles),
+        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, **pull_meta, **_gemm_meta(tiles),
     )
     return h
 
@@ -142,12 +132,13 @@ def down_bwd_dswiglu(
     tiles: GemmTiles,
     router_weights: torch.Tensor | None,
     swiglu_limit: float | None,
-    wait: RowsReady | None = None,
+    pull: Pull | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients at the gate/up outputs, gate/up recomputed in the same pass.
 
     Returns d_gate_up [C, 2I] (d_gate in [:, :I], d_up in [:, I:]) and, with router weights, the
     partial router-weight gradients [C, cdiv(I, block_n)] fp32 (summed by `router_grad`).
+    pull: d_out's rows come from the other ranks, pulled by this launch's first programs.
     """
     intermediate, hidden = w_gate.shape[1:]
     rows = routing.capacity_rows
@@ -158,19 +149,18 @@ def down_bwd_dswiglu(
         partial = torch.empty(rows, triton.cdiv(intermediate, tiles.block_n),
                               dtype=torch.float32, device=x.device)
     limit, has_limit = _limit_args(swiglu_limit)
-    wait_ptrs, wait_scalars, wait_meta = _wait_args(wait, d_gate_up)
-    gemm_kernels.down_bwd_dswiglu_kernel[(grid,)](
+    pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, d_gate_up)
+    gemm_kernels.down_bwd_dswiglu_kernel[(grid + pull_scalars[0],)](
         d_out, x, w_down, w_gate, w_up, h,
         router_weights if router_weights is not None else h,
         d_gate_up, partial if partial is not None else d_gate_up,
-        routing.row_route, routing.block_expert, *wait_ptrs,
-        num_m_blocks, intermediate, hidden, routing.topk, wait_scalars["phase"],
-        wait_scalars["timeout"],
+        routing.row_route, routing.block_expert, *pull_ptrs,
+        num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
         d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
         w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0), d_gate_up.stride(0),
         partial.stride(0) if partial is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
-        **wait_meta, **_gemm_meta(tiles),
+        **pull_meta, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 
