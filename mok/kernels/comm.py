@@ -37,11 +37,15 @@ def _now(HAS_TIMER: tl.constexpr):
 def wait_at_least(flag_ptr, target, peer, timeout, error_ptr, HAS_TIMER: tl.constexpr):
     """Spin until *flag_ptr >= target (acquire, system scope) or `timeout` passes.
 
-    On timeout, sets the PEER_TIMEOUT error and records `peer`. Returns whether the flag came.
+    On timeout, sets the PEER_TIMEOUT error and records `peer`. Once any wait of this rank has
+    timed out, later waits give up at once: a dead peer costs one timeout, not one per tile.
+    Returns whether the flag came.
     """
     value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     start = _now(HAS_TIMER)
     elapsed = tl.zeros([], dtype=tl.int64)
+    if tl.load(error_ptr + FLAG_PEER_TIMEOUT, volatile=True) != 0:
+        elapsed += timeout + 1
     while (value < target) & (elapsed <= timeout):
         value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         if HAS_TIMER:
