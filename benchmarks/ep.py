@@ -185,14 +185,15 @@ def max_error(y, grads, inputs, group):
     return float(value)
 
 
-def _rank_main(rank, world_size, shape_names, iters, warmup, commit):
+def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, peer_timeout_s):
     import mok.functional as F
     from mok.testing import SHAPES_BY_NAME, make_inputs
     from mok.testing.tolerance import TOLERANCES
 
     group = dist.group.WORLD
     device = torch.device("cuda", rank)
-    config = F.MoKConfig()
+    config = F.MoKConfig(fwd_num_comm_sms=comm_sms, bwd_num_comm_sms=comm_sms,
+                         peer_timeout_s=peer_timeout_s)
     rows = []
     gpu = torch.cuda.get_device_name(device)
     date = datetime.datetime.now().isoformat(timespec="seconds")
@@ -300,6 +301,10 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--csv", type=Path, default=RESULTS / "ep.csv")
+    parser.add_argument("--comm-sms", type=int, default=16,
+                        help="programs that pull rows in each GEMM launch (MoKConfig)")
+    parser.add_argument("--peer-timeout", type=float, default=20.0,
+                        help="MoKConfig.peer_timeout_s")
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     from benchmarks.layer import _commit
@@ -313,6 +318,7 @@ def main(argv=None) -> None:
                        ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(key, value)  # never NVLink multicast
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, _commit(),
+                              args.comm_sms, args.peer_timeout,
                               backend="nccl", timeout_s=args.timeout)
     rows = results[0]
     args.csv.parent.mkdir(parents=True, exist_ok=True)
