@@ -237,6 +237,8 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
             impl = (MoKLayer(inputs, group, config) if impl_name == "mok"
                     else Baseline(inputs, group))
             y, grads = impl.step()
+            if impl_name == "mok":
+                F.check_errors(impl.workspace)  # a peer timeout fails the run, loudly
             err = max_error(y, grads, inputs, group)
             if err > limit:
                 if rank == 0:
