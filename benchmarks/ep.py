@@ -295,6 +295,8 @@ def dispatch_only(layer, inputs, iters, warmup, group):
 
 
 def main(argv=None) -> None:
+    import mok.functional as F
+
     parser = argparse.ArgumentParser(prog="python -m mok bench --ep N", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ep", type=int, required=True, help="processes, one GPU each")
@@ -303,7 +305,7 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--csv", type=Path, default=RESULTS / "ep.csv")
-    parser.add_argument("--comm-sms", type=int, default=16,
+    parser.add_argument("--comm-sms", type=int, default=F.MoKConfig().fwd_num_comm_sms,
                         help="programs that pull rows in each GEMM launch (MoKConfig)")
     parser.add_argument("--peer-timeout", type=float, default=20.0,
                         help="MoKConfig.peer_timeout_s")
