@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as torch_f
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CSV_FIELDS = ("gpu", "commit", "date", "ep", "shape", "impl", "mode", "ms", "tflops",
+CSV_FIELDS = ("gpu", "commit", "date", "ep", "shape", "comm_sms", "impl", "mode", "ms", "tflops",
               "vs_compute_only", "gb_s", "peak_mem_gb", "max_rel_err")
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "kimi-ep64-slice")
 PULL_CEILING_GB_S = 371.0
@@ -201,7 +201,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
 
     def row(shape, impl, mode, ms, flops, compute_ms=None, gb_s=None, err=float("nan")):
         rows.append(dict(gpu=gpu, commit=commit, date=date, ep=world_size, shape=shape.name,
-                         impl=impl, mode=mode, ms=round(ms, 4),
+                         comm_sms=comm_sms, impl=impl, mode=mode, ms=round(ms, 4),
                          tflops=round(flops / ms / 1e9, 1) if flops else "",
                          vs_compute_only=round(ms / compute_ms, 3) if compute_ms else "",
                          gb_s=round(gb_s, 1) if gb_s else "",
@@ -311,7 +311,7 @@ def main(argv=None) -> None:
                         help="MoKConfig.peer_timeout_s")
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
-    from benchmarks.layer import _commit
+    from benchmarks import commit_id
     from mok.testing import SHAPES, run_distributed
 
     if torch.cuda.device_count() < args.ep:
@@ -321,7 +321,7 @@ def main(argv=None) -> None:
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(key, value)  # never NVLink multicast
-    results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, _commit(),
+    results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
                               args.comm_sms, args.peer_timeout,
                               backend="nccl", timeout_s=args.timeout)
     rows = results[0]

@@ -31,7 +31,6 @@ import datetime
 import enum
 import functools
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,8 +38,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import commit_id
 from benchmarks.implementations import IMPLEMENTATIONS, REPO_ROOT, Implementation, Settings
-from mok import _env
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
@@ -152,17 +151,6 @@ def measure(prepare: Callable[[int], Callable[[], object]], repeats: int, warmup
     return statistics.median(times), peak / 2**30 if cuda else None
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, text=True,
-                             capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO_ROOT, text=True, capture_output=True).stdout.strip()
-        return out + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return _env.COMMIT  # a copy of the tree without .git
-
-
 def append_row(csv_path: Path, row: dict) -> None:
     """Append one row (header first when the file is new), so a later failure loses nothing."""
     csv_path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,7 +219,7 @@ def run(shapes: list[MoEShape], impl_names: list[str], modes: list[Mode], *, rep
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     settings = Settings(device, liger_autotune=liger_autotune)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    common = dict(gpu=gpu, commit=_commit(),
+    common = dict(gpu=gpu, commit=commit_id(),
                   date=datetime.datetime.now().isoformat(timespec="seconds"))
     rows: list[dict] = []
     skips: list[Skip] = []

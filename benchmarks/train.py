@@ -50,7 +50,6 @@ import datetime
 import gc
 import json
 import platform
-import subprocess
 import time
 import traceback
 from dataclasses import dataclass
@@ -59,7 +58,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mok import _env
+from benchmarks import commit_id
 from mok import train as mok_train
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -110,19 +109,6 @@ class BackendRun:
 
 
 # -- environment -----------------------------------------------------------------------------
-
-def commit_id() -> str:
-    """The short commit of the repository (+ -dirty), or MOK_COMMIT in a copy without .git."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                              capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, text=True, capture_output=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return _env.COMMIT
-
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
