@@ -176,7 +176,10 @@ class ExpertParallel:
 
     # -- the schedule ------------------------------------------------------------------------
     def build_plan(self, peer: comm.PeerFlags, topk_experts: torch.Tensor, *,
-                   num_local_experts: int, align: int, route_capacity: int) -> ExchangePlan:
+                   num_local_experts: int, align: int, route_capacity: int,
+                   ghost_expert: bool = False) -> ExchangePlan:
+        """ghost_expert: the id E (one past the group's experts) is valid and owned by no rank
+        (routes to experts of other nodes, see mok.cross_node)."""
         world, routes = self.world_size, self.routes_per_rank
         self.publish(peer, Phase.SCHEDULE, [(self.topk_pub, topk_experts.reshape(-1))])
         group_topk = torch.empty(world * routes, dtype=torch.int32, device=self.device)
@@ -186,7 +189,8 @@ class ExpertParallel:
         num_experts = num_local_experts * world
         group_routing = ops.build_routing(
             group_topk.view(world * self.num_tokens, self.topk), peer.errors,
-            num_experts=num_experts, first_local_expert=num_local_experts * self.rank,
+            num_experts=num_experts + int(ghost_expert),
+            first_local_expert=num_local_experts * self.rank,
             num_local_experts=num_local_experts, align=align, route_capacity=route_capacity)
         i32 = dict(dtype=torch.int32, device=self.device)
         rows = torch.arange(group_routing.capacity_rows, **i32)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from mok.errors import (
     MoKInputError,
 )
 from mok.expert_parallel import ExchangePlan, ExpertParallel, Phase
+
+if TYPE_CHECKING:
+    from mok.cross_node import CrossNodePlan
 from mok.ops import Routing, TileConfig
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -95,6 +99,7 @@ class Workspace:
         num_local_tokens: int,
         hidden_size: int,
         topk: int,
+        ranks_per_node: int | None = None,
     ) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -111,14 +116,24 @@ class Workspace:
         self.topk = int(topk)
         self.error_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device)
         self.ep: ExpertParallel | None = None
+        self.cross_node = None
+        self._ghost_expert = False  # set on the one-node workspace inside a cross-node one
+        self.ep_size, self.ep_rank = 1, 0
         if group is not None and dist.get_world_size(group) > 1:
             if device.type == "cpu" and not _env.INTERPRET:
                 raise MoKInputError("expert parallelism on CPU needs Triton's interpreter")
-            self.ep = ExpertParallel(group, device, num_tokens=self.num_local_tokens,
-                                     hidden_size=self.hidden_size, topk=self.topk,
-                                     timeout_s=config.peer_timeout_s)
-        self.ep_size = self.ep.world_size if self.ep is not None else 1
-        self.ep_rank = self.ep.rank if self.ep is not None else 0
+            from mok import cross_node
+
+            self.ep_size, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
+            per_node = ranks_per_node or cross_node.ranks_per_node_of(group)
+            if per_node < self.ep_size:
+                self.cross_node = cross_node.CrossNode(
+                    config, group, device, num_tokens=self.num_local_tokens,
+                    hidden_size=self.hidden_size, topk=self.topk, ranks_per_node=per_node)
+            else:
+                self.ep = ExpertParallel(group, device, num_tokens=self.num_local_tokens,
+                                         hidden_size=self.hidden_size, topk=self.topk,
+                                         timeout_s=config.peer_timeout_s)
         pin = device.type == "cuda"
         self._host_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, pin_memory=pin)
         self._flags_event: torch.cuda.Event | None = None
@@ -155,6 +170,8 @@ class Workspace:
         """Synchronize with the device and raise MoKDataError if any data error was flagged."""
         self._flags_pending = False
         self._raise_if_set(self.error_flags.tolist())
+        if self.cross_node is not None:
+            self.cross_node.inner.check_errors()
 
     def _raise_if_set(self, flags: list[int]) -> None:
         raised = [ErrorFlag(i) for i, value in enumerate(flags)
@@ -193,10 +210,15 @@ def create_workspace(
     num_local_tokens: int,
     hidden_size: int,
     topk: int,
+    ranks_per_node: int | None = None,
 ) -> Workspace:
-    """A new workspace (not cached). num_local_tokens: the most tokens a schedule may hold."""
+    """A new workspace (not cached). num_local_tokens: the most tokens a schedule may hold.
+
+    ranks_per_node: with a group spanning nodes, its ranks per node (default: found from the
+    host names; the ranks must be numbered node by node, as torchrun does).
+    """
     return Workspace(config, group, device=device, num_local_tokens=num_local_tokens,
-                     hidden_size=hidden_size, topk=topk)
+                     hidden_size=hidden_size, topk=topk, ranks_per_node=ranks_per_node)
 
 
 def get_workspace(
@@ -207,17 +229,18 @@ def get_workspace(
     num_local_tokens: int,
     hidden_size: int,
     topk: int,
+    ranks_per_node: int | None = None,
 ) -> Workspace:
     """The workspace for these arguments, created on first use and cached."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (config, id(group) if group is not None else None, str(device), int(num_local_tokens),
-           int(hidden_size), int(topk))
+           int(hidden_size), int(topk), ranks_per_node)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = create_workspace(
             config, group, device=device, num_local_tokens=num_local_tokens,
-            hidden_size=hidden_size, topk=topk)
+            hidden_size=hidden_size, topk=topk, ranks_per_node=ranks_per_node)
     return _WORKSPACES[key]
 
 
@@ -238,7 +261,7 @@ class Schedule:
     tiles: TileConfig
     num_experts: int
     workspace: Workspace = field(repr=False)
-    exchange: ExchangePlan | None = field(default=None, repr=False)
+    exchange: ExchangePlan | CrossNodePlan | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -286,6 +309,8 @@ class ForwardContext:
     x_rows [C, H], weights_rows [C] (expert parallelism only): the token rows and router weights
         pulled from the other ranks, in schedule row order, kept so the backward need not pull
         them again.
+    inner, x_group, weights_group (expert parallelism across nodes): the one-node context of
+        the tokens gathered from the other nodes, and those tokens and router weights.
     The gate/up projections are recomputed inside the backward kernel; expert outputs are never
     kept (the router-weight gradient is computed from h).
     """
@@ -294,10 +319,14 @@ class ForwardContext:
     h_shared: torch.Tensor | None
     x_rows: torch.Tensor | None = None
     weights_rows: torch.Tensor | None = None
+    inner: ForwardContext | None = None
+    x_group: torch.Tensor | None = None
+    weights_group: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        parts = (self.h, self.h_shared, self.x_rows, self.weights_rows)
+        parts = (self.h, self.h_shared, self.x_rows, self.weights_rows, self.x_group,
+                 self.weights_group)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
@@ -416,6 +445,15 @@ def build_schedule(
     route_capacity = min(num_routes * workspace.ep_size,
                          math.ceil(config.schedule_capacity_multiplier * num_routes))
     exchange = None
+    if workspace.cross_node is not None:
+        schedule = workspace.cross_node.build_schedule(
+            workspace, config, topk_experts, num_local_experts=int(num_local_experts),
+            tiles=tiles)
+        workspace._publish_errors()
+        if validate or (validate is None and _env.VALIDATE):
+            workspace.check_errors()
+        return schedule
+    ghost = int(workspace._ghost_expert)
     if workspace.ep is not None:
         if num_tokens != workspace.num_local_tokens:
             raise MoKInputError(
@@ -424,11 +462,11 @@ def build_schedule(
         exchange = workspace.ep.build_plan(
             workspace.ep.peer_flags(workspace.error_flags), topk_experts,
             num_local_experts=int(num_local_experts), align=tiles.align,
-            route_capacity=route_capacity)
+            route_capacity=route_capacity, ghost_expert=bool(ghost))
         routing = exchange.rows_routing
     else:
         routing = ops.build_routing(
-            topk_experts, workspace.error_flags, num_experts=int(num_local_experts),
+            topk_experts, workspace.error_flags, num_experts=int(num_local_experts) + ghost,
             first_local_expert=0, num_local_experts=int(num_local_experts), align=tiles.align,
             route_capacity=route_capacity,
         )
@@ -499,6 +537,9 @@ def forward(
     _check_router_weights(schedule, router_weights)
     x = _rowmajor(x)
     router_weights = router_weights.contiguous()
+    if workspace.cross_node is not None:
+        return workspace.cross_node.forward(config, schedule, x, router_weights, shared, routed,
+                                            swiglu_limit)
     context = _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up,
                        w_routed_gate, w_routed_up, swiglu_limit)
     pick = schedule.tiles.pick
@@ -543,7 +584,7 @@ def recompute_forward_context(
     _check_weights(schedule, x, (w_shared_gate, w_shared_up, None),
                    (w_routed_gate, w_routed_up, None), need_down=False)
     router_weights = None
-    if workspace.ep is not None:  # the pull carries the router weights the forward pulled
+    if workspace.ep is not None or workspace.cross_node is not None:
         raise NotImplementedError(
             "recompute_forward_context with expert parallelism: keep the forward context")
     return _gate_up(config, schedule, _rowmajor(x), router_weights, w_shared_gate, w_shared_up,
@@ -607,6 +648,11 @@ def backward(
         raise MoKInputError("the forward context and the shared-expert weights disagree")
     x, d_output = _rowmajor(x), _rowmajor(d_output)
     router_weights = router_weights.contiguous()
+    if workspace.cross_node is not None:
+        if forward_context.inner is None:
+            raise MoKInputError("the forward context was made for another workspace")
+        return workspace.cross_node.backward(config, schedule, forward_context, d_output, x,
+                                             shared, routed, swiglu_limit)
     if (forward_context.x_rows is None) != (workspace.ep is None):
         raise MoKInputError("the forward context was made for another workspace")
     d_shared = (None, None, None)

@@ -189,3 +189,36 @@ def _graph_body(rank, world_size):
 @distributed_test(world_sizes=(2,))
 def test_ep_no_host_sync_and_cuda_graph(rank, world_size):
     _graph_body(rank, world_size)
+
+
+def _cross_node_body(rank, world_size):
+    """Two "nodes" of world_size // 2 ranks: collectives between them, the one-node protocol
+    (symmetric buffers when a node has 2 ranks, one device when 1) inside."""
+    config = SMALL_MINIBATCHES
+    inputs = _rank_inputs(rank, world_size, shared=16, pattern=RoutingPattern.SKEWED, seed=5)
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=inputs.x.shape[0],
+                                   hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1],
+                                   ranks_per_node=world_size // 2)
+    assert workspace.cross_node is not None and workspace.cross_node.num_nodes == 2
+    tiles = tiles_for_tests()
+    y, grads, schedule = _run(workspace, config, inputs, swiglu_limit=1.5, tiles=tiles)
+    F.check_errors(workspace)
+    _check_against_reference(inputs, y, grads, 1.5)
+    y2, grads2, _ = _run(workspace, config, inputs, swiglu_limit=1.5, tiles=tiles)
+    assert torch.equal(y, y2)
+    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    # An expert id out of range is reported on every rank.
+    topk = inputs.topk_experts.clone()
+    if rank == world_size - 1:
+        topk[0, 0] = -3
+    F.build_schedule(workspace, config, topk, num_local_experts=inputs.num_local_experts,
+                     tiles=tiles)
+    with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE"):
+        F.check_errors(workspace)
+
+
+@distributed_test(world_sizes=(2, 4))
+def test_ep_across_nodes_matches_reference(rank, world_size):
+    _cross_node_body(rank, world_size)
