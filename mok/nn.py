@@ -154,6 +154,36 @@ def _backward(ctx, d_y, *_unused):
 _moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _ExpertParallelExperts(torch.autograd.Function):
+    """The layer over an expert-parallel group. Schedules and forward contexts of expert
+    parallelism hold the group's exchange state, so this is an autograd.Function rather than a
+    custom op (torch.compile breaks the graph here)."""
+
+    @staticmethod
+    def forward(ctx, group, swiglu_limit, x, topk_experts, router_weights, w_sg, w_su, w_sd,
+                w_rg, w_ru, w_rd):
+        config = F.MoKConfig()
+        workspace = F.get_workspace(config, group, device=x.device, num_local_tokens=x.shape[0],
+                                    hidden_size=x.shape[1], topk=topk_experts.shape[1])
+        schedule = F.build_schedule(workspace, config, topk_experts,
+                                    num_local_experts=w_rg.shape[0])
+        y, context = F.forward(config, workspace, schedule, x, router_weights, w_sg, w_su, w_sd,
+                               w_rg, w_ru, w_rd, swiglu_limit=swiglu_limit)
+        ctx.state = (config, workspace, schedule, context, swiglu_limit)
+        ctx.save_for_backward(x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd)
+        return y
+
+    @staticmethod
+    def backward(ctx, d_y):
+        config, workspace, schedule, context, swiglu_limit = ctx.state
+        x, router_weights, *weights = ctx.saved_tensors
+        d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd = F.backward(
+            config, workspace, schedule, context, d_y.contiguous(), x, router_weights, *weights,
+            swiglu_limit=swiglu_limit)
+        del ctx.state
+        return None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_experts: torch.Tensor,
@@ -167,20 +197,27 @@ def moe_experts(
     *,
     swiglu_limit: float | None = None,
     backend: Backend | str = Backend.MOK,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The routed + shared experts as a differentiable function (DESIGN.md section 1).
 
     x [T, H] bf16/fp16 (the kernels' dtypes; the reference backend takes any float dtype);
     topk_experts [T, k] int; router_weights [T, k] fp32; weights as mok.functional.forward.
     Weight views (e.g. slices of a fused gate_up parameter) are fine: strides are honoured and
-    gradients flow back into the viewed parameter.
+    gradients flow back into the viewed parameter. group: an expert-parallel process group; the
+    routed weights are then this rank's experts (mok.functional's contract), T the same on
+    every rank.
     """
     if Backend(backend) is Backend.REFERENCE:
         from mok.testing.reference import moe_reference
 
         return moe_reference(x, topk_experts, router_weights, w_shared_gate, w_shared_up,
                              w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
-                             swiglu_limit=swiglu_limit).to(x.dtype)
+                             swiglu_limit=swiglu_limit, group=group).to(x.dtype)
+    if group is not None and dist.get_world_size(group) > 1:
+        return _ExpertParallelExperts.apply(
+            group, swiglu_limit, x, topk_experts, router_weights.float(), w_shared_gate,
+            w_shared_up, w_shared_down, w_routed_gate, w_routed_up, w_routed_down)
     return _moe_forward(x, topk_experts, router_weights.float(), w_shared_gate, w_shared_up,
                         w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
                         swiglu_limit)[0]
@@ -277,7 +314,9 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Mixture-of-experts block: router, optional shared expert, routed SwiGLU experts.
 
-    Parameters: router.weight [E, H]; w_gate, w_up [E, I, H]; w_down [E, H, I]; and with
+    Parameters: router.weight [E, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]
+    (E_local = E, or E / P with an expert-parallel `ep_group` of P ranks: this rank's experts
+    [rank * E_local, (rank + 1) * E_local); the router and shared expert are replicated); and with
     shared_intermediate_size > 0: shared_gate, shared_up [I_s, H], shared_down [H, I_s].
     forward(hidden_states [..., H]) -> [..., H]. After each forward: `aux_loss` (add it to the
     training loss) and `tokens_per_expert` [E] (device tensor, no host sync) hold that call's
@@ -305,8 +344,12 @@ class MoE(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if ep_group is not None and dist.get_world_size(ep_group) > 1:
-            raise NotImplementedError("expert parallelism in mok.nn is not built yet")
+        ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} is not a multiple of the "
+                             f"expert-parallel group's {ep_size} ranks")
+        self.ep_group = ep_group if ep_size > 1 else None
+        num_local = num_experts // ep_size
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.shared_intermediate_size = shared_intermediate_size
@@ -314,11 +357,11 @@ class MoE(nn.Module):
         self.backend = Backend(backend)
         factory = dict(device=device, dtype=dtype)
         self.router = Router(hidden_size, num_experts, top_k, router, **factory)
-        self.w_gate = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size,
+        self.w_gate = nn.Parameter(torch.empty(num_local, intermediate_size, hidden_size,
                                                **factory))
-        self.w_up = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size,
+        self.w_up = nn.Parameter(torch.empty(num_local, intermediate_size, hidden_size,
                                              **factory))
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
+        self.w_down = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size,
                                                **factory))
         if shared_intermediate_size:
             self.shared_gate = nn.Parameter(torch.empty(shared_intermediate_size, hidden_size,
@@ -360,7 +403,8 @@ class MoE(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             y = moe_experts(x.to(dtype), routing.topk_experts, routing.weights, *shared,
                             self.w_gate.to(dtype), self.w_up.to(dtype), self.w_down.to(dtype),
-                            swiglu_limit=self.swiglu_limit, backend=self.backend)
+                            swiglu_limit=self.swiglu_limit, backend=self.backend,
+                            group=self.ep_group)
         return y.to(out_dtype).view(hidden_states.shape)
 
     def extra_repr(self) -> str:

@@ -165,3 +165,32 @@ def _fsdp_body(rank, world_size):
 @distributed_test(world_sizes=(2,), backend="gloo")
 def test_fsdp2_shards_the_module(rank, world_size):
     _fsdp_body(rank, world_size)
+
+
+def _ep_module_body(rank, world_size):
+    """MoE(ep_group=...): each rank holds its experts; matches the reference backend on the
+    same group (all_to_all with autograd), gradients of every parameter included."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if DEVICE.type == "cuda" else DEVICE
+    torch.manual_seed(0)  # router and shared expert: the same on every rank
+    module = MoE(32, 16, 3 * world_size, 2, 16, device=device, ep_group=dist.group.WORLD)
+    assert module.w_gate.shape == (3, 16, 32)
+    with torch.no_grad():  # this rank's own experts
+        generator = torch.Generator(device=device).manual_seed(100 + rank)
+        for weight in (module.w_gate, module.w_up, module.w_down):
+            weight.uniform_(-0.25, 0.25, generator=generator)
+    x = torch.randn(2, 12, 32, device=device,
+                    generator=torch.Generator(device=device).manual_seed(rank))
+    y, d_x, grads = loss_and_grads(module, x)
+    module.backend = Backend.REFERENCE
+    y_ref, d_x_ref, grads_ref = loss_and_grads(module, x)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    assert_close(d_x, d_x_ref, dtype=torch.bfloat16, name="d_x")
+    for name in grads:
+        assert_close(grads[name], grads_ref[name], dtype=torch.bfloat16, name=name)
+
+
+@distributed_test(world_sizes=(2,))
+def test_expert_parallel_module_matches_reference_backend(rank, world_size):
+    _ep_module_body(rank, world_size)
