@@ -7,6 +7,8 @@ Triton's interpreter: the same kernels and flag logic as on GPUs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -96,10 +98,12 @@ def test_ep_matches_reference(rank, world_size):
                             pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES)
 
 
-@distributed_test(world_sizes=(2, 4))
+@distributed_test(world_sizes=(2, 4, 8))
 def test_ep_shared_expert_limit_skewed(rank, world_size):
+    # A capacity of world_size * T * k routes: dropless however skewed.
+    config = dataclasses.replace(SMALL_MINIBATCHES, schedule_capacity_multiplier=world_size)
     _matches_reference_body(rank, world_size, shared=16, limit=0.8,
-                            pattern=RoutingPattern.SKEWED, config=SMALL_MINIBATCHES)
+                            pattern=RoutingPattern.SKEWED, config=config)
 
 
 def _errors_body(rank, world_size):
@@ -119,6 +123,16 @@ def _errors_body(rank, world_size):
                      tiles=tiles_for_tests())
     with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE"):
         F.check_errors(workspace)
+    # A schedule capacity of a quarter of the T * k routes each rank receives on average:
+    # every rank overflows and says so (no route is dropped silently).
+    small = dataclasses.replace(config, schedule_capacity_multiplier=0.25)
+    tight = F.create_workspace(small, dist.group.WORLD, device=inputs.x.device,
+                               num_local_tokens=inputs.x.shape[0],
+                               hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
+    F.build_schedule(tight, small, inputs.topk_experts,
+                     num_local_experts=inputs.num_local_experts, tiles=tiles_for_tests())
+    with pytest.raises(MoKDataError, match="CAPACITY_OVERFLOW"):
+        F.check_errors(tight)
 
 
 @distributed_test(world_sizes=(2,))
@@ -219,6 +233,6 @@ def _cross_node_body(rank, world_size):
         F.check_errors(workspace)
 
 
-@distributed_test(world_sizes=(2, 4))
+@distributed_test(world_sizes=(2, 4, 8))
 def test_ep_across_nodes_matches_reference(rank, world_size):
     _cross_node_body(rank, world_size)
