@@ -138,6 +138,19 @@ class CrossNode:
                                    inner=context, x_group=x_group,
                                    weights_group=weights_group)
 
+    def recompute(self, config, schedule, x, router_weights, shared, routed, swiglu_limit):
+        """The forward context again (gate/up only), every rank of the group taking part."""
+        x_group = _gather(x, self.rail_group)
+        weights_group = _gather(router_weights, self.rail_group)
+        context = F.recompute_forward_context(
+            config, self.inner, schedule.exchange.inner, x_group, None, None, *routed,
+            swiglu_limit=swiglu_limit, router_weights=weights_group)
+        h_shared = None
+        if shared[0] is not None:
+            h_shared = _shared_gate_up(schedule, x, shared, swiglu_limit)
+        return F.ForwardContext(context.h, h_shared, context.x_rows, context.weights_rows,
+                                inner=context, x_group=x_group, weights_group=weights_group)
+
     def backward(self, config, schedule, context, d_output, x, shared, routed, swiglu_limit):
         inner = schedule.exchange.inner
         d_output_group = _gather(d_output, self.rail_group)
@@ -156,12 +169,16 @@ class CrossNode:
         return (d_x, d_router_weights, *d_routed, *d_shared)
 
 
+def _shared_gate_up(schedule, x, shared, swiglu_limit):
+    """h of the shared expert on this rank's own tokens."""
+    return ops.gate_up_swiglu(x, shared[0][None], shared[1][None], schedule.shared_routing,
+                              schedule.tiles.pick("gate_up", shared[0].shape[0], x.shape[1]),
+                              swiglu_limit)
+
+
 def _shared_forward(schedule, x, shared, swiglu_limit):
     """The shared expert on this rank's own tokens: (h_shared, its output rows)."""
-    pick = schedule.tiles.pick
-    hidden, size = x.shape[1], shared[0].shape[0]
-    h = ops.gate_up_swiglu(x, shared[0][None], shared[1][None], schedule.shared_routing,
-                           pick("gate_up", size, hidden), swiglu_limit)
+    h = _shared_gate_up(schedule, x, shared, swiglu_limit)
     rows = ops.down_proj(h, shared[2][None], schedule.shared_routing,
-                         pick("down", hidden, size), None)
+                         schedule.tiles.pick("down", x.shape[1], shared[0].shape[0]), None)
     return h, rows

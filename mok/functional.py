@@ -577,17 +577,31 @@ def recompute_forward_context(
     w_routed_up: torch.Tensor,
     *,
     swiglu_limit: float | None = None,
+    router_weights: torch.Tensor | None = None,
 ) -> ForwardContext:
-    """Rebuild the forward context (for activation checkpointing): the gate/up GEMMs only."""
+    """Rebuild the forward context (for activation checkpointing): the gate/up GEMMs only.
+
+    router_weights [T, k] fp32: needed with expert parallelism only, where the experts' ranks
+    pull them again with the token rows (every rank of the group recomputes, like the forward).
+    """
     workspace._poll_errors()
     _check_schedule(workspace, schedule)
     _check_weights(schedule, x, (w_shared_gate, w_shared_up, None),
                    (w_routed_gate, w_routed_up, None), need_down=False)
-    router_weights = None
-    if workspace.ep is not None or workspace.cross_node is not None:
-        raise NotImplementedError(
-            "recompute_forward_context with expert parallelism: keep the forward context")
-    return _gate_up(config, schedule, _rowmajor(x), router_weights, w_shared_gate, w_shared_up,
+    x = _rowmajor(x)
+    if workspace.ep is None and workspace.cross_node is None:
+        return _gate_up(config, schedule, x, None, w_shared_gate, w_shared_up, w_routed_gate,
+                        w_routed_up, swiglu_limit)
+    if router_weights is None:
+        raise MoKInputError("with expert parallelism, recompute_forward_context needs "
+                            "router_weights= (the experts' ranks pull them with the rows)")
+    _check_router_weights(schedule, router_weights)
+    router_weights = router_weights.contiguous()
+    if workspace.cross_node is not None:
+        return workspace.cross_node.recompute(config, schedule, x, router_weights,
+                                              (w_shared_gate, w_shared_up),
+                                              (w_routed_gate, w_routed_up), swiglu_limit)
+    return _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up,
                     w_routed_gate, w_routed_up, swiglu_limit)
 
 

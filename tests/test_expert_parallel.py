@@ -42,6 +42,21 @@ def _rank_inputs(rank, world_size, *, tokens=24, hidden=32, intermediate=16, num
                        device=_device(rank), seed=seed * 100 + rank, routing=pattern)
 
 
+def _recomputed_grads(workspace, config, schedule, inputs, swiglu_limit):
+    """Backward from a recomputed forward context (activation checkpointing)."""
+    context = F.recompute_forward_context(
+        config, workspace, schedule, inputs.x, inputs.w_shared_gate, inputs.w_shared_up,
+        inputs.w_routed_gate, inputs.w_routed_up, swiglu_limit=swiglu_limit,
+        router_weights=inputs.router_weights)
+    return F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args,
+                      swiglu_limit=swiglu_limit)
+
+
+def _assert_equal_grads(grads, others):
+    for name, a, b in zip(GRAD_NAMES, grads, others, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
 def _run(workspace, config, inputs, *, swiglu_limit=None, tiles=None):
     schedule = F.build_schedule(workspace, config, inputs.topk_experts,
                                 num_local_experts=inputs.num_local_experts, tiles=tiles)
@@ -81,11 +96,12 @@ def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config)
     expected = torch.bincount(group_ids, minlength=world_size * inputs.num_local_experts)
     assert torch.equal(schedule.expert_counts.cpu().long(),
                        expected[first:first + inputs.num_local_experts].cpu())
-    # Bitwise deterministic, also through a second round of every phase (flags keep counting).
+    # Bitwise deterministic, also through a second round of every phase (flags keep counting),
+    # and from a recomputed forward context.
     y2, grads2, _ = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
     assert torch.equal(y, y2)
-    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
-        assert (a is None and b is None) or torch.equal(a, b), name
+    _assert_equal_grads(grads, grads2)
+    _assert_equal_grads(grads, _recomputed_grads(workspace, config, schedule, inputs, limit))
 
 
 SMALL_MINIBATCHES = F.MoKConfig(fwd_num_comm_sms=2, bwd_num_comm_sms=3, minibatch_size=8,
@@ -115,6 +131,12 @@ def _errors_body(rank, world_size):
     with pytest.raises(MoKInputError, match="num_local_tokens"):
         F.build_schedule(workspace, config, inputs.topk_experts[:-1],
                          num_local_experts=inputs.num_local_experts)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=inputs.num_local_experts,
+                                tiles=tiles_for_tests())
+    with pytest.raises(MoKInputError, match="router_weights"):
+        F.recompute_forward_context(config, workspace, schedule, inputs.x, None, None,
+                                    inputs.w_routed_gate, inputs.w_routed_up)
     # An expert id out of range on rank 0 is seen by every rank (each sorts the group's routes).
     topk = inputs.topk_experts.clone()
     if rank == 0:
@@ -221,8 +243,8 @@ def _cross_node_body(rank, world_size):
     _check_against_reference(inputs, y, grads, 1.5)
     y2, grads2, _ = _run(workspace, config, inputs, swiglu_limit=1.5, tiles=tiles)
     assert torch.equal(y, y2)
-    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
-        assert (a is None and b is None) or torch.equal(a, b), name
+    _assert_equal_grads(grads, grads2)
+    _assert_equal_grads(grads, _recomputed_grads(workspace, config, schedule, inputs, 1.5))
     # An expert id out of range is reported on every rank.
     topk = inputs.topk_experts.clone()
     if rank == world_size - 1:
