@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import csv
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
+
+
+def append_rows(path: Path, fields: Iterable[str], rows: Iterable[dict]) -> None:
+    """Append rows to a CSV (the header first when the file is new or empty)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(fields))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
 
 
 def commit_id() -> str:

@@ -20,7 +20,6 @@ benchmarks/results/ep.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import statistics
@@ -270,11 +269,8 @@ def dispatch_only(layer, inputs, iters, warmup, group):
 
     def run():
         peer = ep.peer_flags(workspace.error_flags)
-        ep.publish(peer, Phase.FORWARD, [(ep.x_pub(x.dtype), x),
-                                         (ep.weights_pub, weights.reshape(-1))])
-        dst, dst_weights, pull = ep.pull(
-            peer, Phase.FORWARD, schedule.exchange, src=ep.x_pub(x.dtype),
-            weights=ep.weights_pub, minibatch=config.minibatch_size,
+        dst, dst_weights, pull = ep.forward_pull(
+            peer, schedule.exchange, x, weights, minibatch=config.minibatch_size,
             num_programs=config.fwd_num_comm_sms)
         comm.pull_rows(peer, src=pull.src, dst=dst, weights=pull.weights,
                        dst_weights=dst_weights, row_route=pull.row_route,
@@ -311,7 +307,7 @@ def main(argv=None) -> None:
                         help="MoKConfig.peer_timeout_s")
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
-    from benchmarks import commit_id
+    from benchmarks import append_rows, commit_id
     from mok.testing import SHAPES, run_distributed
 
     if torch.cuda.device_count() < args.ep:
@@ -325,13 +321,7 @@ def main(argv=None) -> None:
                               args.comm_sms, args.peer_timeout,
                               backend="nccl", timeout_s=args.timeout)
     rows = results[0]
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    new = not args.csv.exists()
-    with args.csv.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
+    append_rows(args.csv, CSV_FIELDS, rows)
     print(f"{len(rows)} rows appended to {args.csv}")
 
 

@@ -26,7 +26,6 @@ under runs/bench/ rather than into the committed benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import enum
 import functools
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import commit_id
+from benchmarks import append_rows, commit_id
 from benchmarks.implementations import IMPLEMENTATIONS, REPO_ROOT, Implementation, Settings
 from mok.testing import (
     GRAD_NAMES,
@@ -152,14 +151,8 @@ def measure(prepare: Callable[[int], Callable[[], object]], repeats: int, warmup
 
 
 def append_row(csv_path: Path, row: dict) -> None:
-    """Append one row (header first when the file is new), so a later failure loses nothing."""
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    new = not csv_path.exists() or csv_path.stat().st_size == 0
-    with csv_path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
+    """Append one row as soon as it is measured, so a later failure loses nothing."""
+    append_rows(csv_path, CSV_FIELDS, [row])
 
 
 def _error(exc: BaseException) -> str:

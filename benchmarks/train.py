@@ -44,7 +44,6 @@ the loss curves (loss.png).
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import datetime
 import gc
@@ -58,7 +57,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks import commit_id
+from benchmarks import append_rows, commit_id
 from mok import train as mok_train
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -336,16 +335,6 @@ def csv_rows(runs: dict[str, BackendRun], *, gpu: str, commit: str, date: str, c
     return rows
 
 
-def append_csv(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-
-
 def plot(path: Path, runs: dict[str, BackendRun], comparisons: dict[str, dict],
          criterion: LossCriterion, title: str) -> None:
     """Left: every backend's loss per step. Right: |window-mean difference| to mok per window,
@@ -582,7 +571,7 @@ def main(argv: list[str] | None = None) -> dict:
          f"{size}: {count(params[0])} parameters ({count(params[1])} active), "
          f"{train_config.tokens_per_step:,} tokens a step\n{gpu}, commit {commit}")
     if not args.no_csv and rows:
-        append_csv(Path(args.csv), rows)
+        append_rows(Path(args.csv), CSV_FIELDS, rows)
     print_report(runs, comparisons, verdict)
     print(f"wrote {out / 'summary.json'}, {out / 'loss.png'}"
           + ("" if args.no_csv or not rows else f", {len(rows)} rows to {args.csv}")

@@ -161,6 +161,18 @@ class ExpertParallel:
             max(1, int(num_programs)), int(minibatch))
         return dst, dst_weights, pull
 
+    def forward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, x: torch.Tensor,
+                     router_weights: torch.Tensor, *, minibatch: int, num_programs: int,
+                     ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
+        """The forward's exchange up to its GEMM: publish x and the router weights, and the pull
+        of the local experts' rows and weights (see `pull`)."""
+        self.publish(peer, Phase.FORWARD, [(self.x_pub(x.dtype), x),
+                                           (self.weights_pub, router_weights.reshape(-1))])
+        x_rows, weights_rows, pull = self.pull(
+            peer, Phase.FORWARD, plan, src=self.x_pub(x.dtype), weights=self.weights_pub,
+            minibatch=minibatch, num_programs=num_programs)
+        return x_rows, weights_rows, pull
+
     def pulled(self, peer: comm.PeerFlags, phase: Phase) -> None:
         """After the GEMM that pulled: tell every rank its published rows may be overwritten."""
         comm.signal_peers(peer, phase, self.slots.ack(phase))

@@ -496,11 +496,8 @@ def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_
                                pick("gate_up", intermediate, hidden), swiglu_limit)
         return ForwardContext(h, h_shared)
     peer = ep.peer_flags(schedule.workspace.error_flags)
-    ep.publish(peer, Phase.FORWARD, [(ep.x_pub(x.dtype), x),
-                                     (ep.weights_pub, router_weights.reshape(-1))])
-    x_rows, weights_rows, pull = ep.pull(
-        peer, Phase.FORWARD, schedule.exchange, src=ep.x_pub(x.dtype),
-        weights=ep.weights_pub, minibatch=config.minibatch_size,
+    x_rows, weights_rows, pull = ep.forward_pull(
+        peer, schedule.exchange, x, router_weights, minibatch=config.minibatch_size,
         num_programs=config.fwd_num_comm_sms)
     h = ops.gate_up_swiglu(x_rows, w_routed_gate, w_routed_up, schedule.routing,
                            pick("gate_up", intermediate, hidden), swiglu_limit, pull=pull)
