@@ -134,9 +134,7 @@ class CrossNode:
             h_shared, shared_rows = _shared_forward(schedule, x, shared, swiglu_limit)
         y = _return_and_sum(partial, self.rail_group,
                             shared_rows[:x.shape[0]] if shared_rows is not None else None)
-        return y, F.ForwardContext(context.h, h_shared, context.x_rows, context.weights_rows,
-                                   inner=context, x_group=x_group,
-                                   weights_group=weights_group)
+        return y, F.ForwardContext(context.h, h_shared, inner=context)
 
     def recompute(self, config, schedule, x, router_weights, shared, routed, swiglu_limit):
         """The forward context again (gate/up only), every rank of the group taking part."""
@@ -148,15 +146,18 @@ class CrossNode:
         h_shared = None
         if shared[0] is not None:
             h_shared = _shared_gate_up(schedule, x, shared, swiglu_limit)
-        return F.ForwardContext(context.h, h_shared, context.x_rows, context.weights_rows,
-                                inner=context, x_group=x_group, weights_group=weights_group)
+        return F.ForwardContext(context.h, h_shared, inner=context)
 
-    def backward(self, config, schedule, context, d_output, x, shared, routed, swiglu_limit):
+    def backward(self, config, schedule, context, d_output, x, router_weights, shared, routed,
+                 swiglu_limit):
         inner = schedule.exchange.inner
+        # The group tokens are gathered again rather than kept from the forward (N x T rows).
         d_output_group = _gather(d_output, self.rail_group)
+        x_group = _gather(x, self.rail_group)
+        weights_group = _gather(router_weights, self.rail_group)
         d_x_part, d_w_part, *d_routed = F.backward(
-            config, self.inner, inner, context.inner, d_output_group, context.x_group,
-            context.weights_group, None, None, None, *routed, swiglu_limit=swiglu_limit)[:5]
+            config, self.inner, inner, context.inner, d_output_group, x_group, weights_group,
+            None, None, None, *routed, swiglu_limit=swiglu_limit)[:5]
         d_shared, d_x_shared = (None, None, None), None
         if shared[0] is not None:
             d_x_shared_rows, _, grads = F._expert_backward(

@@ -18,11 +18,14 @@ on every rank since every rank makes the same calls:
   from running, as a separate kernel on a side stream could); the down GEMM writes
   each weighted row straight into its token's rank's combine buffer; each rank signals "done" to
   every rank and, once all have, combines its own tokens in a fixed order.
-- backward: the same for d_output; d_x rows and router-weight gradients go back to the token's
+- backward: x (published again: the forward keeps no copy of the pulled rows, so what the
+  forward leaves for the backward stays h and routing metadata) and d_output, pulled together by
+  the first backward GEMM's launch; d_x rows and router-weight gradients go back to the token's
   rank; weight gradients stay with the experts.
 
-Buffers a rank publishes are overwritten in the next round of the phase only after every rank
-acknowledged having pulled them; buffers written by other ranks are read after their "done".
+Buffers a rank publishes are overwritten only after every rank acknowledged having pulled them
+(x is published by the forward and the backward phases, so a publish waits for the
+acknowledgements of both); buffers written by other ranks are read after their "done".
 """
 
 from __future__ import annotations
@@ -139,27 +142,33 @@ class ExpertParallel:
         """Wait until every rank pulled the last round, copy `copies` (dst <- src) into the
         symmetric buffer, and announce the new round."""
         comm.wait_peers(peer, phase, self.slots.ack(phase))
+        if phase is not Phase.SCHEDULE:  # x_pub is written by both of these phases
+            other = Phase.BACKWARD if phase is Phase.FORWARD else Phase.FORWARD
+            comm.wait_peers(peer, other, self.slots.ack(other))
         for dst, src in copies:
             dst.copy_(src)
         comm.advance(peer, phase, self.slots.pub(phase))
 
     def pull(self, peer: comm.PeerFlags, phase: Phase, plan: ExchangePlan, *,
              src: torch.Tensor, weights: torch.Tensor | None, minibatch: int,
-             num_programs: int) -> tuple[torch.Tensor, torch.Tensor | None, comm.Pull]:
-        """The buffers the rows of this rank's schedule (and their weights) are pulled into, and
-        the pull for the GEMM that reads them to run in its launch (then call `pulled`)."""
+             num_programs: int, second_src: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, comm.Pull]:
+        """The buffers the rows of this rank's schedule (their weights, and the rows of
+        second_src) are pulled into, and the pull for the GEMM that reads them to run in its
+        launch (then call `pulled`)."""
         routing = plan.group_routing
         rows = routing.capacity_rows
         dst = torch.empty(rows, src.shape[1], dtype=src.dtype, device=self.device)
         dst_weights = (torch.empty(rows, dtype=torch.float32, device=self.device)
                        if weights is not None else None)
+        dst2 = torch.empty_like(dst) if second_src is not None else None
         pull = comm.Pull(
             peer, src, self.buffer.deltas(src.dtype), weights,
             self.buffer.deltas(torch.float32) if weights is not None else None, dst_weights,
             routing.row_route, routing.expert_offsets, self.ready(phase, rows, minibatch),
             int(phase), self.slots.pub(phase), self.routes_per_rank, self.topk,
-            max(1, int(num_programs)), int(minibatch))
-        return dst, dst_weights, pull
+            max(1, int(num_programs)), int(minibatch), second_src)
+        return dst, dst_weights, dst2, pull
 
     def forward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, x: torch.Tensor,
                      router_weights: torch.Tensor, *, minibatch: int, num_programs: int,
@@ -168,10 +177,22 @@ class ExpertParallel:
         of the local experts' rows and weights (see `pull`)."""
         self.publish(peer, Phase.FORWARD, [(self.x_pub(x.dtype), x),
                                            (self.weights_pub, router_weights.reshape(-1))])
-        x_rows, weights_rows, pull = self.pull(
+        x_rows, weights_rows, _, pull = self.pull(
             peer, Phase.FORWARD, plan, src=self.x_pub(x.dtype), weights=self.weights_pub,
             minibatch=minibatch, num_programs=num_programs)
         return x_rows, weights_rows, pull
+
+    def backward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, d_output: torch.Tensor,
+                      x: torch.Tensor, *, minibatch: int, num_programs: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
+        """The backward's exchange up to its first GEMM: publish d_output and x; the pull of
+        both for the local experts' rows. Returns (d_output rows, x rows, pull)."""
+        self.publish(peer, Phase.BACKWARD, [(self.dy_pub(d_output.dtype), d_output),
+                                            (self.x_pub(x.dtype), x)])
+        dy_rows, _, x_rows, pull = self.pull(
+            peer, Phase.BACKWARD, plan, src=self.dy_pub(d_output.dtype), weights=None,
+            minibatch=minibatch, num_programs=num_programs, second_src=self.x_pub(x.dtype))
+        return dy_rows, x_rows, pull
 
     def pulled(self, peer: comm.PeerFlags, phase: Phase) -> None:
         """After the GEMM that pulled: tell every rank its published rows may be overwritten."""

@@ -306,28 +306,25 @@ class ForwardContext:
 
     h        [C, I]: routed experts' SwiGLU output, in schedule row order (x.dtype).
     h_shared [T_pad, I_s] or None: the shared expert's SwiGLU output.
-    x_rows [C, H], weights_rows [C] (expert parallelism only): the token rows and router weights
-        pulled from the other ranks, in schedule row order, kept so the backward need not pull
-        them again.
-    inner, x_group, weights_group (expert parallelism across nodes): the one-node context of
-        the tokens gathered from the other nodes, and those tokens and router weights.
+    weights_rows [C] fp32 (expert parallelism only): the router weights pulled with the rows, in
+        schedule row order. The pulled token rows are not kept: the backward pulls them again
+        with d_output.
+    inner (expert parallelism across nodes): the one-node context of the tokens gathered from
+        the other nodes.
     The gate/up projections are recomputed inside the backward kernel; expert outputs are never
     kept (the router-weight gradient is computed from h).
     """
 
     h: torch.Tensor
     h_shared: torch.Tensor | None
-    x_rows: torch.Tensor | None = None
     weights_rows: torch.Tensor | None = None
     inner: ForwardContext | None = None
-    x_group: torch.Tensor | None = None
-    weights_group: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        parts = (self.h, self.h_shared, self.x_rows, self.weights_rows, self.x_group,
-                 self.weights_group)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        parts = (self.h, self.h_shared, self.weights_rows)
+        own = sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return own + (self.inner.nbytes if self.inner is not None else 0)
 
 
 # -- input checks (host-known facts only; never reads device values) ---------------------------
@@ -502,7 +499,7 @@ def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_
     h = ops.gate_up_swiglu(x_rows, w_routed_gate, w_routed_up, schedule.routing,
                            pick("gate_up", intermediate, hidden), swiglu_limit, pull=pull)
     ep.pulled(peer, Phase.FORWARD)
-    return ForwardContext(h, h_shared, x_rows, weights_rows)
+    return ForwardContext(h, h_shared, weights_rows=weights_rows)
 
 
 def forward(
@@ -663,8 +660,8 @@ def backward(
         if forward_context.inner is None:
             raise MoKInputError("the forward context was made for another workspace")
         return workspace.cross_node.backward(config, schedule, forward_context, d_output, x,
-                                             shared, routed, swiglu_limit)
-    if (forward_context.x_rows is None) != (workspace.ep is None):
+                                             router_weights, shared, routed, swiglu_limit)
+    if (forward_context.weights_rows is None) != (workspace.ep is None):
         raise MoKInputError("the forward context was made for another workspace")
     d_shared = (None, None, None)
     d_x_shared_rows = None
@@ -680,15 +677,16 @@ def backward(
         d_x = ops.combine(d_x_rows, schedule.routing, d_x_shared_rows, x.dtype)
     else:
         d_x, d_router_weights, d_routed = _expert_parallel_backward(
-            config, schedule, forward_context, d_output, d_x_shared_rows,
+            config, schedule, forward_context, d_output, x, d_x_shared_rows,
             w_routed_gate, w_routed_up, w_routed_down, swiglu_limit)
     return (d_x, d_router_weights, *d_routed, *d_shared)
 
 
-def _expert_parallel_backward(config, schedule, context, d_output, d_x_shared_rows, w_gate, w_up,
-                              w_down, swiglu_limit):
-    """The routed experts' backward when d_output's rows live on their tokens' ranks: pull them
-    beside the first GEMM, send d_x rows and router-weight gradients back, keep weight grads."""
+def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared_rows, w_gate,
+                              w_up, w_down, swiglu_limit):
+    """The routed experts' backward when the token rows live on their tokens' ranks: pull d_output
+    and x rows in the first GEMM's launch, send d_x rows and router-weight gradients back, keep
+    the weight gradients."""
     workspace, plan = schedule.workspace, schedule.exchange
     ep = workspace.ep
     peer = ep.peer_flags(workspace.error_flags)
@@ -696,12 +694,11 @@ def _expert_parallel_backward(config, schedule, context, d_output, d_x_shared_ro
     hidden, intermediate = d_output.shape[1], w_gate.shape[1]
     pick = schedule.tiles.pick
     routing = schedule.routing
-    ep.publish(peer, Phase.BACKWARD, [(ep.dy_pub(dtype), d_output)])
-    dy_rows, _, pull = ep.pull(peer, Phase.BACKWARD, plan, src=ep.dy_pub(dtype), weights=None,
-                               minibatch=config.minibatch_size,
-                               num_programs=config.bwd_num_comm_sms)
+    dy_rows, x_rows, pull = ep.backward_pull(peer, plan, d_output, x,
+                                             minibatch=config.minibatch_size,
+                                             num_programs=config.bwd_num_comm_sms)
     d_gate_up, partial = ops.down_bwd_dswiglu(
-        dy_rows, context.x_rows, w_down, w_gate, w_up, context.h, routing,
+        dy_rows, x_rows, w_down, w_gate, w_up, context.h, routing,
         pick("down_bwd", intermediate, hidden), context.weights_rows, swiglu_limit, pull=pull)
     ep.pulled(peer, Phase.BACKWARD)
     # Router-weight gradients by route of the group, each sent to its token's rank.
@@ -712,10 +709,10 @@ def _expert_parallel_backward(config, schedule, context, d_output, d_x_shared_ro
                  scatter=ep.scatter_rows(plan, dtype))
     ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
     wgrad_gate_up = pick("wgrad_gate_up", intermediate, hidden)
-    d_w_gate = ops.grouped_wgrad(d_gate_up[:, :intermediate], context.x_rows, routing,
+    d_w_gate = ops.grouped_wgrad(d_gate_up[:, :intermediate], x_rows, routing,
                                  wgrad_gate_up, gather_a=False, gather_b=True,
                                  out_dtype=w_gate.dtype)
-    d_w_up = ops.grouped_wgrad(d_gate_up[:, intermediate:], context.x_rows, routing,
+    d_w_up = ops.grouped_wgrad(d_gate_up[:, intermediate:], x_rows, routing,
                                wgrad_gate_up, gather_a=False, gather_b=True,
                                out_dtype=w_up.dtype)
     d_w_down = ops.grouped_wgrad(dy_rows, context.h, routing,

@@ -116,12 +116,13 @@ def gather_peers_kernel(src_ptr, delta_ptr, dst_ptr, flags_ptr, flag_delta_ptr, 
 def pull_rows(
     pid, num_programs,
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
+    src2_ptr, dst2_ptr,
     row_route_ptr, expert_offsets_ptr, ready_ptr,
     flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
     phase, publish_slot, num_local_experts, routes_per_rank, topk, width, world_size, timeout,
-    stride_src, stride_dst,
-    HAS_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
+    stride_src, stride_dst, stride_dst2,
+    HAS_WEIGHTS: tl.constexpr, HAS_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
 ):
     """The dispatch, as program `pid` of `num_programs`: dst[row] = (rank of route g)'s
     src[token of g], g = row_route[row].
@@ -130,7 +131,9 @@ def pull_rows(
     (g % routes_per_rank) // topk. Programs take minibatches of MINIBATCH rows in turn, in row
     order, up to the rows in use, and set ready[minibatch] = seq[phase] when one has landed, so
     the expert GEMMs start on the first rows while later ones are in flight. With HAS_WEIGHTS the
-    route's router weight comes along: dst_weights[row] = weights of rank g's route.
+    route's router weight comes along: dst_weights[row] = weights of rank g's route. With
+    HAS_SECOND a second buffer of the same symmetric allocation and row layout comes along too:
+    dst2[row] = that rank's src2[token] (the backward pulls d_output and x together).
 
     The GEMMs that wait on these rows run the pull in their own launch, as its first programs
     (see mok.kernels.grouped_gemm): programs start in order, so the pull always has SMs and a
@@ -156,10 +159,16 @@ def pull_rows(
             src_rows = tl.load(src_delta_ptr + src_rank, mask=valid, other=0) \
                 + token * stride_src
             dst_rows = rows.to(tl.int64) * stride_dst
+            dst2_rows = rows.to(tl.int64) * stride_dst2
             for c0 in range(0, width, BLOCK_W):
                 mask = valid[:, None] & ((c0 + cols) < width)[None, :]
                 values = tl.load(src_ptr + src_rows[:, None] + (c0 + cols)[None, :], mask=mask)
                 tl.store(dst_ptr + dst_rows[:, None] + (c0 + cols)[None, :], values, mask=mask)
+                if HAS_SECOND:
+                    values = tl.load(src2_ptr + src_rows[:, None] + (c0 + cols)[None, :],
+                                     mask=mask)
+                    tl.store(dst2_ptr + dst2_rows[:, None] + (c0 + cols)[None, :], values,
+                             mask=mask)
             if HAS_WEIGHTS:
                 w_delta = tl.load(weights_delta_ptr + src_rank, mask=valid, other=0)
                 weight = tl.load(weights_ptr + w_delta + local_route, mask=valid, other=0.0)
@@ -181,10 +190,11 @@ def pull_rows_kernel(
     """pull_rows on its own (to measure the dispatch alone)."""
     pull_rows(tl.program_id(0), tl.num_programs(0),
               src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
+              src_ptr, dst_ptr,
               row_route_ptr, expert_offsets_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr,
               error_ptr, phase, publish_slot, num_local_experts, routes_per_rank, topk, width,
-              world_size, timeout, stride_src, stride_dst,
-              HAS_WEIGHTS, MINIBATCH, BLOCK_R, BLOCK_W, HAS_TIMER)
+              world_size, timeout, stride_src, stride_dst, stride_dst,
+              HAS_WEIGHTS, False, MINIBATCH, BLOCK_R, BLOCK_W, HAS_TIMER)
 
 
 @triton.jit

@@ -47,23 +47,25 @@ def _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _pull_programs(
-    dst_ptr, stride_dst, width,
+    dst_ptr, stride_dst, dst2_ptr, stride_dst2, width,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
+    pull_src2_ptr,
     pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
     num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
-    PULL_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr,
-    PULL_BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
+    PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
+    PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
 ):
-    """The first num_pull_programs programs pull dst's rows; returns the GEMM tile's program id
-    of the others (negative for the pulling ones)."""
+    """The first num_pull_programs programs pull dst's rows (and dst2's, PULL_SECOND); returns
+    the GEMM tile's program id of the others (negative for the pulling ones)."""
     pid = tl.program_id(0)
     if pid < num_pull_programs:
         pull_rows(pid, num_pull_programs, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
-                  pull_w_delta_ptr, dst_ptr, pull_dst_w_ptr, pull_route_ptr, pull_offsets_ptr,
-                  ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot,
-                  pull_num_experts, routes_per_rank, pull_topk, width, world_size, timeout,
-                  stride_pull_src, stride_dst, PULL_WEIGHTS, MINIBATCH, PULL_BLOCK_R,
+                  pull_w_delta_ptr, dst_ptr, pull_dst_w_ptr, pull_src2_ptr, dst2_ptr,
+                  pull_route_ptr, pull_offsets_ptr, ready_ptr, flags_ptr, flag_delta_ptr,
+                  seq_ptr, error_ptr, phase, publish_slot, pull_num_experts, routes_per_rank,
+                  pull_topk, width, world_size, timeout, stride_pull_src, stride_dst,
+                  stride_dst2, PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R,
                   PULL_BLOCK_W, HAS_TIMER)
     return pid - num_pull_programs
 
@@ -105,6 +107,7 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
 def gate_up_swiglu_kernel(
     x_ptr, w_gate_ptr, w_up_ptr, h_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
+    pull_src2_ptr,
     pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
     num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
@@ -113,8 +116,9 @@ def gate_up_swiglu_kernel(
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr,
-    PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
+    PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
+    MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
+    HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """h[row, n] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, K], w [E, N, K].
@@ -124,11 +128,12 @@ def gate_up_swiglu_kernel(
     pid = tl.program_id(0)
     if PULL:
         pid = _pull_programs(
-            x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr,
-            pull_dst_w_ptr, pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr,
-            flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, pull_num_experts,
-            routes_per_rank, pull_topk, world_size, timeout, stride_pull_src, PULL_WEIGHTS,
-            MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W, HAS_TIMER)
+            x_ptr, stride_xm, x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
+            pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_route_ptr, pull_offsets_ptr,
+            ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr, num_pull_programs, phase,
+            publish_slot, pull_num_experts, routes_per_rank, pull_topk, world_size, timeout,
+            stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W,
+            HAS_TIMER)
         if pid < 0:
             return
     pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -203,6 +208,7 @@ def down_bwd_dswiglu_kernel(
     d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, router_weights_ptr,
     d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
+    pull_src2_ptr,
     pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
     num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
@@ -212,8 +218,9 @@ def down_bwd_dswiglu_kernel(
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr,
-    PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
+    PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
+    MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
+    HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Backward through the down projection and SwiGLU, gate/up recomputed in the same K loop.
@@ -222,16 +229,18 @@ def down_bwd_dswiglu_kernel(
     w_gate[e].T, x[token] @ w_up[e].T (w_gate, w_up [E, N, K]). Writes d_gate_up[row] = [d_gate,
     d_up] (columns [0, N) and [N, 2N)) for dh = w[route] * dh0, and the partial router-weight
     gradient sum_n dh0 * h over this tile's columns to d_weight_partial[row, pid_n]. With PULL,
-    d_out's rows are pulled from the other ranks by the launch's first programs.
+    d_out's rows (and x's, PULL_SECOND) are pulled from the other ranks by the launch's first
+    programs.
     """
     pid = tl.program_id(0)
     if PULL:
         pid = _pull_programs(
-            d_out_ptr, stride_dm, K, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr,
-            pull_dst_w_ptr, pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr,
-            flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, pull_num_experts,
-            routes_per_rank, pull_topk, world_size, timeout, stride_pull_src, PULL_WEIGHTS,
-            MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W, HAS_TIMER)
+            d_out_ptr, stride_dm, x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr,
+            pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_route_ptr,
+            pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
+            num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
+            world_size, timeout, stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH,
+            PULL_BLOCK_R, PULL_BLOCK_W, HAS_TIMER)
         if pid < 0:
             return
     pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)

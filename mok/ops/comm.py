@@ -218,7 +218,9 @@ def _pull_blocks(width: int, minibatch: int, elements: int) -> tuple[int, int]:
 class Pull:
     """Rows a GEMM pulls from the other ranks in its own launch (mok.kernels.comm.pull_rows):
     the GEMM's A operand, row r = the token row of route row_route[r] on the rank holding it,
-    read from that rank's copy of `src`; with weights, dst_weights[r] = that route's weight."""
+    read from that rank's copy of `src`; with weights, dst_weights[r] = that route's weight; with
+    second_src (a buffer of the same symmetric allocation and row layout as src), the GEMM's
+    second token-row operand likewise."""
 
     peer: PeerFlags
     src: torch.Tensor
@@ -235,14 +237,15 @@ class Pull:
     topk: int
     num_programs: int
     minibatch: int
+    second_src: torch.Tensor | None = None
 
     @staticmethod
     def kernel_args(pull: Pull | None, fallback: torch.Tensor) -> tuple[tuple, tuple, dict]:
         """(pointers, scalars, constexprs) of a GEMM's pull, in the kernels' order."""
         if pull is None:
-            return ((fallback,) * 12, (0,) * 9, dict(
-                PULL=False, PULL_WEIGHTS=False, MINIBATCH=1, PULL_BLOCK_R=1, PULL_BLOCK_W=1,
-                HAS_TIMER=HAS_TIMER))
+            return ((fallback,) * 13, (0,) * 9, dict(
+                PULL=False, PULL_WEIGHTS=False, PULL_SECOND=False, MINIBATCH=1, PULL_BLOCK_R=1,
+                PULL_BLOCK_W=1, HAS_TIMER=HAS_TIMER))
         peer = pull.peer
         has_weights = pull.weights is not None
         block_r, block_w = _pull_blocks(pull.src.shape[1], pull.minibatch, 8192)
@@ -250,14 +253,16 @@ class Pull:
                     pull.weights if has_weights else pull.src,
                     pull.weights_deltas if has_weights else pull.src_deltas,
                     pull.dst_weights if has_weights else pull.src,
+                    pull.second_src if pull.second_src is not None else pull.src,
                     pull.row_route, pull.expert_offsets, pull.ready, peer.seq, peer.flags,
                     peer.flag_deltas, peer.errors)
         scalars = (pull.num_programs, pull.phase, pull.publish_slot,
                    pull.expert_offsets.shape[0] - 1, pull.routes_per_rank, pull.topk,
                    peer.world_size, peer.timeout, pull.src.stride(0))
         return pointers, scalars, dict(
-            PULL=True, PULL_WEIGHTS=has_weights, MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r,
-            PULL_BLOCK_W=block_w, HAS_TIMER=HAS_TIMER)
+            PULL=True, PULL_WEIGHTS=has_weights, PULL_SECOND=pull.second_src is not None,
+            MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w,
+            HAS_TIMER=HAS_TIMER)
 
 
 @dataclass(frozen=True)
