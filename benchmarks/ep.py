@@ -184,7 +184,8 @@ def max_error(y, grads, inputs, group):
     return float(value)
 
 
-def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, peer_timeout_s):
+def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, peer_timeout_s,
+               profile=False):
     import mok.functional as F
     from mok.testing import SHAPES_BY_NAME, make_inputs
     from mok.testing.tolerance import TOLERANCES
@@ -252,8 +253,30 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
             if impl_name == "mok":
                 ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)
                 row(shape, "mok", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
+                if profile:
+                    print_kernel_times(impl.step, group, quiet=rank != 0)
             del impl
     return rows
+
+
+def print_kernel_times(step, group, quiet=False):
+    """GPU time per kernel of one mok forward+backward step (torch.profiler), largest first:
+    where the time goes (waits show up as the wait/pull kernels and the GEMMs that spin)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    dist.barrier(group)
+    if quiet:
+        return
+    totals = {avg.key[:60]: (avg.self_device_time_total / 1e3, avg.count)
+              for avg in prof.key_averages() if avg.self_device_time_total > 0}
+    print("    kernel time of one forward+backward (rank 0):")
+    for name, (ms, calls) in sorted(totals.items(), key=lambda item: -item[1][0])[:20]:
+        print(f"      {ms:8.3f} ms  {calls:3d}x  {name}")
 
 
 def dispatch_only(layer, inputs, iters, warmup, group):
@@ -305,6 +328,8 @@ def main(argv=None) -> None:
                         help="programs that pull rows in each GEMM launch (MoKConfig)")
     parser.add_argument("--peer-timeout", type=float, default=20.0,
                         help="MoKConfig.peer_timeout_s")
+    parser.add_argument("--profile", action="store_true",
+                        help="print mok's GPU time per kernel of one step (torch.profiler)")
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     from benchmarks import append_rows, commit_id
@@ -318,7 +343,7 @@ def main(argv=None) -> None:
                        ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(key, value)  # never NVLink multicast
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
-                              args.comm_sms, args.peer_timeout,
+                              args.comm_sms, args.peer_timeout, args.profile,
                               backend="nccl", timeout_s=args.timeout)
     rows = results[0]
     append_rows(args.csv, CSV_FIELDS, rows)
