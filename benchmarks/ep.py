@@ -14,7 +14,9 @@ experts are per GPU), on the same inputs on every rank:
 Every implementation is checked against the mok.testing reference on the group first. Collective
 code is timed with a fixed loop count and CUDA events (never do_bench: ranks must issue the same
 number of collectives); a row reports the slowest rank's median. Rows go to
-benchmarks/results/ep.csv.
+benchmarks/results/ep.csv. Without GPUs it runs the `tiny` shape on CPU processes (gloo, mok's
+kernels under Triton's interpreter, shared-memory symmetric buffers), writing under runs/bench/:
+a check of the pipeline, not a measurement.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import datetime
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -30,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as torch_f
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CPU_RUNS = Path(__file__).resolve().parent.parent / "runs" / "bench"
 CSV_FIELDS = ("gpu", "commit", "date", "ep", "shape", "comm_sms", "impl", "mode", "ms", "tflops",
               "vs_compute_only", "gb_s", "peak_mem_gb", "max_rel_err")
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "kimi-ep64-slice")
@@ -150,22 +154,38 @@ class MoKLayer:
         return y, grads
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _device_tensor(value: float) -> torch.Tensor:
+    return torch.tensor([value], device="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def timed(fn, iters, warmup, group):
     """Median ms of `fn` over `iters` calls (fixed count on every rank), slowest rank."""
+    cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     if group is not None:
         dist.barrier(group)
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    median = torch.tensor([statistics.median(times)], device="cuda")
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start_s) * 1e3)
+    median = _device_tensor(statistics.median(times))
     if group is not None:
         dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
     return float(median)
@@ -179,7 +199,7 @@ def max_error(y, grads, inputs, group):
     for name, a, b in zip(GRAD_NAMES, grads, grads_ref, strict=True):
         if b is not None:
             worst = max(worst, error_report(a, b, name).max_rel)
-    value = torch.tensor([worst], device="cuda")
+    value = _device_tensor(worst)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return float(value)
 
@@ -187,15 +207,17 @@ def max_error(y, grads, inputs, group):
 def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, peer_timeout_s,
                profile=False):
     import mok.functional as F
-    from mok.testing import SHAPES_BY_NAME, make_inputs
+    from benchmarks.layer import BENCH_SHAPES
+    from mok.testing import make_inputs
     from mok.testing.tolerance import TOLERANCES
 
     group = dist.group.WORLD
-    device = torch.device("cuda", rank)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     config = F.MoKConfig(fwd_num_comm_sms=comm_sms, bwd_num_comm_sms=comm_sms,
                          peer_timeout_s=peer_timeout_s)
     rows = []
-    gpu = torch.cuda.get_device_name(device)
+    gpu = torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)"
     date = datetime.datetime.now().isoformat(timespec="seconds")
     limit = TOLERANCES[torch.bfloat16].max_rel
 
@@ -205,7 +227,8 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
                          tflops=round(flops / ms / 1e9, 1) if flops else "",
                          vs_compute_only=round(ms / compute_ms, 3) if compute_ms else "",
                          gb_s=round(gb_s, 1) if gb_s else "",
-                         peak_mem_gb=round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+                         peak_mem_gb=(round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+                                      if cuda else ""),
                          max_rel_err=f"{err:.2e}"))
         if rank == 0:
             print(f"  {impl:16s} {mode:17s} {ms:9.3f} ms  "
@@ -213,7 +236,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
                   f"{rows[-1]['gb_s']!s:>6} GB/s  err {err:.2e}", flush=True)
 
     for name in shape_names:
-        shape = ep_shape(SHAPES_BY_NAME[name], world_size)
+        shape = ep_shape(BENCH_SHAPES[name], world_size)
         fwd_flops = shape.flops() / 3
         if rank == 0:
             print(f"== {shape.name} EP={world_size}: T={shape.num_tokens}/GPU, "
@@ -236,7 +259,14 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
         for impl_name in ("mok", "nccl_grouped_mm"):
             impl = (MoKLayer(inputs, group, config) if impl_name == "mok"
                     else Baseline(inputs, group))
-            y, grads = impl.step()
+            try:
+                y, grads = impl.step()
+            except RuntimeError as exc:  # e.g. torch._grouped_mm's CPU limits
+                if impl_name == "mok":
+                    raise
+                if rank == 0:
+                    print(f"  {impl_name}: skipped: {str(exc).splitlines()[0]}")
+                continue
             if impl_name == "mok":
                 F.check_errors(impl.workspace)  # a peer timeout fails the run, loudly
             err = max_error(y, grads, inputs, group)
@@ -245,7 +275,8 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
                     print(f"  {impl_name}: max_rel_err {err:.2e} above {limit}: not timed")
                 continue
             del y, grads
-            torch.cuda.reset_peak_memory_stats(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             for mode, fn in (("forward", impl.forward), ("forward+backward", impl.step)):
                 ms = timed(fn, iters, warmup, group)
                 flops = fwd_flops * (3 if "backward" in mode else 1)
@@ -253,7 +284,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
             if impl_name == "mok":
                 ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)
                 row(shape, "mok", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
-                if profile:
+                if profile and cuda:
                     print_kernel_times(impl.step, group, quiet=rank != 0)
             del impl
     return rows
@@ -308,7 +339,7 @@ def dispatch_only(layer, inputs, iters, warmup, group):
     routes = schedule.exchange.group_routing.row_route
     remote = ((routes >= 0) & (routes // ep.routes_per_rank != ep.rank)).sum()
     nbytes = float(remote) * x.shape[1] * x.element_size()
-    value = torch.tensor([nbytes], device="cuda")
+    value = _device_tensor(nbytes)
     dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
     return ms, float(value)
 
@@ -318,12 +349,14 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m mok bench --ep N", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    cuda = torch.cuda.is_available()
     parser.add_argument("--ep", type=int, required=True, help="processes, one GPU each")
-    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES) if cuda else "tiny",
                         help="comma-separated shape names, or 'all'")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--csv", type=Path, default=RESULTS / "ep.csv")
+    parser.add_argument("--iters", type=int, default=10 if cuda else 2)
+    parser.add_argument("--warmup", type=int, default=3 if cuda else 1)
+    parser.add_argument("--csv", type=Path,
+                        default=(RESULTS if cuda else CPU_RUNS) / "ep.csv")
     parser.add_argument("--comm-sms", type=int, default=F.MoKConfig().fwd_num_comm_sms,
                         help="programs that pull rows in each GEMM launch (MoKConfig)")
     parser.add_argument("--peer-timeout", type=float, default=20.0,
@@ -335,16 +368,19 @@ def main(argv=None) -> None:
     from benchmarks import append_rows, commit_id
     from mok.testing import SHAPES, run_distributed
 
-    if torch.cuda.device_count() < args.ep:
+    if cuda and torch.cuda.device_count() < args.ep:
         raise SystemExit(f"--ep {args.ep} needs {args.ep} GPUs, found "
                          f"{torch.cuda.device_count()}")
+    if not cuda:
+        print(f"no GPU: {args.ep} CPU processes, the tiny shape under Triton's interpreter "
+              "(a check of the pipeline, not a measurement)")
     names = [s.name for s in SHAPES] if args.shapes == "all" else args.shapes.split(",")
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(key, value)  # never NVLink multicast
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
                               args.comm_sms, args.peer_timeout, args.profile,
-                              backend="nccl", timeout_s=args.timeout)
+                              backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
     rows = results[0]
     append_rows(args.csv, CSV_FIELDS, rows)
     print(f"{len(rows)} rows appended to {args.csv}")
