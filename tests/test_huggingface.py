@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mok.integrations.huggingface import MokSparseMoeBlock, patch_moe_blocks
-from mok.testing import TOLERANCES, Tolerance, assert_close, error_report
+from mok.testing import TOLERANCES, Tolerance, assert_close, distributed_test, error_report
 
 from .conftest import DEVICE
 
@@ -310,3 +310,46 @@ def test_non_silu_experts_are_refused():
     # Nothing was replaced: the check runs on every block before the first swap.
     assert not any(isinstance(m, MokSparseMoeBlock) for m in model.modules())
 
+
+
+def _expert_parallel_body(rank, world_size):
+    """patch_moe_blocks(ep_group=...): each rank computes its share of the experts for every
+    rank's tokens. Logits and loss equal the unpatched model's on this rank's tokens; summed over
+    the ranks (what a data-parallel all-reduce does), every gradient equals the unpatched one."""
+    import torch.distributed as dist
+
+    family = BY_NAME["qwen3_moe"]
+    original = build(family).train()  # the same weights on every rank (same seed)
+    patched = copy.deepcopy(original)
+    assert patch_moe_blocks(patched, ep_group=dist.group.WORLD) == family.moe_layers
+    generator = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator).to(DEVICE)
+    losses, routings = [], []
+    for model in (original, patched):
+        with recorded_routing(model) as routing:
+            output = model(ids, labels=ids)
+        output.loss.backward()
+        losses.append(output.loss.detach())
+        routings.append(routing)
+    assert_same_routing(routings[1], routings[0])
+    assert_close(losses[1], losses[0], dtype=torch.float32, name="loss", tolerance=MODEL_BF16)
+    expected = dict(original.named_parameters())
+    for name, parameter in patched.named_parameters():
+        if name not in checked_parameters(patched):
+            continue
+        grad, grad_ref = parameter.grad.clone(), expected[name].grad.clone()
+        dist.all_reduce(grad)
+        dist.all_reduce(grad_ref)
+        assert_close(grad, grad_ref, dtype=torch.float32, name=name, tolerance=MODEL_BF16)
+    # On this rank, the other ranks' experts get no gradient; its own get every rank's share.
+    experts = next(m for m in patched.modules() if isinstance(m, MokSparseMoeBlock)).experts
+    per_rank = experts.gate_up_proj.shape[0] // world_size
+    mine = torch.zeros(experts.gate_up_proj.shape[0], dtype=torch.bool)
+    mine[rank * per_rank:(rank + 1) * per_rank] = True
+    assert experts.gate_up_proj.grad[~mine.to(DEVICE)].abs().max() == 0
+    assert experts.gate_up_proj.grad[mine.to(DEVICE)].abs().max() > 0
+
+
+@distributed_test(world_sizes=(2,))
+def test_expert_parallel_patch_matches_original(rank, world_size):
+    _expert_parallel_body(rank, world_size)

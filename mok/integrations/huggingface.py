@@ -34,7 +34,14 @@ Layout facts this relies on (checked at patch time, an unexpected layout raises 
 
 The experts module's own forward is not called (its weights are read directly), so hooks on it,
 such as accelerate's weight offloading, and config._experts_implementation do not apply to patched
-blocks. Expert-parallel and quantized experts are refused.
+blocks. transformers' own expert-parallel experts and quantized experts are refused.
+
+Expert parallelism (`patch_moe_blocks(model, ep_group=group)`, P ranks, the same model on each):
+rank r computes experts [r * E / P, (r + 1) * E / P) for the tokens of every rank (mok's
+expert-parallel layer; every rank passes the same number of tokens). The parameters stay whole and
+replicated, so checkpoints are unchanged: on rank r the gradients of the other ranks' experts are
+zero and those of its own hold every rank's tokens' contributions, so the usual data-parallel
+gradient all-reduce (DDP's mean over ranks) yields the data-parallel gradient of every parameter.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import functools
 import importlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mok.nn import Backend, moe_experts
@@ -167,7 +175,8 @@ class MokSparseMoeBlock(nn.Module):
     """
 
     def __init__(self, block: nn.Module, *, backend: Backend | str = Backend.MOK,
-                 swiglu_limit: float | None = None) -> None:
+                 swiglu_limit: float | None = None,
+                 ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         where = type(block).__name__
         for name, parameter in block._parameters.items():
@@ -190,6 +199,17 @@ class MokSparseMoeBlock(nn.Module):
         elif self.shared_experts is not None:
             _check_shared(self.shared_experts, self.experts.gate_up_proj.shape[2], where)
         self.block_type = where
+        self.ep_group = ep_group if ep_group is not None and dist.get_world_size(ep_group) > 1 \
+            else None
+        self._local_experts = slice(None)
+        if self.ep_group is not None:
+            ranks, rank = dist.get_world_size(self.ep_group), dist.get_rank(self.ep_group)
+            num_experts = self.experts.gate_up_proj.shape[0]
+            if num_experts % ranks:
+                raise ValueError(f"{where}: {num_experts} experts do not split over the "
+                                 f"expert-parallel group's {ranks} ranks")
+            per_rank = num_experts // ranks
+            self._local_experts = slice(rank * per_rank, (rank + 1) * per_rank)
         self.backend = Backend(backend)
         self.swiglu_limit = swiglu_limit
         # Mixtral multiplies the block's input by U(1 - j, 1 + j) noise in training.
@@ -210,7 +230,9 @@ class MokSparseMoeBlock(nn.Module):
     def _experts(self, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed (+ shared) experts: x [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H]."""
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        # This rank's experts (all of them without expert parallelism): views, no copy.
+        gate_up = self.experts.gate_up_proj[self._local_experts]
+        down = self.experts.down_proj[self._local_experts]
         intermediate = down.shape[-1]
         if self.backend is Backend.REFERENCE:
             cast = lambda t: t
@@ -228,22 +250,27 @@ class MokSparseMoeBlock(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             y = moe_experts(cast(x).contiguous(), topk_ids, topk_weights.float(), *shared,
                             gate_up[:, :intermediate], gate_up[:, intermediate:], cast(down),
-                            swiglu_limit=self.swiglu_limit, backend=self.backend)
+                            swiglu_limit=self.swiglu_limit, backend=self.backend,
+                            group=self.ep_group)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
+        ep = "" if self.ep_group is None else \
+            f", experts={self._local_experts.start}:{self._local_experts.stop}"
         return (f"block={self.block_type}, backend={self.backend.value}, "
-                f"swiglu_limit={self.swiglu_limit}")
+                f"swiglu_limit={self.swiglu_limit}{ep}")
 
 
 def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
-                     swiglu_limit: float | None = None) -> int:
+                     swiglu_limit: float | None = None,
+                     ep_group: dist.ProcessGroup | None = None) -> int:
     """Replace, in place, every supported sparse MoE block below `model` by a MokSparseMoeBlock.
 
     Returns the number of blocks replaced (0 when there are none, e.g. already patched). The
     parameters stay the same objects, state_dict keys are unchanged, and checkpoints load into
     the unpatched model. swiglu_limit clamps gate and up as mok's swiglu_limit does, for the
     routed and the shared experts; it changes the model's math unless the model was trained so.
+    ep_group: run the experts with expert parallelism over this group (module docstring).
     Raises ValueError (before changing anything) when a block has a layout mok cannot run.
     """
     block_types = supported_block_types()
@@ -256,7 +283,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     for _, _, block in sites:
         if id(block) not in replacements:
             replacements[id(block)] = MokSparseMoeBlock(block, backend=backend,
-                                                        swiglu_limit=swiglu_limit)
+                                                        swiglu_limit=swiglu_limit,
+                                                        ep_group=ep_group)
     for parent, name, block in sites:
         setattr(parent, name, replacements[id(block)])
     return len(replacements)
