@@ -8,7 +8,8 @@ always, so node n holds experts [n * E_node, (n + 1) * E_node), E_node = L * E_l
 Rank (n, l) exchanges tokens with its "rail": the ranks (m, l) of the other nodes.
 
 - Dispatch: every rank gathers its rail's tokens (x, top-k ids, router weights; d_output in the
-  backward): N * T "group tokens" in node order. A fixed size, known on the host, so no host sync
+  backward), each rank's T tokens padded to the workspace's T_max: N * T_max "group tokens" in
+  node order (padding routes to no expert). A fixed size, known on the host, so no host sync
   and no dropped token, at the cost of sending each token to every node once.
 - Inside the node, the group tokens go through the one-node layer (symmetric memory when L > 1,
   one GPU when L == 1) against the node's experts; a route to another node's expert is a ghost
@@ -44,21 +45,31 @@ def ranks_per_node_of(group: dist.ProcessGroup) -> int:
     return per_node
 
 
-def _gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """[N * rows, ...]: every rail rank's `tensor`, in node order."""
+_PADDING = -2  # the top-k id of the padding rows (no expert anywhere, not an error)
+
+
+def _gather(tensor: torch.Tensor, group: dist.ProcessGroup, rows: int,
+            fill: float = 0) -> torch.Tensor:
+    """[N * rows, ...]: every rail rank's `tensor` padded to `rows` rows with `fill`, in node
+    order."""
+    if tensor.shape[0] < rows:
+        padding = tensor.new_full((rows - tensor.shape[0], *tensor.shape[1:]), fill)
+        tensor = torch.cat([tensor, padding])
     size = dist.get_world_size(group)
-    out = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))
+    out = tensor.new_empty((size * rows, *tensor.shape[1:]))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, tensor.contiguous(), group=group)
     return out
 
 
-def _return_and_sum(partial: torch.Tensor, group: dist.ProcessGroup, first=None) -> torch.Tensor:
-    """Send node m's block of `partial` [N * T, ...] back to rail rank m; sum what comes back
-    (plus `first`, added first) in fp32, node by node, in partial's dtype."""
+def _return_and_sum(partial: torch.Tensor, group: dist.ProcessGroup, rows: int,
+                    first=None) -> torch.Tensor:
+    """Send node m's block of `partial` [N * T_max, ...] back to rail rank m; sum the first `rows`
+    rows of what comes back (plus `first`, added first) in fp32, node by node, in partial's
+    dtype."""
     received = torch.empty_like(partial)
     dist.all_to_all_single(received, partial.contiguous(), group=group)
-    blocks = received.view(dist.get_world_size(group), -1, *partial.shape[1:])
+    blocks = received.view(dist.get_world_size(group), -1, *partial.shape[1:])[:, :rows]
     total = first.float() if first is not None else torch.zeros_like(blocks[0], dtype=torch.float)
     for block in blocks:
         total += block.float()
@@ -100,6 +111,7 @@ class CrossNode:
             num_local_tokens=self.num_nodes * num_tokens, hidden_size=hidden_size, topk=topk,
             ranks_per_node=per_node)
         self.inner._ghost_expert = True
+        self.max_tokens = num_tokens
 
     # -- the phases --------------------------------------------------------------------------
     def build_schedule(self, workspace: F.Workspace, config: F.MoKConfig,
@@ -107,14 +119,15 @@ class CrossNode:
                        tiles) -> F.Schedule:
         node_experts = num_local_experts * self.ranks_per_node
         num_experts = node_experts * self.num_nodes
-        group_topk = _gather(topk_experts.to(torch.int64), self.rail_group)
+        group_topk = _gather(topk_experts.to(torch.int64), self.rail_group, self.max_tokens,
+                             fill=_PADDING)
         first = self.node * node_experts
         here = (group_topk >= first) & (group_topk < first + node_experts)
-        in_range = (group_topk >= 0) & (group_topk < num_experts)
-        # Ids of this node's experts count from 0; other nodes' experts become the ghost id
-        # node_experts (no rank owns it); ids out of range stay out of range (an error).
+        elsewhere = ((group_topk >= 0) & (group_topk < num_experts)) | (group_topk == _PADDING)
+        # Ids of this node's experts count from 0; other nodes' experts and padding become the
+        # ghost id node_experts (no rank owns it); ids out of range become -1 (an error).
         node_topk = torch.where(here, group_topk - first,
-                                torch.where(in_range, node_experts, -1))
+                                torch.where(elsewhere, node_experts, -1))
         inner = F.build_schedule(self.inner, config, node_topk,
                                  num_local_experts=num_local_experts, tiles=tiles,
                                  validate=False)
@@ -125,21 +138,21 @@ class CrossNode:
 
     def forward(self, config, schedule, x, router_weights, shared, routed, swiglu_limit):
         inner = schedule.exchange.inner
-        x_group = _gather(x, self.rail_group)
-        weights_group = _gather(router_weights, self.rail_group)
+        x_group = _gather(x, self.rail_group, self.max_tokens)
+        weights_group = _gather(router_weights, self.rail_group, self.max_tokens)
         partial, context = F.forward(config, self.inner, inner, x_group, weights_group,
                                      None, None, None, *routed, swiglu_limit=swiglu_limit)
         shared_rows, h_shared = None, None
         if shared[0] is not None:
             h_shared, shared_rows = _shared_forward(schedule, x, shared, swiglu_limit)
-        y = _return_and_sum(partial, self.rail_group,
+        y = _return_and_sum(partial, self.rail_group, x.shape[0],
                             shared_rows[:x.shape[0]] if shared_rows is not None else None)
         return y, F.ForwardContext(context.h, h_shared, inner=context)
 
     def recompute(self, config, schedule, x, router_weights, shared, routed, swiglu_limit):
         """The forward context again (gate/up only), every rank of the group taking part."""
-        x_group = _gather(x, self.rail_group)
-        weights_group = _gather(router_weights, self.rail_group)
+        x_group = _gather(x, self.rail_group, self.max_tokens)
+        weights_group = _gather(router_weights, self.rail_group, self.max_tokens)
         context = F.recompute_forward_context(
             config, self.inner, schedule.exchange.inner, x_group, None, None, *routed,
             swiglu_limit=swiglu_limit, router_weights=weights_group)
@@ -152,9 +165,9 @@ class CrossNode:
                  swiglu_limit):
         inner = schedule.exchange.inner
         # The group tokens are gathered again rather than kept from the forward (N x T rows).
-        d_output_group = _gather(d_output, self.rail_group)
-        x_group = _gather(x, self.rail_group)
-        weights_group = _gather(router_weights, self.rail_group)
+        d_output_group = _gather(d_output, self.rail_group, self.max_tokens)
+        x_group = _gather(x, self.rail_group, self.max_tokens)
+        weights_group = _gather(router_weights, self.rail_group, self.max_tokens)
         d_x_part, d_w_part, *d_routed = F.backward(
             config, self.inner, inner, context.inner, d_output_group, x_group, weights_group,
             None, None, None, *routed, swiglu_limit=swiglu_limit)[:5]
@@ -165,8 +178,9 @@ class CrossNode:
                 shared[0][None], shared[1][None], shared[2][None], swiglu_limit)
             d_shared = tuple(grad[0] for grad in grads)
             d_x_shared = d_x_shared_rows[:x.shape[0]]  # the shared rows are the tokens
-        d_x = _return_and_sum(d_x_part, self.rail_group, d_x_shared)
-        d_router_weights = _return_and_sum(d_w_part, self.rail_group)  # one node holds each
+        tokens = x.shape[0]
+        d_x = _return_and_sum(d_x_part, self.rail_group, tokens, d_x_shared)
+        d_router_weights = _return_and_sum(d_w_part, self.rail_group, tokens)  # one node each
         return (d_x, d_router_weights, *d_routed, *d_shared)
 
 

@@ -1,8 +1,10 @@
 """Expert parallelism inside a node: the symmetric workspace and the exchange of each phase.
 
-Used by mok.functional when its group has more than one rank. Legend: P ranks, T tokens per rank,
-k slots, H hidden, E_local experts per rank, TK = T * k routes per rank; a route of the group is
-g = rank * TK + t * k + j. C = schedule rows of this rank.
+Used by mok.functional when its group has more than one rank. Legend: P ranks, T tokens of this
+rank (each rank its own, at most the workspace's T_max), k slots, H hidden, E_local experts per
+rank, TK = T_max * k route slots per rank; a route of the group is g = rank * TK + t * k + j, and
+the slots past a rank's T * k routes hold the ghost id E, which no rank owns. C = schedule rows
+of this rank.
 
 Each rank's symmetric buffer holds what it publishes (topk ids, x and router weights, d_output)
 and what the other ranks deliver to it (expert output rows and d_x rows in its combine buffer,
@@ -175,8 +177,10 @@ class ExpertParallel:
                      ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
         """The forward's exchange up to its GEMM: publish x and the router weights, and the pull
         of the local experts' rows and weights (see `pull`)."""
-        self.publish(peer, Phase.FORWARD, [(self.x_pub(x.dtype), x),
-                                           (self.weights_pub, router_weights.reshape(-1))])
+        tokens = x.shape[0]
+        self.publish(peer, Phase.FORWARD, [
+            (self.x_pub(x.dtype)[:tokens], x),
+            (self.weights_pub[:tokens * self.topk], router_weights.reshape(-1))])
         x_rows, weights_rows, _, pull = self.pull(
             peer, Phase.FORWARD, plan, src=self.x_pub(x.dtype), weights=self.weights_pub,
             minibatch=minibatch, num_programs=num_programs)
@@ -187,8 +191,9 @@ class ExpertParallel:
                       ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
         """The backward's exchange up to its first GEMM: publish d_output and x; the pull of
         both for the local experts' rows. Returns (d_output rows, x rows, pull)."""
-        self.publish(peer, Phase.BACKWARD, [(self.dy_pub(d_output.dtype), d_output),
-                                            (self.x_pub(x.dtype), x)])
+        tokens = x.shape[0]
+        self.publish(peer, Phase.BACKWARD, [(self.dy_pub(d_output.dtype)[:tokens], d_output),
+                                            (self.x_pub(x.dtype)[:tokens], x)])
         dy_rows, _, x_rows, pull = self.pull(
             peer, Phase.BACKWARD, plan, src=self.dy_pub(d_output.dtype), weights=None,
             minibatch=minibatch, num_programs=num_programs, second_src=self.x_pub(x.dtype))
@@ -211,18 +216,29 @@ class ExpertParallel:
     def build_plan(self, peer: comm.PeerFlags, topk_experts: torch.Tensor, *,
                    num_local_experts: int, align: int, route_capacity: int,
                    ghost_expert: bool = False) -> ExchangePlan:
-        """ghost_expert: the id E (one past the group's experts) is valid and owned by no rank
-        (routes to experts of other nodes, see mok.cross_node)."""
+        """The schedule of this rank's experts over the group's routes.
+
+        topk_experts [T, k], T <= T_max. Ids outside [0, E) are published as -1, so every rank
+        reports them (an int64 id is never wrapped into range by the int32 buffer); with
+        ghost_expert the id E passes as the ghost (routes to experts of other nodes, see
+        mok.cross_node), as do the slots past T * k.
+        """
         world, routes = self.world_size, self.routes_per_rank
-        self.publish(peer, Phase.SCHEDULE, [(self.topk_pub, topk_experts.reshape(-1))])
+        num_experts = num_local_experts * world
+        own = topk_experts.reshape(-1)
+        valid = (own >= 0) & (own < num_experts)
+        if ghost_expert:
+            valid = valid | (own == num_experts)
+        published = torch.full((routes,), num_experts, dtype=torch.int32, device=self.device)
+        published[:own.shape[0]] = torch.where(valid, own, -1)
+        self.publish(peer, Phase.SCHEDULE, [(self.topk_pub, published)])
         group_topk = torch.empty(world * routes, dtype=torch.int32, device=self.device)
         comm.gather_peers(peer, self.topk_pub, group_topk, self.buffer.deltas(torch.int32),
                           Phase.SCHEDULE, self.slots.pub(Phase.SCHEDULE))
         comm.signal_peers(peer, Phase.SCHEDULE, self.slots.ack(Phase.SCHEDULE))
-        num_experts = num_local_experts * world
         group_routing = ops.build_routing(
             group_topk.view(world * self.num_tokens, self.topk), peer.errors,
-            num_experts=num_experts + int(ghost_expert),
+            num_experts=num_experts + 1,
             first_local_expert=num_local_experts * self.rank,
             num_local_experts=num_local_experts, align=align, route_capacity=route_capacity)
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -234,12 +250,11 @@ class ExpertParallel:
             expert_offsets=group_routing.expert_offsets,
             num_tokens=group_routing.capacity_rows, topk=1,
             num_local_experts=num_local_experts, align=align)
-        own = topk_experts.reshape(-1)
         source_route_row = torch.where((own >= 0) & (own < num_experts),
-                                       torch.arange(routes, **i32), -1)
+                                       torch.arange(own.shape[0], **i32), -1)
         empty = torch.empty(0, **i32)
         source_routing = Routing(
             row_route=empty, route_row=source_route_row, block_expert=empty,
-            expert_counts=empty, expert_offsets=empty, num_tokens=self.num_tokens,
+            expert_counts=empty, expert_offsets=empty, num_tokens=topk_experts.shape[0],
             topk=self.topk, num_local_experts=num_local_experts, align=align)
         return ExchangePlan(rows_routing, group_routing, source_routing, routes)

@@ -452,10 +452,6 @@ def build_schedule(
         return schedule
     ghost = int(workspace._ghost_expert)
     if workspace.ep is not None:
-        if num_tokens != workspace.num_local_tokens:
-            raise MoKInputError(
-                f"with expert parallelism every rank holds num_local_tokens="
-                f"{workspace.num_local_tokens} tokens, got {num_tokens}")
         exchange = workspace.ep.build_plan(
             workspace.ep.peer_flags(workspace.error_flags), topk_experts,
             num_local_experts=int(num_local_experts), align=tiles.align,
@@ -723,5 +719,6 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     source = plan.source_routing
     d_x = ops.combine(ep.combine_buffer(dtype), source, d_x_shared_rows, dtype)
     valid = (source.route_row >= 0).view(source.num_tokens, source.topk)
-    d_router_weights = torch.where(valid, ep.d_weights.view(source.num_tokens, source.topk), 0.0)
+    received = ep.d_weights[:source.num_tokens * source.topk].view(valid.shape)
+    d_router_weights = torch.where(valid, received, 0.0)
     return d_x, d_router_weights, (d_w_gate, d_w_up, d_w_down)

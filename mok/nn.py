@@ -160,10 +160,11 @@ class _ExpertParallelExperts(torch.autograd.Function):
     custom op (torch.compile breaks the graph here)."""
 
     @staticmethod
-    def forward(ctx, group, swiglu_limit, x, topk_experts, router_weights, w_sg, w_su, w_sd,
-                w_rg, w_ru, w_rd):
+    def forward(ctx, group, max_tokens, swiglu_limit, x, topk_experts, router_weights, w_sg, w_su,
+                w_sd, w_rg, w_ru, w_rd):
         config = F.MoKConfig()
-        workspace = F.get_workspace(config, group, device=x.device, num_local_tokens=x.shape[0],
+        workspace = F.get_workspace(config, group, device=x.device,
+                                    num_local_tokens=max_tokens or x.shape[0],
                                     hidden_size=x.shape[1], topk=topk_experts.shape[1])
         schedule = F.build_schedule(workspace, config, topk_experts,
                                     num_local_experts=w_rg.shape[0])
@@ -181,7 +182,7 @@ class _ExpertParallelExperts(torch.autograd.Function):
             config, workspace, schedule, context, d_y.contiguous(), x, router_weights, *weights,
             swiglu_limit=swiglu_limit)
         del ctx.state
-        return None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd
+        return None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd
 
 
 def moe_experts(
@@ -198,6 +199,7 @@ def moe_experts(
     swiglu_limit: float | None = None,
     backend: Backend | str = Backend.MOK,
     group: dist.ProcessGroup | None = None,
+    max_tokens: int | None = None,
 ) -> torch.Tensor:
     """The routed + shared experts as a differentiable function (DESIGN.md section 1).
 
@@ -205,8 +207,9 @@ def moe_experts(
     topk_experts [T, k] int; router_weights [T, k] fp32; weights as mok.functional.forward.
     Weight views (e.g. slices of a fused gate_up parameter) are fine: strides are honoured and
     gradients flow back into the viewed parameter. group: an expert-parallel process group; the
-    routed weights are then this rank's experts (mok.functional's contract), T the same on
-    every rank.
+    routed weights are then this rank's experts (mok.functional's contract). max_tokens: with a
+    group, the most tokens a rank passes (each rank may pass fewer); default T, which every rank
+    must then pass.
     """
     if Backend(backend) is Backend.REFERENCE:
         from mok.testing.reference import moe_reference
@@ -215,8 +218,10 @@ def moe_experts(
                              w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
                              swiglu_limit=swiglu_limit, group=group).to(x.dtype)
     if group is not None and dist.get_world_size(group) > 1:
+        if max_tokens is not None and x.shape[0] > max_tokens:
+            raise ValueError(f"{x.shape[0]} tokens exceed max_tokens={max_tokens}")
         return _ExpertParallelExperts.apply(
-            group, swiglu_limit, x, topk_experts, router_weights.float(), w_shared_gate,
+            group, max_tokens, swiglu_limit, x, topk_experts, router_weights.float(), w_shared_gate,
             w_shared_up, w_shared_down, w_routed_gate, w_routed_up, w_routed_down)
     return _moe_forward(x, topk_experts, router_weights.float(), w_shared_gate, w_shared_up,
                         w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
@@ -316,7 +321,8 @@ class MoE(nn.Module):
 
     Parameters: router.weight [E, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]
     (E_local = E, or E / P with an expert-parallel `ep_group` of P ranks: this rank's experts
-    [rank * E_local, (rank + 1) * E_local); the router and shared expert are replicated); and with
+    [rank * E_local, (rank + 1) * E_local); the router and shared expert are replicated; with
+    `ep_max_tokens` ranks may pass different numbers of tokens, at most that many); and with
     shared_intermediate_size > 0: shared_gate, shared_up [I_s, H], shared_down [H, I_s].
     forward(hidden_states [..., H]) -> [..., H]. After each forward: `aux_loss` (add it to the
     training loss) and `tokens_per_expert` [E] (device tensor, no host sync) hold that call's
@@ -339,6 +345,7 @@ class MoE(nn.Module):
         router: RouterConfig = RouterConfig(),
         swiglu_limit: float | None = None,
         ep_group: dist.ProcessGroup | None = None,
+        ep_max_tokens: int | None = None,
         backend: Backend | str = Backend.MOK,
         device=None,
         dtype=None,
@@ -349,6 +356,7 @@ class MoE(nn.Module):
             raise ValueError(f"num_experts={num_experts} is not a multiple of the "
                              f"expert-parallel group's {ep_size} ranks")
         self.ep_group = ep_group if ep_size > 1 else None
+        self.ep_max_tokens = ep_max_tokens
         num_local = num_experts // ep_size
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
@@ -404,7 +412,7 @@ class MoE(nn.Module):
             y = moe_experts(x.to(dtype), routing.topk_experts, routing.weights, *shared,
                             self.w_gate.to(dtype), self.w_up.to(dtype), self.w_down.to(dtype),
                             swiglu_limit=self.swiglu_limit, backend=self.backend,
-                            group=self.ep_group)
+                            group=self.ep_group, max_tokens=self.ep_max_tokens)
         return y.to(out_dtype).view(hidden_states.shape)
 
     def extra_repr(self) -> str:

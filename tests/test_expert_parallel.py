@@ -79,19 +79,29 @@ def _check_against_reference(inputs, y, grads, swiglu_limit):
         assert_close(grad, grad_ref, dtype=inputs.x.dtype, name=name)
 
 
-def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config):
-    inputs = _rank_inputs(rank, world_size, shared=shared, pattern=pattern, seed=1)
+MAX_TOKENS = 24
+
+
+def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config, uneven=False):
+    """uneven: rank r holds 24 - 5r tokens (the workspace is sized for 24)."""
+    tokens = MAX_TOKENS - 5 * rank if uneven else MAX_TOKENS
+    inputs = _rank_inputs(rank, world_size, tokens=tokens, shared=shared, pattern=pattern,
+                          seed=1)
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
-                                   num_local_tokens=inputs.x.shape[0],
+                                   num_local_tokens=MAX_TOKENS,
                                    hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
     tiles = tiles_for_tests()
     y, grads, schedule = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
     F.check_errors(workspace)
     _check_against_reference(inputs, y, grads, limit)
     # Per-expert counts of the local experts: the routes of the whole group that chose them.
-    everyone = [torch.empty_like(inputs.topk_experts) for _ in range(world_size)]
-    dist.all_gather(everyone, inputs.topk_experts)
+    padded = torch.full((MAX_TOKENS, inputs.topk_experts.shape[1]), -1,
+                        dtype=inputs.topk_experts.dtype, device=inputs.x.device)
+    padded[:tokens] = inputs.topk_experts
+    everyone = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(everyone, padded)
     group_ids = torch.cat(everyone).reshape(-1)
+    group_ids = group_ids[group_ids >= 0]
     first = rank * inputs.num_local_experts
     expected = torch.bincount(group_ids, minlength=world_size * inputs.num_local_experts)
     assert torch.equal(schedule.expert_counts.cpu().long(),
@@ -114,6 +124,12 @@ def test_ep_matches_reference(rank, world_size):
                             pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES)
 
 
+@distributed_test(world_sizes=(2, 4))
+def test_ep_ranks_with_different_token_counts(rank, world_size):
+    _matches_reference_body(rank, world_size, shared=16, limit=None,
+                            pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES, uneven=True)
+
+
 @distributed_test(world_sizes=(2, 4, 8))
 def test_ep_shared_expert_limit_skewed(rank, world_size):
     # A capacity of world_size * T * k routes: dropless however skewed.
@@ -129,7 +145,7 @@ def _errors_body(rank, world_size):
                                    num_local_tokens=inputs.x.shape[0],
                                    hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
     with pytest.raises(MoKInputError, match="num_local_tokens"):
-        F.build_schedule(workspace, config, inputs.topk_experts[:-1],
+        F.build_schedule(workspace, config, torch.cat([inputs.topk_experts] * 2),
                          num_local_experts=inputs.num_local_experts)
     schedule = F.build_schedule(workspace, config, inputs.topk_experts,
                                 num_local_experts=inputs.num_local_experts,
@@ -227,13 +243,16 @@ def test_ep_no_host_sync_and_cuda_graph(rank, world_size):
     _graph_body(rank, world_size)
 
 
-def _cross_node_body(rank, world_size):
+def _cross_node_body(rank, world_size, uneven=False):
     """Two "nodes" of world_size // 2 ranks: collectives between them, the one-node protocol
-    (symmetric buffers when a node has 2 ranks, one device when 1) inside."""
+    (symmetric buffers when a node has 2 ranks, one device when 1) inside. uneven: rank r holds
+    24 - 5r tokens."""
     config = SMALL_MINIBATCHES
-    inputs = _rank_inputs(rank, world_size, shared=16, pattern=RoutingPattern.SKEWED, seed=5)
+    tokens = MAX_TOKENS - 5 * rank if uneven else MAX_TOKENS
+    inputs = _rank_inputs(rank, world_size, tokens=tokens, shared=16,
+                          pattern=RoutingPattern.SKEWED, seed=5)
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
-                                   num_local_tokens=inputs.x.shape[0],
+                                   num_local_tokens=MAX_TOKENS,
                                    hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1],
                                    ranks_per_node=world_size // 2)
     assert workspace.cross_node is not None and workspace.cross_node.num_nodes == 2
@@ -258,3 +277,8 @@ def _cross_node_body(rank, world_size):
 @distributed_test(world_sizes=(2, 4, 8))
 def test_ep_across_nodes_matches_reference(rank, world_size):
     _cross_node_body(rank, world_size)
+
+
+@distributed_test(world_sizes=(4,))
+def test_ep_across_nodes_with_different_token_counts(rank, world_size):
+    _cross_node_body(rank, world_size, uneven=True)

@@ -174,13 +174,14 @@ def _ep_module_body(rank, world_size):
 
     device = torch.device("cuda", rank) if DEVICE.type == "cuda" else DEVICE
     torch.manual_seed(0)  # router and shared expert: the same on every rank
-    module = MoE(32, 16, 3 * world_size, 2, 16, device=device, ep_group=dist.group.WORLD)
+    module = MoE(32, 16, 3 * world_size, 2, 16, device=device, ep_group=dist.group.WORLD,
+                 ep_max_tokens=24)
     assert module.w_gate.shape == (3, 16, 32)
     with torch.no_grad():  # this rank's own experts
         generator = torch.Generator(device=device).manual_seed(100 + rank)
         for weight in (module.w_gate, module.w_up, module.w_down):
             weight.uniform_(-0.25, 0.25, generator=generator)
-    x = torch.randn(2, 12, 32, device=device,
+    x = torch.randn(2, 12 - 2 * rank, 32, device=device,  # ranks pass different token counts
                     generator=torch.Generator(device=device).manual_seed(rank))
     y, d_x, grads = loss_and_grads(module, x)
     module.backend = Backend.REFERENCE
