@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on a machine with several GPUs: the expert-parallel tests, then the EP benchmark.
+# One call on a machine with several GPUs: the expert-parallel tests (functional, nn, Hugging
+# Face, example), then the EP benchmark with mok's per-kernel times.
 # Writes under $OUT (default ./gpu-out). EP_SIZE (default 2) ranks; EP_TESTS=0 / EP_BENCH=0 skip
 # a step; *_TIMEOUT seconds; EP_BENCH_ARGS extra benchmark arguments. NVLink multicast stays off.
 set -uo pipefail
@@ -14,12 +15,14 @@ nvidia-smi topo -m | head -n $((EP_SIZE + 2))
 if [ "${EP_TESTS:-1}" = 1 ]; then
   echo "== ep tests (limit ${EP_TESTS_TIMEOUT:-240}s)"
   timeout -s KILL "${EP_TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
-    tests/test_expert_parallel.py ${EP_TESTS_ARGS:-} > "$OUT/ep_tests.log" 2>&1
+    tests/test_expert_parallel.py tests/test_examples.py tests/test_nn.py \
+    tests/test_huggingface.py -k "ep or expert_parallel" ${EP_TESTS_ARGS:-} \
+    > "$OUT/ep_tests.log" 2>&1
   echo "== ep tests exit: $?"; tail -n 40 "$OUT/ep_tests.log"
 fi
 if [ "${EP_BENCH:-1}" = 1 ]; then
   echo "== ep bench (limit ${EP_BENCH_TIMEOUT:-300}s)"
-  timeout -s KILL "${EP_BENCH_TIMEOUT:-300}" python3 -m mok bench --ep "$EP_SIZE" \
+  timeout -s KILL "${EP_BENCH_TIMEOUT:-300}" python3 -m mok bench --ep "$EP_SIZE" --profile \
     --csv "$OUT/ep.csv" ${EP_BENCH_ARGS:-} > "$OUT/ep_bench.log" 2>&1
   echo "== ep bench exit: $?"; tail -n 60 "$OUT/ep_bench.log"
 fi
