@@ -16,7 +16,7 @@ if [ "${EP_TESTS:-1}" = 1 ]; then
   echo "== ep tests (limit ${EP_TESTS_TIMEOUT:-240}s)"
   timeout -s KILL "${EP_TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
     tests/test_expert_parallel.py tests/test_examples.py tests/test_nn.py \
-    tests/test_huggingface.py -k "ep or expert_parallel" ${EP_TESTS_ARGS:-} \
+    tests/test_huggingface.py -k "expert_parallel or test_ep_" ${EP_TESTS_ARGS:-} \
     > "$OUT/ep_tests.log" 2>&1
   echo "== ep tests exit: $?"; tail -n 40 "$OUT/ep_tests.log"
 fi
