@@ -10,7 +10,10 @@ experts are per GPU), on the same inputs on every rank:
 - compute_only: mok on one GPU with the same per-GPU work (T tokens, the E_local local experts),
   no communication: the floor the overlap aims at;
 - dispatch: mok's publish + pull of the forward alone, for the NVLink bandwidth it reaches
-  (bytes pulled from other ranks / time; the measured pull ceiling of copy_ is 371 GB/s).
+  (bytes pulled from other ranks / time; the measured pull ceiling of copy_ is 371 GB/s);
+- down_scatter / down_local: the forward's down GEMM writing its rows into the tokens' ranks'
+  combine buffers (the combine's NVLink traffic, remote bytes / time) and the same GEMM writing
+  them locally: the difference is what the remote writes cost.
 Every implementation is checked against the mok.testing reference on the group first. Collective
 code is timed with a fixed loop count and CUDA events (never do_bench: ranks must issue the same
 number of collectives); a row reports the slowest rank's median. Rows go to
@@ -284,6 +287,10 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
             if impl_name == "mok":
                 ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)
                 row(shape, "mok", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
+                scatter_ms, local_ms, nbytes = down_scatter_and_local(impl, inputs, iters,
+                                                                      warmup, group)
+                row(shape, "mok", "down_scatter", scatter_ms, 0, gb_s=nbytes / scatter_ms / 1e6)
+                row(shape, "mok", "down_local", local_ms, 0)
                 if profile and cuda:
                     print_kernel_times(impl.step, group, quiet=rank != 0)
             del impl
@@ -336,12 +343,42 @@ def dispatch_only(layer, inputs, iters, warmup, group):
         ep.pulled(peer, Phase.FORWARD)
 
     ms = timed(run, iters, warmup, group)
+    return ms, _remote_bytes(schedule, ep, x, group)
+
+
+def _remote_bytes(schedule, ep, x, group) -> float:
+    """Bytes of the rows of this rank's schedule whose tokens live on other ranks (min over
+    ranks)."""
     routes = schedule.exchange.group_routing.row_route
     remote = ((routes >= 0) & (routes // ep.routes_per_rank != ep.rank)).sum()
-    nbytes = float(remote) * x.shape[1] * x.element_size()
-    value = _device_tensor(nbytes)
+    value = _device_tensor(float(remote) * x.shape[1] * x.element_size())
     dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return ms, float(value)
+    return float(value)
+
+
+def down_scatter_and_local(layer, inputs, iters, warmup, group):
+    """(ms of the down GEMM writing into the tokens' ranks' combine buffers, ms of the same GEMM
+    writing locally, remote bytes written)."""
+    from mok import ops
+
+    workspace, config = layer.workspace, layer.config
+    ep = workspace.ep
+    schedule = layer.schedule()
+    _, context = layer.F.forward(config, workspace, schedule, *inputs.layer_args)
+    w_down = inputs.w_routed_down
+    tiles = schedule.tiles.pick("down", w_down.shape[1], w_down.shape[2])
+    scatter = ep.scatter_rows(schedule.exchange, inputs.x.dtype)
+
+    def remote():
+        ops.down_proj(context.h, w_down, schedule.routing, tiles, context.weights_rows,
+                      scatter=scatter)
+
+    def local():
+        ops.down_proj(context.h, w_down, schedule.routing, tiles, context.weights_rows)
+
+    scatter_ms = timed(remote, iters, warmup, group)
+    local_ms = timed(local, iters, warmup, group)
+    return scatter_ms, local_ms, _remote_bytes(schedule, ep, inputs.x, group)
 
 
 def main(argv=None) -> None:

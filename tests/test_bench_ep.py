@@ -18,7 +18,8 @@ def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path):
     assert set(rows[0]) == set(ep.CSV_FIELDS)
     by_key = {(row["impl"], row["mode"]): row for row in rows}
     expected = {("compute_only", "forward"), ("compute_only", "forward+backward"),
-                ("mok", "forward"), ("mok", "forward+backward"), ("mok", "dispatch")}
+                ("mok", "forward"), ("mok", "forward+backward"), ("mok", "dispatch"),
+                ("mok", "down_scatter"), ("mok", "down_local")}
     assert expected <= set(by_key)
     for row in rows:
         assert row["ep"] == "2" and row["shape"] == "tiny" and float(row["ms"]) > 0
