@@ -282,3 +282,32 @@ def test_ep_across_nodes_matches_reference(rank, world_size):
 @distributed_test(world_sizes=(4,))
 def test_ep_across_nodes_with_different_token_counts(rank, world_size):
     _cross_node_body(rank, world_size, uneven=True)
+
+
+def _empty_rank_body(rank, world_size):
+    """fp16, top-1, and a rank that holds no token this step: the others' results are exact as
+    ever, and the empty rank still serves its experts."""
+    config = SMALL_MINIBATCHES
+    tokens = (10, 0)[rank]
+    inputs = make_inputs(tokens, 32, 16, 2 * world_size, 1, shared_intermediate_size=16,
+                         num_local_experts=2, dtype=torch.float16, device=_device(rank),
+                         seed=rank)
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=10, hidden_size=32, topk=1)
+    y, grads, schedule = _run(workspace, config, inputs, tiles=tiles_for_tests())
+    F.check_errors(workspace)
+    assert y.shape == (tokens, 32) and grads[0].shape == (tokens, 32)
+    y_ref, grads_ref = moe_reference_grads(inputs, group=dist.group.WORLD,
+                                           compute_dtype=REF_DTYPE)
+    if tokens:
+        assert_close(y, y_ref, dtype=torch.float16, name="y")
+    for name, grad, grad_ref in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if grad_ref is not None and grad_ref.numel():
+            assert_close(grad, grad_ref, dtype=torch.float16, name=name)
+    # Rank 1's experts served rank 0's tokens: their gradients are not zero.
+    assert grads[2].abs().max() > 0 or int(schedule.expert_counts.sum()) == 0
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_rank_without_tokens_fp16_top1(rank, world_size):
+    _empty_rank_body(rank, world_size)

@@ -102,7 +102,7 @@ def moe_reference(
             group=group)
         y_routes = y_sorted[torch.argsort(order)]
     weights = router_weights.to(compute_dtype).reshape(-1, 1)
-    y = (y_routes * weights).view(num_tokens, topk, -1).sum(dim=1)
+    y = (y_routes * weights).view(num_tokens, topk, x.shape[1]).sum(dim=1)  # T may be 0
     if w_shared_gate is not None:
         y = y + expert_mlp(xc, w_shared_gate.to(compute_dtype), w_shared_up.to(compute_dtype),
                            w_shared_down.to(compute_dtype), swiglu_limit)
