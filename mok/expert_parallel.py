@@ -88,7 +88,7 @@ class ExchangePlan:
 
 
 class ExpertParallel:
-    """The expert-parallel state of a workspace: symmetric buffer, flags, side stream."""
+    """The expert-parallel state of a workspace: the symmetric buffer, its views and the flags."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, *, num_tokens: int,
                  hidden_size: int, topk: int, timeout_s: float) -> None:
