@@ -126,6 +126,9 @@ class Workspace:
 
             self.ep_size, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
             per_node = ranks_per_node or cross_node.ranks_per_node_of(group)
+            if per_node < 1 or self.ep_size % per_node:
+                raise MoKInputError(f"ranks_per_node={per_node} does not divide the group of "
+                                    f"{self.ep_size} ranks")
             if per_node < self.ep_size:
                 self.cross_node = cross_node.CrossNode(
                     config, group, device, num_tokens=self.num_local_tokens,

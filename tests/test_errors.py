@@ -96,6 +96,7 @@ def test_sizes_must_be_multiples_of_8():
 @pytest.mark.parametrize("kwargs", [
     dict(minibatch_size=0), dict(macrobatch_size=100, minibatch_size=64),
     dict(schedule_capacity_multiplier=0.0), dict(fwd_num_comm_sms=-1),
+    dict(peer_timeout_s=0.0),
 ])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):

@@ -178,6 +178,21 @@ def test_ep_errors(rank, world_size):
     _errors_body(rank, world_size)
 
 
+def _layout_body(rank, world_size):
+    """One host: the whole group is one node; a group that does not split raises."""
+    from mok.cross_node import ranks_per_node_of
+
+    assert ranks_per_node_of(dist.group.WORLD) == world_size
+    with pytest.raises(MoKInputError, match="ranks_per_node=3"):
+        F.create_workspace(F.MoKConfig(), dist.group.WORLD, device=_device(rank),
+                           num_local_tokens=8, hidden_size=32, topk=2, ranks_per_node=3)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_node_layout(rank, world_size):
+    _layout_body(rank, world_size)
+
+
 def _timeout_body(rank, world_size):
     """Rank 1 never builds its schedule: rank 0's wait for it times out with an error naming it."""
     config = F.MoKConfig(peer_timeout_s=1.0)
