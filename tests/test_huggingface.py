@@ -147,6 +147,21 @@ def checked_parameters(model: nn.Module) -> list[str]:
             if name.startswith(tuple(prefixes)) or "embed_tokens" in name]
 
 
+def train_losses_and_routing(models, ids, seed=None):
+    """Loss and backward of each model on `ids` (labels = ids): (losses, each one's routing).
+    seed: reseeded before each model (the same router jitter noise in all)."""
+    losses, routings = [], []
+    for model in models:
+        if seed is not None:
+            torch.manual_seed(seed)
+        with recorded_routing(model) as routing:
+            output = model(ids, labels=ids)
+        output.loss.backward()
+        losses.append(output.loss.detach())
+        routings.append(routing)
+    return losses, routings
+
+
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_patch_keeps_parameters_and_state_dict_keys(family):
     model = build(family)
@@ -198,15 +213,7 @@ def test_logits_match_original(family, backend):
 def test_gradients_match_original(family, backend):
     original = build(family).train()  # train mode: Mixtral's router jitter is on
     patched, _ = patched_copy(original, backend)
-    ids = token_ids()
-    losses, routings = [], []
-    for model in (original, patched):
-        torch.manual_seed(7)  # the same jitter noise in both
-        with recorded_routing(model) as routing:
-            output = model(ids, labels=ids)
-        output.loss.backward()
-        losses.append(output.loss.detach())
-        routings.append(routing)
+    losses, routings = train_losses_and_routing((original, patched), token_ids(), seed=7)
     assert_same_routing(routings[1], routings[0])
     tolerance = TOLERANCE[backend]
     assert_close(losses[1], losses[0], dtype=torch.float32, name="loss", tolerance=tolerance)
@@ -324,13 +331,7 @@ def _expert_parallel_body(rank, world_size):
     assert patch_moe_blocks(patched, ep_group=dist.group.WORLD) == family.moe_layers
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator).to(DEVICE)
-    losses, routings = [], []
-    for model in (original, patched):
-        with recorded_routing(model) as routing:
-            output = model(ids, labels=ids)
-        output.loss.backward()
-        losses.append(output.loss.detach())
-        routings.append(routing)
+    losses, routings = train_losses_and_routing((original, patched), ids)
     assert_same_routing(routings[1], routings[0])
     assert_close(losses[1], losses[0], dtype=torch.float32, name="loss", tolerance=MODEL_BF16)
     expected = dict(original.named_parameters())
