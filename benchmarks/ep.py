@@ -293,6 +293,8 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
                 row(shape, "mok", "down_local", local_ms, 0)
                 if profile and cuda:
                     print_kernel_times(impl.step, group, quiet=rank != 0)
+                    print_host_times({"forward": impl.forward, "forward+backward": impl.step},
+                                     group, quiet=rank != 0)
             del impl
     return rows
 
@@ -315,6 +317,25 @@ def print_kernel_times(step, group, quiet=False):
     print("    kernel time of one forward+backward (rank 0):")
     for name, (ms, calls) in sorted(totals.items(), key=lambda item: -item[1][0])[:20]:
         print(f"      {ms:8.3f} ms  {calls:3d}x  {name}")
+
+
+def print_host_times(fns, group, quiet=False, repeats=5):
+    """Host (Python + launch) ms of each call, the device idle before it: a layer whose host
+    time exceeds its GPU time leaves the GPU waiting between kernels."""
+    lines = []
+    for mode, fn in fns.items():
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            dist.barrier(group)
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        lines.append(f"      {statistics.median(times):8.3f} ms  host time of one {mode} call")
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    if not quiet:
+        print("\n".join(lines), flush=True)
 
 
 def dispatch_only(layer, inputs, iters, warmup, group):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import mok.functional as F
 from mok.errors import MoKDataError, MoKInputError
+from mok.ops import small_tiles
 from mok.testing import (
     GRAD_NAMES,
     RoutingPattern,
@@ -162,13 +163,14 @@ def _errors_body(rank, world_size):
     with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE"):
         F.check_errors(workspace)
     # A schedule capacity of a quarter of the T * k routes each rank receives on average:
-    # every rank overflows and says so (no route is dropped silently).
+    # every rank overflows and says so (no route is dropped silently). Small tiles on every
+    # device: with the GPU's 128-row alignment the padding alone would hold every route.
     small = dataclasses.replace(config, schedule_capacity_multiplier=0.25)
     tight = F.create_workspace(small, dist.group.WORLD, device=inputs.x.device,
                                num_local_tokens=inputs.x.shape[0],
                                hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
     F.build_schedule(tight, small, inputs.topk_experts,
-                     num_local_experts=inputs.num_local_experts, tiles=tiles_for_tests())
+                     num_local_experts=inputs.num_local_experts, tiles=small_tiles(16))
     with pytest.raises(MoKDataError, match="CAPACITY_OVERFLOW"):
         F.check_errors(tight)
 

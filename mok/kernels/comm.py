@@ -122,7 +122,8 @@ def pull_rows(
     phase, publish_slot, num_local_experts, routes_per_rank, topk, width, world_size, timeout,
     stride_src, stride_dst, stride_dst2,
     HAS_WEIGHTS: tl.constexpr, HAS_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    HAS_TIMER: tl.constexpr,
 ):
     """The dispatch, as program `pid` of `num_programs`: dst[row] = (rank of route g)'s
     src[token of g], g = row_route[row].
@@ -156,8 +157,9 @@ def pull_rows(
             src_rank = safe // routes_per_rank
             local_route = safe % routes_per_rank
             token = (local_route // topk).to(tl.int64)
-            src_rows = tl.load(src_delta_ptr + src_rank, mask=valid, other=0) \
-                + token * stride_src
+            src_rows = tl.multiple_of(
+                tl.load(src_delta_ptr + src_rank, mask=valid, other=0) + token * stride_src,
+                ROW_ALIGN)
             dst_rows = rows.to(tl.int64) * stride_dst
             dst2_rows = rows.to(tl.int64) * stride_dst2
             for c0 in range(0, width, BLOCK_W):
@@ -185,7 +187,7 @@ def pull_rows_kernel(
     phase, publish_slot, num_local_experts, routes_per_rank, topk, width, world_size, timeout,
     stride_src, stride_dst,
     HAS_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
+    BLOCK_W: tl.constexpr, ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
 ):
     """pull_rows on its own (to measure the dispatch alone)."""
     pull_rows(tl.program_id(0), tl.num_programs(0),
@@ -194,7 +196,7 @@ def pull_rows_kernel(
               row_route_ptr, expert_offsets_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr,
               error_ptr, phase, publish_slot, num_local_experts, routes_per_rank, topk, width,
               world_size, timeout, stride_src, stride_dst, stride_dst,
-              HAS_WEIGHTS, False, MINIBATCH, BLOCK_R, BLOCK_W, HAS_TIMER)
+              HAS_WEIGHTS, False, MINIBATCH, BLOCK_R, BLOCK_W, ROW_ALIGN, HAS_TIMER)
 
 
 @triton.jit

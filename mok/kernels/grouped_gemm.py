@@ -54,7 +54,8 @@ def _pull_programs(
     num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
-    PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr, HAS_TIMER: tl.constexpr,
+    PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr, PULL_ROW_ALIGN: tl.constexpr,
+    HAS_TIMER: tl.constexpr,
 ):
     """The first num_pull_programs programs pull dst's rows (and dst2's, PULL_SECOND); returns
     the GEMM tile's program id of the others (negative for the pulling ones)."""
@@ -66,7 +67,7 @@ def _pull_programs(
                   seq_ptr, error_ptr, phase, publish_slot, pull_num_experts, routes_per_rank,
                   pull_topk, width, world_size, timeout, stride_pull_src, stride_dst,
                   stride_dst2, PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R,
-                  PULL_BLOCK_W, HAS_TIMER)
+                  PULL_BLOCK_W, PULL_ROW_ALIGN, HAS_TIMER)
     return pid - num_pull_programs
 
 
@@ -79,15 +80,22 @@ def _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M: tl
 
 @triton.jit
 def _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
-                routes_per_rank, SCATTER: tl.constexpr, UPCAST: tl.constexpr):
-    """out[row, cols] = acc, or with SCATTER on the rank owning the row's token (see above)."""
+                routes_per_rank, SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """out[row, cols] = acc, or with SCATTER on the rank owning the row's token (see above).
+
+    ROW_ALIGN: every scattered row starts at a multiple of ROW_ALIGN elements (16 bytes where the
+    host checked it): without that hint the remote stores go out element by element, which
+    NVLink pays for in bandwidth (the offsets come from loaded deltas, unknown to the compiler).
+    """
     mask = cols[None, :] < N
     if SCATTER:
         route = tl.load(dest_route_ptr + rows)
         valid = route >= 0
         safe = tl.where(valid, route, 0)
         delta = tl.load(out_delta_ptr + safe // routes_per_rank, mask=valid, other=0)
-        offsets = delta + (safe % routes_per_rank).to(tl.int64) * stride_om
+        offsets = tl.multiple_of(delta + (safe % routes_per_rank).to(tl.int64) * stride_om,
+                                 ROW_ALIGN)
         mask = mask & valid[:, None]
     else:
         offsets = rows * stride_om
@@ -118,7 +126,7 @@ def gate_up_swiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
-    HAS_TIMER: tl.constexpr,
+    PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """h[row, n] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, K], w [E, N, K].
@@ -133,7 +141,7 @@ def gate_up_swiglu_kernel(
             ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr, num_pull_programs, phase,
             publish_slot, pull_num_experts, routes_per_rank, pull_topk, world_size, timeout,
             stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W,
-            HAS_TIMER)
+            PULL_ROW_ALIGN, HAS_TIMER)
         if pid < 0:
             return
     pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -174,7 +182,7 @@ def down_proj_kernel(
     stride_hm, stride_we, stride_wn, stride_wk, stride_om,
     HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCATTER: tl.constexpr, UPCAST: tl.constexpr,
+    SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[row, n] = w[route] * (h[row] @ w_down[e].T); h [rows, K], w_down [E, N, K]."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -200,7 +208,7 @@ def down_proj_kernel(
         weight = tl.load(router_weights_ptr + route, mask=route >= 0, other=0.0)
         acc = acc * weight[:, None]
     _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
-                routes_per_rank, SCATTER, UPCAST)
+                routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
 
 
 @triton.jit
@@ -220,7 +228,7 @@ def down_bwd_dswiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
-    HAS_TIMER: tl.constexpr,
+    PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Backward through the down projection and SwiGLU, gate/up recomputed in the same K loop.
@@ -240,7 +248,7 @@ def down_bwd_dswiglu_kernel(
             pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
             num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
             world_size, timeout, stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH,
-            PULL_BLOCK_R, PULL_BLOCK_W, HAS_TIMER)
+            PULL_BLOCK_R, PULL_BLOCK_W, PULL_ROW_ALIGN, HAS_TIMER)
         if pid < 0:
             return
     pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -316,7 +324,7 @@ def d_x_rows_kernel(
     stride_gm, stride_we, stride_wk, stride_wn, stride_om,
     ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCATTER: tl.constexpr, UPCAST: tl.constexpr,
+    SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[row] = d_gate[row] @ w_gate[e] + d_up[row] @ w_up[e]; N = H, K = I, w [E, K, N]."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -342,7 +350,7 @@ def d_x_rows_kernel(
         a_ptrs += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
     _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
-                routes_per_rank, SCATTER, UPCAST)
+                routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
 
 
 @triton.jit

@@ -25,6 +25,8 @@ HAS_TIMER = not _env.INTERPRET
 # core (measured: 7-8K); a busy machine spins slower, so the wait only lasts longer.
 INTERPRETER_SPINS_PER_S = 8000
 _ALIGN_BYTES = 256
+# Rows move between ranks in 16-byte vectors where their offsets allow (see row_align).
+_ROW_BYTES = 16
 
 
 def timeout_units(seconds: float) -> int:
@@ -32,6 +34,13 @@ def timeout_units(seconds: float) -> int:
     if HAS_TIMER:
         return int(seconds * 1e9)
     return max(1, int(seconds * INTERPRETER_SPINS_PER_S))
+
+
+def row_align(itemsize: int, *strides: int) -> int:
+    """Elements every row offset into a symmetric buffer is a multiple of, as a kernel hint:
+    16 bytes when the row strides allow it (the buffers' deltas always do), else 1."""
+    vector = _ROW_BYTES // itemsize
+    return vector if all(int(stride) % vector == 0 for stride in strides) else 1
 
 
 def _p_pad(world_size: int) -> int:
@@ -64,8 +73,9 @@ class SymmetricBuffer:
             self.local, addresses = self._map_shared_files(nbytes)
         base = self.local.data_ptr()
         self._delta_bytes = [address - base for address in addresses]
-        if any(delta % 8 for delta in self._delta_bytes):
-            raise RuntimeError("symmetric buffers are not 8-byte aligned alike on every rank")
+        if any(delta % _ROW_BYTES for delta in self._delta_bytes):
+            raise RuntimeError(f"symmetric buffers are not {_ROW_BYTES}-byte aligned alike on "
+                               "every rank")
         # Made once here: a host-to-device copy later would be a sync in the forward.
         self._deltas = {size: torch.tensor([delta // size for delta in self._delta_bytes],
                                            dtype=torch.int64).to(device)
@@ -194,7 +204,8 @@ def pull_rows(
         phase, publish_slot, num_local_experts, routes_per_rank, topk, width, peer.world_size,
         peer.timeout, src.stride(0), dst.stride(0),
         HAS_WEIGHTS=has_weights, MINIBATCH=minibatch, BLOCK_R=block_r, BLOCK_W=block_w,
-        HAS_TIMER=HAS_TIMER, num_warps=8 if HAS_TIMER else 1,
+        ROW_ALIGN=row_align(src.element_size(), src.stride(0)), HAS_TIMER=HAS_TIMER,
+        num_warps=8 if HAS_TIMER else 1,
     )
 
 
@@ -246,7 +257,7 @@ class Pull:
         if pull is None:
             return ((fallback,) * 13, (0,) * 9, dict(
                 PULL=False, PULL_WEIGHTS=False, PULL_SECOND=False, MINIBATCH=1, PULL_BLOCK_R=1,
-                PULL_BLOCK_W=1, HAS_TIMER=HAS_TIMER))
+                PULL_BLOCK_W=1, PULL_ROW_ALIGN=1, HAS_TIMER=HAS_TIMER))
         peer = pull.peer
         has_weights = pull.weights is not None
         block_r, block_w = _pull_blocks(pull.src.shape[1], pull.minibatch, 8192)
@@ -263,6 +274,7 @@ class Pull:
         return pointers, scalars, dict(
             PULL=True, PULL_WEIGHTS=has_weights, PULL_SECOND=pull.second_src is not None,
             MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w,
+            PULL_ROW_ALIGN=row_align(pull.src.element_size(), pull.src.stride(0)),
             HAS_TIMER=HAS_TIMER)
 
 

@@ -11,6 +11,7 @@ import triton
 from mok import _env
 from mok.kernels import combine as combine_kernels
 from mok.kernels import grouped_gemm as gemm_kernels
+from mok.ops import comm
 from mok.ops.comm import Pull, ScatterRows
 from mok.ops.routing import Routing
 from mok.ops.tuning import GemmTiles
@@ -20,8 +21,9 @@ UPCAST = _env.INTERPRET
 
 def _scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> tuple[tuple, int, dict]:
     if scatter is None:
-        return (out, out), 1, dict(SCATTER=False)
-    return (scatter.dest_route, scatter.deltas), scatter.routes_per_rank, dict(SCATTER=True)
+        return (out, out), 1, dict(SCATTER=False, ROW_ALIGN=1)
+    return (scatter.dest_route, scatter.deltas), scatter.routes_per_rank, dict(
+        SCATTER=True, ROW_ALIGN=comm.row_align(out.element_size(), out.stride(0)))
 
 
 def _gemm_meta(tiles: GemmTiles) -> dict:
