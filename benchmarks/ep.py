@@ -16,7 +16,9 @@ experts are per GPU), on the same inputs on every rank:
   them locally: the difference is what the remote writes cost.
 Every implementation is checked against the mok.testing reference on the group first. Collective
 code is timed with a fixed loop count and CUDA events (never do_bench: ranks must issue the same
-number of collectives); a row reports the slowest rank's median. Rows go to
+number of collectives), a few calls back to back per sample as layers run in training (host time
+hidden behind GPU time where it is shorter; the baseline's host sync still costs what it costs);
+a row reports the slowest rank's median. Rows go to
 benchmarks/results/ep.csv. Without GPUs it runs the `tiny` shape on CPU processes (gloo, mok's
 kernels under Triton's interpreter, shared-memory symmetric buffers), writing under runs/bench/:
 a check of the pipeline, not a measurement.
@@ -166,9 +168,14 @@ def _device_tensor(value: float) -> torch.Tensor:
     return torch.tensor([value], device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def timed(fn, iters, warmup, group):
-    """Median ms of `fn` over `iters` calls (fixed count on every rank), slowest rank."""
+def timed(fn, iters, warmup, group, calls=4):
+    """Median ms per call of `fn` over `iters` samples of `calls` back-to-back calls (fixed
+    counts on every rank), slowest rank. Back to back, as layers run in training and as the
+    one-GPU benchmark times them: the host launches the next call while the GPU runs this one,
+    so host time shows only where it exceeds GPU time."""
     cuda = torch.cuda.is_available()
+    if not cuda:
+        calls = 1
     for _ in range(warmup):
         fn()
     _sync()
@@ -180,10 +187,11 @@ def timed(fn, iters, warmup, group):
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(calls):
+                fn()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / calls)
         else:
             start_s = time.perf_counter()
             fn()
@@ -307,6 +315,10 @@ def print_kernel_times(step, group, quiet=False):
     torch.cuda.synchronize()
     dist.barrier(group)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # The profilers start at different times on each rank: line the ranks up inside it,
+        # or the first wait on a peer counts the other rank's start-up.
+        dist.barrier(group)
+        torch.cuda.synchronize()
         step()
         torch.cuda.synchronize()
     dist.barrier(group)
