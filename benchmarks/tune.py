@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks.breakdown import median_ms, shape_setup
 from mok import ops
-from mok.ops.tuning import HOPPER_TILES, GemmTiles, table_to_json
+from mok.ops.tuning import HOPPER_TILES, GemmTiles, table_to_json, tuned_table
 from mok.testing import SHAPES, SHAPES_BY_NAME
 
 T = GemmTiles
@@ -62,8 +62,10 @@ def stage_runners(shape):
     }
 
 
-def tune(shapes) -> dict:
-    table = {}
+def tune(shapes, table: dict | None = None, out: Path | None = None) -> dict:
+    """Tune `shapes` into `table` (entries of other shapes kept); with `out`, the table is
+    written after each shape, so a run cut short keeps what it measured."""
+    table = dict(table or {})
     for shape in shapes:
         print(f"== {shape.name}", flush=True)
         for kind, ((n, k), run) in stage_runners(shape).items():
@@ -78,6 +80,9 @@ def tune(shapes) -> dict:
             table[(kind, n, k)] = best
             print(f"   {kind:14s} n={n:6d} k={k:6d} fallback {fallback:7.3f} ms -> best "
                   f"{best_ms:7.3f} ms ({fallback / best_ms:4.2f}x) {best}", flush=True)
+        if out is not None:
+            out.write_text(table_to_json(table))
+            print(f"wrote {out}", flush=True)
     return table
 
 
@@ -86,10 +91,12 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=[s.name for s in SHAPES])
     parser.add_argument("--out", default="tuned_tiles.json")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start from an empty table (default: keep the entries of the "
+                             "table in use for shapes not tuned now)")
     args = parser.parse_args(argv)
-    table = tune([SHAPES_BY_NAME[name] for name in args.shapes])
-    Path(args.out).write_text(table_to_json(table))
-    print(f"wrote {args.out}")
+    tune([SHAPES_BY_NAME[name] for name in args.shapes],
+         {} if args.fresh else tuned_table(), Path(args.out))
 
 
 if __name__ == "__main__":
