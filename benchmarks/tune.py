@@ -20,6 +20,9 @@ from mok.ops.tuning import HOPPER_TILES, GemmTiles, table_to_json, tuned_table
 from mok.testing import SHAPES, SHAPES_BY_NAME
 
 T = GemmTiles
+PERSISTENT_WGRAD = [T(128, 128, 64, 1, 8, 3, persistent=True),
+                    T(128, 128, 64, 1, 8, 4, persistent=True),
+                    T(128, 256, 64, 1, 8, 3, persistent=True)]
 CANDIDATES: dict[str, list[GemmTiles]] = {
     "gate_up": [T(128, 64, 64, 8, 8, 4), T(128, 128, 64, 8, 8, 3), T(64, 128, 64, 8, 4, 4),
                 T(128, 64, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 4)],
@@ -31,10 +34,10 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
             T(128, 128, 64, 8, 4, 3), T(64, 256, 32, 8, 8, 3)],
     "wgrad_gate_up": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
                       T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
-                      T(128, 128, 64, 1, 4, 4)],
+                      T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD],
     "wgrad_down": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
                    T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
-                   T(128, 128, 64, 1, 4, 4)],
+                   T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD],
 }
 
 
@@ -62,13 +65,16 @@ def stage_runners(shape):
     }
 
 
-def tune(shapes, table: dict | None = None, out: Path | None = None) -> dict:
+def tune(shapes, table: dict | None = None, out: Path | None = None,
+         kinds=tuple(CANDIDATES)) -> dict:
     """Tune `shapes` into `table` (entries of other shapes kept); with `out`, the table is
     written after each shape, so a run cut short keeps what it measured."""
     table = dict(table or {})
     for shape in shapes:
         print(f"== {shape.name}", flush=True)
         for kind, ((n, k), run) in stage_runners(shape).items():
+            if kind not in kinds:
+                continue
             results = []
             for tiles in CANDIDATES[kind]:
                 try:
@@ -91,12 +97,13 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=[s.name for s in SHAPES])
     parser.add_argument("--out", default="tuned_tiles.json")
+    parser.add_argument("--kinds", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES))
     parser.add_argument("--fresh", action="store_true",
                         help="start from an empty table (default: keep the entries of the "
                              "table in use for shapes not tuned now)")
     args = parser.parse_args(argv)
     tune([SHAPES_BY_NAME[name] for name in args.shapes],
-         {} if args.fresh else tuned_table(), Path(args.out))
+         {} if args.fresh else tuned_table(), Path(args.out), kinds=args.kinds)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """The fused layer (forward and backward) against the reference, plus its properties."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 import mok.functional as F
+from mok import ops
 from mok.testing import (
     GRAD_NAMES,
     RoutingPattern,
@@ -95,6 +97,20 @@ def test_layer_is_bitwise_deterministic():
         for name, a, b in zip(GRAD_NAMES, first[1], again[1], strict=True):
             assert torch.equal(a, b), name
         assert torch.equal(first[2].routing.row_route, again[2].routing.row_route)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=lambda c: c.name)
+def test_persistent_wgrad_equals_one_tile_per_program(case):
+    # The same tiles summed in the same order: bitwise equal weight gradients, and an expert
+    # without rows still gets zeros (its tiles are visited by the loop like any other).
+    base = tiles_for_tests(case.block) or ops.default_tiles(DEVICE)
+    one = dataclasses.replace(base, use_tuned=False)
+    looped = dataclasses.replace(one, wgrad=dataclasses.replace(one.wgrad, persistent=True))
+    _, grads, _, _ = run_layer(case.inputs(), tiles=one)
+    y, grads_looped, _, _ = run_layer(case.inputs(), tiles=looped)
+    for name, a, b in zip(GRAD_NAMES, grads, grads_looped, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    check_against_reference(case, y, grads_looped)
 
 
 def test_recompute_forward_context_equals_forward_context():

@@ -354,26 +354,17 @@ def d_x_rows_kernel(
 
 
 @triton.jit
-def grouped_wgrad_kernel(
-    a_ptr, b_ptr, out_ptr, row_route_ptr, router_weights_ptr, expert_counts_ptr,
-    expert_offsets_ptr,
-    P, Q, topk,
-    stride_am, stride_bm, stride_oe, stride_op, stride_oq,
+def _wgrad_tile(
+    tile, a_ptr, b_ptr, out_ptr, row_route_ptr, router_weights_ptr, expert_counts_ptr,
+    expert_offsets_ptr, P, Q, topk, stride_am, stride_bm, stride_oe, stride_op, stride_oq,
     GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """out[e] = sum over the rows of expert e of A[row, :P]^T B[row, :Q], out [E, P, Q].
-
-    GATHER_A / GATHER_B: that operand is token-indexed (row -> route // topk) rather than
-    row-indexed. SCALE_A: scale A's rows by router_weights[route] (rounded to A's dtype, as a
-    weighted copy would be). The rows are summed in order, so the result is deterministic.
-    """
-    pid = tl.program_id(0)
+    """One output tile of grouped_wgrad_kernel: tiles run expert by expert, then P, then Q."""
     num_p_blocks = tl.cdiv(P, BLOCK_P)
     num_q_blocks = tl.cdiv(Q, BLOCK_Q)
-    expert = pid // (num_p_blocks * num_q_blocks)
-    pid_pq = pid % (num_p_blocks * num_q_blocks)
+    expert = tile // (num_p_blocks * num_q_blocks)
+    pid_pq = tile % (num_p_blocks * num_q_blocks)
     pid_p = pid_pq // num_q_blocks
     pid_q = pid_pq % num_q_blocks
     start = tl.load(expert_offsets_ptr + expert)
@@ -407,3 +398,35 @@ def grouped_wgrad_kernel(
                 + qs[None, :] * stride_oq)
     tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, UPCAST),
              mask=(ps[:, None] < P) & (qs[None, :] < Q))
+
+
+@triton.jit
+def grouped_wgrad_kernel(
+    a_ptr, b_ptr, out_ptr, row_route_ptr, router_weights_ptr, expert_counts_ptr,
+    expert_offsets_ptr,
+    P, Q, topk, num_tiles,
+    stride_am, stride_bm, stride_oe, stride_op, stride_oq,
+    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """out[e] = sum over the rows of expert e of A[row, :P]^T B[row, :Q], out [E, P, Q].
+
+    GATHER_A / GATHER_B: that operand is token-indexed (row -> route // topk) rather than
+    row-indexed. SCALE_A: scale A's rows by router_weights[route] (rounded to A's dtype, as a
+    weighted copy would be). The rows are summed in order, so the result is deterministic.
+    PERSISTENT: each program takes tiles num_programs apart, in one flattened loop the compiler
+    pipelines across tiles (the next tile's loads overlap this one's store; an expert's rows are
+    few, so a tile's own K loop is short). Either way a tile is summed in the same order.
+    """
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+            _wgrad_tile(tile, a_ptr, b_ptr, out_ptr, row_route_ptr, router_weights_ptr,
+                        expert_counts_ptr, expert_offsets_ptr, P, Q, topk, stride_am, stride_bm,
+                        stride_oe, stride_op, stride_oq, GATHER_A, SCALE_A, GATHER_B, BLOCK_P,
+                        BLOCK_Q, BLOCK_R, UPCAST)
+    else:
+        _wgrad_tile(tl.program_id(0), a_ptr, b_ptr, out_ptr, row_route_ptr, router_weights_ptr,
+                    expert_counts_ptr, expert_offsets_ptr, P, Q, topk, stride_am, stride_bm,
+                    stride_oe, stride_op, stride_oq, GATHER_A, SCALE_A, GATHER_B, BLOCK_P,
+                    BLOCK_Q, BLOCK_R, UPCAST)

@@ -5,6 +5,8 @@ Legend: T tokens, H hidden, I intermediate, E local experts, C schedule rows (Ro
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -24,6 +26,14 @@ def _scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> tuple[tuple
         return (out, out), 1, dict(SCATTER=False, ROW_ALIGN=1)
     return (scatter.dest_route, scatter.deltas), scatter.routes_per_rank, dict(
         SCATTER=True, ROW_ALIGN=comm.row_align(out.element_size(), out.stride(0)))
+
+
+@functools.cache
+def _num_programs(device: torch.device) -> int:
+    """Programs of a persistent kernel: one per SM (a few under the interpreter)."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _gemm_meta(tiles: GemmTiles) -> dict:
@@ -215,15 +225,18 @@ def grouped_wgrad(
     width_p, width_q = a.shape[1], b.shape[1]
     num_experts = routing.num_local_experts
     out = torch.empty(num_experts, width_p, width_q, dtype=out_dtype, device=a.device)
-    grid = num_experts * triton.cdiv(width_p, tiles.block_m) * triton.cdiv(width_q, tiles.block_n)
+    num_tiles = (num_experts * triton.cdiv(width_p, tiles.block_m)
+                 * triton.cdiv(width_q, tiles.block_n))
+    grid = min(num_tiles, _num_programs(a.device)) if tiles.persistent else num_tiles
     gemm_kernels.grouped_wgrad_kernel[(grid,)](
         a, b, out, routing.row_route,
         router_weights if router_weights is not None else a,
         routing.expert_counts, routing.expert_offsets,
-        width_p, width_q, routing.topk,
+        width_p, width_q, routing.topk, num_tiles,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GATHER_A=gather_a, SCALE_A=router_weights is not None, GATHER_B=gather_b,
-        BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n, BLOCK_R=tiles.block_k, UPCAST=UPCAST,
+        BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n, BLOCK_R=tiles.block_k,
+        PERSISTENT=tiles.persistent, UPCAST=UPCAST,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out

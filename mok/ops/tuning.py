@@ -40,6 +40,7 @@ class GemmTiles:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    persistent: bool = False  # wgrad only: one program per SM looping over the tiles
 
 
 @dataclass(frozen=True)
