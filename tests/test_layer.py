@@ -99,18 +99,31 @@ def test_layer_is_bitwise_deterministic():
         assert torch.equal(first[2].routing.row_route, again[2].routing.row_route)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=lambda c: c.name)
-def test_persistent_wgrad_equals_one_tile_per_program(case):
-    # The same tiles summed in the same order: bitwise equal weight gradients, and an expert
-    # without rows still gets zeros (its tiles are visited by the loop like any other).
+def _persistent_wgrad(tiles):
+    return dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, persistent=True))
+
+
+def _tma_weights(tiles):
+    return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, tma=True),
+                               down=dataclasses.replace(tiles.down, tma=True))
+
+
+@pytest.mark.parametrize("variant", [_persistent_wgrad, _tma_weights],
+                         ids=["persistent_wgrad", "tma_weights"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[8]], ids=lambda c: c.name)
+def test_tile_variants_equal_plain_tiles(case, variant):
+    # The same tiles summed in the same order, only loaded or scheduled differently: bitwise
+    # equal results. Covers an expert without rows (its tiles still write zeros) and
+    # widths below one tile (rows past N of the TMA boxes belong to the next expert).
     base = tiles_for_tests(case.block) or ops.default_tiles(DEVICE)
-    one = dataclasses.replace(base, use_tuned=False)
-    looped = dataclasses.replace(one, wgrad=dataclasses.replace(one.wgrad, persistent=True))
-    _, grads, _, _ = run_layer(case.inputs(), tiles=one)
-    y, grads_looped, _, _ = run_layer(case.inputs(), tiles=looped)
-    for name, a, b in zip(GRAD_NAMES, grads, grads_looped, strict=True):
+    plain = dataclasses.replace(base, use_tuned=False)
+    y, grads, _, _ = run_layer(case.inputs(), swiglu_limit=case.limit, tiles=plain)
+    y_variant, grads_variant, _, _ = run_layer(case.inputs(), swiglu_limit=case.limit,
+                                               tiles=variant(plain))
+    assert torch.equal(y, y_variant)
+    for name, a, b in zip(GRAD_NAMES, grads, grads_variant, strict=True):
         assert (a is None and b is None) or torch.equal(a, b), name
-    check_against_reference(case, y, grads_looped)
+    check_against_reference(case, y_variant, grads_variant)
 
 
 def test_recompute_forward_context_equals_forward_context():

@@ -10,6 +10,11 @@ fixed reduction order, so every result is bitwise reproducible.
 Legend: M rows, N output columns, K reduction; E local experts; H hidden, I intermediate.
 UPCAST: under Triton's CPU interpreter (see mok.kernels.common).
 
+W_TMA (gate/up and down GEMMs): the weight tiles come through TMA descriptors of the weights viewed
+[E * N, K] instead of pointer loads. A tile's rows past its expert's N read the next expert's
+rows (or TMA's zero fill past the end); they only reach output columns >= N, which are never
+stored. K is the descriptor's last dimension, so TMA zero-fills past K as the masks would.
+
 Expert parallelism adds two switches. PULL: the launch's first programs pull the rows the GEMM
 reads from the other ranks (mok.kernels.comm.pull_rows) and every tile, before its K loop, waits
 until its own rows have landed (mok.kernels.comm.wait_rows_ready). SCATTER: a row's output
@@ -122,7 +127,7 @@ def gate_up_swiglu_kernel(
     world_size, timeout, stride_pull_src,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm,
     swiglu_limit,
-    HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -131,7 +136,8 @@ def gate_up_swiglu_kernel(
 ):
     """h[row, n] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, K], w [E, N, K].
 
-    With PULL, x's rows are pulled from the other ranks by the launch's first programs.
+    With PULL, x's rows are pulled from the other ranks by the launch's first programs. W_TMA:
+    w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module docstring).
     """
     pid = tl.program_id(0)
     if PULL:
@@ -157,14 +163,19 @@ def gate_up_swiglu_kernel(
     a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
     w_offsets = (expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
                  + ks[:, None] * stride_wk)
+    w_row = expert * N + pid_n * BLOCK_N  # W_TMA: the tile's first row of w viewed [E * N, K]
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + ks) < K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & (cols[None, :] < N)
-        b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
-        b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
+        if W_TMA:
+            b_gate = w_gate_ptr.load([w_row, k0]).T
+            b_up = w_up_ptr.load([w_row, k0]).T
+        else:
+            w_mask = k_mask[:, None] & (cols[None, :] < N)
+            b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
+            b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
         acc_gate = mma(a, b_gate, acc_gate, UPCAST)
         acc_up = mma(a, b_up, acc_up, UPCAST)
         a_ptrs += BLOCK_K
@@ -180,11 +191,14 @@ def down_proj_kernel(
     dest_route_ptr, out_delta_ptr,
     num_m_blocks, N, K, routes_per_rank,
     stride_hm, stride_we, stride_wn, stride_wk, stride_om,
-    HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """out[row, n] = w[route] * (h[row] @ w_down[e].T); h [rows, K], w_down [E, N, K]."""
+    """out[row, n] = w[route] * (h[row] @ w_down[e].T); h [rows, K], w_down [E, N, K].
+
+    W_TMA: w_down_ptr is a TMA descriptor of w_down viewed [E * N, K] (module docstring).
+    """
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     if expert < 0:
@@ -195,11 +209,16 @@ def down_proj_kernel(
     a_ptrs = h_ptr + rows[:, None] * stride_hm + ks[None, :]
     w_offsets = (expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
                  + ks[:, None] * stride_wk)
+    w_row = expert * N + pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + ks) < K
         a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-        b = tl.load(w_down_ptr + w_offsets, mask=k_mask[:, None] & (cols[None, :] < N), other=0.0)
+        if W_TMA:
+            b = w_down_ptr.load([w_row, k0]).T
+        else:
+            b = tl.load(w_down_ptr + w_offsets, mask=k_mask[:, None] & (cols[None, :] < N),
+                        other=0.0)
         acc = mma(a, b, acc, UPCAST)
         a_ptrs += BLOCK_K
         w_offsets += BLOCK_K * stride_wk

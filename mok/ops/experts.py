@@ -9,6 +9,7 @@ import functools
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok import _env
 from mok.kernels import combine as combine_kernels
@@ -34,6 +35,23 @@ def _num_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 3
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _weights_operand(w: torch.Tensor, tiles: GemmTiles) -> tuple[object, bool]:
+    """(w or a TMA descriptor of w [E, N, K] viewed [E * N, K] with [block_n, block_k] boxes,
+    whether it is the descriptor): the descriptor when tiles.tma asks for it and w's layout
+    allows one (unit K stride, experts back to back, 16-byte aligned rows, boxes of at most 128
+    bytes along K); pointer loads otherwise."""
+    experts, n, k = w.shape
+    itemsize = w.element_size()
+    usable = (tiles.tma and w.stride(2) == 1 and w.stride(0) == n * w.stride(1)
+              and (w.stride(1) * itemsize) % 16 == 0 and w.data_ptr() % 16 == 0
+              and tiles.block_k * itemsize <= 128 and experts * n > 0)
+    if not usable:
+        return w, False
+    flat = w.as_strided((experts * n, k), (w.stride(1), 1))
+    return TensorDescriptor(flat, [experts * n, k], [w.stride(1), 1],
+                            [tiles.block_n, tiles.block_k]), True
 
 
 def _gemm_meta(tiles: GemmTiles) -> dict:
@@ -71,11 +89,16 @@ def gate_up_swiglu(
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     limit, has_limit = _limit_args(swiglu_limit)
     pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, h)
+    gate, gate_tma = _weights_operand(w_gate, tiles)
+    up, up_tma = _weights_operand(w_up, tiles)
+    if gate_tma != up_tma:  # one layout allows it, the other not: pointer loads for both
+        gate, up, gate_tma = w_gate, w_up, False
     gemm_kernels.gate_up_swiglu_kernel[(grid + pull_scalars[0],)](
-        x, w_gate, w_up, h, routing.row_route, routing.block_expert, *pull_ptrs,
+        x, gate, up, h, routing.row_route, routing.block_expert, *pull_ptrs,
         num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
         x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
-        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, **pull_meta, **_gemm_meta(tiles),
+        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=gate_tma, **pull_meta,
+        **_gemm_meta(tiles),
     )
     return h
 
@@ -99,12 +122,13 @@ def down_proj(
         out = scatter.out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
+    weights, tma = _weights_operand(w_down, tiles)
     gemm_kernels.down_proj_kernel[(grid,)](
-        h, w_down, out, router_weights if router_weights is not None else h,
+        h, weights, out, router_weights if router_weights is not None else h,
         routing.row_route, routing.block_expert, *scatter_ptrs,
         num_m_blocks, hidden, intermediate, routes_per_rank,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0),
-        HAS_WEIGHT=router_weights is not None, ALIGN=routing.align, **scatter_meta,
+        HAS_WEIGHT=router_weights is not None, ALIGN=routing.align, W_TMA=tma, **scatter_meta,
         **_gemm_meta(tiles),
     )
     return out
