@@ -105,7 +105,8 @@ def _persistent_wgrad(tiles):
 
 def _tma_weights(tiles):
     return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, tma=True),
-                               down=dataclasses.replace(tiles.down, tma=True))
+                               down=dataclasses.replace(tiles.down, tma=True),
+                               down_bwd=dataclasses.replace(tiles.down_bwd, tma=True))
 
 
 @pytest.mark.parametrize("variant", [_persistent_wgrad, _tma_weights],

@@ -10,10 +10,11 @@ fixed reduction order, so every result is bitwise reproducible.
 Legend: M rows, N output columns, K reduction; E local experts; H hidden, I intermediate.
 UPCAST: under Triton's CPU interpreter (see mok.kernels.common).
 
-W_TMA (gate/up and down GEMMs): the weight tiles come through TMA descriptors of the weights viewed
-[E * N, K] instead of pointer loads. A tile's rows past its expert's N read the next expert's
-rows (or TMA's zero fill past the end); they only reach output columns >= N, which are never
-stored. K is the descriptor's last dimension, so TMA zero-fills past K as the masks would.
+W_TMA (gate/up, down, and the gate/up weights of down_bwd): the weight tiles come through TMA
+descriptors of the weights viewed [E * N, K] instead of pointer loads. A tile's rows past its
+expert's N read the next expert's rows (or TMA's zero fill past the end); they only reach
+output columns >= N, which are never stored. K is the descriptor's last dimension, so TMA
+zero-fills past K as the masks would.
 
 Expert parallelism adds two switches. PULL: the launch's first programs pull the rows the GEMM
 reads from the other ranks (mok.kernels.comm.pull_rows) and every tile, before its K loop, waits
@@ -243,7 +244,7 @@ def down_bwd_dswiglu_kernel(
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
     stride_we, stride_wn, stride_wk, stride_hm, stride_gm, stride_pm,
     swiglu_limit,
-    HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -257,7 +258,8 @@ def down_bwd_dswiglu_kernel(
     d_up] (columns [0, N) and [N, 2N)) for dh = w[route] * dh0, and the partial router-weight
     gradient sum_n dh0 * h over this tile's columns to d_weight_partial[row, pid_n]. With PULL,
     d_out's rows (and x's, PULL_SECOND) are pulled from the other ranks by the launch's first
-    programs.
+    programs. W_TMA: w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module
+    docstring); w_down stays with pointer loads.
     """
     pid = tl.program_id(0)
     if PULL:
@@ -286,6 +288,7 @@ def down_bwd_dswiglu_kernel(
     e64 = expert.to(tl.int64)
     wd_offsets = e64 * stride_wd_e + ks[:, None] * stride_wd_k + cols[None, :] * stride_wd_n
     w_offsets = e64 * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    w_row = expert * N + pid_n * BLOCK_N
     acc_dh = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -296,8 +299,12 @@ def down_bwd_dswiglu_kernel(
         a_dy = tl.load(d_out_ptrs, mask=a_mask, other=0.0)
         a_x = tl.load(x_ptrs, mask=a_mask, other=0.0)
         b_down = tl.load(w_down_ptr + wd_offsets, mask=w_mask, other=0.0)
-        b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
-        b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
+        if W_TMA:
+            b_gate = w_gate_ptr.load([w_row, k0]).T
+            b_up = w_up_ptr.load([w_row, k0]).T
+        else:
+            b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
+            b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
         acc_dh = mma(a_dy, b_down, acc_dh, UPCAST)
         acc_gate = mma(a_x, b_gate, acc_gate, UPCAST)
         acc_up = mma(a_x, b_up, acc_up, UPCAST)

@@ -54,6 +54,16 @@ def _weights_operand(w: torch.Tensor, tiles: GemmTiles) -> tuple[object, bool]:
                             [tiles.block_n, tiles.block_k]), True
 
 
+def _gate_up_operands(w_gate: torch.Tensor, w_up: torch.Tensor,
+                      tiles: GemmTiles) -> tuple[object, object, bool]:
+    """Both gate/up weights as TMA descriptors, or both as pointers (see _weights_operand)."""
+    gate, gate_tma = _weights_operand(w_gate, tiles)
+    up, up_tma = _weights_operand(w_up, tiles)
+    if gate_tma and up_tma:
+        return gate, up, True
+    return w_gate, w_up, False
+
+
 def _gemm_meta(tiles: GemmTiles) -> dict:
     return dict(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
@@ -89,15 +99,12 @@ def gate_up_swiglu(
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     limit, has_limit = _limit_args(swiglu_limit)
     pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, h)
-    gate, gate_tma = _weights_operand(w_gate, tiles)
-    up, up_tma = _weights_operand(w_up, tiles)
-    if gate_tma != up_tma:  # one layout allows it, the other not: pointer loads for both
-        gate, up, gate_tma = w_gate, w_up, False
+    gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
     gemm_kernels.gate_up_swiglu_kernel[(grid + pull_scalars[0],)](
         x, gate, up, h, routing.row_route, routing.block_expert, *pull_ptrs,
         num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
         x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
-        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=gate_tma, **pull_meta,
+        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=tma, **pull_meta,
         **_gemm_meta(tiles),
     )
     return h
@@ -186,8 +193,9 @@ def down_bwd_dswiglu(
                               dtype=torch.float32, device=x.device)
     limit, has_limit = _limit_args(swiglu_limit)
     pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, d_gate_up)
+    gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
     gemm_kernels.down_bwd_dswiglu_kernel[(grid + pull_scalars[0],)](
-        d_out, x, w_down, w_gate, w_up, h,
+        d_out, x, w_down, gate, up, h,
         router_weights if router_weights is not None else h,
         d_gate_up, partial if partial is not None else d_gate_up,
         routing.row_route, routing.block_expert, *pull_ptrs,
@@ -196,7 +204,7 @@ def down_bwd_dswiglu(
         w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0), d_gate_up.stride(0),
         partial.stride(0) if partial is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
-        **pull_meta, **_gemm_meta(tiles),
+        W_TMA=tma, **pull_meta, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 

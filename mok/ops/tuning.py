@@ -41,7 +41,7 @@ class GemmTiles:
     num_warps: int = 4
     num_stages: int = 3
     persistent: bool = False  # wgrad only: one program per SM looping over the tiles
-    tma: bool = False  # gate_up and down only: weight tiles through TMA descriptors
+    tma: bool = False  # gate_up, down, down_bwd: weight tiles through TMA descriptors
 
 
 @dataclass(frozen=True)
