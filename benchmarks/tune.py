@@ -37,7 +37,9 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
             T(128, 128, 64, 8, 4, 3), T(64, 256, 32, 8, 8, 3)],
     "wgrad_gate_up": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
                       T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
-                      T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD],
+                      T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD,
+                      T(128, 128, 64, 1, 8, 3, pair=True), T(128, 128, 32, 1, 8, 4, pair=True),
+                      T(128, 128, 64, 1, 8, 3, persistent=True, pair=True)],
     "wgrad_down": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
                    T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
                    T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD],
@@ -60,8 +62,8 @@ def stage_runners(shape):
         "down_bwd": ((inter, hid), lambda t: ops.down_bwd_dswiglu(
             d_out, x, w_d, w_g, w_u, h, routing, t, rw, None)),
         "d_x": ((hid, inter), lambda t: ops.d_x_rows(dgu, w_g, w_u, routing, t)),
-        "wgrad_gate_up": ((inter, hid), lambda t: ops.grouped_wgrad(
-            dgu[:, :inter], x, routing, t, gather_a=False, gather_b=True, out_dtype=x.dtype)),
+        "wgrad_gate_up": ((inter, hid), lambda t: ops.grouped_wgrad_gate_up(
+            dgu, x, routing, t, gather_x=True, out_dtype=x.dtype)),
         "wgrad_down": ((hid, inter), lambda t: ops.grouped_wgrad(
             d_out, h, routing, t, gather_a=True, gather_b=False, router_weights=rw,
             out_dtype=x.dtype)),

@@ -608,11 +608,9 @@ def _expert_backward(tiles, routing, d_output, x, h, router_weights, w_gate, w_u
         router_weights, swiglu_limit)
     d_router_weights = ops.router_grad(partial, routing) if partial is not None else None
     d_x_rows = ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate))
-    wgrad_gate_up = pick("wgrad_gate_up", intermediate, hidden)
-    d_w_gate = ops.grouped_wgrad(d_gate_up[:, :intermediate], x, routing, wgrad_gate_up,
-                                 gather_a=False, gather_b=True, out_dtype=w_gate.dtype)
-    d_w_up = ops.grouped_wgrad(d_gate_up[:, intermediate:], x, routing, wgrad_gate_up,
-                               gather_a=False, gather_b=True, out_dtype=w_up.dtype)
+    d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
+        d_gate_up, x, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=True,
+        out_dtype=w_gate.dtype)
     d_w_down = ops.grouped_wgrad(d_output, h, routing, pick("wgrad_down", hidden, intermediate),
                                  gather_a=True, gather_b=False, router_weights=router_weights,
                                  out_dtype=w_down.dtype)
@@ -707,13 +705,9 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate),
                  scatter=ep.scatter_rows(plan, dtype))
     ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
-    wgrad_gate_up = pick("wgrad_gate_up", intermediate, hidden)
-    d_w_gate = ops.grouped_wgrad(d_gate_up[:, :intermediate], x_rows, routing,
-                                 wgrad_gate_up, gather_a=False, gather_b=True,
-                                 out_dtype=w_gate.dtype)
-    d_w_up = ops.grouped_wgrad(d_gate_up[:, intermediate:], x_rows, routing,
-                               wgrad_gate_up, gather_a=False, gather_b=True,
-                               out_dtype=w_up.dtype)
+    d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
+        d_gate_up, x_rows, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=True,
+        out_dtype=w_gate.dtype)
     d_w_down = ops.grouped_wgrad(dy_rows, context.h, routing,
                                  pick("wgrad_down", hidden, intermediate), gather_a=True,
                                  gather_b=False, router_weights=context.weights_rows,

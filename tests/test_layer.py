@@ -109,8 +109,18 @@ def _tma_weights(tiles):
                                down_bwd=dataclasses.replace(tiles.down_bwd, tma=True))
 
 
-@pytest.mark.parametrize("variant", [_persistent_wgrad, _tma_weights],
-                         ids=["persistent_wgrad", "tma_weights"])
+def _paired_wgrad(tiles):
+    return dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, pair=True))
+
+
+def _paired_persistent_wgrad(tiles):
+    return _persistent_wgrad(_paired_wgrad(tiles))
+
+
+@pytest.mark.parametrize("variant",
+                         [_persistent_wgrad, _tma_weights, _paired_wgrad, _paired_persistent_wgrad],
+                         ids=["persistent_wgrad", "tma_weights", "paired_wgrad",
+                              "paired_persistent_wgrad"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[8]], ids=lambda c: c.name)
 def test_tile_variants_equal_plain_tiles(case, variant):
     # The same tiles summed in the same order, only loaded or scheduled differently: bitwise

@@ -381,9 +381,10 @@ def d_x_rows_kernel(
 
 @triton.jit
 def _wgrad_tile(
-    tile, a_ptr, b_ptr, out_ptr, row_route_ptr, router_weights_ptr, expert_counts_ptr,
-    expert_offsets_ptr, P, Q, topk, stride_am, stride_bm, stride_oe, stride_op, stride_oq,
-    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr,
+    tile, a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr, router_weights_ptr,
+    expert_counts_ptr, expert_offsets_ptr, P, Q, topk, stride_am, stride_bm, stride_oe,
+    stride_op, stride_oq,
+    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr, PAIR: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One output tile of grouped_wgrad_kernel: tiles run expert by expert, then P, then Q."""
@@ -398,6 +399,7 @@ def _wgrad_tile(
     ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
     for row0 in range(start, end, BLOCK_R):
         rows = row0 + tl.arange(0, BLOCK_R)
         row_mask = rows < end
@@ -412,27 +414,35 @@ def _wgrad_tile(
             b_rows = token
         else:
             b_rows = rows.to(tl.int64)
-        a = tl.load(a_ptr + a_rows[None, :] * stride_am + ps[:, None],
-                    mask=valid[None, :] & (ps[:, None] < P), other=0.0)
+        a_offsets = a_rows[None, :] * stride_am + ps[:, None]
+        a_mask = valid[None, :] & (ps[:, None] < P)
+        a = tl.load(a_ptr + a_offsets, mask=a_mask, other=0.0)
         if SCALE_A:
             weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
             a = cast_to(a.to(tl.float32) * weight[None, :], a_ptr.dtype.element_ty, UPCAST)
         b = tl.load(b_ptr + b_rows[:, None] * stride_bm + qs[None, :],
                     mask=valid[:, None] & (qs[None, :] < Q), other=0.0)
         acc = mma(a, b, acc, UPCAST)
-    out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + ps[:, None] * stride_op
-                + qs[None, :] * stride_oq)
-    tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty, UPCAST),
-             mask=(ps[:, None] < P) & (qs[None, :] < Q))
+        if PAIR:  # a second A of the same rows and layout, sharing B's tile
+            a2 = tl.load(a2_ptr + a_offsets, mask=a_mask, other=0.0)
+            acc2 = mma(a2, b, acc2, UPCAST)
+    out_offsets = (expert.to(tl.int64) * stride_oe + ps[:, None] * stride_op
+                   + qs[None, :] * stride_oq)
+    out_mask = (ps[:, None] < P) & (qs[None, :] < Q)
+    tl.store(out_ptr + out_offsets, cast_to(acc, out_ptr.dtype.element_ty, UPCAST),
+             mask=out_mask)
+    if PAIR:
+        tl.store(out2_ptr + out_offsets, cast_to(acc2, out_ptr.dtype.element_ty, UPCAST),
+                 mask=out_mask)
 
 
 @triton.jit
 def grouped_wgrad_kernel(
-    a_ptr, b_ptr, out_ptr, row_route_ptr, router_weights_ptr, expert_counts_ptr,
-    expert_offsets_ptr,
+    a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr, router_weights_ptr,
+    expert_counts_ptr, expert_offsets_ptr,
     P, Q, topk, num_tiles,
     stride_am, stride_bm, stride_oe, stride_op, stride_oq,
-    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr,
+    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr, PAIR: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
     PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -444,15 +454,17 @@ def grouped_wgrad_kernel(
     PERSISTENT: each program takes tiles num_programs apart, in one flattened loop the compiler
     pipelines across tiles (the next tile's loads overlap this one's store; an expert's rows are
     few, so a tile's own K loop is short). Either way a tile is summed in the same order.
+    PAIR: also out2[e] = sum of A2[row]^T B[row] (A2 laid out as A: the up half of d_gate_up
+    beside the gate half), each B tile loaded once for both products.
     """
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-            _wgrad_tile(tile, a_ptr, b_ptr, out_ptr, row_route_ptr, router_weights_ptr,
-                        expert_counts_ptr, expert_offsets_ptr, P, Q, topk, stride_am, stride_bm,
-                        stride_oe, stride_op, stride_oq, GATHER_A, SCALE_A, GATHER_B, BLOCK_P,
-                        BLOCK_Q, BLOCK_R, UPCAST)
+            _wgrad_tile(tile, a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr,
+                        router_weights_ptr, expert_counts_ptr, expert_offsets_ptr, P, Q, topk,
+                        stride_am, stride_bm, stride_oe, stride_op, stride_oq, GATHER_A,
+                        SCALE_A, GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R, UPCAST)
     else:
-        _wgrad_tile(tl.program_id(0), a_ptr, b_ptr, out_ptr, row_route_ptr, router_weights_ptr,
-                    expert_counts_ptr, expert_offsets_ptr, P, Q, topk, stride_am, stride_bm,
-                    stride_oe, stride_op, stride_oq, GATHER_A, SCALE_A, GATHER_B, BLOCK_P,
-                    BLOCK_Q, BLOCK_R, UPCAST)
+        _wgrad_tile(tl.program_id(0), a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr,
+                    router_weights_ptr, expert_counts_ptr, expert_offsets_ptr, P, Q, topk,
+                    stride_am, stride_bm, stride_oe, stride_op, stride_oq, GATHER_A, SCALE_A,
+                    GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R, UPCAST)

@@ -16,6 +16,7 @@ from mok.ops.experts import (
     down_proj,
     gate_up_swiglu,
     grouped_wgrad,
+    grouped_wgrad_gate_up,
     router_grad,
 )
 from mok.ops.routing import Routing, build_routing, capacity_rows, dense_routing
@@ -39,6 +40,7 @@ __all__ = [
     "down_proj",
     "gate_up_swiglu",
     "grouped_wgrad",
+    "grouped_wgrad_gate_up",
     "router_grad",
     "scatter_route_values",
     "signal_peers",

@@ -254,24 +254,56 @@ def grouped_wgrad(
     a [rows or T, P] and b [rows or T, Q] (a view with unit column stride); a gathered operand is
     indexed by token. With router_weights, a's rows are scaled by the route's weight.
     """
+    out = torch.empty(routing.num_local_experts, a.shape[1], b.shape[1], dtype=out_dtype,
+                      device=a.device)
+    _launch_wgrad(a, None, b, out, None, routing, tiles, gather_a=gather_a, gather_b=gather_b,
+                  router_weights=router_weights)
+    return out
+
+
+def grouped_wgrad_gate_up(
+    d_gate_up: torch.Tensor,
+    x: torch.Tensor,
+    routing: Routing,
+    tiles: GemmTiles,
+    *,
+    gather_x: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_w_gate, d_w_up) [E, I, H] from d_gate_up [C, 2I] (d_gate, then d_up) and x (by token
+    with gather_x, else by row). With tiles.pair one launch computes both, loading each tile of
+    x once; otherwise two launches. Either way each output tile is summed in the same order."""
+    intermediate = d_gate_up.shape[1] // 2
+    d_gate, d_up = d_gate_up[:, :intermediate], d_gate_up[:, intermediate:]
+    shape = (routing.num_local_experts, intermediate, x.shape[1])
+    d_w_gate = torch.empty(shape, dtype=out_dtype, device=x.device)
+    d_w_up = torch.empty(shape, dtype=out_dtype, device=x.device)
+    if tiles.pair:
+        _launch_wgrad(d_gate, d_up, x, d_w_gate, d_w_up, routing, tiles, gather_a=False,
+                      gather_b=gather_x, router_weights=None)
+    else:
+        for a, out in ((d_gate, d_w_gate), (d_up, d_w_up)):
+            _launch_wgrad(a, None, x, out, None, routing, tiles, gather_a=False,
+                          gather_b=gather_x, router_weights=None)
+    return d_w_gate, d_w_up
+
+
+def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, router_weights):
     width_p, width_q = a.shape[1], b.shape[1]
-    num_experts = routing.num_local_experts
-    out = torch.empty(num_experts, width_p, width_q, dtype=out_dtype, device=a.device)
-    num_tiles = (num_experts * triton.cdiv(width_p, tiles.block_m)
+    num_tiles = (routing.num_local_experts * triton.cdiv(width_p, tiles.block_m)
                  * triton.cdiv(width_q, tiles.block_n))
     grid = min(num_tiles, _num_programs(a.device)) if tiles.persistent else num_tiles
     gemm_kernels.grouped_wgrad_kernel[(grid,)](
-        a, b, out, routing.row_route,
-        router_weights if router_weights is not None else a,
+        a, a2 if a2 is not None else a, b, out, out2 if out2 is not None else out,
+        routing.row_route, router_weights if router_weights is not None else a,
         routing.expert_counts, routing.expert_offsets,
         width_p, width_q, routing.topk, num_tiles,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GATHER_A=gather_a, SCALE_A=router_weights is not None, GATHER_B=gather_b,
-        BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n, BLOCK_R=tiles.block_k,
-        PERSISTENT=tiles.persistent, UPCAST=UPCAST,
+        PAIR=a2 is not None, BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,
+        BLOCK_R=tiles.block_k, PERSISTENT=tiles.persistent, UPCAST=UPCAST,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return out
 
 
 def router_grad(partial: torch.Tensor, routing: Routing) -> torch.Tensor:

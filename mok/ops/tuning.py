@@ -42,6 +42,7 @@ class GemmTiles:
     num_stages: int = 3
     persistent: bool = False  # wgrad only: one program per SM looping over the tiles
     tma: bool = False  # gate_up, down, down_bwd: weight tiles through TMA descriptors
+    pair: bool = False  # wgrad_gate_up only: gate and up in one launch, x's tiles loaded once
 
 
 @dataclass(frozen=True)
