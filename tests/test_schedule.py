@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mok.functional as F
-from mok import MoKDataError
+from mok import MoKDataError, ops
 from mok.ops import build_routing, capacity_rows, small_tiles
 from mok.testing import RoutingPattern, make_topk
 
@@ -126,3 +126,36 @@ def test_capacity_overflow_raises():
                      tiles=small_tiles(16))
     with pytest.raises(MoKDataError, match="CAPACITY_OVERFLOW"):
         F.check_errors(workspace)
+
+
+def test_weight_gradient_stops_at_the_rows_of_an_overflowing_schedule():
+    # Every route on one expert, a schedule holding a quarter of them (80 rows for 96 routes):
+    # the expert's route count runs past the schedule's rows. On a GPU the backward may run
+    # before the error reaches the host, so the kernels must stay inside the rows: the rows in
+    # use are clamped to them, and the weight gradient sums exactly the rows scheduled.
+    config = F.MoKConfig(schedule_capacity_multiplier=0.25)
+    tokens, topk, width_p, width_q = 48, 2, 24, 40
+    workspace = F.create_workspace(config, None, device=DEVICE, num_local_tokens=tokens,
+                                   hidden_size=width_q, topk=topk)
+    topk_experts = torch.zeros(tokens, topk, dtype=torch.int64, device=DEVICE)
+    tiles = small_tiles(16)
+    schedule = F.build_schedule(workspace, config, topk_experts, num_local_experts=3,
+                                tiles=tiles)
+    with pytest.raises(MoKDataError, match="CAPACITY_OVERFLOW"):
+        F.check_errors(workspace)
+    routing = schedule.routing
+    rows = routing.capacity_rows
+    assert rows < tokens * topk
+    assert int(routing.expert_offsets[-1]) == rows  # clamped to the rows
+    assert routing.expert_counts.tolist() == [tokens * topk, 0, 0]  # the true counts
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(rows, width_p, generator=generator).to(DEVICE, torch.float16)
+    x = torch.randn(tokens, width_q, generator=generator).to(DEVICE, torch.float16)
+    out = ops.grouped_wgrad(a, x, routing, tiles.wgrad, gather_a=False, gather_b=True,
+                            out_dtype=torch.float32)
+    route = routing.row_route.long().cpu()
+    placed = route >= 0
+    expected = a.cpu().double()[placed].T @ x.cpu().double()[route[placed] // topk]
+    assert int(placed.sum()) == rows  # every row of expert 0, no padding left
+    torch.testing.assert_close(out[0].cpu().double(), expected, rtol=1e-3, atol=1e-2)
+    assert bool((out[1:] == 0).all())

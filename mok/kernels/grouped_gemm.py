@@ -382,7 +382,7 @@ def d_x_rows_kernel(
 @triton.jit
 def _wgrad_tile(
     tile, a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr, router_weights_ptr,
-    expert_counts_ptr, expert_offsets_ptr, P, Q, topk, stride_am, stride_bm, stride_oe,
+    expert_counts_ptr, expert_offsets_ptr, P, Q, topk, num_rows, stride_am, stride_bm, stride_oe,
     stride_op, stride_oq,
     GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr, PAIR: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
@@ -395,7 +395,8 @@ def _wgrad_tile(
     pid_p = pid_pq // num_q_blocks
     pid_q = pid_pq % num_q_blocks
     start = tl.load(expert_offsets_ptr + expert)
-    end = start + tl.load(expert_counts_ptr + expert)
+    # num_rows: on a capacity overflow an expert's rows may run past the schedule's rows
+    end = tl.minimum(start + tl.load(expert_counts_ptr + expert), num_rows)
     ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
@@ -440,7 +441,7 @@ def _wgrad_tile(
 def grouped_wgrad_kernel(
     a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr, router_weights_ptr,
     expert_counts_ptr, expert_offsets_ptr,
-    P, Q, topk, num_tiles,
+    P, Q, topk, num_rows, num_tiles,
     stride_am, stride_bm, stride_oe, stride_op, stride_oq,
     GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr, PAIR: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -461,10 +462,10 @@ def grouped_wgrad_kernel(
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
             _wgrad_tile(tile, a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr,
                         router_weights_ptr, expert_counts_ptr, expert_offsets_ptr, P, Q, topk,
-                        stride_am, stride_bm, stride_oe, stride_op, stride_oq, GATHER_A,
-                        SCALE_A, GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R, UPCAST)
+                        num_rows, stride_am, stride_bm, stride_oe, stride_op, stride_oq,
+                        GATHER_A, SCALE_A, GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R, UPCAST)
     else:
         _wgrad_tile(tl.program_id(0), a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr,
                     router_weights_ptr, expert_counts_ptr, expert_offsets_ptr, P, Q, topk,
-                    stride_am, stride_bm, stride_oe, stride_op, stride_oq, GATHER_A, SCALE_A,
-                    GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R, UPCAST)
+                    num_rows, stride_am, stride_bm, stride_oe, stride_op, stride_oq, GATHER_A,
+                    SCALE_A, GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R, UPCAST)

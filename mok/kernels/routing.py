@@ -103,7 +103,9 @@ def route_offsets_kernel(
     is_expert = experts < num_local_experts
     tl.store(expert_counts_ptr + experts, running, mask=is_expert)
     tl.store(expert_offsets_ptr + experts, starts, mask=is_expert)
-    tl.store(expert_offsets_ptr + num_local_experts, total)
+    # Past the capacity the schedule holds only the first rows: the rows used never exceed it
+    # (the counts stay the experts' true route counts; consumers clamp to the rows).
+    tl.store(expert_offsets_ptr + num_local_experts, tl.minimum(total, capacity_rows))
     tl.store(error_flags_ptr + FLAG_CAPACITY_OVERFLOW, 1, mask=total > capacity_rows)
 
     # Owner of each block of ALIGN rows: the number of experts whose rows end at or before it.

@@ -297,7 +297,7 @@ def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, ro
         a, a2 if a2 is not None else a, b, out, out2 if out2 is not None else out,
         routing.row_route, router_weights if router_weights is not None else a,
         routing.expert_counts, routing.expert_offsets,
-        width_p, width_q, routing.topk, num_tiles,
+        width_p, width_q, routing.topk, routing.capacity_rows, num_tiles,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GATHER_A=gather_a, SCALE_A=router_weights is not None, GATHER_B=gather_b,
         PAIR=a2 is not None, BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,

@@ -23,7 +23,9 @@ class Routing:
     block_expert   [C // align] int32: local expert owning each block of align rows, -1 past the
                    last expert.
     expert_counts  [E] int32: routes of each local expert (per-expert token counts).
-    expert_offsets [E + 1] int32: first row of each expert; [E] is the number of rows used.
+    expert_offsets [E + 1] int32: first row of each expert; [E] is the number of rows used (at
+                   most C: on a capacity overflow the experts' rows past C are not scheduled,
+                   while expert_counts keep every expert's routes).
     """
 
     row_route: torch.Tensor

@@ -1,0 +1,172 @@
+"""Compile mok's expert GEMMs for Hopper (sm_90) on a machine without a GPU; print what the
+compiler made of each tile variant: registers per thread, spills, shared memory, and whether the
+products became wgmma (warp_group_dot) and the loads TMA.
+
+    TRITON_INTERPRET=0 python scripts/sm90_compile.py [--shape qwen3-30b-a3b] [--dump-ttgir DIR]
+
+Nothing runs: every launch is intercepted, specialized as the JIT would on a GPU (the same
+binder, so the same divisibility and dtype specialization), compiled with Triton's bundled ptxas
+and dropped. A tile that does not compile shows its error here instead of in a GPU session.
+The inputs are CPU tensors of the shape's sizes (fewer experts: E only changes the grid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET", "0") != "0":
+    sys.exit("run with TRITON_INTERPRET=0: the kernels must be compiled, not interpreted")
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+RESULTS: list[dict] = []
+DUMP_DIR: str | None = None
+
+
+def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(self.signature, self.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args,
+                                                            specialization, options)
+    name = self.__name__
+    try:
+        kernel = compile(ASTSource(self, signature, constexprs, attrs), target=TARGET,
+                         options=options.__dict__)
+    except Exception as exc:  # report and go on: the point is to see which tiles fail
+        RESULTS.append(dict(kernel=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        return None
+    ttgir = kernel.asm.get("ttgir", "")
+    regs, local = _resource_usage(kernel.asm["cubin"])
+    if DUMP_DIR is not None:
+        path = os.path.join(DUMP_DIR, f"{len(os.listdir(DUMP_DIR)):02d}-{name}.ttgir")
+        with open(path, "w") as handle:
+            handle.write(ttgir)
+    RESULTS.append(dict(
+        kernel=name, regs=regs, spills=local, shared_kb=round(kernel.metadata.shared / 1024, 1),
+        warps=options.num_warps, stages=options.num_stages, wgmma="warp_group_dot" in ttgir,
+        tma=bool(re.search(r"async_tma_copy|tma_load|descriptor_load", ttgir))))
+    return None
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, local memory bytes per thread: spills) from cuobjdump."""
+    from triton.backends.nvidia import compiler as nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", handle.name], check=True,
+                              capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", text)
+    local = re.search(r"LOCAL:(\d+)", text)
+    return int(regs.group(1)) if regs else -1, int(local.group(1)) if local else -1
+
+
+def main(argv=None) -> None:
+    from mok import ops
+    from mok.ops.tuning import HOPPER_TILES, tuned_table
+    from mok.testing import SHAPES_BY_NAME
+
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES_BY_NAME))
+    parser.add_argument("--experts", type=int, default=4)
+    parser.add_argument("--dump-ttgir", metavar="DIR", help="also write each kernel's TTGIR here")
+    args = parser.parse_args(argv)
+    global DUMP_DIR
+    if args.dump_ttgir:
+        os.makedirs(args.dump_ttgir, exist_ok=True)
+        DUMP_DIR = args.dump_ttgir
+    JITFunction.run = _compile_instead_of_launch
+
+    shape = SHAPES_BY_NAME[args.shape]
+    hid, inter, k = shape.hidden_size, shape.intermediate_size, shape.topk
+    tokens, experts = 1024, args.experts
+    bf16 = dict(dtype=torch.bfloat16)
+    x = torch.empty(tokens, hid, **bf16)
+    rw = torch.empty(tokens, k, dtype=torch.float32)
+    w_g = torch.empty(experts, inter, hid, **bf16)
+    w_u = torch.empty(experts, inter, hid, **bf16)
+    w_d = torch.empty(experts, hid, inter, **bf16)
+    rows = triton_cdiv(tokens * k, 128) * 128 + experts * 128
+    i32 = dict(dtype=torch.int32)
+    routing = ops.Routing(
+        row_route=torch.empty(rows, **i32), route_row=torch.empty(tokens * k, **i32),
+        block_expert=torch.empty(rows // 128, **i32), expert_counts=torch.empty(experts, **i32),
+        expert_offsets=torch.empty(experts + 1, **i32), num_tokens=tokens, topk=k,
+        num_local_experts=experts, align=128)
+    h = torch.empty(rows, inter, **bf16)
+    dgu = torch.empty(rows, 2 * inter, **bf16)
+    d_out = torch.empty(tokens, hid, **bf16)
+
+    table = tuned_table()
+
+    def tiles(kind, n, kk):
+        return table.get((kind, n, kk), HOPPER_TILES.pick(kind, n, kk))
+
+    t = {kind: tiles(kind, *key) for kind, key in (
+        ("gate_up", (inter, hid)), ("down", (hid, inter)), ("down_bwd", (inter, hid)),
+        ("d_x", (hid, inter)), ("wgrad_gate_up", (inter, hid)), ("wgrad_down", (hid, inter)))}
+    r = dataclasses.replace
+    runs = [
+        ("gate_up", t["gate_up"], lambda tt: ops.gate_up_swiglu(x, w_g, w_u, routing, tt, None)),
+        ("gate_up tma", r(t["gate_up"], tma=True),
+         lambda tt: ops.gate_up_swiglu(x, w_g, w_u, routing, tt, None)),
+        ("down", t["down"], lambda tt: ops.down_proj(h, w_d, routing, tt, rw)),
+        ("down tma", r(t["down"], tma=True, block_k=64),
+         lambda tt: ops.down_proj(h, w_d, routing, tt, rw)),
+        ("down_bwd", t["down_bwd"], lambda tt: ops.down_bwd_dswiglu(
+            d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None)),
+        ("down_bwd tma", r(t["down_bwd"], tma=True), lambda tt: ops.down_bwd_dswiglu(
+            d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None)),
+        ("d_x", t["d_x"], lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
+    ]
+    for label, variant in (("", {}), (" persistent", dict(persistent=True)),
+                           (" pair", dict(pair=True)),
+                           (" pair persistent", dict(pair=True, persistent=True)),
+                           (" pair 128x128x32 s4", dict(pair=True, block_k=32, num_stages=4)),
+                           (" 128x256", dict(block_n=256)),
+                           (" 128x256 persistent", dict(block_n=256, persistent=True))):
+        runs.append((f"wgrad_gate_up{label}", r(t["wgrad_gate_up"], **variant),
+                     lambda tt: ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True,
+                                                          out_dtype=x.dtype)))
+    for label, variant in (("", {}), (" persistent", dict(persistent=True)),
+                           (" 128x256", dict(block_n=256))):
+        runs.append((f"wgrad_down{label}", r(t["wgrad_down"], **variant),
+                     lambda tt: ops.grouped_wgrad(d_out, h, routing, tt, gather_a=True,
+                                                  gather_b=False, router_weights=rw,
+                                                  out_dtype=x.dtype)))
+    print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
+    for label, tt, run in runs:
+        RESULTS.clear()
+        run(tt)
+        for res in RESULTS:
+            tile = f"{tt.block_m}x{tt.block_n}x{tt.block_k} w{tt.num_warps} s{tt.num_stages}"
+            if "error" in res:
+                print(f"  {label:28s} {tile:20s} FAILED {res['error']}")
+            else:
+                print(f"  {label:28s} {tile:20s} regs {res['regs']:3d}  local "
+                      f"{res['spills']:4d} B  smem {res['shared_kb']:6.1f} KB  wgmma "
+                      f"{'yes' if res['wgmma'] else 'no '}  tma {'yes' if res['tma'] else 'no'}",
+                      flush=True)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+if __name__ == "__main__":
+    main()
