@@ -705,13 +705,14 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate),
                  scatter=ep.scatter_rows(plan, dtype))
     ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
+    # The pulled rows are the rows' own routes: no gather, the weights by row.
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
-        d_gate_up, x_rows, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=True,
+        d_gate_up, x_rows, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=False,
         out_dtype=w_gate.dtype)
     d_w_down = ops.grouped_wgrad(dy_rows, context.h, routing,
-                                 pick("wgrad_down", hidden, intermediate), gather_a=True,
+                                 pick("wgrad_down", hidden, intermediate), gather_a=False,
                                  gather_b=False, router_weights=context.weights_rows,
-                                 out_dtype=w_down.dtype)
+                                 weights_by_row=True, out_dtype=w_down.dtype)
     ops.wait_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
     source = plan.source_routing
     d_x = ops.combine(ep.combine_buffer(dtype), source, d_x_shared_rows, dtype)

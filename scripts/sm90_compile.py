@@ -135,7 +135,8 @@ def main(argv=None) -> None:
         ("d_x", t["d_x"], lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
     ]
     for label, variant in (("", {}), (" persistent", dict(persistent=True)),
-                           (" pair", dict(pair=True)),
+                           (" s5", dict(num_stages=5)), (" s6", dict(num_stages=6)),
+                           (" pair", dict(pair=True)), (" pair s5", dict(pair=True, num_stages=5)),
                            (" pair persistent", dict(pair=True, persistent=True)),
                            (" pair 128x128x32 s4", dict(pair=True, block_k=32, num_stages=4)),
                            (" 128x256", dict(block_n=256)),
@@ -144,11 +145,22 @@ def main(argv=None) -> None:
                      lambda tt: ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True,
                                                           out_dtype=x.dtype)))
     for label, variant in (("", {}), (" persistent", dict(persistent=True)),
+                           (" s5", dict(num_stages=5)), (" s6", dict(num_stages=6)),
                            (" 128x256", dict(block_n=256))):
         runs.append((f"wgrad_down{label}", r(t["wgrad_down"], **variant),
                      lambda tt: ops.grouped_wgrad(d_out, h, routing, tt, gather_a=True,
                                                   gather_b=False, router_weights=rw,
                                                   out_dtype=x.dtype)))
+    x_rows = torch.empty(rows, hid, **bf16)  # expert parallelism: rows pulled, no gather
+    dy_rows = torch.empty(rows, hid, **bf16)
+    rw_rows = torch.empty(rows, dtype=torch.float32)
+    runs.append(("wgrad_gate_up EP rows", t["wgrad_gate_up"],
+                 lambda tt: ops.grouped_wgrad_gate_up(dgu, x_rows, routing, tt, gather_x=False,
+                                                      out_dtype=x.dtype)))
+    runs.append(("wgrad_down EP rows", t["wgrad_down"],
+                 lambda tt: ops.grouped_wgrad(dy_rows, h, routing, tt, gather_a=False,
+                                              gather_b=False, router_weights=rw_rows,
+                                              weights_by_row=True, out_dtype=x.dtype)))
     print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
     for label, tt, run in runs:
         RESULTS.clear()

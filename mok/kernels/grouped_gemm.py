@@ -384,7 +384,8 @@ def _wgrad_tile(
     tile, a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr, router_weights_ptr,
     expert_counts_ptr, expert_offsets_ptr, P, Q, topk, num_rows, stride_am, stride_bm, stride_oe,
     stride_op, stride_oq,
-    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr, PAIR: tl.constexpr,
+    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, WEIGHTS_BY_ROW: tl.constexpr,
+    GATHER_B: tl.constexpr, PAIR: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One output tile of grouped_wgrad_kernel: tiles run expert by expert, then P, then Q."""
@@ -403,23 +404,27 @@ def _wgrad_tile(
     acc2 = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
     for row0 in range(start, end, BLOCK_R):
         rows = row0 + tl.arange(0, BLOCK_R)
-        row_mask = rows < end
-        route = tl.load(row_route_ptr + rows, mask=row_mask, other=-1)
-        valid = route >= 0
-        token = tl.where(valid, route // topk, 0).to(tl.int64)
-        if GATHER_A:
-            a_rows = token
-        else:
-            a_rows = rows.to(tl.int64)
-        if GATHER_B:
-            b_rows = token
-        else:
-            b_rows = rows.to(tl.int64)
+        # An expert's rows [start, end) are all scheduled routes (its padding comes after), so
+        # validity needs no route: only a gathered operand or a route's weight loads one (a
+        # load whose address depends on another load costs the pipeline a stage).
+        valid = rows < end
+        a_rows = rows.to(tl.int64)
+        b_rows = rows.to(tl.int64)
+        if GATHER_A or GATHER_B or (SCALE_A and not WEIGHTS_BY_ROW):
+            route = tl.load(row_route_ptr + rows, mask=valid, other=0)
+            token = (route // topk).to(tl.int64)
+            if GATHER_A:
+                a_rows = token
+            if GATHER_B:
+                b_rows = token
         a_offsets = a_rows[None, :] * stride_am + ps[:, None]
         a_mask = valid[None, :] & (ps[:, None] < P)
         a = tl.load(a_ptr + a_offsets, mask=a_mask, other=0.0)
         if SCALE_A:
-            weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
+            if WEIGHTS_BY_ROW:
+                weight = tl.load(router_weights_ptr + rows, mask=valid, other=0.0)
+            else:
+                weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
             a = cast_to(a.to(tl.float32) * weight[None, :], a_ptr.dtype.element_ty, UPCAST)
         b = tl.load(b_ptr + b_rows[:, None] * stride_bm + qs[None, :],
                     mask=valid[:, None] & (qs[None, :] < Q), other=0.0)
@@ -443,15 +448,17 @@ def grouped_wgrad_kernel(
     expert_counts_ptr, expert_offsets_ptr,
     P, Q, topk, num_rows, num_tiles,
     stride_am, stride_bm, stride_oe, stride_op, stride_oq,
-    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr, PAIR: tl.constexpr,
+    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, WEIGHTS_BY_ROW: tl.constexpr,
+    GATHER_B: tl.constexpr, PAIR: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
     PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[e] = sum over the rows of expert e of A[row, :P]^T B[row, :Q], out [E, P, Q].
 
     GATHER_A / GATHER_B: that operand is token-indexed (row -> route // topk) rather than
-    row-indexed. SCALE_A: scale A's rows by router_weights[route] (rounded to A's dtype, as a
-    weighted copy would be). The rows are summed in order, so the result is deterministic.
+    row-indexed. SCALE_A: scale A's rows by router_weights[route] (router_weights[row] with
+    WEIGHTS_BY_ROW), rounded to A's dtype, as a weighted copy would be. The rows are summed in
+    order, so the result is deterministic.
     PERSISTENT: each program takes tiles num_programs apart, in one flattened loop the compiler
     pipelines across tiles (the next tile's loads overlap this one's store; an expert's rows are
     few, so a tile's own K loop is short). Either way a tile is summed in the same order.
@@ -463,9 +470,11 @@ def grouped_wgrad_kernel(
             _wgrad_tile(tile, a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr,
                         router_weights_ptr, expert_counts_ptr, expert_offsets_ptr, P, Q, topk,
                         num_rows, stride_am, stride_bm, stride_oe, stride_op, stride_oq,
-                        GATHER_A, SCALE_A, GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R, UPCAST)
+                        GATHER_A, SCALE_A, WEIGHTS_BY_ROW, GATHER_B, PAIR, BLOCK_P, BLOCK_Q,
+                        BLOCK_R, UPCAST)
     else:
         _wgrad_tile(tl.program_id(0), a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr,
                     router_weights_ptr, expert_counts_ptr, expert_offsets_ptr, P, Q, topk,
                     num_rows, stride_am, stride_bm, stride_oe, stride_op, stride_oq, GATHER_A,
-                    SCALE_A, GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R, UPCAST)
+                    SCALE_A, WEIGHTS_BY_ROW, GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R,
+                    UPCAST)

@@ -247,17 +247,19 @@ def grouped_wgrad(
     gather_a: bool,
     gather_b: bool,
     router_weights: torch.Tensor | None = None,
+    weights_by_row: bool = False,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """out [E, P, Q] = sum over expert e's rows of a[row, :P]^T b[row, :Q].
 
     a [rows or T, P] and b [rows or T, Q] (a view with unit column stride); a gathered operand is
-    indexed by token. With router_weights, a's rows are scaled by the route's weight.
+    indexed by token. With router_weights, a's rows are scaled by the route's weight
+    (router_weights [T * k] by route, or [C] by row with weights_by_row).
     """
     out = torch.empty(routing.num_local_experts, a.shape[1], b.shape[1], dtype=out_dtype,
                       device=a.device)
     _launch_wgrad(a, None, b, out, None, routing, tiles, gather_a=gather_a, gather_b=gather_b,
-                  router_weights=router_weights)
+                  router_weights=router_weights, weights_by_row=weights_by_row)
     return out
 
 
@@ -288,7 +290,8 @@ def grouped_wgrad_gate_up(
     return d_w_gate, d_w_up
 
 
-def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, router_weights):
+def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, router_weights,
+                  weights_by_row=False):
     width_p, width_q = a.shape[1], b.shape[1]
     num_tiles = (routing.num_local_experts * triton.cdiv(width_p, tiles.block_m)
                  * triton.cdiv(width_q, tiles.block_n))
@@ -299,8 +302,8 @@ def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, ro
         routing.expert_counts, routing.expert_offsets,
         width_p, width_q, routing.topk, routing.capacity_rows, num_tiles,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, SCALE_A=router_weights is not None, GATHER_B=gather_b,
-        PAIR=a2 is not None, BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,
+        GATHER_A=gather_a, SCALE_A=router_weights is not None, WEIGHTS_BY_ROW=weights_by_row,
+        GATHER_B=gather_b, PAIR=a2 is not None, BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,
         BLOCK_R=tiles.block_k, PERSISTENT=tiles.persistent, UPCAST=UPCAST,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
