@@ -135,8 +135,8 @@ def main(argv=None) -> None:
         ("d_x", t["d_x"], lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
     ]
     for label, variant in (("", {}), (" persistent", dict(persistent=True)),
-                           (" s5", dict(num_stages=5)), (" s6", dict(num_stages=6)),
-                           (" pair", dict(pair=True)), (" pair s5", dict(pair=True, num_stages=5)),
+                           (" s4", dict(num_stages=4)), (" s5", dict(num_stages=5)),
+                           (" pair", dict(pair=True)), (" pair s4", dict(pair=True, num_stages=4)),
                            (" pair persistent", dict(pair=True, persistent=True)),
                            (" pair 128x128x32 s4", dict(pair=True, block_k=32, num_stages=4)),
                            (" 128x256", dict(block_n=256)),
@@ -145,8 +145,7 @@ def main(argv=None) -> None:
                      lambda tt: ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True,
                                                           out_dtype=x.dtype)))
     for label, variant in (("", {}), (" persistent", dict(persistent=True)),
-                           (" s5", dict(num_stages=5)), (" s6", dict(num_stages=6)),
-                           (" 128x256", dict(block_n=256))):
+                           (" s4", dict(num_stages=4)), (" 128x256", dict(block_n=256))):
         runs.append((f"wgrad_down{label}", r(t["wgrad_down"], **variant),
                      lambda tt: ops.grouped_wgrad(d_out, h, routing, tt, gather_a=True,
                                                   gather_b=False, router_weights=rw,

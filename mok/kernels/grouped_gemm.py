@@ -402,16 +402,25 @@ def _wgrad_tile(
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
+    NEED_ROUTE: tl.constexpr = GATHER_A or GATHER_B or (SCALE_A and not WEIGHTS_BY_ROW)
+    offsets = tl.arange(0, BLOCK_R)
+    next_route = tl.zeros([BLOCK_R], dtype=tl.int32)
+    if NEED_ROUTE:
+        next_route = tl.load(row_route_ptr + start + offsets, mask=start + offsets < end,
+                             other=0)
     for row0 in range(start, end, BLOCK_R):
-        rows = row0 + tl.arange(0, BLOCK_R)
+        rows = row0 + offsets
         # An expert's rows [start, end) are all scheduled routes (its padding comes after), so
-        # validity needs no route: only a gathered operand or a route's weight loads one (a
-        # load whose address depends on another load costs the pipeline a stage).
+        # validity needs no route: only a gathered operand or a route's weight loads one. It
+        # is loaded an iteration ahead: a load whose address comes from a load of the same
+        # iteration costs the software pipeline a stage.
         valid = rows < end
         a_rows = rows.to(tl.int64)
         b_rows = rows.to(tl.int64)
-        if GATHER_A or GATHER_B or (SCALE_A and not WEIGHTS_BY_ROW):
-            route = tl.load(row_route_ptr + rows, mask=valid, other=0)
+        if NEED_ROUTE:
+            route = next_route
+            ahead = rows + BLOCK_R
+            next_route = tl.load(row_route_ptr + ahead, mask=ahead < end, other=0)
             token = (route // topk).to(tl.int64)
             if GATHER_A:
                 a_rows = token
