@@ -468,9 +468,10 @@ def grouped_wgrad_kernel(
     row-indexed. SCALE_A: scale A's rows by router_weights[route] (router_weights[row] with
     WEIGHTS_BY_ROW), rounded to A's dtype, as a weighted copy would be. The rows are summed in
     order, so the result is deterministic.
-    PERSISTENT: each program takes tiles num_programs apart, in one flattened loop the compiler
-    pipelines across tiles (the next tile's loads overlap this one's store; an expert's rows are
-    few, so a tile's own K loop is short). Either way a tile is summed in the same order.
+    PERSISTENT: each program takes tiles num_programs apart. The loop asks the compiler to
+    flatten the nest so it could pipeline across tiles; with a row loop whose bounds change from
+    tile to tile, Triton 3.6 does not (scripts/sm90_compile.py --dump-ttgir shows the two
+    loops), so this is a grid-stride loop. Either way a tile is summed in the same order.
     PAIR: also out2[e] = sum of A2[row]^T B[row] (A2 laid out as A: the up half of d_gate_up
     beside the gate half), each B tile loaded once for both products.
     """
