@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -85,6 +86,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES_BY_NAME))
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--dump-ttgir", metavar="DIR", help="also write each kernel's TTGIR here")
+    parser.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     args = parser.parse_args(argv)
     global DUMP_DIR
     if args.dump_ttgir:
@@ -160,11 +162,15 @@ def main(argv=None) -> None:
                  lambda tt: ops.grouped_wgrad(dy_rows, h, routing, tt, gather_a=False,
                                               gather_b=False, router_weights=rw_rows,
                                               weights_by_row=True, out_dtype=x.dtype)))
-    print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
+    if not args.json:
+        print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
+    rows_out = []
     for label, tt, run in runs:
         RESULTS.clear()
         run(tt)
-        for res in RESULTS:
+        rows_out += [dict(label=label, block_m=tt.block_m, block_n=tt.block_n,
+                          block_k=tt.block_k, **res) for res in RESULTS]
+        for res in ([] if args.json else RESULTS):
             tile = f"{tt.block_m}x{tt.block_n}x{tt.block_k} w{tt.num_warps} s{tt.num_stages}"
             if "error" in res:
                 print(f"  {label:28s} {tile:20s} FAILED {res['error']}")
@@ -173,6 +179,8 @@ def main(argv=None) -> None:
                       f"{res['spills']:4d} B  smem {res['shared_kb']:6.1f} KB  wgmma "
                       f"{'yes' if res['wgmma'] else 'no '}  tma {'yes' if res['tma'] else 'no'}",
                       flush=True)
+    if args.json:
+        print(json.dumps(rows_out))
 
 
 def triton_cdiv(a: int, b: int) -> int:
