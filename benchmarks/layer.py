@@ -315,10 +315,11 @@ def draw_chart(path: Path, rows: list[dict]) -> None:
         axes.margins(y=0.25)
         axes.grid(axis="y", alpha=0.3)
     first = rows[0]
+    commits = ", ".join(dict.fromkeys(str(row["commit"]) for row in rows))
     handles, labels = figure.axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="upper center", ncols=min(len(impls), 7), fontsize=8,
                   bbox_to_anchor=(0.5, 0.995 - 0.25 / figure.get_figheight()))
-    figure.suptitle(f"MoE layer, {first['gpu']}, commit {first['commit']}: counted TFLOP/s "
+    figure.suptitle(f"MoE layer, {first['gpu']}, commit {commits}: counted TFLOP/s "
                     "(DESIGN.md section 4)", fontsize=10)
     figure.tight_layout(rect=(0, 0, 1, 1 - 0.6 / figure.get_figheight()))
     path.parent.mkdir(parents=True, exist_ok=True)
