@@ -85,6 +85,8 @@ class ExchangePlan:
     group_routing: Routing
     source_routing: Routing
     routes_per_rank: int
+    group_topk: torch.Tensor  # [P * routes_per_rank] int32: the group's expert ids as sorted
+    first_local_expert: int
 
 
 class ExpertParallel:
@@ -207,6 +209,22 @@ class ExpertParallel:
         return comm.ScatterRows(self.combine_buffer(dtype), self.buffer.deltas(dtype),
                                 plan.group_routing.row_route, self.routes_per_rank)
 
+    def clear_dropped(self, plan: ExchangePlan, *, rows_dtype: torch.dtype | None,
+                      values: bool = False) -> None:
+        """Zero what the token ranks read for the routes to this rank's experts that the
+        schedule had no room for (a capacity overflow, reported as a data error): their rows
+        of the combine buffer (rows_dtype) and, with values, their router-weight gradients.
+        They then add nothing, as on one GPU. Call before signalling "done"."""
+        group = plan.group_routing
+        comm.clear_dropped_routes(
+            plan.group_topk, group.route_row, routes_per_rank=plan.routes_per_rank,
+            first_local_expert=plan.first_local_expert,
+            num_local_experts=group.num_local_experts,
+            rows=self.combine_buffer(rows_dtype) if rows_dtype is not None else None,
+            rows_deltas=self.buffer.deltas(rows_dtype) if rows_dtype is not None else None,
+            values=self.d_weights if values else None,
+            values_deltas=self.buffer.deltas(torch.float32) if values else None)
+
     def finish(self, peer: comm.PeerFlags, phase: Phase) -> None:
         """Tell every rank this rank's deliveries of `phase` landed; wait for theirs."""
         comm.signal_peers(peer, phase, self.slots.done(phase))
@@ -257,4 +275,5 @@ class ExpertParallel:
             row_route=empty, route_row=source_route_row, block_expert=empty,
             expert_counts=empty, expert_offsets=empty, num_tokens=topk_experts.shape[0],
             topk=self.topk, num_local_experts=num_local_experts, align=align)
-        return ExchangePlan(rows_routing, group_routing, source_routing, routes)
+        return ExchangePlan(rows_routing, group_routing, source_routing, routes, group_topk,
+                            num_local_experts * self.rank)

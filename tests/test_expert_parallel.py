@@ -180,6 +180,60 @@ def test_ep_errors(rank, world_size):
     _errors_body(rank, world_size)
 
 
+def _overflow_body(rank, world_size, pattern, multiplier):
+    # A schedule too small for the routes it receives: the routes without a row are reported
+    # and left out on their tokens' ranks, as on one GPU: y and every gradient equal the
+    # reference with those routes' router weights set to zero, and their router-weight
+    # gradients are 0 (the kernels still run: on a GPU the error reaches the host later).
+    config = dataclasses.replace(SMALL_MINIBATCHES, schedule_capacity_multiplier=multiplier)
+    inputs = _rank_inputs(rank, world_size, pattern=pattern, seed=4)
+    tokens, topk = inputs.topk_experts.shape
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=tokens, hidden_size=inputs.x.shape[1],
+                                   topk=topk)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=inputs.num_local_experts, tiles=small_tiles(16))
+    # Which routes found no row: each expert's rank knows its own; the rank whose schedule
+    # overflowed reports it (its error fails the job; the tokens' ranks are not told).
+    plan = schedule.exchange
+    experts = plan.group_topk.long()
+    mine = ((experts >= plan.first_local_expert)
+            & (experts < plan.first_local_expert + inputs.num_local_experts))
+    dropped = (mine & (plan.group_routing.route_row < 0)).to(torch.int32)
+    if bool(dropped.any()):
+        with pytest.raises(MoKDataError, match="CAPACITY_OVERFLOW"):
+            F.check_errors(workspace)
+    else:
+        F.check_errors(workspace)
+    # What an earlier call left in the buffers the other ranks deliver into (rows are written
+    # there only after this rank publishes in the forward, so filling them now races nothing).
+    workspace.ep.combine_buffer(inputs.x.dtype).fill_(1000.0)
+    workspace.ep.d_weights.fill_(1000.0)
+    y, context = F.forward(config, workspace, schedule, *inputs.layer_args)
+    grads = F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
+    dist.all_reduce(dropped, op=dist.ReduceOp.MAX)
+    assert int(dropped.sum()) > 0, "the case must overflow"
+    own = dropped[rank * tokens * topk:(rank + 1) * tokens * topk].view(tokens, topk).bool()
+    left_out = dataclasses.replace(
+        inputs, router_weights=torch.where(own, 0.0, inputs.router_weights))
+    y_ref, grads_ref = moe_reference_grads(left_out, group=dist.group.WORLD,
+                                           compute_dtype=REF_DTYPE)
+    assert_close(y, y_ref, dtype=inputs.x.dtype, name="y")
+    for name, grad, grad_ref in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if grad_ref is None:
+            continue
+        if name == "d_router_weights":
+            assert bool((grad[own] == 0).all()), "a route left out gets no gradient"
+            grad, grad_ref = grad[~own], grad_ref[~own]
+        assert_close(grad, grad_ref, dtype=inputs.x.dtype, name=name)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_capacity_overflow_leaves_the_routes_out(rank, world_size):
+    _overflow_body(rank, world_size, RoutingPattern.ONE_EXPERT, 0.25)
+    _overflow_body(rank, world_size, RoutingPattern.SKEWED, 0.5)
+
+
 def _layout_body(rank, world_size):
     """One host: the whole group is one node; a group that does not split raises."""
     from mok.cross_node import ranks_per_node_of

@@ -223,3 +223,36 @@ def scatter_route_values_kernel(
     dst_rank = routes // routes_per_rank
     delta = tl.load(out_delta_ptr + dst_rank, mask=here, other=0)
     tl.store(out_ptr + delta + routes % routes_per_rank, value, mask=here)
+
+
+@triton.jit
+def clear_dropped_routes_kernel(
+    topk_ptr, route_row_ptr, rows_ptr, rows_delta_ptr, values_ptr, values_delta_ptr,
+    num_routes, routes_per_rank, first_local_expert, num_local_experts, width, stride_rows,
+    CLEAR_ROWS: tl.constexpr, CLEAR_VALUES: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """For every route g of the group that chose one of this rank's experts but got no row of
+    its schedule (the capacity overflowed), zero what its token's rank reads for it: row
+    g % routes_per_rank of that rank's `rows` and/or its entry of `values`. The token's rank
+    then adds nothing for the route, as on one GPU."""
+    routes = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = routes < num_routes
+    expert = tl.load(topk_ptr + routes, mask=in_range, other=-1)
+    mine = (expert >= first_local_expert) & (expert < first_local_expert + num_local_experts)
+    row = tl.load(route_row_ptr + routes, mask=in_range, other=0)
+    dropped = in_range & mine & (row < 0)
+    dst_rank = routes // routes_per_rank
+    local_route = (routes % routes_per_rank).to(tl.int64)
+    if CLEAR_ROWS:
+        delta = tl.load(rows_delta_ptr + dst_rank, mask=dropped, other=0)
+        offsets = delta + local_route * stride_rows
+        cols = tl.arange(0, BLOCK_W)
+        zeros = tl.zeros([BLOCK_R, BLOCK_W], dtype=rows_ptr.dtype.element_ty)
+        for c0 in range(0, width, BLOCK_W):
+            mask = dropped[:, None] & ((c0 + cols) < width)[None, :]
+            tl.store(rows_ptr + offsets[:, None] + (c0 + cols)[None, :], zeros, mask=mask)
+    if CLEAR_VALUES:
+        delta = tl.load(values_delta_ptr + dst_rank, mask=dropped, other=0)
+        tl.store(values_ptr + delta + local_route, tl.zeros([BLOCK_R], dtype=tl.float32),
+                 mask=dropped)

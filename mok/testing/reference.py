@@ -36,11 +36,11 @@ def expert_mlp(
 
 
 def _local_experts(rows, local_expert, w_gate, w_up, w_down, limit, dtype):
+    # Experts without rows run too (on no rows): under a process group every rank's backward
+    # must reach the same collectives, and its weights get zero gradients rather than None.
     out = rows.new_zeros(rows.shape[0], w_down.shape[1])
     for expert in range(w_gate.shape[0]):
         index = (local_expert == expert).nonzero().squeeze(1)
-        if index.numel() == 0:
-            continue
         y = expert_mlp(rows[index], w_gate[expert].to(dtype), w_up[expert].to(dtype),
                        w_down[expert].to(dtype), limit)
         out = out.index_copy(0, index, y)
