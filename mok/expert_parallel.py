@@ -54,11 +54,13 @@ NUM_PHASES = len(Phase)
 
 class FlagSlots:
     """Slots of the int64 flag vector: pub[phase] (this rank's own), then ack[phase][rank] and
-    done[phase][rank] written by the other ranks."""
+    done[phase][rank] written by the other ranks, then `reported`: set by an expert's rank
+    that had no schedule row for a route of this rank's tokens (capacity overflow)."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.size = NUM_PHASES * (1 + 2 * world_size)
+        self.reported = NUM_PHASES * (1 + 2 * world_size)
+        self.size = self.reported + 1
 
     def pub(self, phase: Phase) -> int:
         return int(phase)
@@ -209,15 +211,17 @@ class ExpertParallel:
         return comm.ScatterRows(self.combine_buffer(dtype), self.buffer.deltas(dtype),
                                 plan.group_routing.row_route, self.routes_per_rank)
 
-    def clear_dropped(self, plan: ExchangePlan, *, rows_dtype: torch.dtype | None,
-                      values: bool = False) -> None:
+    def clear_dropped(self, peer: comm.PeerFlags, plan: ExchangePlan, *,
+                      rows_dtype: torch.dtype | None, values: bool = False) -> None:
         """Zero what the token ranks read for the routes to this rank's experts that the
-        schedule had no room for (a capacity overflow, reported as a data error): their rows
-        of the combine buffer (rows_dtype) and, with values, their router-weight gradients.
-        They then add nothing, as on one GPU. Call before signalling "done"."""
+        schedule had no room for (a capacity overflow, reported as a data error here and, by
+        `collect_errors`, on the tokens' ranks): their rows of the combine buffer (rows_dtype)
+        and, with values, their router-weight gradients. They then add nothing, as on one GPU.
+        Call before signalling "done"."""
         group = plan.group_routing
         comm.clear_dropped_routes(
-            plan.group_topk, group.route_row, routes_per_rank=plan.routes_per_rank,
+            peer, self.slots.reported, plan.group_topk, group.route_row,
+            routes_per_rank=plan.routes_per_rank,
             first_local_expert=plan.first_local_expert,
             num_local_experts=group.num_local_experts,
             rows=self.combine_buffer(rows_dtype) if rows_dtype is not None else None,
@@ -225,10 +229,16 @@ class ExpertParallel:
             values=self.d_weights if values else None,
             values_deltas=self.buffer.deltas(torch.float32) if values else None)
 
+    def collect_errors(self, peer: comm.PeerFlags) -> None:
+        """After every rank's "done": routes of this rank's tokens that an expert's rank had no
+        row for become this rank's CAPACITY_OVERFLOW error too."""
+        comm.collect_reported_errors(peer, self.slots.reported)
+
     def finish(self, peer: comm.PeerFlags, phase: Phase) -> None:
         """Tell every rank this rank's deliveries of `phase` landed; wait for theirs."""
         comm.signal_peers(peer, phase, self.slots.done(phase))
         comm.wait_peers(peer, phase, self.slots.done(phase))
+        self.collect_errors(peer)
 
     # -- the schedule ------------------------------------------------------------------------
     def build_plan(self, peer: comm.PeerFlags, topk_experts: torch.Tensor, *,

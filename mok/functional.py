@@ -554,8 +554,9 @@ def forward(
                                     schedule.shared_routing,
                                     pick("down", hidden, w_shared_down.shape[1]), None)
     if ep is not None:
-        ep.clear_dropped(schedule.exchange, rows_dtype=x.dtype)
-        ep.finish(ep.peer_flags(workspace.error_flags), Phase.FORWARD)
+        peer = ep.peer_flags(workspace.error_flags)
+        ep.clear_dropped(peer, schedule.exchange, rows_dtype=x.dtype)
+        ep.finish(peer, Phase.FORWARD)
     y = ops.combine(rows, combine_routing, shared_rows, x.dtype)
     return y, context
 
@@ -705,7 +706,7 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
                              ep.buffer.deltas(torch.float32), plan.routes_per_rank)
     ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate),
                  scatter=ep.scatter_rows(plan, dtype))
-    ep.clear_dropped(plan, rows_dtype=dtype, values=True)
+    ep.clear_dropped(peer, plan, rows_dtype=dtype, values=True)
     ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
     # The pulled rows are the rows' own routes: no gather, the weights by row.
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
@@ -716,6 +717,7 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
                                  gather_b=False, router_weights=context.weights_rows,
                                  weights_by_row=True, out_dtype=w_down.dtype)
     ops.wait_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
+    ep.collect_errors(peer)
     source = plan.source_routing
     d_x = ops.combine(ep.combine_buffer(dtype), source, d_x_shared_rows, dtype)
     valid = (source.route_row >= 0).view(source.num_tokens, source.topk)

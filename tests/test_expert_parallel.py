@@ -193,8 +193,8 @@ def _overflow_body(rank, world_size, pattern, multiplier):
                                    topk=topk)
     schedule = F.build_schedule(workspace, config, inputs.topk_experts,
                                 num_local_experts=inputs.num_local_experts, tiles=small_tiles(16))
-    # Which routes found no row: each expert's rank knows its own; the rank whose schedule
-    # overflowed reports it (its error fails the job; the tokens' ranks are not told).
+    # Which routes found no row: each expert's rank knows its own and reports the overflow at
+    # once; the tokens' ranks learn of it in the forward (below).
     plan = schedule.exchange
     experts = plan.group_topk.long()
     mine = ((experts >= plan.first_local_expert)
@@ -214,6 +214,12 @@ def _overflow_body(rank, world_size, pattern, multiplier):
     dist.all_reduce(dropped, op=dist.ReduceOp.MAX)
     assert int(dropped.sum()) > 0, "the case must overflow"
     own = dropped[rank * tokens * topk:(rank + 1) * tokens * topk].view(tokens, topk).bool()
+    # A rank some of whose routes were left out is told so: the error reaches it too.
+    if bool(own.any()):
+        with pytest.raises(MoKDataError, match="CAPACITY_OVERFLOW"):
+            F.check_errors(workspace)
+    else:
+        F.check_errors(workspace)
     left_out = dataclasses.replace(
         inputs, router_weights=torch.where(own, 0.0, inputs.router_weights))
     y_ref, grads_ref = moe_reference_grads(left_out, group=dist.group.WORLD,

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 # Slots of the error-flag vector (mok.errors.ErrorFlag).
+FLAG_CAPACITY_OVERFLOW = tl.constexpr(1)
 FLAG_PEER_TIMEOUT = tl.constexpr(2)
 FLAG_PEER_RANK = tl.constexpr(3)  # 1 + the rank that did not answer
 
@@ -228,6 +229,7 @@ def scatter_route_values_kernel(
 @triton.jit
 def clear_dropped_routes_kernel(
     topk_ptr, route_row_ptr, rows_ptr, rows_delta_ptr, values_ptr, values_delta_ptr,
+    flags_ptr, flag_delta_ptr, report_slot,
     num_routes, routes_per_rank, first_local_expert, num_local_experts, width, stride_rows,
     CLEAR_ROWS: tl.constexpr, CLEAR_VALUES: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -235,7 +237,8 @@ def clear_dropped_routes_kernel(
     """For every route g of the group that chose one of this rank's experts but got no row of
     its schedule (the capacity overflowed), zero what its token's rank reads for it: row
     g % routes_per_rank of that rank's `rows` and/or its entry of `values`. The token's rank
-    then adds nothing for the route, as on one GPU."""
+    then adds nothing for the route, as on one GPU, and finds its flags[report_slot] set
+    (collect_reported_errors_kernel turns it into its own CAPACITY_OVERFLOW error)."""
     routes = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = routes < num_routes
     expert = tl.load(topk_ptr + routes, mask=in_range, other=-1)
@@ -256,3 +259,15 @@ def clear_dropped_routes_kernel(
         delta = tl.load(values_delta_ptr + dst_rank, mask=dropped, other=0)
         tl.store(values_ptr + delta + local_route, tl.zeros([BLOCK_R], dtype=tl.float32),
                  mask=dropped)
+    flag_delta = tl.load(flag_delta_ptr + dst_rank, mask=dropped, other=0)
+    tl.atomic_max(flags_ptr + flag_delta + report_slot, tl.full([BLOCK_R], 1, tl.int64),
+                  mask=dropped, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def collect_reported_errors_kernel(flags_ptr, report_slot, error_ptr):
+    """After the other ranks' "done" of a phase: a route of this rank's tokens that an expert's
+    rank had no row for (see clear_dropped_routes_kernel) becomes this rank's CAPACITY_OVERFLOW
+    error too; the report is cleared for the next phase."""
+    reported = tl.atomic_xchg(flags_ptr + report_slot, 0, sem="acquire", scope="sys")
+    tl.atomic_max(error_ptr + FLAG_CAPACITY_OVERFLOW, (reported != 0).to(tl.int32))

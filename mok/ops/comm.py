@@ -221,18 +221,20 @@ def scatter_route_values(values: torch.Tensor, route_row: torch.Tensor, out: tor
         values, route_row, out, out_deltas, num_routes, routes_per_rank, BLOCK=block)
 
 
-def clear_dropped_routes(topk: torch.Tensor, route_row: torch.Tensor, *, routes_per_rank: int,
+def clear_dropped_routes(peer: PeerFlags, report_slot: int, topk: torch.Tensor,
+                         route_row: torch.Tensor, *, routes_per_rank: int,
                          first_local_expert: int, num_local_experts: int,
                          rows: torch.Tensor | None = None, rows_deltas: torch.Tensor | None = None,
                          values: torch.Tensor | None = None,
                          values_deltas: torch.Tensor | None = None) -> None:
     """Zero, on their tokens' ranks, the rows (and values) of the routes to this rank's experts
-    that its schedule had no room for (see mok.kernels.comm.clear_dropped_routes_kernel).
+    that its schedule had no room for, and report them in those ranks' flags[report_slot] (see
+    mok.kernels.comm.clear_dropped_routes_kernel).
 
     topk [P * routes_per_rank] int32 (the group's expert ids), route_row likewise (-1: no row);
     rows [routes_per_rank, W] and values [routes_per_rank] fp32, views of symmetric buffers."""
     num_routes = route_row.shape[0]
-    if num_routes == 0 or (rows is None and values is None):
+    if num_routes == 0:
         return
     block_r = 64
     width = rows.shape[1] if rows is not None else 1
@@ -242,10 +244,16 @@ def clear_dropped_routes(topk: torch.Tensor, route_row: torch.Tensor, *, routes_
         rows_deltas if rows is not None else route_row,
         values if values is not None else route_row,
         values_deltas if values is not None else route_row,
-        num_routes, routes_per_rank, first_local_expert, num_local_experts, width,
+        peer.flags, peer.flag_deltas, report_slot, num_routes, routes_per_rank,
+        first_local_expert, num_local_experts, width,
         rows.stride(0) if rows is not None else 0,
         CLEAR_ROWS=rows is not None, CLEAR_VALUES=values is not None, BLOCK_R=block_r,
         BLOCK_W=block_w)
+
+
+def collect_reported_errors(peer: PeerFlags, report_slot: int) -> None:
+    """Turn the other ranks' reports of this rank's dropped routes into its own error flag."""
+    kernels.collect_reported_errors_kernel[(1,)](peer.flags, report_slot, peer.errors)
 
 
 def _pull_blocks(width: int, minibatch: int, elements: int) -> tuple[int, int]:
