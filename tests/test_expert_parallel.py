@@ -21,6 +21,7 @@ from mok.testing import (
     RoutingPattern,
     assert_close,
     distributed_test,
+    eager_and_captured,
     make_inputs,
     moe_reference_grads,
 )
@@ -287,24 +288,7 @@ def _graph_body(rank, world_size):
         y, grads, _ = _run(workspace, config, inputs, swiglu_limit=7.0)
         return (y, *grads)
 
-    step()  # compile the kernels, fill the caches
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eager = step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    eager, graph, captured = eager_and_captured(step, before_capture=dist.barrier)
     for _ in range(2):  # every replay is one more round of each phase on every rank
         graph.replay()
     torch.cuda.synchronize()

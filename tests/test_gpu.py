@@ -9,6 +9,7 @@ from mok.testing import (
     SHAPES,
     RoutingPattern,
     assert_close,
+    eager_and_captured,
     make_inputs,
     make_shape_inputs,
     moe_reference_grads,
@@ -66,24 +67,7 @@ def test_no_host_sync_and_cuda_graph_replay_matches_eager():
     config = F.MoKConfig()
     workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=3000,
                                    hidden_size=512, topk=4)
-    _step(config, workspace, inputs, 7.0)  # compile the kernels, fill the caches
-    torch.cuda.synchronize()
-
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eager = _step(config, workspace, inputs, 7.0)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _step(config, workspace, inputs, 7.0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = _step(config, workspace, inputs, 7.0)
+    eager, graph, captured = eager_and_captured(lambda: _step(config, workspace, inputs, 7.0))
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(eager, captured, strict=True):

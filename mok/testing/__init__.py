@@ -1,6 +1,7 @@
 """Reference, inputs, tolerances and a multi-process launcher for testing mok."""
 
 from mok.testing.distributed import distributed_test, free_port, run_distributed
+from mok.testing.graphs import eager_and_captured
 from mok.testing.inputs import (
     MoEInputs,
     RoutingPattern,
@@ -29,6 +30,7 @@ __all__ = [
     "Tolerance",
     "assert_close",
     "distributed_test",
+    "eager_and_captured",
     "error_report",
     "expert_mlp",
     "free_port",
