@@ -16,8 +16,18 @@ step() {  # step NAME TIMEOUT LOG command...
   echo "== $name exit: ${PIPESTATUS[0]}"
 }
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  step tests "${TESTS_TIMEOUT:-330}" pytest.log python3 -m pytest -q -p no:cacheprovider tests/ \
-    ${TESTS_ARGS:-}
+  # The test files in TESTS_JOBS groups run side by side (compiling is most of their time);
+  # one log per group, each group under the same time limit.
+  jobs=${TESTS_JOBS:-4} files=(tests/test_*.py)
+  echo "== tests in $jobs groups (limit ${TESTS_TIMEOUT:-330}s each)"
+  for ((j = 0; j < jobs; j++)); do
+    group=()
+    for ((i = j; i < ${#files[@]}; i += jobs)); do group+=("${files[$i]}"); done
+    timeout -s KILL "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider \
+      "${group[@]}" ${TESTS_ARGS:-} > "$OUT/pytest.$j.log" 2>&1 &
+  done
+  wait
+  for ((j = 0; j < jobs; j++)); do echo "-- group $j"; tail -n 25 "$OUT/pytest.$j.log"; done
 fi
 if [ "${RUN_TRAIN:-0}" = 1 ]; then
   step train "${TRAIN_TIMEOUT:-150}" train.log python3 -m mok train --out "$OUT/train" \
