@@ -52,6 +52,7 @@ def breakdown(shape) -> None:
     hid, inter = shape.hidden_size, shape.intermediate_size
     t_gate_up = tiles.pick("gate_up", inter, hid)
     t_down_bwd = tiles.pick("down_bwd", inter, hid)
+    t_down_bwd_saved = tiles.pick("down_bwd_saved", inter, hid)
     t_down = tiles.pick("down", hid, inter)
     t_d_x = tiles.pick("d_x", hid, inter)
     t_wgrad_gu = tiles.pick("wgrad_gate_up", inter, hid)
@@ -62,6 +63,7 @@ def breakdown(shape) -> None:
     dgu, partial = ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, t_down_bwd, rw,
                                         None)
     dxr = ops.d_x_rows(dgu, w_g, w_u, routing, t_d_x)
+    gate_up = ops.gate_up_buffer(x, w_g, routing)
     stages = [
         ("schedule", lambda: F.build_schedule(workspace, config, inputs.topk_experts,
                                               num_local_experts=shape.num_experts), 0, 0),
@@ -72,6 +74,11 @@ def breakdown(shape) -> None:
          rows.numel() * 2 * routes / rows.shape[0] + x.numel() * 2),
         ("down_bwd_dswiglu", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing,
                                                           t_down_bwd, rw, None), 3 * gemm, 0),
+        ("gate_up_saving", lambda: ops.gate_up_swiglu(x, w_g, w_u, routing, t_gate_up, None,
+                                                      gate_up=gate_up), 2 * gemm, 0),
+        ("down_bwd_saved", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing,
+                                                        t_down_bwd_saved, rw, None,
+                                                        gate_up=gate_up), gemm, 0),
         ("router_grad", lambda: ops.router_grad(partial, routing), 0, 0),
         ("d_x_rows", lambda: ops.d_x_rows(dgu, w_g, w_u, routing, t_d_x), 2 * gemm, 0),
         ("combine_dx", lambda: ops.combine(dxr, routing, None, x.dtype), 0,
@@ -85,15 +92,19 @@ def breakdown(shape) -> None:
                                                  out_dtype=x.dtype), gemm, 0),
     ]
     print(f"== {shape.name}: rows {routing.capacity_rows}, routes {routes}")
-    total = 0.0
+    times = {}
     for name, fn, flops, nbytes in stages:
-        ms = median_ms(fn)
-        total += ms
+        ms = times[name] = median_ms(fn)
         rate = f"{flops / ms / 1e9:7.1f} TFLOP/s" if flops else " " * 15
         bw = f"{nbytes / ms / 1e6:7.1f} GB/s" if nbytes else ""
         print(f"  {name:18s} {ms:8.3f} ms {rate} {bw}", flush=True)
-    print(f"  sum {total:.3f} ms; "
-          f"fwd+bwd {shape.flops() / total / 1e9:.1f} TFLOP/s")
+    # The two *_saving/_saved stages replace gate_up_swiglu and down_bwd_dswiglu when the
+    # pre-activations are kept (MoKConfig(recompute_gate_up=False)).
+    kept = {"gate_up_swiglu": "gate_up_saving", "down_bwd_dswiglu": "down_bwd_saved"}
+    total = sum(ms for name, ms in times.items() if name not in kept.values())
+    total_kept = total + sum(times[new] - times[old] for old, new in kept.items())
+    for label, ms in (("sum", total), ("sum, gate/up kept", total_kept)):
+        print(f"  {label} {ms:.3f} ms; fwd+bwd {shape.flops() / ms / 1e9:.1f} TFLOP/s")
 
 
 def main(argv=None) -> None:

@@ -4,6 +4,9 @@ Each factory takes the shape and the Settings and returns an Implementation; one
 here raises Unavailable with the reason, which the benchmark prints and records as a skip.
 
 - mok: build_schedule + forward (+ backward) of mok.functional.
+- mok_kept: mok with MoKConfig(recompute_gate_up=False): the forward keeps the gate/up
+  pre-activations (2I more bytes per route) and the backward's first kernel does one GEMM
+  instead of three.
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -142,8 +145,9 @@ def with_shared(y: torch.Tensor, x: torch.Tensor, shared: tuple | None) -> torch
     return y if shared is None else y + expert_mlp(x, *shared)
 
 
-def mok_implementation(shape: MoEShape, settings: Settings) -> Implementation:
-    config = F.MoKConfig()
+def mok_implementation(shape: MoEShape, settings: Settings, *, name: str = "mok",
+                       config: F.MoKConfig | None = None) -> Implementation:
+    config = config or F.MoKConfig()
     workspace = F.get_workspace(config, None, device=settings.device,
                                 num_local_tokens=shape.num_tokens,
                                 hidden_size=shape.hidden_size, topk=shape.topk)
@@ -159,8 +163,13 @@ def mok_implementation(shape: MoEShape, settings: Settings) -> Implementation:
         return F.backward(config, workspace, schedule, context, inputs.d_output,
                           *inputs.layer_args)
 
-    return Implementation("mok", lambda inputs: forward_train(inputs)[0], forward_train,
+    return Implementation(name, lambda inputs: forward_train(inputs)[0], forward_train,
                           backward)
+
+
+def mok_kept_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    return mok_implementation(shape, settings, name="mok_kept",
+                              config=F.MoKConfig(recompute_gate_up=False))
 
 
 def grouped_mm_moe(x, topk_experts, router_weights, routed, shared):
@@ -299,6 +308,7 @@ def dense_implementation(shape: MoEShape, settings: Settings) -> Implementation:
 
 IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok": mok_implementation,
+    "mok_kept": mok_kept_implementation,
     "dense": dense_implementation,
     "grouped_mm": grouped_mm_implementation,
     "liger": liger_implementation,

@@ -36,6 +36,9 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
     "down_bwd": [T(128, 64, 64, 8, 8, 3), T(64, 128, 64, 8, 8, 3), T(128, 64, 32, 8, 8, 4),
                  T(64, 64, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 3),
                  T(128, 128, 32, 8, 8, 3, tma=True), T(128, 128, 32, 8, 8, 4, tma=True)],
+    "down_bwd_saved": [T(128, 128, 64, 8, 8, 4), T(128, 128, 64, 8, 8, 3),
+                       T(128, 256, 64, 8, 8, 3), T(128, 64, 64, 8, 4, 4),
+                       T(64, 128, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 4)],
     "d_x": [T(128, 128, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 2), T(128, 128, 32, 8, 8, 4),
             T(128, 128, 64, 8, 4, 3), T(64, 256, 32, 8, 8, 3)],
     "wgrad_gate_up": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
@@ -60,11 +63,15 @@ def stage_runners(shape):
     h = ops.gate_up_swiglu(x, w_g, w_u, routing, HOPPER_TILES.gate_up, None)
     dgu, _ = ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, HOPPER_TILES.down_bwd,
                                   rw, None)
+    gate_up = ops.gate_up_buffer(x, w_g, routing)
+    ops.gate_up_swiglu(x, w_g, w_u, routing, HOPPER_TILES.gate_up, None, gate_up=gate_up)
     return {
         "gate_up": ((inter, hid), lambda t: ops.gate_up_swiglu(x, w_g, w_u, routing, t, None)),
         "down": ((hid, inter), lambda t: ops.down_proj(h, w_d, routing, t, rw)),
         "down_bwd": ((inter, hid), lambda t: ops.down_bwd_dswiglu(
             d_out, x, w_d, w_g, w_u, h, routing, t, rw, None)),
+        "down_bwd_saved": ((inter, hid), lambda t: ops.down_bwd_dswiglu(
+            d_out, x, w_d, w_g, w_u, h, routing, t, rw, None, gate_up=gate_up)),
         "d_x": ((hid, inter), lambda t: ops.d_x_rows(dgu, w_g, w_u, routing, t)),
         "wgrad_gate_up": ((inter, hid), lambda t: ops.grouped_wgrad_gate_up(
             dgu, x, routing, t, gather_x=True, out_dtype=x.dtype)),

@@ -63,6 +63,10 @@ class MoKConfig:
         silent drop.
     peer_timeout_s: how long a wait on another rank of the group may last before it is given up
         and reported (MoKDataError naming the rank): a dead peer ends in an error, not a hang.
+    recompute_gate_up: the backward recomputes the gate/up projections (True: the forward
+        context keeps h only). False keeps the pre-activations [C, 2I] too, twice h's bytes, and
+        the backward's first kernel does one GEMM instead of three (4 of the 22 GEMM FLOPs per
+        route that a forward+backward runs).
     """
 
     fwd_num_comm_sms: int = 64
@@ -71,6 +75,7 @@ class MoKConfig:
     macrobatch_size: int = 8192
     schedule_capacity_multiplier: float = 2.0
     peer_timeout_s: float = 60.0
+    recompute_gate_up: bool = True
 
     def __post_init__(self) -> None:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
@@ -305,27 +310,33 @@ class Schedule:
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """What the backward needs beyond the inputs: the SwiGLU outputs, nothing else.
+    """What the backward needs beyond the inputs: the SwiGLU outputs (and with
+    MoKConfig(recompute_gate_up=False) the pre-activations).
 
     h        [C, I]: routed experts' SwiGLU output, in schedule row order (x.dtype).
     h_shared [T_pad, I_s] or None: the shared expert's SwiGLU output.
+    gate_up, gate_up_shared [C, 2I], [T_pad, 2 I_s] or None: the pre-activations [gate, up] of
+        the routed and shared experts, kept when the config does not recompute them (across
+        nodes the shared expert recomputes).
     weights_rows [C] fp32 (expert parallelism only): the router weights pulled with the rows, in
         schedule row order. The pulled token rows are not kept: the backward pulls them again
         with d_output.
     inner (expert parallelism across nodes): the one-node context of the tokens gathered from
         the other nodes.
-    The gate/up projections are recomputed inside the backward kernel; expert outputs are never
-    kept (the router-weight gradient is computed from h).
+    Without gate_up, the gate/up projections are recomputed inside the backward kernel; expert
+    outputs are never kept (the router-weight gradient is computed from h).
     """
 
     h: torch.Tensor
     h_shared: torch.Tensor | None
     weights_rows: torch.Tensor | None = None
     inner: ForwardContext | None = None
+    gate_up: torch.Tensor | None = None
+    gate_up_shared: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        parts = (self.h, self.h_shared, self.weights_rows)
+        parts = (self.h, self.h_shared, self.weights_rows, self.gate_up, self.gate_up_shared)
         own = sum(t.numel() * t.element_size() for t in parts if t is not None)
         return own + (self.inner.nbytes if self.inner is not None else 0)
 
@@ -480,25 +491,32 @@ def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_
     remote rows, and the other ranks have time to publish theirs."""
     pick = schedule.tiles.pick
     hidden, intermediate = x.shape[1], w_routed_gate.shape[1]
-    h_shared = None
+    keep = not config.recompute_gate_up
+    h_shared = gate_up_shared = None
     if w_shared_gate is not None:
-        h_shared = ops.gate_up_swiglu(x, w_shared_gate[None], w_shared_up[None],
-                                      schedule.shared_routing,
+        shared_routing = schedule.shared_routing
+        gate_up_shared = ops.gate_up_buffer(x, w_shared_gate[None], shared_routing) if keep \
+            else None
+        h_shared = ops.gate_up_swiglu(x, w_shared_gate[None], w_shared_up[None], shared_routing,
                                       pick("gate_up", w_shared_gate.shape[0], hidden),
-                                      swiglu_limit)
+                                      swiglu_limit, gate_up=gate_up_shared)
     ep = schedule.workspace.ep
+    gate_up = ops.gate_up_buffer(x, w_routed_gate, schedule.routing) if keep else None
     if ep is None:
         h = ops.gate_up_swiglu(x, w_routed_gate, w_routed_up, schedule.routing,
-                               pick("gate_up", intermediate, hidden), swiglu_limit)
-        return ForwardContext(h, h_shared)
+                               pick("gate_up", intermediate, hidden), swiglu_limit,
+                               gate_up=gate_up)
+        return ForwardContext(h, h_shared, gate_up=gate_up, gate_up_shared=gate_up_shared)
     peer = ep.peer_flags(schedule.workspace.error_flags)
     x_rows, weights_rows, pull = ep.forward_pull(
         peer, schedule.exchange, x, router_weights, minibatch=config.minibatch_size,
         num_programs=config.fwd_num_comm_sms)
     h = ops.gate_up_swiglu(x_rows, w_routed_gate, w_routed_up, schedule.routing,
-                           pick("gate_up", intermediate, hidden), swiglu_limit, pull=pull)
+                           pick("gate_up", intermediate, hidden), swiglu_limit, pull=pull,
+                           gate_up=gate_up)
     ep.pulled(peer, Phase.FORWARD)
-    return ForwardContext(h, h_shared, weights_rows=weights_rows)
+    return ForwardContext(h, h_shared, weights_rows=weights_rows, gate_up=gate_up,
+                          gate_up_shared=gate_up_shared)
 
 
 def forward(
@@ -600,14 +618,19 @@ def recompute_forward_context(
                     w_routed_gate, w_routed_up, swiglu_limit)
 
 
+def _down_bwd_kind(gate_up: torch.Tensor | None) -> str:
+    return "down_bwd" if gate_up is None else "down_bwd_saved"
+
+
 def _expert_backward(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
-                     swiglu_limit):
+                     swiglu_limit, gate_up=None):
     """Backward of one group of experts: (d_x rows, d_router_weights or None, weight grads)."""
     hidden, intermediate = x.shape[1], w_gate.shape[1]
     pick = tiles.pick
     d_gate_up, partial = ops.down_bwd_dswiglu(
-        d_output, x, w_down, w_gate, w_up, h, routing, pick("down_bwd", intermediate, hidden),
-        router_weights, swiglu_limit)
+        d_output, x, w_down, w_gate, w_up, h, routing,
+        pick(_down_bwd_kind(gate_up), intermediate, hidden), router_weights, swiglu_limit,
+        gate_up=gate_up)
     d_router_weights = ops.router_grad(partial, routing) if partial is not None else None
     d_x_rows = ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate))
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
@@ -667,12 +690,14 @@ def backward(
     if w_shared_gate is not None:  # first: with expert parallelism it overlaps the pulls
         d_x_shared_rows, _, d_shared = _expert_backward(
             schedule.tiles, schedule.shared_routing, d_output, x, forward_context.h_shared, None,
-            w_shared_gate[None], w_shared_up[None], w_shared_down[None], swiglu_limit)
+            w_shared_gate[None], w_shared_up[None], w_shared_down[None], swiglu_limit,
+            gate_up=forward_context.gate_up_shared)
         d_shared = tuple(grad[0] for grad in d_shared)
     if workspace.ep is None:
         d_x_rows, d_router_weights, d_routed = _expert_backward(
             schedule.tiles, schedule.routing, d_output, x, forward_context.h, router_weights,
-            w_routed_gate, w_routed_up, w_routed_down, swiglu_limit)
+            w_routed_gate, w_routed_up, w_routed_down, swiglu_limit,
+            gate_up=forward_context.gate_up)
         d_x = ops.combine(d_x_rows, schedule.routing, d_x_shared_rows, x.dtype)
     else:
         d_x, d_router_weights, d_routed = _expert_parallel_backward(
@@ -698,7 +723,8 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
                                              num_programs=config.bwd_num_comm_sms)
     d_gate_up, partial = ops.down_bwd_dswiglu(
         dy_rows, x_rows, w_down, w_gate, w_up, context.h, routing,
-        pick("down_bwd", intermediate, hidden), context.weights_rows, swiglu_limit, pull=pull)
+        pick(_down_bwd_kind(context.gate_up), intermediate, hidden), context.weights_rows,
+        swiglu_limit, pull=pull, gate_up=context.gate_up)
     ep.pulled(peer, Phase.BACKWARD)
     # Router-weight gradients by route of the group, each sent to its token's rank.
     by_route = ops.router_grad(partial, plan.group_routing)

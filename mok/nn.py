@@ -55,33 +55,39 @@ def _moe_forward(
     w_routed_up: torch.Tensor,
     w_routed_down: torch.Tensor,
     swiglu_limit: float | None,
+    recompute_gate_up: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h, h_shared or empty, row_route, route_row, block_expert, expert_counts,
-    expert_offsets)."""
-    config = F.MoKConfig()
+           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, h_shared, gate_up, gate_up_shared (each empty when absent), row_route,
+    route_row, block_expert, expert_counts, expert_offsets)."""
+    config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
     workspace = _workspace(x, topk_experts.shape[1])
     schedule = F.build_schedule(workspace, config, topk_experts,
                                 num_local_experts=w_routed_gate.shape[0])
     y, context = F.forward(config, workspace, schedule, x, router_weights, w_shared_gate,
                            w_shared_up, w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
                            swiglu_limit=swiglu_limit)
-    h_shared = context.h_shared if context.h_shared is not None else x.new_empty(0)
-    return (y, context.h, h_shared, *schedule.tensors())
+    saved = [t if t is not None else x.new_empty(0)
+             for t in (context.h_shared, context.gate_up, context.gate_up_shared)]
+    return (y, context.h, *saved, *schedule.tensors())
 
 
 @_moe_forward.register_fake
 def _(x, topk_experts, router_weights, w_shared_gate, w_shared_up, w_shared_down,
-      w_routed_gate, w_routed_up, w_routed_down, swiglu_limit):
+      w_routed_gate, w_routed_up, w_routed_down, swiglu_limit, recompute_gate_up):
     num_local = w_routed_gate.shape[0]
     rows = _num_rows(x, topk_experts.shape[1], num_local)
     align = default_tiles(x.device).align
     i32 = dict(dtype=torch.int32, device=x.device)
-    h_shared = x.new_empty(0)
+    inter = w_routed_gate.shape[1]
+    h_shared = gate_up_shared = x.new_empty(0)
+    gate_up = x.new_empty(0) if recompute_gate_up else x.new_empty(rows, 2 * inter)
     if w_shared_gate is not None:
-        h_shared = x.new_empty(math.ceil(max(x.shape[0], 1) / align) * align,
-                               w_shared_gate.shape[0])
-    return (x.new_empty(x.shape), x.new_empty(rows, w_routed_gate.shape[1]), h_shared,
+        shared_rows = math.ceil(max(x.shape[0], 1) / align) * align
+        h_shared = x.new_empty(shared_rows, w_shared_gate.shape[0])
+        if not recompute_gate_up:
+            gate_up_shared = x.new_empty(shared_rows, 2 * w_shared_gate.shape[0])
+    return (x.new_empty(x.shape), x.new_empty(rows, inter), h_shared, gate_up, gate_up_shared,
             torch.empty(rows, **i32), torch.empty(topk_experts.numel(), **i32),
             torch.empty(rows // align, **i32), torch.empty(num_local, **i32),
             torch.empty(num_local + 1, **i32))
@@ -100,19 +106,25 @@ def _moe_backward(
     w_routed_down: torch.Tensor,
     h: torch.Tensor,
     h_shared: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_shared: torch.Tensor,
     row_route: torch.Tensor,
     route_row: torch.Tensor,
     block_expert: torch.Tensor,
     expert_counts: torch.Tensor,
     expert_offsets: torch.Tensor,
     swiglu_limit: float | None,
+    recompute_gate_up: bool,
 ) -> list[torch.Tensor]:
-    config = F.MoKConfig()
+    config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
     workspace = _workspace(x, router_weights.shape[1])
     schedule = F.Schedule.from_tensors(
         workspace, (row_route, route_row, block_expert, expert_counts, expert_offsets),
         num_tokens=x.shape[0], num_local_experts=w_routed_gate.shape[0])
-    context = F.ForwardContext(h, h_shared if w_shared_gate is not None else None)
+    has_shared, kept = w_shared_gate is not None, not recompute_gate_up
+    context = F.ForwardContext(h, h_shared if has_shared else None,
+                               gate_up=gate_up if kept else None,
+                               gate_up_shared=gate_up_shared if kept and has_shared else None)
     grads = F.backward(config, workspace, schedule, context, d_y, x, router_weights,
                        w_shared_gate, w_shared_up, w_shared_down, w_routed_gate, w_routed_up,
                        w_routed_down, swiglu_limit=swiglu_limit)
@@ -121,8 +133,8 @@ def _moe_backward(
 
 @_moe_backward.register_fake
 def _(d_y, x, router_weights, w_shared_gate, w_shared_up, w_shared_down, w_routed_gate,
-      w_routed_up, w_routed_down, h, h_shared, row_route, route_row, block_expert,
-      expert_counts, expert_offsets, swiglu_limit):
+      w_routed_up, w_routed_down, h, h_shared, gate_up, gate_up_shared, row_route, route_row,
+      block_expert, expert_counts, expert_offsets, swiglu_limit, recompute_gate_up):
     shared = [torch.empty_like(w) if w is not None else x.new_empty(0)
               for w in (w_shared_gate, w_shared_up, w_shared_down)]
     return [torch.empty_like(x), torch.empty_like(router_weights), torch.empty_like(w_routed_gate),
@@ -130,25 +142,25 @@ def _(d_y, x, router_weights, w_shared_gate, w_shared_up, w_shared_down, w_route
 
 
 def _setup_context(ctx, inputs, output):
-    (x, _, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, swiglu_limit) = inputs
-    _, h, h_shared, *routing = output
+    (x, _, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, swiglu_limit,
+     recompute_gate_up) = inputs
+    _, *saved = output  # h, h_shared, gate_up, gate_up_shared, then the routing
     ctx.has_shared = w_sg is not None
-    ctx.swiglu_limit = swiglu_limit
+    ctx.swiglu_limit, ctx.recompute_gate_up = swiglu_limit, recompute_gate_up
     shared = (w_sg, w_su, w_sd) if ctx.has_shared else (x.new_empty(0),) * 3
-    ctx.save_for_backward(x, router_weights, *shared, w_rg, w_ru, w_rd, h, h_shared, *routing)
+    ctx.save_for_backward(x, router_weights, *shared, w_rg, w_ru, w_rd, *saved)
 
 
 def _backward(ctx, d_y, *_unused):
-    x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, h, h_shared, *routing = \
-        ctx.saved_tensors
+    x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, *saved = ctx.saved_tensors
     if not ctx.has_shared:
         w_sg = w_su = w_sd = None
     grads = _moe_backward(d_y.contiguous(), x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru,
-                          w_rd, h, h_shared, *routing, ctx.swiglu_limit)
+                          w_rd, *saved, ctx.swiglu_limit, ctx.recompute_gate_up)
     d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd = grads
     if not ctx.has_shared:
         d_sg = d_su = d_sd = None
-    return d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd, None
+    return d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd, None, None
 
 
 _moe_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -160,9 +172,9 @@ class _ExpertParallelExperts(torch.autograd.Function):
     custom op (torch.compile breaks the graph here)."""
 
     @staticmethod
-    def forward(ctx, group, max_tokens, swiglu_limit, x, topk_experts, router_weights, w_sg, w_su,
-                w_sd, w_rg, w_ru, w_rd):
-        config = F.MoKConfig()
+    def forward(ctx, group, max_tokens, swiglu_limit, recompute_gate_up, x, topk_experts,
+                router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd):
+        config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
         workspace = F.get_workspace(config, group, device=x.device,
                                     num_local_tokens=max_tokens or x.shape[0],
                                     hidden_size=x.shape[1], topk=topk_experts.shape[1])
@@ -182,7 +194,7 @@ class _ExpertParallelExperts(torch.autograd.Function):
             config, workspace, schedule, context, d_y.contiguous(), x, router_weights, *weights,
             swiglu_limit=swiglu_limit)
         del ctx.state
-        return None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd
+        return None, None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd
 
 
 def moe_experts(
@@ -200,6 +212,7 @@ def moe_experts(
     backend: Backend | str = Backend.MOK,
     group: dist.ProcessGroup | None = None,
     max_tokens: int | None = None,
+    recompute_gate_up: bool = True,
 ) -> torch.Tensor:
     """The routed + shared experts as a differentiable function (DESIGN.md section 1).
 
@@ -209,7 +222,8 @@ def moe_experts(
     gradients flow back into the viewed parameter. group: an expert-parallel process group; the
     routed weights are then this rank's experts (mok.functional's contract). max_tokens: with a
     group, the most tokens a rank passes (each rank may pass fewer); default T, which every rank
-    must then pass.
+    must then pass. recompute_gate_up: MoKConfig's (False keeps the gate/up pre-activations for
+    the backward: faster, more memory).
     """
     if Backend(backend) is Backend.REFERENCE:
         from mok.testing.reference import moe_reference
@@ -221,11 +235,12 @@ def moe_experts(
         if max_tokens is not None and x.shape[0] > max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed max_tokens={max_tokens}")
         return _ExpertParallelExperts.apply(
-            group, max_tokens, swiglu_limit, x, topk_experts, router_weights.float(), w_shared_gate,
-            w_shared_up, w_shared_down, w_routed_gate, w_routed_up, w_routed_down)
+            group, max_tokens, swiglu_limit, recompute_gate_up, x, topk_experts,
+            router_weights.float(), w_shared_gate, w_shared_up, w_shared_down, w_routed_gate,
+            w_routed_up, w_routed_down)
     return _moe_forward(x, topk_experts, router_weights.float(), w_shared_gate, w_shared_up,
                         w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
-                        swiglu_limit)[0]
+                        swiglu_limit, recompute_gate_up)[0]
 
 
 # -- the module -------------------------------------------------------------------------------
@@ -326,7 +341,8 @@ class MoE(nn.Module):
     shared_intermediate_size > 0: shared_gate, shared_up [I_s, H], shared_down [H, I_s].
     forward(hidden_states [..., H]) -> [..., H]. After each forward: `aux_loss` (add it to the
     training loss) and `tokens_per_expert` [E] (device tensor, no host sync) hold that call's
-    values.
+    values. recompute_gate_up=False keeps the experts' gate/up pre-activations for the backward
+    (MoKConfig.recompute_gate_up): a faster backward for 2I more bytes per route of activations.
 
     Compute dtype: the autocast dtype under torch.autocast (the output then has that dtype, as
     nn.Linear's would); otherwise the parameters' dtype when bf16/fp16; fp32 parameters are cast
@@ -347,6 +363,7 @@ class MoE(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         ep_max_tokens: int | None = None,
         backend: Backend | str = Backend.MOK,
+        recompute_gate_up: bool = True,
         device=None,
         dtype=None,
     ) -> None:
@@ -363,6 +380,7 @@ class MoE(nn.Module):
         self.shared_intermediate_size = shared_intermediate_size
         self.swiglu_limit = swiglu_limit
         self.backend = Backend(backend)
+        self.recompute_gate_up = recompute_gate_up
         factory = dict(device=device, dtype=dtype)
         self.router = Router(hidden_size, num_experts, top_k, router, **factory)
         self.w_gate = nn.Parameter(torch.empty(num_local, intermediate_size, hidden_size,
@@ -412,7 +430,8 @@ class MoE(nn.Module):
             y = moe_experts(x.to(dtype), routing.topk_experts, routing.weights, *shared,
                             self.w_gate.to(dtype), self.w_up.to(dtype), self.w_down.to(dtype),
                             swiglu_limit=self.swiglu_limit, backend=self.backend,
-                            group=self.ep_group, max_tokens=self.ep_max_tokens)
+                            group=self.ep_group, max_tokens=self.ep_max_tokens,
+                            recompute_gate_up=self.recompute_gate_up)
         return y.to(out_dtype).view(hidden_states.shape)
 
     def extra_repr(self) -> str:

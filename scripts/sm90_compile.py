@@ -119,9 +119,12 @@ def main(argv=None) -> None:
     def tiles(kind, n, kk):
         return table.get((kind, n, kk), HOPPER_TILES.pick(kind, n, kk))
 
-    t = {kind: tiles(kind, *key) for kind, key in (
+    # The table's tiles with pointer loads (the " tma" runs add TMA); the weight-gradient
+    # variants change the fallback tile (128x128x64, 3 stages), the table's own runs as " tuned".
+    t = {kind: dataclasses.replace(tiles(kind, *key), tma=False) for kind, key in (
         ("gate_up", (inter, hid)), ("down", (hid, inter)), ("down_bwd", (inter, hid)),
-        ("d_x", (hid, inter)), ("wgrad_gate_up", (inter, hid)), ("wgrad_down", (hid, inter)))}
+        ("down_bwd_saved", (inter, hid)), ("d_x", (hid, inter)),
+        ("wgrad_gate_up", (inter, hid)), ("wgrad_down", (hid, inter)))}
     r = dataclasses.replace
     runs = [
         ("gate_up", t["gate_up"], lambda tt: ops.gate_up_swiglu(x, w_g, w_u, routing, tt, None)),
@@ -134,6 +137,10 @@ def main(argv=None) -> None:
             d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None)),
         ("down_bwd tma", r(t["down_bwd"], tma=True), lambda tt: ops.down_bwd_dswiglu(
             d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None)),
+        ("gate_up saving", t["gate_up"], lambda tt: ops.gate_up_swiglu(
+            x, w_g, w_u, routing, tt, None, gate_up=dgu)),
+        ("down_bwd saved", t["down_bwd_saved"], lambda tt: ops.down_bwd_dswiglu(
+            d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None, gate_up=dgu)),
         ("d_x", t["d_x"], lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
     ]
     for label, variant in (("", {}), (" persistent", dict(persistent=True)),
@@ -143,15 +150,22 @@ def main(argv=None) -> None:
                            (" pair 128x128x32 s4", dict(pair=True, block_k=32, num_stages=4)),
                            (" 128x256", dict(block_n=256)),
                            (" 128x256 persistent", dict(block_n=256, persistent=True))):
-        runs.append((f"wgrad_gate_up{label}", r(t["wgrad_gate_up"], **variant),
+        runs.append((f"wgrad_gate_up{label}", r(HOPPER_TILES.wgrad, **variant),
                      lambda tt: ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True,
                                                           out_dtype=x.dtype)))
     for label, variant in (("", {}), (" persistent", dict(persistent=True)),
                            (" s4", dict(num_stages=4)), (" 128x256", dict(block_n=256))):
-        runs.append((f"wgrad_down{label}", r(t["wgrad_down"], **variant),
+        runs.append((f"wgrad_down{label}", r(HOPPER_TILES.wgrad, **variant),
                      lambda tt: ops.grouped_wgrad(d_out, h, routing, tt, gather_a=True,
                                                   gather_b=False, router_weights=rw,
                                                   out_dtype=x.dtype)))
+    runs.append(("wgrad_gate_up tuned", t["wgrad_gate_up"],
+                 lambda tt: ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True,
+                                                      out_dtype=x.dtype)))
+    runs.append(("wgrad_down tuned", t["wgrad_down"],
+                 lambda tt: ops.grouped_wgrad(d_out, h, routing, tt, gather_a=True,
+                                              gather_b=False, router_weights=rw,
+                                              out_dtype=x.dtype)))
     x_rows = torch.empty(rows, hid, **bf16)  # expert parallelism: rows pulled, no gather
     dy_rows = torch.empty(rows, hid, **bf16)
     rw_rows = torch.empty(rows, dtype=torch.float32)

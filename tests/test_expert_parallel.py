@@ -140,6 +140,15 @@ def test_ep_shared_expert_limit_skewed(rank, world_size):
                             pattern=RoutingPattern.SKEWED, config=config)
 
 
+@distributed_test(world_sizes=(2,))
+def test_ep_kept_gate_up(rank, world_size):
+    # MoKConfig(recompute_gate_up=False): the backward reads the pre-activations of the pulled
+    # rows instead of recomputing them (the x rows are still pulled, for the weight gradients).
+    config = dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False)
+    _matches_reference_body(rank, world_size, shared=16, limit=0.8,
+                            pattern=RoutingPattern.RANDOM, config=config)
+
+
 def _errors_body(rank, world_size):
     config = SMALL_MINIBATCHES
     inputs = _rank_inputs(rank, world_size, seed=2)

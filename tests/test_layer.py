@@ -154,6 +154,31 @@ def test_recompute_forward_context_equals_forward_context():
     assert context.nbytes == (rows * 16 + schedule.shared_routing.capacity_rows * 16) * 2
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]], ids=lambda c: c.name)
+def test_kept_gate_up_matches_reference(case):
+    # MoKConfig(recompute_gate_up=False): the forward keeps the pre-activations and the
+    # backward reads them. The forward is the same computation; the backward is checked against
+    # the reference, repeatable bit for bit, and the context holds h plus [gate, up].
+    inputs = case.inputs()
+    tiles = tiles_for_tests(case.block, case.align)
+    kept = F.MoKConfig(recompute_gate_up=False)
+    y, grads, schedule, context = run_layer(inputs, config=kept, swiglu_limit=case.limit,
+                                            tiles=tiles)
+    check_against_reference(case, y, grads)
+    y_recomputing, _, _, recomputing = run_layer(inputs, swiglu_limit=case.limit, tiles=tiles)
+    assert torch.equal(y, y_recomputing)
+    used = int(schedule.routing.expert_offsets[-1])
+    assert torch.equal(context.h[:used], recomputing.h[:used])
+    rows, shared_rows = schedule.routing.capacity_rows, schedule.shared_routing.capacity_rows
+    assert context.gate_up.shape == (rows, 2 * case.intermediate)
+    assert (context.gate_up_shared is None) == (case.shared == 0)
+    extra = 2 * (rows * case.intermediate + shared_rows * case.shared) * y.element_size()
+    assert context.nbytes == recomputing.nbytes + extra
+    again = run_layer(inputs, config=kept, swiglu_limit=case.limit, tiles=tiles)
+    for name, a, b in zip(GRAD_NAMES, grads, again[1], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_nonfinite_inputs_stay_in_their_token():
     case = Case("nan", 24, 32, 16, 6, 2, shared=16, seed=14)

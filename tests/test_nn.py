@@ -24,8 +24,9 @@ def loss_and_grads(module, x):
     return y.detach(), x.grad, grads
 
 
-def test_module_matches_reference_backend():
-    module = make_module()
+@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept_gate_up"])
+def test_module_matches_reference_backend(recompute_gate_up):
+    module = make_module(recompute_gate_up=recompute_gate_up, swiglu_limit=1.0)
     x = torch.randn(3, 10, 32, device=DEVICE)
     y, d_x, grads = loss_and_grads(module, x)
     module.backend = Backend.REFERENCE
@@ -107,8 +108,9 @@ def test_aux_and_z_losses():
     assert router.weight.grad is not None and bool(router.weight.grad.abs().sum() > 0)
 
 
-def test_torch_compile_fullgraph_traces_the_module():
-    module = make_module(seed=3)
+@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept_gate_up"])
+def test_torch_compile_fullgraph_traces_the_module(recompute_gate_up):
+    module = make_module(seed=3, recompute_gate_up=recompute_gate_up)
     x = torch.randn(2, 9, 32, device=DEVICE)
     y, d_x, grads = loss_and_grads(module, x)
     compiled = torch.compile(module, fullgraph=True,

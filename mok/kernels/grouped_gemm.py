@@ -119,16 +119,17 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def gate_up_swiglu_kernel(
-    x_ptr, w_gate_ptr, w_up_ptr, h_ptr, row_route_ptr, block_expert_ptr,
+    x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
     num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
-    stride_xm, stride_we, stride_wn, stride_wk, stride_hm,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
+    SAVE_GATE_UP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -139,6 +140,8 @@ def gate_up_swiglu_kernel(
 
     With PULL, x's rows are pulled from the other ranks by the launch's first programs. W_TMA:
     w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module docstring).
+    SAVE_GATE_UP: the pre-activations go to gate_up[row] = [gate, up] too (columns [0, N) and
+    [N, 2N)), for a backward that reads them instead of recomputing them.
     """
     pid = tl.program_id(0)
     if PULL:
@@ -181,6 +184,20 @@ def gate_up_swiglu_kernel(
         acc_up = mma(a, b_up, acc_up, UPCAST)
         a_ptrs += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
+    if SAVE_GATE_UP:
+        # The backward computes from these rounded values; h below from the unrounded ones.
+        # With a limit, a value the limit clamps is stored as +-inf: rounding must not move it
+        # across the limit, which decides whether its gradient passes.
+        gate_kept = acc_gate
+        up_kept = acc_up
+        if HAS_LIMIT:
+            gate_kept = tl.where(acc_gate <= swiglu_limit, acc_gate, float("inf"))
+            up_kept = tl.where(acc_up > swiglu_limit, float("inf"), acc_up)
+            up_kept = tl.where(acc_up < -swiglu_limit, float("-inf"), up_kept)
+        gu_ptrs = gate_up_ptr + rows[:, None] * stride_gum + cols[None, :]
+        gu_dtype = gate_up_ptr.dtype.element_ty
+        tl.store(gu_ptrs, cast_to(gate_kept, gu_dtype, UPCAST), mask=cols[None, :] < N)
+        tl.store(gu_ptrs + N, cast_to(up_kept, gu_dtype, UPCAST), mask=cols[None, :] < N)
     h = _swiglu(acc_gate, acc_up, swiglu_limit, HAS_LIMIT)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :]
     tl.store(h_ptrs, cast_to(h, h_ptr.dtype.element_ty, UPCAST), mask=cols[None, :] < N)
@@ -233,7 +250,7 @@ def down_proj_kernel(
 
 @triton.jit
 def down_bwd_dswiglu_kernel(
-    d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, router_weights_ptr,
+    d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, router_weights_ptr,
     d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
@@ -242,9 +259,10 @@ def down_bwd_dswiglu_kernel(
     num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
-    stride_we, stride_wn, stride_wk, stride_hm, stride_gm, stride_pm,
+    stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
+    SAVED_GATE_UP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -259,7 +277,9 @@ def down_bwd_dswiglu_kernel(
     gradient sum_n dh0 * h over this tile's columns to d_weight_partial[row, pid_n]. With PULL,
     d_out's rows (and x's, PULL_SECOND) are pulled from the other ranks by the launch's first
     programs. W_TMA: w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module
-    docstring); w_down stays with pointer loads.
+    docstring); w_down stays with pointer loads. SAVED_GATE_UP: gate and up are read from
+    gate_up[row] = [gate, up] (what the forward's SAVE_GATE_UP wrote); the K loop is dh0's alone
+    and x, w_gate, w_up are not read.
     """
     pid = tl.program_id(0)
     if PULL:
@@ -290,28 +310,41 @@ def down_bwd_dswiglu_kernel(
     w_offsets = e64 * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
     w_row = expert * N + pid_n * BLOCK_N
     acc_dh = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + ks) < K
-        a_mask = valid[:, None] & k_mask[None, :]
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        a_dy = tl.load(d_out_ptrs, mask=a_mask, other=0.0)
-        a_x = tl.load(x_ptrs, mask=a_mask, other=0.0)
-        b_down = tl.load(w_down_ptr + wd_offsets, mask=w_mask, other=0.0)
-        if W_TMA:
-            b_gate = w_gate_ptr.load([w_row, k0]).T
-            b_up = w_up_ptr.load([w_row, k0]).T
-        else:
-            b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
-            b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
-        acc_dh = mma(a_dy, b_down, acc_dh, UPCAST)
-        acc_gate = mma(a_x, b_gate, acc_gate, UPCAST)
-        acc_up = mma(a_x, b_up, acc_up, UPCAST)
-        d_out_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        wd_offsets += BLOCK_K * stride_wd_k
-        w_offsets += BLOCK_K * stride_wk
+    if SAVED_GATE_UP:
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + ks) < K
+            a_dy = tl.load(d_out_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            b_down = tl.load(w_down_ptr + wd_offsets, mask=k_mask[:, None] & col_mask[None, :],
+                             other=0.0)
+            acc_dh = mma(a_dy, b_down, acc_dh, UPCAST)
+            d_out_ptrs += BLOCK_K
+            wd_offsets += BLOCK_K * stride_wd_k
+        gu_ptrs = gate_up_ptr + rows[:, None] * stride_gum + cols[None, :]
+        acc_gate = tl.load(gu_ptrs, mask=col_mask[None, :], other=0.0).to(tl.float32)
+        acc_up = tl.load(gu_ptrs + N, mask=col_mask[None, :], other=0.0).to(tl.float32)
+    else:
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + ks) < K
+            a_mask = valid[:, None] & k_mask[None, :]
+            w_mask = k_mask[:, None] & col_mask[None, :]
+            a_dy = tl.load(d_out_ptrs, mask=a_mask, other=0.0)
+            a_x = tl.load(x_ptrs, mask=a_mask, other=0.0)
+            b_down = tl.load(w_down_ptr + wd_offsets, mask=w_mask, other=0.0)
+            if W_TMA:
+                b_gate = w_gate_ptr.load([w_row, k0]).T
+                b_up = w_up_ptr.load([w_row, k0]).T
+            else:
+                b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
+                b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
+            acc_dh = mma(a_dy, b_down, acc_dh, UPCAST)
+            acc_gate = mma(a_x, b_gate, acc_gate, UPCAST)
+            acc_up = mma(a_x, b_up, acc_up, UPCAST)
+            d_out_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            wd_offsets += BLOCK_K * stride_wd_k
+            w_offsets += BLOCK_K * stride_wk
 
     if HAS_WEIGHT:
         # d w[route] = <d_out[token], w_down[e] h[row]> = sum_n dh0[row, n] * h[row, n], with the
@@ -325,8 +358,12 @@ def down_bwd_dswiglu_kernel(
     gate = acc_gate
     up = acc_up
     if HAS_LIMIT:
-        gate_pass = gate <= swiglu_limit
-        up_pass = (up >= -swiglu_limit) & (up <= swiglu_limit)
+        if SAVED_GATE_UP:  # the forward stored clamped values as +-inf
+            gate_pass = gate != float("inf")
+            up_pass = (up != float("inf")) & (up != float("-inf"))
+        else:
+            gate_pass = gate <= swiglu_limit
+            up_pass = (up >= -swiglu_limit) & (up <= swiglu_limit)
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     sig = tl.sigmoid(gate)

@@ -89,25 +89,46 @@ def gate_up_swiglu(
     tiles: GemmTiles,
     swiglu_limit: float | None,
     pull: Pull | None = None,
+    gate_up: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """h [C, I] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, H], w [E, I, H].
 
     pull: x's rows come from the other ranks, pulled by this launch's first programs.
+    gate_up [C, 2I] (x's dtype): also receives the pre-activations [gate, up] of every row
+    (see `gate_up_buffer`), for a backward that reads them instead of recomputing them; with a
+    swiglu limit, a value the limit clamps is stored as +-inf.
     """
     intermediate, hidden = w_gate.shape[1:]
     h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
+    if gate_up is not None:
+        _check_gate_up(gate_up, routing, intermediate)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     limit, has_limit = _limit_args(swiglu_limit)
     pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, h)
     gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
     gemm_kernels.gate_up_swiglu_kernel[(grid + pull_scalars[0],)](
-        x, gate, up, h, routing.row_route, routing.block_expert, *pull_ptrs,
+        x, gate, up, h, gate_up if gate_up is not None else h, routing.row_route,
+        routing.block_expert, *pull_ptrs,
         num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
         x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
-        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=tma, **pull_meta,
-        **_gemm_meta(tiles),
+        gate_up.stride(0) if gate_up is not None else 0,
+        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=tma,
+        SAVE_GATE_UP=gate_up is not None, **pull_meta, **_gemm_meta(tiles),
     )
     return h
+
+
+def gate_up_buffer(x: torch.Tensor, w_gate: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """An empty [C, 2I] buffer for the pre-activations (`gate_up_swiglu(..., gate_up=)`)."""
+    return torch.empty(routing.capacity_rows, 2 * w_gate.shape[1], dtype=x.dtype,
+                       device=x.device)
+
+
+def _check_gate_up(gate_up: torch.Tensor, routing: Routing, intermediate: int) -> None:
+    expected = (routing.capacity_rows, 2 * intermediate)
+    if tuple(gate_up.shape) != expected or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must be a row-major {expected} tensor, got "
+                         f"{tuple(gate_up.shape)} with strides {gate_up.stride()}")
 
 
 def down_proj(
@@ -176,8 +197,11 @@ def down_bwd_dswiglu(
     router_weights: torch.Tensor | None,
     swiglu_limit: float | None,
     pull: Pull | None = None,
+    gate_up: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradients at the gate/up outputs, gate/up recomputed in the same pass.
+    """Gradients at the gate/up outputs, gate/up recomputed in the same pass (or read from
+    gate_up [C, 2I], the forward's pre-activations: then x, w_gate and w_up are not read, except
+    x as the destination of a pull).
 
     Returns d_gate_up [C, 2I] (d_gate in [:, :I], d_up in [:, I:]) and, with router weights, the
     partial router-weight gradients [C, cdiv(I, block_n)] fp32 (summed by `router_grad`).
@@ -193,18 +217,23 @@ def down_bwd_dswiglu(
                               dtype=torch.float32, device=x.device)
     limit, has_limit = _limit_args(swiglu_limit)
     pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, d_gate_up)
-    gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
+    if gate_up is None:
+        gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
+    else:
+        _check_gate_up(gate_up, routing, intermediate)
+        gate, up, tma = w_gate, w_up, False
     gemm_kernels.down_bwd_dswiglu_kernel[(grid + pull_scalars[0],)](
-        d_out, x, w_down, gate, up, h,
+        d_out, x, w_down, gate, up, h, gate_up if gate_up is not None else h,
         router_weights if router_weights is not None else h,
         d_gate_up, partial if partial is not None else d_gate_up,
         routing.row_route, routing.block_expert, *pull_ptrs,
         num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
         d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
-        w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0), d_gate_up.stride(0),
+        w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
+        gate_up.stride(0) if gate_up is not None else 0, d_gate_up.stride(0),
         partial.stride(0) if partial is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
-        W_TMA=tma, **pull_meta, **_gemm_meta(tiles),
+        W_TMA=tma, SAVED_GATE_UP=gate_up is not None, **pull_meta, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 

@@ -24,6 +24,7 @@ KINDS = {
     "gate_up": "n = I, k = H",
     "down": "n = H, k = I",
     "down_bwd": "n = I, k = H",
+    "down_bwd_saved": "n = I, k = H",
     "d_x": "n = H, k = I",
     "wgrad_gate_up": "P = I, Q = H",
     "wgrad_down": "P = H, Q = I",
@@ -41,7 +42,7 @@ class GemmTiles:
     num_warps: int = 4
     num_stages: int = 3
     persistent: bool = False  # wgrad only: one program per SM, a grid-stride loop of tiles
-    tma: bool = False  # gate_up, down, down_bwd: weight tiles through TMA descriptors
+    tma: bool = False  # gate_up, down, down_bwd (recomputing): weight tiles through TMA
     pair: bool = False  # wgrad_gate_up only: gate and up in one launch, x's tiles loaded once
 
 
@@ -74,7 +75,14 @@ class TileConfig:
             tuned = tuned_table().get((kind, n, k))
             if tuned is not None and (kind.startswith("wgrad") or self.align % tuned.block_m == 0):
                 return tuned
-        return getattr(self, "wgrad" if kind.startswith("wgrad") else kind)
+        if kind.startswith("wgrad"):
+            return self.wgrad
+        return getattr(self, _FALLBACK_KINDS.get(kind, kind))
+
+
+# Kinds without tiles of their own in a TileConfig: down_bwd reading saved gate/up
+# pre-activations is one accumulator over K = H, like the down projection.
+_FALLBACK_KINDS = {"down_bwd_saved": "down"}
 
 
 def _check_row_tiles(name: str, tiles: GemmTiles, align: int) -> None:
