@@ -26,7 +26,7 @@ def loss_and_grads(module, x):
 
 @pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept_gate_up"])
 def test_module_matches_reference_backend(recompute_gate_up):
-    module = make_module(recompute_gate_up=recompute_gate_up, swiglu_limit=1.0)
+    module = make_module(recompute_gate_up=recompute_gate_up)
     x = torch.randn(3, 10, 32, device=DEVICE)
     y, d_x, grads = loss_and_grads(module, x)
     module.backend = Backend.REFERENCE
