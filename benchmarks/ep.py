@@ -261,6 +261,8 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
                            shared_intermediate_size=shape.shared_intermediate_size,
                            device=device, seed=7 + rank)
         solo_layer = MoKLayer(solo, None, config)
+        if cuda:  # else the peak of the shape before (or the inputs' setup) is reported
+            torch.cuda.reset_peak_memory_stats(device)
         compute = {"forward": timed(solo_layer.forward, iters, warmup, group),
                    "forward+backward": timed(solo_layer.step, iters, warmup, group)}
         for mode, ms in compute.items():

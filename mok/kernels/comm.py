@@ -245,23 +245,26 @@ def clear_dropped_routes_kernel(
     mine = (expert >= first_local_expert) & (expert < first_local_expert + num_local_experts)
     row = tl.load(route_row_ptr + routes, mask=in_range, other=0)
     dropped = in_range & mine & (row < 0)
-    dst_rank = routes // routes_per_rank
-    local_route = (routes % routes_per_rank).to(tl.int64)
-    if CLEAR_ROWS:
-        delta = tl.load(rows_delta_ptr + dst_rank, mask=dropped, other=0)
-        offsets = delta + local_route * stride_rows
-        cols = tl.arange(0, BLOCK_W)
-        zeros = tl.zeros([BLOCK_R, BLOCK_W], dtype=rows_ptr.dtype.element_ty)
-        for c0 in range(0, width, BLOCK_W):
-            mask = dropped[:, None] & ((c0 + cols) < width)[None, :]
-            tl.store(rows_ptr + offsets[:, None] + (c0 + cols)[None, :], zeros, mask=mask)
-    if CLEAR_VALUES:
-        delta = tl.load(values_delta_ptr + dst_rank, mask=dropped, other=0)
-        tl.store(values_ptr + delta + local_route, tl.zeros([BLOCK_R], dtype=tl.float32),
-                 mask=dropped)
-    flag_delta = tl.load(flag_delta_ptr + dst_rank, mask=dropped, other=0)
-    tl.atomic_max(flags_ptr + flag_delta + report_slot, tl.full([BLOCK_R], 1, tl.int64),
-                  mask=dropped, sem="relaxed", scope="sys")
+    # Nothing dropped (the usual case): the block's routes are read and that is all; masked-off
+    # stores over the row width would still cost their instructions.
+    if tl.max(dropped.to(tl.int32), axis=0) > 0:
+        dst_rank = routes // routes_per_rank
+        local_route = (routes % routes_per_rank).to(tl.int64)
+        if CLEAR_ROWS:
+            delta = tl.load(rows_delta_ptr + dst_rank, mask=dropped, other=0)
+            offsets = delta + local_route * stride_rows
+            cols = tl.arange(0, BLOCK_W)
+            zeros = tl.zeros([BLOCK_R, BLOCK_W], dtype=rows_ptr.dtype.element_ty)
+            for c0 in range(0, width, BLOCK_W):
+                mask = dropped[:, None] & ((c0 + cols) < width)[None, :]
+                tl.store(rows_ptr + offsets[:, None] + (c0 + cols)[None, :], zeros, mask=mask)
+        if CLEAR_VALUES:
+            delta = tl.load(values_delta_ptr + dst_rank, mask=dropped, other=0)
+            tl.store(values_ptr + delta + local_route, tl.zeros([BLOCK_R], dtype=tl.float32),
+                     mask=dropped)
+        flag_delta = tl.load(flag_delta_ptr + dst_rank, mask=dropped, other=0)
+        tl.atomic_max(flags_ptr + flag_delta + report_slot, tl.full([BLOCK_R], 1, tl.int64),
+                      mask=dropped, sem="relaxed", scope="sys")
 
 
 @triton.jit

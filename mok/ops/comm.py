@@ -236,9 +236,9 @@ def clear_dropped_routes(peer: PeerFlags, report_slot: int, topk: torch.Tensor,
     num_routes = route_row.shape[0]
     if num_routes == 0:
         return
-    block_r = 64
+    block_r = 256
     width = rows.shape[1] if rows is not None else 1
-    block_w = min(256, triton.next_power_of_2(width))
+    block_w = min(32, triton.next_power_of_2(width))
     kernels.clear_dropped_routes_kernel[(triton.cdiv(num_routes, block_r),)](
         topk, route_row, rows if rows is not None else route_row,
         rows_deltas if rows is not None else route_row,
