@@ -26,6 +26,7 @@ under runs/bench/ rather than into the committed benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import enum
 import functools
@@ -326,6 +327,25 @@ def draw_chart(path: Path, rows: list[dict]) -> None:
     figure.savefig(path)
 
 
+def newest_rows(csv_path: Path, gpu_only: bool = True) -> list[dict]:
+    """The last row of each (shape, impl, mode) in csv_path (GPU rows only by default), numbers
+    as floats; shapes and implementations in the order they first appear in the CSV: what
+    --redraw charts and tabulates."""
+    with csv_path.open(newline="") as handle:
+        rows = [row for row in csv.DictReader(handle)
+                if not (gpu_only and row["gpu"].startswith("cpu"))]
+    newest = {(row["shape"], row["impl"], row["mode"]): row for row in rows}
+    shapes = list(dict.fromkeys(row["shape"] for row in rows))
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    modes = [mode.value for mode in Mode]
+    ordered = sorted(newest.values(), key=lambda row: (
+        shapes.index(row["shape"]), impls.index(row["impl"]),
+        modes.index(row["mode"]) if row["mode"] in modes else len(modes)))
+    return [dict(row, ms=float(row["ms"]), tflops=float(row["tflops"]),
+                 peak_mem_gb=float(row["peak_mem_gb"]) if row["peak_mem_gb"] else "")
+            for row in ordered]
+
+
 def main(argv: list[str] | None = None) -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="python -m mok bench", description=__doc__,
@@ -354,8 +374,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="let Liger autotune its kernels on its first call per shape "
                              "(minutes each on a GPU); --no-liger-autotune pins one config "
                              "(rows named liger_untuned)")
+    parser.add_argument("--redraw", action="store_true",
+                        help="measure nothing: chart and tabulate the newest GPU row of each "
+                             "(shape, implementation, mode) already in the CSV")
     args = parser.parse_args(argv)
     csv_path = args.csv or args.out / "layer.csv"
+    if args.redraw:
+        rows = newest_rows(csv_path)
+        if not rows:
+            raise SystemExit(f"{csv_path} has no GPU rows to draw")
+        draw_chart(csv_path.with_suffix(".png"), rows)
+        print_table(rows, [])
+        print(f"chart {csv_path.with_suffix('.png')} from {len(rows)} rows of {csv_path}")
+        return
     run([BENCH_SHAPES[name] for name in args.shapes], list(dict.fromkeys(args.impls)),
         [Mode(mode) for mode in dict.fromkeys(args.modes)], repeats=args.repeats,
         warmup=args.warmup, num_input_sets=args.input_sets, csv_path=csv_path,

@@ -167,3 +167,28 @@ def test_liger_adapter_computes_the_reference_layer_in_fp32():
     reference = moe_reference_grads(inputs, compute_dtype=torch.float64)
     report = layer.check(impl, inputs, reference, trains=True)
     assert report.max_rel <= TOLERANCES[torch.float32].max_rel
+
+
+def test_redraw_charts_the_newest_gpu_row_of_each_cell(tmp_path, capsys):
+    csv_path = tmp_path / "layer.csv"
+
+    def row(gpu, commit, shape, impl, mode, tflops):
+        return dict(gpu=gpu, commit=commit, date="2026-01-01T00:00:00", shape=shape, impl=impl,
+                    mode=mode, ms=1.0, tflops=tflops, peak_mem_gb=0.5, max_rel_err="1e-02")
+
+    rows = [row("NVIDIA H200", "old", "qwen3-30b-a3b", "mok", "forward", 100.0),
+            row("NVIDIA H200", "old", "olmoe-1b-7b", "mok", "forward", 200.0),
+            row("NVIDIA H200", "new", "qwen3-30b-a3b", "mok", "forward", 300.0),
+            row("cpu", "cpu", "qwen3-30b-a3b", "mok", "forward", 1.0),
+            row("NVIDIA H200", "new", "qwen3-30b-a3b", "dense", "forward", 700.0)]
+    layer.append_rows(csv_path, CSV_FIELDS, rows)
+    newest = layer.newest_rows(csv_path)
+    assert [(r["shape"], r["impl"], r["commit"], r["tflops"]) for r in newest] == [
+        ("qwen3-30b-a3b", "mok", "new", 300.0), ("qwen3-30b-a3b", "dense", "new", 700.0),
+        ("olmoe-1b-7b", "mok", "old", 200.0)]
+    mok_main(["bench", "--redraw", "--csv", str(csv_path)])
+    assert (tmp_path / "layer.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "from 3 rows" in out and "300" in out
+    with csv_path.open(newline="") as handle:
+        assert len(list(csv.DictReader(handle))) == len(rows)  # nothing appended

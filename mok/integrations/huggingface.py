@@ -176,7 +176,8 @@ class MokSparseMoeBlock(nn.Module):
 
     def __init__(self, block: nn.Module, *, backend: Backend | str = Backend.MOK,
                  swiglu_limit: float | None = None,
-                 ep_group: dist.ProcessGroup | None = None) -> None:
+                 ep_group: dist.ProcessGroup | None = None,
+                 recompute_gate_up: bool = True) -> None:
         super().__init__()
         where = type(block).__name__
         for name, parameter in block._parameters.items():
@@ -212,6 +213,7 @@ class MokSparseMoeBlock(nn.Module):
             self._local_experts = slice(rank * per_rank, (rank + 1) * per_rank)
         self.backend = Backend(backend)
         self.swiglu_limit = swiglu_limit
+        self.recompute_gate_up = recompute_gate_up
         # Mixtral multiplies the block's input by U(1 - j, 1 + j) noise in training.
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.train(block.training)
@@ -251,7 +253,7 @@ class MokSparseMoeBlock(nn.Module):
             y = moe_experts(cast(x).contiguous(), topk_ids, topk_weights.float(), *shared,
                             gate_up[:, :intermediate], gate_up[:, intermediate:], cast(down),
                             swiglu_limit=self.swiglu_limit, backend=self.backend,
-                            group=self.ep_group)
+                            group=self.ep_group, recompute_gate_up=self.recompute_gate_up)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -263,7 +265,8 @@ class MokSparseMoeBlock(nn.Module):
 
 def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
                      swiglu_limit: float | None = None,
-                     ep_group: dist.ProcessGroup | None = None) -> int:
+                     ep_group: dist.ProcessGroup | None = None,
+                     recompute_gate_up: bool = True) -> int:
     """Replace, in place, every supported sparse MoE block below `model` by a MokSparseMoeBlock.
 
     Returns the number of blocks replaced (0 when there are none, e.g. already patched). The
@@ -271,6 +274,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     the unpatched model. swiglu_limit clamps gate and up as mok's swiglu_limit does, for the
     routed and the shared experts; it changes the model's math unless the model was trained so.
     ep_group: run the experts with expert parallelism over this group (module docstring).
+    recompute_gate_up=False keeps the experts' gate/up pre-activations for the backward
+    (mok.functional.MoKConfig.recompute_gate_up): faster, 2I more bytes per route.
     Raises ValueError (before changing anything) when a block has a layout mok cannot run.
     """
     block_types = supported_block_types()
@@ -284,7 +289,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
         if id(block) not in replacements:
             replacements[id(block)] = MokSparseMoeBlock(block, backend=backend,
                                                         swiglu_limit=swiglu_limit,
-                                                        ep_group=ep_group)
+                                                        ep_group=ep_group,
+                                                        recompute_gate_up=recompute_gate_up)
     for parent, name, block in sites:
         setattr(parent, name, replacements[id(block)])
     return len(replacements)
