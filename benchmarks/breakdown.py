@@ -64,6 +64,7 @@ def breakdown(shape) -> None:
                                         None)
     dxr = ops.d_x_rows(dgu, w_g, w_u, routing, t_d_x)
     gate_up = ops.gate_up_buffer(x, w_g, routing)
+    h_kept = torch.empty_like(h)  # written by the kept-gate/up backward
     stages = [
         ("schedule", lambda: F.build_schedule(workspace, config, inputs.topk_experts,
                                               num_local_experts=shape.num_experts), 0, 0),
@@ -76,9 +77,10 @@ def breakdown(shape) -> None:
                                                           t_down_bwd, rw, None), 3 * gemm, 0),
         ("gate_up_saving", lambda: ops.gate_up_swiglu(x, w_g, w_u, routing, t_gate_up, None,
                                                       gate_up=gate_up), 2 * gemm, 0),
-        ("down_bwd_saved", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing,
+        ("down_bwd_saved", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h_kept, routing,
                                                         t_down_bwd_saved, rw, None,
-                                                        gate_up=gate_up), gemm, 0),
+                                                        gate_up=gate_up, h_out=True),
+         gemm, 0),
         ("router_grad", lambda: ops.router_grad(partial, routing), 0, 0),
         ("d_x_rows", lambda: ops.d_x_rows(dgu, w_g, w_u, routing, t_d_x), 2 * gemm, 0),
         ("combine_dx", lambda: ops.combine(dxr, routing, None, x.dtype), 0,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from benchmarks.breakdown import median_ms, shape_setup
 from mok import ops
 from mok.ops.tuning import HOPPER_TILES, GemmTiles, table_to_json, tuned_table
@@ -64,6 +66,7 @@ def stage_runners(shape):
     dgu, _ = ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, HOPPER_TILES.down_bwd,
                                   rw, None)
     gate_up = ops.gate_up_buffer(x, w_g, routing)
+    h_kept = torch.empty_like(h)  # written by the kept-gate/up backward
     ops.gate_up_swiglu(x, w_g, w_u, routing, HOPPER_TILES.gate_up, None, gate_up=gate_up)
     return {
         "gate_up": ((inter, hid), lambda t: ops.gate_up_swiglu(x, w_g, w_u, routing, t, None)),
@@ -71,7 +74,8 @@ def stage_runners(shape):
         "down_bwd": ((inter, hid), lambda t: ops.down_bwd_dswiglu(
             d_out, x, w_d, w_g, w_u, h, routing, t, rw, None)),
         "down_bwd_saved": ((inter, hid), lambda t: ops.down_bwd_dswiglu(
-            d_out, x, w_d, w_g, w_u, h, routing, t, rw, None, gate_up=gate_up)),
+            d_out, x, w_d, w_g, w_u, h_kept, routing, t, rw, None, gate_up=gate_up,
+            h_out=True)),
         "d_x": ((hid, inter), lambda t: ops.d_x_rows(dgu, w_g, w_u, routing, t)),
         "wgrad_gate_up": ((inter, hid), lambda t: ops.grouped_wgrad_gate_up(
             dgu, x, routing, t, gather_x=True, out_dtype=x.dtype)),

@@ -24,7 +24,7 @@ weight gradients of the experts t routes to; other tokens' outputs are unaffecte
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,9 +64,9 @@ class MoKConfig:
     peer_timeout_s: how long a wait on another rank of the group may last before it is given up
         and reported (MoKDataError naming the rank): a dead peer ends in an error, not a hang.
     recompute_gate_up: the backward recomputes the gate/up projections (True: the forward
-        context keeps h only). False keeps the pre-activations [C, 2I] too, twice h's bytes, and
-        the backward's first kernel does one GEMM instead of three (4 of the 22 GEMM FLOPs per
-        route that a forward+backward runs).
+        context keeps h only). False keeps the pre-activations [C, 2I] instead, twice h's bytes,
+        and the backward's first kernel does one GEMM instead of three (4 of the 22 GEMM FLOPs
+        per route that a forward+backward runs) and rebuilds h from them.
     """
 
     fwd_num_comm_sms: int = 64
@@ -310,14 +310,15 @@ class Schedule:
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """What the backward needs beyond the inputs: the SwiGLU outputs (and with
-    MoKConfig(recompute_gate_up=False) the pre-activations).
+    """What the backward needs beyond the inputs: the SwiGLU outputs, or with
+    MoKConfig(recompute_gate_up=False) the pre-activations instead.
 
-    h        [C, I]: routed experts' SwiGLU output, in schedule row order (x.dtype).
-    h_shared [T_pad, I_s] or None: the shared expert's SwiGLU output.
+    h        [C, I] or None: routed experts' SwiGLU output, in schedule row order (x.dtype).
+    h_shared [T_pad, I_s] or None: the shared expert's SwiGLU output (None without one).
     gate_up, gate_up_shared [C, 2I], [T_pad, 2 I_s] or None: the pre-activations [gate, up] of
-        the routed and shared experts, kept when the config does not recompute them (across
-        nodes the shared expert recomputes).
+        the routed and shared experts, kept (in place of h, h_shared: the backward rebuilds
+        those from them) when the config does not recompute them (across nodes the shared
+        expert keeps h_shared and recomputes).
     weights_rows [C] fp32 (expert parallelism only): the router weights pulled with the rows, in
         schedule row order. The pulled token rows are not kept: the backward pulls them again
         with d_output.
@@ -327,7 +328,7 @@ class ForwardContext:
     outputs are never kept (the router-weight gradient is computed from h).
     """
 
-    h: torch.Tensor
+    h: torch.Tensor | None
     h_shared: torch.Tensor | None
     weights_rows: torch.Tensor | None = None
     inner: ForwardContext | None = None
@@ -339,6 +340,13 @@ class ForwardContext:
         parts = (self.h, self.h_shared, self.weights_rows, self.gate_up, self.gate_up_shared)
         own = sum(t.numel() * t.element_size() for t in parts if t is not None)
         return own + (self.inner.nbytes if self.inner is not None else 0)
+
+    def kept_for_backward(self) -> ForwardContext:
+        """This context without the h that kept pre-activations make redundant (what the
+        forward returns; it needed h itself for the down projection)."""
+        return replace(
+            self, h=None if self.gate_up is not None else self.h,
+            h_shared=None if self.gate_up_shared is not None else self.h_shared)
 
 
 # -- input checks (host-known facts only; never reads device values) ---------------------------
@@ -576,7 +584,7 @@ def forward(
         ep.clear_dropped(peer, schedule.exchange, rows_dtype=x.dtype)
         ep.finish(peer, Phase.FORWARD)
     y = ops.combine(rows, combine_routing, shared_rows, x.dtype)
-    return y, context
+    return y, context.kept_for_backward()
 
 
 def recompute_forward_context(
@@ -604,7 +612,7 @@ def recompute_forward_context(
     x = _rowmajor(x)
     if workspace.ep is None and workspace.cross_node is None:
         return _gate_up(config, schedule, x, None, w_shared_gate, w_shared_up, w_routed_gate,
-                        w_routed_up, swiglu_limit)
+                        w_routed_up, swiglu_limit).kept_for_backward()
     if router_weights is None:
         raise MoKInputError("with expert parallelism, recompute_forward_context needs "
                             "router_weights= (the experts' ranks pull them with the rows)")
@@ -615,11 +623,22 @@ def recompute_forward_context(
                                               (w_shared_gate, w_shared_up),
                                               (w_routed_gate, w_routed_up), swiglu_limit)
     return _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up,
-                    w_routed_gate, w_routed_up, swiglu_limit)
+                    w_routed_gate, w_routed_up, swiglu_limit).kept_for_backward()
 
 
 def _down_bwd_kind(gate_up: torch.Tensor | None) -> str:
     return "down_bwd" if gate_up is None else "down_bwd_saved"
+
+
+def _h_for_backward(h, gate_up, routing, intermediate) -> tuple[torch.Tensor, bool]:
+    """(h, whether the backward's first kernel writes it): a context with kept pre-activations
+    holds no h; that kernel rebuilds it from them for the down projection's weight gradient."""
+    if h is not None:
+        return h, False
+    if gate_up is None:
+        raise MoKInputError("the forward context holds neither h nor the gate/up pre-activations")
+    return torch.empty(routing.capacity_rows, intermediate, dtype=gate_up.dtype,
+                       device=gate_up.device), True
 
 
 def _expert_backward(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
@@ -627,10 +646,11 @@ def _expert_backward(tiles, routing, d_output, x, h, router_weights, w_gate, w_u
     """Backward of one group of experts: (d_x rows, d_router_weights or None, weight grads)."""
     hidden, intermediate = x.shape[1], w_gate.shape[1]
     pick = tiles.pick
+    h, h_out = _h_for_backward(h, gate_up, routing, intermediate)
     d_gate_up, partial = ops.down_bwd_dswiglu(
         d_output, x, w_down, w_gate, w_up, h, routing,
         pick(_down_bwd_kind(gate_up), intermediate, hidden), router_weights, swiglu_limit,
-        gate_up=gate_up)
+        gate_up=gate_up, h_out=h_out)
     d_router_weights = ops.router_grad(partial, routing) if partial is not None else None
     d_x_rows = ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate))
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
@@ -674,7 +694,9 @@ def backward(
     _check_tensor("d_output", d_output, tuple(x.shape), (x.dtype,), workspace.device)
     if not isinstance(forward_context, ForwardContext):
         raise MoKInputError("forward_context must come from forward or recompute_forward_context")
-    if (forward_context.h_shared is None) != (w_shared_gate is None):
+    context_shared = (forward_context.h_shared is not None
+                      or forward_context.gate_up_shared is not None)
+    if context_shared != (w_shared_gate is not None):
         raise MoKInputError("the forward context and the shared-expert weights disagree")
     x, d_output = _rowmajor(x), _rowmajor(d_output)
     router_weights = router_weights.contiguous()
@@ -721,10 +743,11 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     dy_rows, x_rows, pull = ep.backward_pull(peer, plan, d_output, x,
                                              minibatch=config.minibatch_size,
                                              num_programs=config.bwd_num_comm_sms)
+    h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
     d_gate_up, partial = ops.down_bwd_dswiglu(
-        dy_rows, x_rows, w_down, w_gate, w_up, context.h, routing,
+        dy_rows, x_rows, w_down, w_gate, w_up, h, routing,
         pick(_down_bwd_kind(context.gate_up), intermediate, hidden), context.weights_rows,
-        swiglu_limit, pull=pull, gate_up=context.gate_up)
+        swiglu_limit, pull=pull, gate_up=context.gate_up, h_out=h_out)
     ep.pulled(peer, Phase.BACKWARD)
     # Router-weight gradients by route of the group, each sent to its token's rank.
     by_route = ops.router_grad(partial, plan.group_routing)
@@ -738,7 +761,7 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
         d_gate_up, x_rows, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=False,
         out_dtype=w_gate.dtype)
-    d_w_down = ops.grouped_wgrad(dy_rows, context.h, routing,
+    d_w_down = ops.grouped_wgrad(dy_rows, h, routing,
                                  pick("wgrad_down", hidden, intermediate), gather_a=False,
                                  gather_b=False, router_weights=context.weights_rows,
                                  weights_by_row=True, out_dtype=w_down.dtype)

@@ -58,8 +58,9 @@ def _moe_forward(
     recompute_gate_up: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h, h_shared, gate_up, gate_up_shared (each empty when absent), row_route,
-    route_row, block_expert, expert_counts, expert_offsets)."""
+    """(y, h, h_shared, gate_up, gate_up_shared (each empty when absent: h and h_shared when
+    the pre-activations are kept), row_route, route_row, block_expert, expert_counts,
+    expert_offsets)."""
     config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
     workspace = _workspace(x, topk_experts.shape[1])
     schedule = F.build_schedule(workspace, config, topk_experts,
@@ -68,8 +69,8 @@ def _moe_forward(
                            w_shared_up, w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
                            swiglu_limit=swiglu_limit)
     saved = [t if t is not None else x.new_empty(0)
-             for t in (context.h_shared, context.gate_up, context.gate_up_shared)]
-    return (y, context.h, *saved, *schedule.tensors())
+             for t in (context.h, context.h_shared, context.gate_up, context.gate_up_shared)]
+    return (y, *saved, *schedule.tensors())
 
 
 @_moe_forward.register_fake
@@ -79,15 +80,17 @@ def _(x, topk_experts, router_weights, w_shared_gate, w_shared_up, w_shared_down
     rows = _num_rows(x, topk_experts.shape[1], num_local)
     align = default_tiles(x.device).align
     i32 = dict(dtype=torch.int32, device=x.device)
-    inter = w_routed_gate.shape[1]
-    h_shared = gate_up_shared = x.new_empty(0)
-    gate_up = x.new_empty(0) if recompute_gate_up else x.new_empty(rows, 2 * inter)
+    # What the context keeps: h (and h_shared), or the pre-activations [gate, up] instead.
+    width = 1 if recompute_gate_up else 2
+    h, h_shared, gate_up, gate_up_shared = (x.new_empty(0) for _ in range(4))
+    routed = x.new_empty(rows, width * w_routed_gate.shape[1])
+    h, gate_up = (routed, gate_up) if recompute_gate_up else (h, routed)
     if w_shared_gate is not None:
         shared_rows = math.ceil(max(x.shape[0], 1) / align) * align
-        h_shared = x.new_empty(shared_rows, w_shared_gate.shape[0])
-        if not recompute_gate_up:
-            gate_up_shared = x.new_empty(shared_rows, 2 * w_shared_gate.shape[0])
-    return (x.new_empty(x.shape), x.new_empty(rows, inter), h_shared, gate_up, gate_up_shared,
+        shared = x.new_empty(shared_rows, width * w_shared_gate.shape[0])
+        h_shared, gate_up_shared = (shared, gate_up_shared) if recompute_gate_up \
+            else (h_shared, shared)
+    return (x.new_empty(x.shape), h, h_shared, gate_up, gate_up_shared,
             torch.empty(rows, **i32), torch.empty(topk_experts.numel(), **i32),
             torch.empty(rows // align, **i32), torch.empty(num_local, **i32),
             torch.empty(num_local + 1, **i32))
@@ -122,7 +125,7 @@ def _moe_backward(
         workspace, (row_route, route_row, block_expert, expert_counts, expert_offsets),
         num_tokens=x.shape[0], num_local_experts=w_routed_gate.shape[0])
     has_shared, kept = w_shared_gate is not None, not recompute_gate_up
-    context = F.ForwardContext(h, h_shared if has_shared else None,
+    context = F.ForwardContext(None if kept else h, h_shared if has_shared and not kept else None,
                                gate_up=gate_up if kept else None,
                                gate_up_shared=gate_up_shared if kept and has_shared else None)
     grads = F.backward(config, workspace, schedule, context, d_y, x, router_weights,

@@ -140,7 +140,7 @@ def main(argv=None) -> None:
         ("gate_up saving", t["gate_up"], lambda tt: ops.gate_up_swiglu(
             x, w_g, w_u, routing, tt, None, gate_up=dgu)),
         ("down_bwd saved", t["down_bwd_saved"], lambda tt: ops.down_bwd_dswiglu(
-            d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None, gate_up=dgu)),
+            d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None, gate_up=dgu, h_out=True)),
         ("d_x", t["d_x"], lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
     ]
     for label, variant in (("", {}), (" persistent", dict(persistent=True)),

@@ -167,13 +167,17 @@ def test_kept_gate_up_matches_reference(case):
     check_against_reference(case, y, grads)
     y_recomputing, _, _, recomputing = run_layer(inputs, swiglu_limit=case.limit, tiles=tiles)
     assert torch.equal(y, y_recomputing)
-    used = int(schedule.routing.expert_offsets[-1])
-    assert torch.equal(context.h[:used], recomputing.h[:used])
-    rows, shared_rows = schedule.routing.capacity_rows, schedule.shared_routing.capacity_rows
+    # It keeps [gate, up] in place of h: C x 2I (+ T_pad x 2 I_s) elements.
+    rows = schedule.routing.capacity_rows
+    assert context.h is None and context.h_shared is None
     assert context.gate_up.shape == (rows, 2 * case.intermediate)
     assert (context.gate_up_shared is None) == (case.shared == 0)
-    extra = 2 * (rows * case.intermediate + shared_rows * case.shared) * y.element_size()
-    assert context.nbytes == recomputing.nbytes + extra
+    assert context.nbytes == 2 * recomputing.nbytes
+    again_context = F.recompute_forward_context(
+        kept, schedule.workspace, schedule, inputs.x, inputs.w_shared_gate, inputs.w_shared_up,
+        inputs.w_routed_gate, inputs.w_routed_up, swiglu_limit=case.limit)
+    used = int(schedule.routing.expert_offsets[-1])
+    assert torch.equal(context.gate_up[:used], again_context.gate_up[:used])
     again = run_layer(inputs, config=kept, swiglu_limit=case.limit, tiles=tiles)
     for name, a, b in zip(GRAD_NAMES, grads, again[1], strict=True):
         assert (a is None and b is None) or torch.equal(a, b), name

@@ -262,7 +262,7 @@ def down_bwd_dswiglu_kernel(
     stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
-    SAVED_GATE_UP: tl.constexpr,
+    SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -279,7 +279,8 @@ def down_bwd_dswiglu_kernel(
     programs. W_TMA: w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module
     docstring); w_down stays with pointer loads. SAVED_GATE_UP: gate and up are read from
     gate_up[row] = [gate, up] (what the forward's SAVE_GATE_UP wrote); the K loop is dh0's alone
-    and x, w_gate, w_up are not read.
+    and x, w_gate, w_up are not read. H_OUT (with SAVED_GATE_UP): h is written, swiglu of the
+    kept pre-activations, rather than read.
     """
     pid = tl.program_id(0)
     if PULL:
@@ -346,15 +347,6 @@ def down_bwd_dswiglu_kernel(
             wd_offsets += BLOCK_K * stride_wd_k
             w_offsets += BLOCK_K * stride_wk
 
-    if HAS_WEIGHT:
-        # d w[route] = <d_out[token], w_down[e] h[row]> = sum_n dh0[row, n] * h[row, n], with the
-        # h the forward stored (bf16), so the gradient matches the forward that ran.
-        h = tl.load(h_ptr + rows[:, None] * stride_hm + cols[None, :], mask=col_mask[None, :],
-                    other=0.0).to(tl.float32)
-        tl.store(d_weight_partial_ptr + rows * stride_pm + pid_n, tl.sum(acc_dh * h, axis=1))
-        weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
-        acc_dh = acc_dh * weight[:, None]
-
     gate = acc_gate
     up = acc_up
     if HAS_LIMIT:
@@ -368,6 +360,19 @@ def down_bwd_dswiglu_kernel(
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     sig = tl.sigmoid(gate)
     silu = gate * sig
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :]
+    if H_OUT:  # h from the kept pre-activations, for the down projection's weight gradient
+        h = silu * up
+        tl.store(h_ptrs, cast_to(h, h_ptr.dtype.element_ty, UPCAST), mask=col_mask[None, :])
+    if HAS_WEIGHT:
+        # d w[route] = <d_out[token], w_down[e] h[row]> = sum_n dh0[row, n] * h[row, n], with the
+        # h the forward stored (bf16), so the gradient matches the forward that ran (H_OUT: the
+        # h of the kept pre-activations, in fp32).
+        if not H_OUT:
+            h = tl.load(h_ptrs, mask=col_mask[None, :], other=0.0).to(tl.float32)
+        tl.store(d_weight_partial_ptr + rows * stride_pm + pid_n, tl.sum(acc_dh * h, axis=1))
+        weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
+        acc_dh = acc_dh * weight[:, None]
     d_gate = acc_dh * up * (sig * (1.0 + gate * (1.0 - sig)))
     d_up = acc_dh * silu
     if HAS_LIMIT:

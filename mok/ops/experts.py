@@ -198,10 +198,12 @@ def down_bwd_dswiglu(
     swiglu_limit: float | None,
     pull: Pull | None = None,
     gate_up: torch.Tensor | None = None,
+    h_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients at the gate/up outputs, gate/up recomputed in the same pass (or read from
     gate_up [C, 2I], the forward's pre-activations: then x, w_gate and w_up are not read, except
-    x as the destination of a pull).
+    x as the destination of a pull). h_out (with gate_up): h [C, I] receives swiglu of the kept
+    pre-activations instead of being read (a forward context that keeps gate_up only).
 
     Returns d_gate_up [C, 2I] (d_gate in [:, :I], d_up in [:, I:]) and, with router weights, the
     partial router-weight gradients [C, cdiv(I, block_n)] fp32 (summed by `router_grad`).
@@ -222,6 +224,8 @@ def down_bwd_dswiglu(
     else:
         _check_gate_up(gate_up, routing, intermediate)
         gate, up, tma = w_gate, w_up, False
+    if h_out and gate_up is None:
+        raise ValueError("h_out needs the kept pre-activations (gate_up)")
     gemm_kernels.down_bwd_dswiglu_kernel[(grid + pull_scalars[0],)](
         d_out, x, w_down, gate, up, h, gate_up if gate_up is not None else h,
         router_weights if router_weights is not None else h,
@@ -233,7 +237,8 @@ def down_bwd_dswiglu(
         gate_up.stride(0) if gate_up is not None else 0, d_gate_up.stride(0),
         partial.stride(0) if partial is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
-        W_TMA=tma, SAVED_GATE_UP=gate_up is not None, **pull_meta, **_gemm_meta(tiles),
+        W_TMA=tma, SAVED_GATE_UP=gate_up is not None, H_OUT=h_out, **pull_meta,
+        **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 
