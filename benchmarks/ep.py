@@ -9,6 +9,8 @@ experts are per GPU), on the same inputs on every rank:
   weighted sum; backward through autograd;
 - compute_only: mok on one GPU with the same per-GPU work (T tokens, the E_local local experts),
   no communication: the floor the overlap aims at;
+- with --keep-gate-up, mok and compute_only run with MoKConfig(recompute_gate_up=False) (rows
+  mok_kept, compute_only_kept);
 - dispatch: mok's publish + pull of the forward alone, for the NVLink bandwidth it reaches
   (bytes pulled from other ranks / time; the measured pull ceiling of copy_ is 371 GB/s);
 - down_scatter / down_local: the forward's down GEMM writing its rows into the tokens' ranks'
@@ -216,7 +218,7 @@ def max_error(y, grads, inputs, group):
 
 
 def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, peer_timeout_s,
-               profile=False):
+               profile=False, keep_gate_up=False):
     import mok.functional as F
     from benchmarks.layer import BENCH_SHAPES
     from mok.testing import make_inputs
@@ -226,7 +228,8 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     config = F.MoKConfig(fwd_num_comm_sms=comm_sms, bwd_num_comm_sms=comm_sms,
-                         peer_timeout_s=peer_timeout_s)
+                         peer_timeout_s=peer_timeout_s, recompute_gate_up=not keep_gate_up)
+    kept = "_kept" if keep_gate_up else ""  # mok's rows: mok_kept, compute_only_kept
     rows = []
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)"
     date = datetime.datetime.now().isoformat(timespec="seconds")
@@ -266,7 +269,8 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
         compute = {"forward": timed(solo_layer.forward, iters, warmup, group),
                    "forward+backward": timed(solo_layer.step, iters, warmup, group)}
         for mode, ms in compute.items():
-            row(shape, "compute_only", mode, ms, fwd_flops * (3 if "backward" in mode else 1))
+            row(shape, f"compute_only{kept}", mode, ms,
+                fwd_flops * (3 if "backward" in mode else 1))
         del solo_layer, solo
 
         for impl_name in ("mok", "nccl_grouped_mm"):
@@ -293,14 +297,16 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
             for mode, fn in (("forward", impl.forward), ("forward+backward", impl.step)):
                 ms = timed(fn, iters, warmup, group)
                 flops = fwd_flops * (3 if "backward" in mode else 1)
-                row(shape, impl_name, mode, ms, flops, compute[mode], err=err)
+                row(shape, impl_name + (kept if impl_name == "mok" else ""), mode, ms, flops,
+                    compute[mode], err=err)
             if impl_name == "mok":
                 ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)
-                row(shape, "mok", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
+                row(shape, f"mok{kept}", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
                 scatter_ms, local_ms, nbytes = down_scatter_and_local(impl, inputs, iters,
                                                                       warmup, group)
-                row(shape, "mok", "down_scatter", scatter_ms, 0, gb_s=nbytes / scatter_ms / 1e6)
-                row(shape, "mok", "down_local", local_ms, 0)
+                row(shape, f"mok{kept}", "down_scatter", scatter_ms, 0,
+                    gb_s=nbytes / scatter_ms / 1e6)
+                row(shape, f"mok{kept}", "down_local", local_ms, 0)
                 if profile and cuda:
                     print_kernel_times(impl.step, group, quiet=rank != 0)
                     print_host_times({"forward": impl.forward, "forward+backward": impl.step},
@@ -435,6 +441,9 @@ def main(argv=None) -> None:
                         help="MoKConfig.peer_timeout_s")
     parser.add_argument("--profile", action="store_true",
                         help="print mok's GPU time per kernel of one step (torch.profiler)")
+    parser.add_argument("--keep-gate-up", action="store_true",
+                        help="mok and its compute-only time with MoKConfig(recompute_gate_up="
+                             "False); rows named mok_kept, compute_only_kept")
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     from benchmarks import append_rows, commit_id
@@ -451,7 +460,7 @@ def main(argv=None) -> None:
                        ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(key, value)  # never NVLink multicast
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
-                              args.comm_sms, args.peer_timeout, args.profile,
+                              args.comm_sms, args.peer_timeout, args.profile, args.keep_gate_up,
                               backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
     rows = results[0]
     append_rows(args.csv, CSV_FIELDS, rows)
