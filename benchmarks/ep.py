@@ -29,6 +29,7 @@ a check of the pipeline, not a measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import statistics
@@ -402,7 +403,8 @@ def down_scatter_and_local(layer, inputs, iters, warmup, group):
     writing locally, remote bytes written)."""
     from mok import ops
 
-    workspace, config = layer.workspace, layer.config
+    workspace = layer.workspace
+    config = dataclasses.replace(layer.config, recompute_gate_up=True)  # a context with h
     ep = workspace.ep
     schedule = layer.schedule()
     _, context = layer.F.forward(config, workspace, schedule, *inputs.layer_args)

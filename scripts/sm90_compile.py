@@ -143,6 +143,13 @@ def main(argv=None) -> None:
             d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None, gate_up=dgu, h_out=True)),
         ("d_x", t["d_x"], lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
     ]
+    def wgrad_gate_up(tt):
+        return ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True, out_dtype=x.dtype)
+
+    def wgrad_down(tt):
+        return ops.grouped_wgrad(d_out, h, routing, tt, gather_a=True, gather_b=False,
+                                 router_weights=rw, out_dtype=x.dtype)
+
     for label, variant in (("", {}), (" persistent", dict(persistent=True)),
                            (" s4", dict(num_stages=4)), (" s5", dict(num_stages=5)),
                            (" pair", dict(pair=True)), (" pair s4", dict(pair=True, num_stages=4)),
@@ -150,22 +157,12 @@ def main(argv=None) -> None:
                            (" pair 128x128x32 s4", dict(pair=True, block_k=32, num_stages=4)),
                            (" 128x256", dict(block_n=256)),
                            (" 128x256 persistent", dict(block_n=256, persistent=True))):
-        runs.append((f"wgrad_gate_up{label}", r(HOPPER_TILES.wgrad, **variant),
-                     lambda tt: ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True,
-                                                          out_dtype=x.dtype)))
+        runs.append((f"wgrad_gate_up{label}", r(HOPPER_TILES.wgrad, **variant), wgrad_gate_up))
     for label, variant in (("", {}), (" persistent", dict(persistent=True)),
                            (" s4", dict(num_stages=4)), (" 128x256", dict(block_n=256))):
-        runs.append((f"wgrad_down{label}", r(HOPPER_TILES.wgrad, **variant),
-                     lambda tt: ops.grouped_wgrad(d_out, h, routing, tt, gather_a=True,
-                                                  gather_b=False, router_weights=rw,
-                                                  out_dtype=x.dtype)))
-    runs.append(("wgrad_gate_up tuned", t["wgrad_gate_up"],
-                 lambda tt: ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True,
-                                                      out_dtype=x.dtype)))
-    runs.append(("wgrad_down tuned", t["wgrad_down"],
-                 lambda tt: ops.grouped_wgrad(d_out, h, routing, tt, gather_a=True,
-                                              gather_b=False, router_weights=rw,
-                                              out_dtype=x.dtype)))
+        runs.append((f"wgrad_down{label}", r(HOPPER_TILES.wgrad, **variant), wgrad_down))
+    runs.append(("wgrad_gate_up tuned", t["wgrad_gate_up"], wgrad_gate_up))
+    runs.append(("wgrad_down tuned", t["wgrad_down"], wgrad_down))
     x_rows = torch.empty(rows, hid, **bf16)  # expert parallelism: rows pulled, no gather
     dy_rows = torch.empty(rows, hid, **bf16)
     rw_rows = torch.empty(rows, dtype=torch.float32)

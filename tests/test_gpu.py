@@ -61,10 +61,11 @@ def _step(config, workspace, inputs, limit):
     return (y, *grads)
 
 
-def test_no_host_sync_and_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept_gate_up"])
+def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up):
     inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=3)
-    config = F.MoKConfig()
+    config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
     workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=3000,
                                    hidden_size=512, topk=4)
     eager, graph, captured = eager_and_captured(lambda: _step(config, workspace, inputs, 7.0))
