@@ -630,13 +630,23 @@ def _down_bwd_kind(gate_up: torch.Tensor | None) -> str:
     return "down_bwd" if gate_up is None else "down_bwd_saved"
 
 
+def _check_context_rows(h, gate_up, routing, intermediate, suffix) -> None:
+    """The context holds h or the pre-activations, with this schedule's rows."""
+    if h is None and gate_up is None:
+        raise MoKInputError(f"the forward context holds neither h{suffix} nor gate_up{suffix}")
+    for name, tensor, width in ((f"h{suffix}", h, intermediate),
+                                (f"gate_up{suffix}", gate_up, 2 * intermediate)):
+        if tensor is not None and tuple(tensor.shape) != (routing.capacity_rows, width):
+            raise MoKInputError(f"forward context {name} has shape {tuple(tensor.shape)}, this "
+                                f"schedule and these weights need {(routing.capacity_rows, width)}"
+                                ": it was made for another schedule")
+
+
 def _h_for_backward(h, gate_up, routing, intermediate) -> tuple[torch.Tensor, bool]:
     """(h, whether the backward's first kernel writes it): a context with kept pre-activations
     holds no h; that kernel rebuilds it from them for the down projection's weight gradient."""
     if h is not None:
         return h, False
-    if gate_up is None:
-        raise MoKInputError("the forward context holds neither h nor the gate/up pre-activations")
     return torch.empty(routing.capacity_rows, intermediate, dtype=gate_up.dtype,
                        device=gate_up.device), True
 
@@ -707,6 +717,11 @@ def backward(
                                              router_weights, shared, routed, swiglu_limit)
     if (forward_context.weights_rows is None) != (workspace.ep is None):
         raise MoKInputError("the forward context was made for another workspace")
+    _check_context_rows(forward_context.h, forward_context.gate_up, schedule.routing,
+                        w_routed_gate.shape[1], "")
+    if w_shared_gate is not None:
+        _check_context_rows(forward_context.h_shared, forward_context.gate_up_shared,
+                            schedule.shared_routing, w_shared_gate.shape[0], "_shared")
     d_shared = (None, None, None)
     d_x_shared_rows = None
     if w_shared_gate is not None:  # first: with expert parallelism it overlaps the pulls

@@ -60,6 +60,12 @@ def test_backward_rejects_bad_gradient_and_context(setup):
     no_shared = (inputs.x, inputs.router_weights, None, None, None, *inputs.routed_weights)
     with pytest.raises(MoKInputError, match="disagree"):
         F.backward(config, workspace, schedule, context, inputs.d_output, *no_shared)
+    emptied = dataclasses.replace(context, h=None)
+    with pytest.raises(MoKInputError, match="neither h nor gate_up"):
+        F.backward(config, workspace, schedule, emptied, inputs.d_output, *inputs.layer_args)
+    cut = dataclasses.replace(context, h=context.h[:, :4])
+    with pytest.raises(MoKInputError, match="another schedule"):
+        F.backward(config, workspace, schedule, cut, inputs.d_output, *inputs.layer_args)
 
 
 def test_schedule_rejects_bad_routing(setup):
