@@ -313,11 +313,10 @@ def test_ep_no_host_sync_and_cuda_graph(rank, world_size):
     _graph_body(rank, world_size)
 
 
-def _cross_node_body(rank, world_size, uneven=False):
+def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES):
     """Two "nodes" of world_size // 2 ranks: collectives between them, the one-node protocol
     (symmetric buffers when a node has 2 ranks, one device when 1) inside. uneven: rank r holds
     24 - 5r tokens."""
-    config = SMALL_MINIBATCHES
     tokens = MAX_TOKENS - 5 * rank if uneven else MAX_TOKENS
     inputs = _rank_inputs(rank, world_size, tokens=tokens, shared=16,
                           pattern=RoutingPattern.SKEWED, seed=5)
@@ -352,6 +351,13 @@ def test_ep_across_nodes_matches_reference(rank, world_size):
 @distributed_test(world_sizes=(4,))
 def test_ep_across_nodes_with_different_token_counts(rank, world_size):
     _cross_node_body(rank, world_size, uneven=True)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_across_nodes_kept_gate_up(rank, world_size):
+    # The routed experts keep their pre-activations inside the node; the shared expert keeps h.
+    _cross_node_body(rank, world_size,
+                     config=dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False))
 
 
 def _empty_rank_body(rank, world_size):
