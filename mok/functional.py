@@ -651,9 +651,10 @@ def _h_for_backward(h, gate_up, routing, intermediate) -> tuple[torch.Tensor, bo
                        device=gate_up.device), True
 
 
-def _expert_backward(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
-                     swiglu_limit, gate_up=None):
-    """Backward of one group of experts: (d_x rows, d_router_weights or None, weight grads)."""
+def _expert_input_grads(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
+                        swiglu_limit, gate_up=None):
+    """The first half of one group of experts' backward: (d_x rows, d_router_weights or None,
+    what `_expert_weight_grads` needs)."""
     hidden, intermediate = x.shape[1], w_gate.shape[1]
     pick = tiles.pick
     h, h_out = _h_for_backward(h, gate_up, routing, intermediate)
@@ -663,13 +664,31 @@ def _expert_backward(tiles, routing, d_output, x, h, router_weights, w_gate, w_u
         gate_up=gate_up, h_out=h_out)
     d_router_weights = ops.router_grad(partial, routing) if partial is not None else None
     d_x_rows = ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate))
+    return d_x_rows, d_router_weights, (d_gate_up, h)
+
+
+def _expert_weight_grads(tiles, routing, d_output, x, saved, router_weights, w_gate, w_down):
+    """The second half: (d_w_gate, d_w_up, d_w_down), from `_expert_input_grads`'s `saved`."""
+    hidden, intermediate = x.shape[1], w_gate.shape[1]
+    pick = tiles.pick
+    d_gate_up, h = saved
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
         d_gate_up, x, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=True,
         out_dtype=w_gate.dtype)
     d_w_down = ops.grouped_wgrad(d_output, h, routing, pick("wgrad_down", hidden, intermediate),
                                  gather_a=True, gather_b=False, router_weights=router_weights,
                                  out_dtype=w_down.dtype)
-    return d_x_rows, d_router_weights, (d_w_gate, d_w_up, d_w_down)
+    return d_w_gate, d_w_up, d_w_down
+
+
+def _expert_backward(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
+                     swiglu_limit, gate_up=None):
+    """Backward of one group of experts: (d_x rows, d_router_weights or None, weight grads)."""
+    d_x_rows, d_router_weights, saved = _expert_input_grads(
+        tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down, swiglu_limit,
+        gate_up)
+    return d_x_rows, d_router_weights, _expert_weight_grads(
+        tiles, routing, d_output, x, saved, router_weights, w_gate, w_down)
 
 
 def backward(
@@ -731,11 +750,16 @@ def backward(
             gate_up=forward_context.gate_up_shared)
         d_shared = tuple(grad[0] for grad in d_shared)
     if workspace.ep is None:
-        d_x_rows, d_router_weights, d_routed = _expert_backward(
+        d_x_rows, d_router_weights, saved = _expert_input_grads(
             schedule.tiles, schedule.routing, d_output, x, forward_context.h, router_weights,
             w_routed_gate, w_routed_up, w_routed_down, swiglu_limit,
             gate_up=forward_context.gate_up)
         d_x = ops.combine(d_x_rows, schedule.routing, d_x_shared_rows, x.dtype)
+        # The d_x rows ([C, H], the backward's largest buffer) are freed before the weight
+        # gradients are allocated: the step's peak holds one or the other, not both.
+        del d_x_rows, d_x_shared_rows
+        d_routed = _expert_weight_grads(schedule.tiles, schedule.routing, d_output, x, saved,
+                                        router_weights, w_routed_gate, w_routed_down)
     else:
         d_x, d_router_weights, d_routed = _expert_parallel_backward(
             config, schedule, forward_context, d_output, x, d_x_shared_rows,
