@@ -664,17 +664,20 @@ def _expert_input_grads(tiles, routing, d_output, x, h, router_weights, w_gate, 
         gate_up=gate_up, h_out=h_out)
     d_router_weights = ops.router_grad(partial, routing) if partial is not None else None
     d_x_rows = ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate))
-    return d_x_rows, d_router_weights, (d_gate_up, h)
+    return d_x_rows, d_router_weights, [d_gate_up, h]
 
 
 def _expert_weight_grads(tiles, routing, d_output, x, saved, router_weights, w_gate, w_down):
-    """The second half: (d_w_gate, d_w_up, d_w_down), from `_expert_input_grads`'s `saved`."""
+    """The second half: (d_w_gate, d_w_up, d_w_down), from `_expert_input_grads`'s `saved`
+    (emptied: d_gate_up [C, 2I] is freed before d_w_down is allocated)."""
     hidden, intermediate = x.shape[1], w_gate.shape[1]
     pick = tiles.pick
     d_gate_up, h = saved
+    saved.clear()
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
         d_gate_up, x, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=True,
         out_dtype=w_gate.dtype)
+    del d_gate_up
     d_w_down = ops.grouped_wgrad(d_output, h, routing, pick("wgrad_down", hidden, intermediate),
                                  gather_a=True, gather_b=False, router_weights=router_weights,
                                  out_dtype=w_down.dtype)
@@ -800,6 +803,7 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
         d_gate_up, x_rows, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=False,
         out_dtype=w_gate.dtype)
+    del d_gate_up, x_rows  # freed before d_w_down is allocated
     d_w_down = ops.grouped_wgrad(dy_rows, h, routing,
                                  pick("wgrad_down", hidden, intermediate), gather_a=False,
                                  gather_b=False, router_weights=context.weights_rows,
