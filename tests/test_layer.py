@@ -184,12 +184,14 @@ def test_kept_gate_up_matches_reference(case):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_nonfinite_inputs_stay_in_their_token():
+@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept_gate_up"])
+def test_nonfinite_inputs_stay_in_their_token(recompute_gate_up):
     case = Case("nan", 24, 32, 16, 6, 2, shared=16, seed=14)
     inputs = case.inputs()
     inputs.x[3, 5] = float("nan")
     inputs.router_weights[7, 1] = float("inf")
-    y, grads, _, _ = run_layer(inputs, tiles=tiles_for_tests(16))
+    config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
+    y, grads, _, _ = run_layer(inputs, config=config, tiles=tiles_for_tests(16))
     finite = torch.ones(case.tokens, dtype=torch.bool)
     finite[[3, 7]] = False
     assert bool(torch.isnan(y[3]).all())

@@ -191,7 +191,7 @@ def gate_up_swiglu_kernel(
         gate_kept = acc_gate
         up_kept = acc_up
         if HAS_LIMIT:
-            gate_kept = tl.where(acc_gate <= swiglu_limit, acc_gate, float("inf"))
+            gate_kept = tl.where(acc_gate > swiglu_limit, float("inf"), acc_gate)  # NaN stays
             up_kept = tl.where(acc_up > swiglu_limit, float("inf"), acc_up)
             up_kept = tl.where(acc_up < -swiglu_limit, float("-inf"), up_kept)
         gu_ptrs = gate_up_ptr + rows[:, None] * stride_gum + cols[None, :]
