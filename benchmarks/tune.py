@@ -2,8 +2,9 @@
 
     python -m benchmarks.tune --out mok/ops/tuned_tiles.json
 
-For each shape and GEMM kind (mok.ops.tuning.KINDS), each candidate is compiled, run on the
-shape's real routing and timed (CUDA events, median); candidates that do not compile (shared
+For each shape, expert group (the routed experts on the shape's real routing; the shared expert,
+one expert over every token, where the shape has one) and GEMM kind (mok.ops.tuning.KINDS), each
+candidate is compiled, run and timed (CUDA events, median); candidates that do not compile (shared
 memory, registers) are skipped. The fallback tiles are always among the candidates, so the table
 never picks a slower tile than the fallback as measured. The table is keyed by (kind, n, k) and
 read by TileConfig.pick; a fixed table keeps results reproducible across processes.
@@ -55,19 +56,15 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
 }
 
 
-def stage_runners(shape):
-    """{kind: ((n, k), run(tiles))} on the shape's real routing (routed experts)."""
-    inputs, _, _, schedule = shape_setup(shape, seed=7)
-    routing = schedule.routing
-    x, rw, d_out = inputs.x, inputs.router_weights, inputs.d_output
-    w_g, w_u, w_d = inputs.routed_weights
-    hid, inter = shape.hidden_size, shape.intermediate_size
-    h = ops.gate_up_swiglu(x, w_g, w_u, routing, HOPPER_TILES.gate_up, None)
-    dgu, _ = ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, HOPPER_TILES.down_bwd,
-                                  rw, None)
+def gemm_runners(x, w_g, w_u, w_d, routing, rw, d_out, setup=HOPPER_TILES) -> dict:
+    """{kind: ((n, k), run(tiles))}: each GEMM of one group of experts on `routing` (rw: the
+    router weights, None for the shared expert); `setup` makes their inputs."""
+    inter, hid = w_g.shape[1:]
+    h = ops.gate_up_swiglu(x, w_g, w_u, routing, setup.gate_up, None)
+    dgu, _ = ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, setup.down_bwd, rw, None)
     gate_up = ops.gate_up_buffer(x, w_g, routing)
     h_kept = torch.empty_like(h)  # written by the kept-gate/up backward
-    ops.gate_up_swiglu(x, w_g, w_u, routing, HOPPER_TILES.gate_up, None, gate_up=gate_up)
+    ops.gate_up_swiglu(x, w_g, w_u, routing, setup.gate_up, None, gate_up=gate_up)
     return {
         "gate_up": ((inter, hid), lambda t: ops.gate_up_swiglu(x, w_g, w_u, routing, t, None)),
         "down": ((hid, inter), lambda t: ops.down_proj(h, w_d, routing, t, rw)),
@@ -85,6 +82,25 @@ def stage_runners(shape):
     }
 
 
+def stage_runners(shape) -> list[tuple[str, str, tuple[int, int], object]]:
+    """[(expert group, kind, (n, k), run(tiles))]: the routed experts on the shape's real
+    routing, and the shared expert (one expert over every token) where the shape has one."""
+    inputs, _, _, schedule = shape_setup(shape, seed=7)
+    x, rw, d_out = inputs.x, inputs.router_weights, inputs.d_output
+    groups = [("routed", gemm_runners(x, *inputs.routed_weights, schedule.routing, rw, d_out))]
+    shared = shape.shared_intermediate_size
+    if shared:
+        hid = shape.hidden_size
+        generator = torch.Generator("cuda").manual_seed(8)
+        weights = [torch.randn(1, *size, generator=generator, device="cuda",
+                               dtype=x.dtype) / size[1] ** 0.5
+                   for size in ((shared, hid), (shared, hid), (hid, shared))]
+        groups.append(("shared", gemm_runners(x, *weights, schedule.shared_routing, None,
+                                              d_out)))
+    return [(group, kind, key, run) for group, runners in groups
+            for kind, (key, run) in runners.items()]
+
+
 def tune(shapes, table: dict | None = None, out: Path | None = None,
          kinds=tuple(CANDIDATES)) -> dict:
     """Tune `shapes` into `table` (entries of other shapes kept); with `out`, the table is
@@ -92,7 +108,7 @@ def tune(shapes, table: dict | None = None, out: Path | None = None,
     table = dict(table or {})
     for shape in shapes:
         print(f"== {shape.name}", flush=True)
-        for kind, ((n, k), run) in stage_runners(shape).items():
+        for group, kind, (n, k), run in stage_runners(shape):
             if kind not in kinds:
                 continue
             results = []
@@ -100,11 +116,12 @@ def tune(shapes, table: dict | None = None, out: Path | None = None,
                 try:
                     results.append((median_ms(lambda t=tiles, run=run: run(t)), tiles))
                 except Exception as exc:  # a tile that does not fit this GPU: skip it
-                    print(f"   {kind} {tiles}: skipped ({type(exc).__name__})", flush=True)
+                    print(f"   {group} {kind} {tiles}: skipped ({type(exc).__name__})",
+                          flush=True)
             fallback = results[0][0]
             best_ms, best = min(results, key=lambda r: r[0])
             table[(kind, n, k)] = best
-            print(f"   {kind:14s} n={n:6d} k={k:6d} fallback {fallback:7.3f} ms -> best "
+            print(f"   {group:6s} {kind:14s} n={n:6d} k={k:6d} fallback {fallback:7.3f} ms -> best "
                   f"{best_ms:7.3f} ms ({fallback / best_ms:4.2f}x) {best}", flush=True)
         if out is not None:
             out.write_text(table_to_json(table))

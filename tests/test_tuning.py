@@ -4,16 +4,21 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
+import mok.functional as F
 from mok import _env
 from mok.ops.tuning import (
     HOPPER_TILES,
     KINDS,
     TUNED_TILES_PATH,
     GemmTiles,
+    small_tiles,
     table_to_json,
 )
-from mok.testing import SHAPES
+from mok.testing import SHAPES, make_inputs
+
+from .conftest import DEVICE
 
 # (n, k) of each kind for the routed experts (mok.ops.tuning.KINDS).
 KEYS = {"gate_up": "IH", "down": "HI", "down_bwd": "IH", "down_bwd_saved": "IH", "d_x": "HI",
@@ -58,3 +63,35 @@ def test_pick_falls_back_to_the_config_tiles():
     untuned = dataclasses.replace(HOPPER_TILES, use_tuned=False)
     shape = SHAPES[0]
     assert untuned.pick("gate_up", shape.intermediate_size, shape.hidden_size) == untuned.gate_up
+
+
+def test_tuner_runs_every_kind_for_routed_and_shared_experts():
+    # What `python -m benchmarks.tune` times (on a GPU), run once here on a small problem:
+    # every kind of both expert groups launches with the keys it is tuned under.
+    from benchmarks.tune import CANDIDATES, gemm_runners
+
+    inputs = make_inputs(40, 32, 16, 4, 2, shared_intermediate_size=24, device=DEVICE, seed=3)
+    tiles = small_tiles(16)
+    workspace = F.create_workspace(F.MoKConfig(), None, device=DEVICE, num_local_tokens=40,
+                                   hidden_size=32, topk=2)
+    schedule = F.build_schedule(workspace, F.MoKConfig(), inputs.topk_experts,
+                                num_local_experts=4, tiles=tiles)
+    shared = (inputs.w_shared_gate[None], inputs.w_shared_up[None], inputs.w_shared_down[None])
+    groups = [
+        (16, schedule.routing, gemm_runners(inputs.x, *inputs.routed_weights, schedule.routing,
+                                            inputs.router_weights, inputs.d_output,
+                                            setup=tiles)),
+        (24, schedule.shared_routing, gemm_runners(inputs.x, *shared, schedule.shared_routing,
+                                                   None, inputs.d_output, setup=tiles)),
+    ]
+    for inter, routing, runners in groups:
+        assert set(runners) == set(CANDIDATES) == set(KINDS)
+        used = int(routing.expert_offsets[-1])  # rows past these are never written
+        for kind, ((n, k), run) in runners.items():
+            assert (n, k) == ((inter, 32) if KEYS[kind] == "IH" else (32, inter)), kind
+            out = run(tiles.wgrad if kind.startswith("wgrad") else getattr(
+                tiles, "down" if kind == "down_bwd_saved" else kind))
+            first = out[0] if isinstance(out, tuple) else out
+            if first.shape[0] == routing.capacity_rows:
+                first = first[:used]
+            assert bool(torch.isfinite(first.float()).all()) and first.abs().max() > 0, kind
