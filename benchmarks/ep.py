@@ -29,6 +29,7 @@ a check of the pipeline, not a measurement.
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import datetime
 import os
@@ -50,8 +51,6 @@ PULL_CEILING_GB_S = 371.0
 
 def ep_shape(shape, world_size):
     """E in total stays as listed, except for kimi's slice whose experts are per GPU."""
-    import dataclasses
-
     if shape.name.startswith("kimi"):
         return dataclasses.replace(shape, num_experts=shape.num_experts * world_size)
     return shape
@@ -424,6 +423,64 @@ def down_scatter_and_local(layer, inputs, iters, warmup, group):
     return scatter_ms, local_ms, _remote_bytes(schedule, ep, inputs.x, group)
 
 
+CHART_MODES = ("forward", "forward+backward")
+
+
+def newest_rows(csv_path: Path) -> list[dict]:
+    """The last GPU row of each (ep, shape, impl, mode) of CHART_MODES in csv_path, in the order
+    (ep, shape) and impl first appear."""
+    with csv_path.open(newline="") as handle:
+        rows = [row for row in csv.DictReader(handle)
+                if not row["gpu"].startswith("cpu") and row["mode"] in CHART_MODES]
+    newest = {(row["ep"], row["shape"], row["impl"], row["mode"]): row for row in rows}
+    groups = list(dict.fromkeys((row["ep"], row["shape"]) for row in rows))
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    return sorted(newest.values(), key=lambda row: (
+        groups.index((row["ep"], row["shape"])), impls.index(row["impl"]),
+        CHART_MODES.index(row["mode"])))
+
+
+def draw_chart(path: Path, rows: list[dict]) -> None:
+    """Milliseconds per (shape, EP size) and implementation, one panel per mode, as a PNG; mok's
+    bars say their ratio to the compute-only time."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    groups = list(dict.fromkeys((str(row["ep"]), row["shape"]) for row in rows))
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    cells = {(str(row["ep"]), row["shape"], row["impl"], row["mode"]): row for row in rows}
+    width = 0.8 / len(impls)
+    figure = Figure(figsize=(max(6.0, 2.2 * len(groups) + 2.0), 0.6 + 3.0 * len(CHART_MODES)),
+                    dpi=110)
+    FigureCanvasAgg(figure)
+    for panel, mode in enumerate(CHART_MODES):
+        axes = figure.add_subplot(len(CHART_MODES), 1, panel + 1)
+        for index, impl in enumerate(impls):
+            xs = [g + (index - (len(impls) - 1) / 2) * width for g in range(len(groups))]
+            found = [cells.get((ep, shape, impl, mode)) for ep, shape in groups]
+            values = [float(row["ms"]) if row else 0.0 for row in found]
+            labels = [(f"{float(row['ms']):.3g}" + (f" x{float(row['vs_compute_only']):.2f}"
+                                                    if row["vs_compute_only"] else ""))
+                      if row else "" for row in found]
+            bars = axes.bar(xs, values, width, label=impl)
+            axes.bar_label(bars, labels=labels, fontsize=6, rotation=90, padding=2)
+        axes.set_xticks(range(len(groups)), [f"{shape}\nEP={ep}" for ep, shape in groups],
+                        fontsize=8)
+        axes.set_ylabel("ms (lower is better)")
+        axes.set_title(mode, fontsize=10)
+        axes.margins(y=0.3)
+        axes.grid(axis="y", alpha=0.3)
+    commits = ", ".join(dict.fromkeys(str(row["commit"]) for row in rows))
+    handles, labels = figure.axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="upper center", ncols=min(len(impls), 6), fontsize=8,
+                  bbox_to_anchor=(0.5, 0.995 - 0.25 / figure.get_figheight()))
+    figure.suptitle(f"MoE layer, expert parallelism, {rows[0]['gpu']}, commit {commits}: ms, "
+                    "xN = time / compute-only time", fontsize=10)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.6 / figure.get_figheight()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+
+
 def main(argv=None) -> None:
     import mok.functional as F
 
@@ -447,9 +504,20 @@ def main(argv=None) -> None:
                         help="mok and its compute-only time with MoKConfig(recompute_gate_up="
                              "False); rows named mok_kept, compute_only_kept")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--redraw", action="store_true",
+                        help="measure nothing: chart the newest GPU rows already in the CSV")
     args = parser.parse_args(argv)
     from benchmarks import append_rows, commit_id
     from mok.testing import SHAPES, run_distributed
+
+    chart = args.csv.with_suffix(".png")
+    if args.redraw:
+        rows = newest_rows(args.csv)
+        if not rows:
+            raise SystemExit(f"{args.csv} has no GPU rows to draw")
+        draw_chart(chart, rows)
+        print(f"chart {chart} from {len(rows)} rows of {args.csv}")
+        return
 
     if cuda and torch.cuda.device_count() < args.ep:
         raise SystemExit(f"--ep {args.ep} needs {args.ep} GPUs, found "
@@ -467,6 +535,11 @@ def main(argv=None) -> None:
     rows = results[0]
     append_rows(args.csv, CSV_FIELDS, rows)
     print(f"{len(rows)} rows appended to {args.csv}")
+    try:
+        draw_chart(chart, [row for row in rows if row["mode"] in CHART_MODES])
+        print(f"chart {chart}")
+    except Exception as exc:  # the rows are in the CSV already
+        print(f"chart not drawn: {type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":

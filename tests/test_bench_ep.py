@@ -32,3 +32,28 @@ def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, kept):
         assert float(mok["max_rel_err"]) <= TOLERANCES[torch.bfloat16].max_rel
         ratio = float(mok["ms"]) / float(by_key[(compute_name, mode)]["ms"])
         assert float(mok["vs_compute_only"]) == pytest.approx(ratio, rel=1e-2)
+    assert (tmp_path / "ep.png").stat().st_size > 0
+
+
+def test_ep_redraw_charts_the_newest_gpu_rows(tmp_path, capsys):
+    from benchmarks import append_rows
+
+    def row(commit, shape, impl, mode, ms, gpu="NVIDIA H200"):
+        return dict(gpu=gpu, commit=commit, date="2026-01-01T00:00:00", ep=2, shape=shape,
+                    comm_sms=64, impl=impl, mode=mode, ms=ms, tflops=1.0,
+                    vs_compute_only=1.1 if impl == "mok" else "", gb_s="", peak_mem_gb=1.0,
+                    max_rel_err="1e-02")
+
+    path = tmp_path / "ep.csv"
+    append_rows(path, ep.CSV_FIELDS, [
+        row("old", "qwen3-30b-a3b", "mok", "forward", 5.0),
+        row("new", "qwen3-30b-a3b", "mok", "forward", 4.0),
+        row("new", "qwen3-30b-a3b", "compute_only", "forward", 3.0),
+        row("new", "qwen3-30b-a3b", "mok", "dispatch", 1.0),
+        row("cpu", "tiny", "mok", "forward", 9.0, gpu="cpu (interpreter)")])
+    newest = ep.newest_rows(path)
+    assert [(r["impl"], r["commit"], r["ms"]) for r in newest] == [("mok", "new", "4.0"),
+                                                                   ("compute_only", "new", "3.0")]
+    ep.main(["--ep", "2", "--redraw", "--csv", str(path)])
+    assert (tmp_path / "ep.png").stat().st_size > 0
+    assert "from 2 rows" in capsys.readouterr().out
