@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 
@@ -35,3 +35,33 @@ def commit_id() -> str:
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def newest_gpu_rows(csv_path: Path, group: Callable[[dict], object], modes: Sequence[str],
+                    *, other_modes: bool) -> list[dict]:
+    """The last GPU row of each (group, impl, mode) in csv_path, as read (strings): groups and
+    implementations in the order they first appear, modes in `modes`' order (other modes after
+    them when other_modes, else left out). What the benchmarks' --redraw charts."""
+    with csv_path.open(newline="") as handle:
+        rows = [row for row in csv.DictReader(handle) if not row["gpu"].startswith("cpu")
+                and (other_modes or row["mode"] in modes)]
+    newest = {(group(row), row["impl"], row["mode"]): row for row in rows}
+    groups = list(dict.fromkeys(group(row) for row in rows))
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    return sorted(newest.values(), key=lambda row: (
+        groups.index(group(row)), impls.index(row["impl"]),
+        list(modes).index(row["mode"]) if row["mode"] in modes else len(modes)))
+
+
+def finish_chart(figure, rows: list[dict], num_impls: int, title: str, path: Path,
+                 max_cols: int = 7) -> None:
+    """The legend of the first panel on top, the title with the GPU and every commit the rows
+    come from, then save as PNG."""
+    commits = ", ".join(dict.fromkeys(str(row["commit"]) for row in rows))
+    handles, labels = figure.axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="upper center", ncols=min(num_impls, max_cols), fontsize=8,
+                  bbox_to_anchor=(0.5, 0.995 - 0.25 / figure.get_figheight()))
+    figure.suptitle(title.format(gpu=rows[0]["gpu"], commits=commits), fontsize=10)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.6 / figure.get_figheight()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)

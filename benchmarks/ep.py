@@ -29,7 +29,6 @@ a check of the pipeline, not a measurement.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import datetime
 import os
@@ -427,17 +426,12 @@ CHART_MODES = ("forward", "forward+backward")
 
 
 def newest_rows(csv_path: Path) -> list[dict]:
-    """The last GPU row of each (ep, shape, impl, mode) of CHART_MODES in csv_path, in the order
-    (ep, shape) and impl first appear."""
-    with csv_path.open(newline="") as handle:
-        rows = [row for row in csv.DictReader(handle)
-                if not row["gpu"].startswith("cpu") and row["mode"] in CHART_MODES]
-    newest = {(row["ep"], row["shape"], row["impl"], row["mode"]): row for row in rows}
-    groups = list(dict.fromkeys((row["ep"], row["shape"]) for row in rows))
-    impls = list(dict.fromkeys(row["impl"] for row in rows))
-    return sorted(newest.values(), key=lambda row: (
-        groups.index((row["ep"], row["shape"])), impls.index(row["impl"]),
-        CHART_MODES.index(row["mode"])))
+    """The last GPU row of each (ep, shape, impl, mode) of CHART_MODES in csv_path (see
+    benchmarks.newest_gpu_rows)."""
+    from benchmarks import newest_gpu_rows
+
+    return newest_gpu_rows(csv_path, lambda row: (row["ep"], row["shape"]), CHART_MODES,
+                           other_modes=False)
 
 
 def draw_chart(path: Path, rows: list[dict]) -> None:
@@ -470,15 +464,10 @@ def draw_chart(path: Path, rows: list[dict]) -> None:
         axes.set_title(mode, fontsize=10)
         axes.margins(y=0.3)
         axes.grid(axis="y", alpha=0.3)
-    commits = ", ".join(dict.fromkeys(str(row["commit"]) for row in rows))
-    handles, labels = figure.axes[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="upper center", ncols=min(len(impls), 6), fontsize=8,
-                  bbox_to_anchor=(0.5, 0.995 - 0.25 / figure.get_figheight()))
-    figure.suptitle(f"MoE layer, expert parallelism, {rows[0]['gpu']}, commit {commits}: ms, "
-                    "xN = time / compute-only time", fontsize=10)
-    figure.tight_layout(rect=(0, 0, 1, 1 - 0.6 / figure.get_figheight()))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
+    from benchmarks import finish_chart
+
+    finish_chart(figure, rows, len(impls), "MoE layer, expert parallelism, {gpu}, commit "
+                 "{commits}: ms, xN = time / compute-only time", path, max_cols=6)
 
 
 def main(argv=None) -> None:

@@ -26,7 +26,6 @@ under runs/bench/ rather than into the committed benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import enum
 import functools
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import append_rows, commit_id
+from benchmarks import append_rows, commit_id, finish_chart, newest_gpu_rows
 from benchmarks.implementations import IMPLEMENTATIONS, REPO_ROOT, Implementation, Settings
 from mok.testing import (
     GRAD_NAMES,
@@ -315,35 +314,18 @@ def draw_chart(path: Path, rows: list[dict]) -> None:
         axes.set_title(mode, fontsize=10)
         axes.margins(y=0.25)
         axes.grid(axis="y", alpha=0.3)
-    first = rows[0]
-    commits = ", ".join(dict.fromkeys(str(row["commit"]) for row in rows))
-    handles, labels = figure.axes[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="upper center", ncols=min(len(impls), 7), fontsize=8,
-                  bbox_to_anchor=(0.5, 0.995 - 0.25 / figure.get_figheight()))
-    figure.suptitle(f"MoE layer, {first['gpu']}, commit {commits}: counted TFLOP/s "
-                    "(DESIGN.md section 4)", fontsize=10)
-    figure.tight_layout(rect=(0, 0, 1, 1 - 0.6 / figure.get_figheight()))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
+    finish_chart(figure, rows, len(impls), "MoE layer, {gpu}, commit {commits}: counted "
+                 "TFLOP/s (DESIGN.md section 4)", path)
 
 
-def newest_rows(csv_path: Path, gpu_only: bool = True) -> list[dict]:
-    """The last row of each (shape, impl, mode) in csv_path (GPU rows only by default), numbers
-    as floats; shapes and implementations in the order they first appear in the CSV: what
-    --redraw charts and tabulates."""
-    with csv_path.open(newline="") as handle:
-        rows = [row for row in csv.DictReader(handle)
-                if not (gpu_only and row["gpu"].startswith("cpu"))]
-    newest = {(row["shape"], row["impl"], row["mode"]): row for row in rows}
-    shapes = list(dict.fromkeys(row["shape"] for row in rows))
-    impls = list(dict.fromkeys(row["impl"] for row in rows))
-    modes = [mode.value for mode in Mode]
-    ordered = sorted(newest.values(), key=lambda row: (
-        shapes.index(row["shape"]), impls.index(row["impl"]),
-        modes.index(row["mode"]) if row["mode"] in modes else len(modes)))
+def newest_rows(csv_path: Path) -> list[dict]:
+    """The last GPU row of each (shape, impl, mode) in csv_path, numbers as floats (see
+    benchmarks.newest_gpu_rows): what --redraw charts and tabulates."""
+    rows = newest_gpu_rows(csv_path, lambda row: row["shape"], [mode.value for mode in Mode],
+                           other_modes=True)
     return [dict(row, ms=float(row["ms"]), tflops=float(row["tflops"]),
                  peak_mem_gb=float(row["peak_mem_gb"]) if row["peak_mem_gb"] else "")
-            for row in ordered]
+            for row in rows]
 
 
 def main(argv: list[str] | None = None) -> None:
