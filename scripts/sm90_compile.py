@@ -143,6 +143,10 @@ def main(argv=None) -> None:
             d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None, gate_up=dgu, h_out=True)),
         ("d_x", t["d_x"], lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
     ]
+    # The same GEMMs with their whole row tiles (outputs, kept pre-activations, the A operands
+    # of down and d_x) through TMA.
+    runs += [(f"{label} tma rows", r(tt, tma_rows=True), run) for label, tt, run in runs
+             if " tma" not in label]
     def wgrad_gate_up(tt):
         return ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True, out_dtype=x.dtype)
 

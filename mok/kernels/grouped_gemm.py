@@ -110,6 +110,29 @@ def _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delt
 
 
 @triton.jit
+def _put_tile(dst, value, rows, cols, N, shift, stride, r0, c0, ROWS_TMA: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """dst[rows, shift + cols] = value (columns < N): dst a pointer, or with ROWS_TMA a TMA
+    descriptor whose box has its corner at (r0, shift + c0)."""
+    if ROWS_TMA:
+        dst.store([r0, shift + c0], cast_to(value, dst.dtype, UPCAST))
+    else:
+        tl.store(dst + shift + rows[:, None] * stride + cols[None, :],
+                 cast_to(value, dst.dtype.element_ty, UPCAST), mask=cols[None, :] < N)
+
+
+@triton.jit
+def _get_tile(src, rows, cols, N, shift, stride, r0, c0, ROWS_TMA: tl.constexpr):
+    """src[rows, shift + cols] in fp32 (0 at columns >= N); see _put_tile."""
+    if ROWS_TMA:
+        tile = src.load([r0, shift + c0])
+    else:
+        tile = tl.load(src + shift + rows[:, None] * stride + cols[None, :],
+                       mask=cols[None, :] < N, other=0.0)
+    return tile.to(tl.float32)
+
+
+@triton.jit
 def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
@@ -129,7 +152,7 @@ def gate_up_swiglu_kernel(
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
-    SAVE_GATE_UP: tl.constexpr,
+    SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -141,7 +164,9 @@ def gate_up_swiglu_kernel(
     With PULL, x's rows are pulled from the other ranks by the launch's first programs. W_TMA:
     w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module docstring).
     SAVE_GATE_UP: the pre-activations go to gate_up[row] = [gate, up] too (columns [0, N) and
-    [N, 2N)), for a backward that reads them instead of recomputing them.
+    [N, 2N)), for a backward that reads them instead of recomputing them. ROWS_TMA: h_ptr and
+    gate_up_ptr are TMA descriptors of h and gate_up with [BLOCK_M, BLOCK_N] boxes (BLOCK_N
+    divides N).
     """
     pid = tl.program_id(0)
     if PULL:
@@ -162,12 +187,14 @@ def gate_up_swiglu_kernel(
         _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M, MINIBATCH,
                    HAS_TIMER)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r0 = pid_m * BLOCK_M
+    c0 = pid_n * BLOCK_N
+    cols = c0 + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
     w_offsets = (expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
                  + ks[:, None] * stride_wk)
-    w_row = expert * N + pid_n * BLOCK_N  # W_TMA: the tile's first row of w viewed [E * N, K]
+    w_row = expert * N + c0  # W_TMA: the tile's first row of w viewed [E * N, K]
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -194,13 +221,11 @@ def gate_up_swiglu_kernel(
             gate_kept = tl.where(acc_gate > swiglu_limit, float("inf"), acc_gate)  # NaN stays
             up_kept = tl.where(acc_up > swiglu_limit, float("inf"), acc_up)
             up_kept = tl.where(acc_up < -swiglu_limit, float("-inf"), up_kept)
-        gu_ptrs = gate_up_ptr + rows[:, None] * stride_gum + cols[None, :]
-        gu_dtype = gate_up_ptr.dtype.element_ty
-        tl.store(gu_ptrs, cast_to(gate_kept, gu_dtype, UPCAST), mask=cols[None, :] < N)
-        tl.store(gu_ptrs + N, cast_to(up_kept, gu_dtype, UPCAST), mask=cols[None, :] < N)
+        _put_tile(gate_up_ptr, gate_kept, rows, cols, N, 0, stride_gum, r0, c0, ROWS_TMA,
+                  UPCAST)
+        _put_tile(gate_up_ptr, up_kept, rows, cols, N, N, stride_gum, r0, c0, ROWS_TMA, UPCAST)
     h = _swiglu(acc_gate, acc_up, swiglu_limit, HAS_LIMIT)
-    h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :]
-    tl.store(h_ptrs, cast_to(h, h_ptr.dtype.element_ty, UPCAST), mask=cols[None, :] < N)
+    _put_tile(h_ptr, h, rows, cols, N, 0, stride_hm, r0, c0, ROWS_TMA, UPCAST)
 
 
 @triton.jit
@@ -209,13 +234,15 @@ def down_proj_kernel(
     dest_route_ptr, out_delta_ptr,
     num_m_blocks, N, K, routes_per_rank,
     stride_hm, stride_we, stride_wn, stride_wk, stride_om,
-    HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr, ROWS_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[row, n] = w[route] * (h[row] @ w_down[e].T); h [rows, K], w_down [E, N, K].
 
     W_TMA: w_down_ptr is a TMA descriptor of w_down viewed [E * N, K] (module docstring).
+    ROWS_TMA (not with SCATTER): h_ptr and out_ptr are TMA descriptors of h and out, with
+    [BLOCK_M, BLOCK_K] and [BLOCK_M, BLOCK_N] boxes.
     """
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
@@ -224,28 +251,34 @@ def down_proj_kernel(
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows[:, None] * stride_hm + ks[None, :]
+    a_offsets = rows[:, None] * stride_hm + ks[None, :]
     w_offsets = (expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
                  + ks[:, None] * stride_wk)
     w_row = expert * N + pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + ks) < K
-        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        if ROWS_TMA:
+            a = h_ptr.load([pid_m * BLOCK_M, k0])
+        else:
+            a = tl.load(h_ptr + a_offsets, mask=k_mask[None, :], other=0.0)
         if W_TMA:
             b = w_down_ptr.load([w_row, k0]).T
         else:
             b = tl.load(w_down_ptr + w_offsets, mask=k_mask[:, None] & (cols[None, :] < N),
                         other=0.0)
         acc = mma(a, b, acc, UPCAST)
-        a_ptrs += BLOCK_K
+        a_offsets += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
     if HAS_WEIGHT:
         route = tl.load(row_route_ptr + rows)
         weight = tl.load(router_weights_ptr + route, mask=route >= 0, other=0.0)
         acc = acc * weight[:, None]
-    _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
-                routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
+    if ROWS_TMA:
+        out_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], cast_to(acc, out_ptr.dtype, UPCAST))
+    else:
+        _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
+                    routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
 
 
 @triton.jit
@@ -262,7 +295,7 @@ def down_bwd_dswiglu_kernel(
     stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
-    SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr,
+    SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -280,7 +313,9 @@ def down_bwd_dswiglu_kernel(
     docstring); w_down stays with pointer loads. SAVED_GATE_UP: gate and up are read from
     gate_up[row] = [gate, up] (what the forward's SAVE_GATE_UP wrote); the K loop is dh0's alone
     and x, w_gate, w_up are not read. H_OUT (with SAVED_GATE_UP): h is written, swiglu of the
-    kept pre-activations, rather than read.
+    kept pre-activations, rather than read. ROWS_TMA: h_ptr, gate_up_ptr and d_gate_up_ptr are
+    TMA descriptors of h, gate_up and d_gate_up with [BLOCK_M, BLOCK_N] boxes (BLOCK_N divides
+    N).
     """
     pid = tl.program_id(0)
     if PULL:
@@ -301,7 +336,9 @@ def down_bwd_dswiglu_kernel(
         _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M, MINIBATCH,
                    HAS_TIMER)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r0 = pid_m * BLOCK_M
+    c0 = pid_n * BLOCK_N
+    cols = c0 + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ks = tl.arange(0, BLOCK_K)
     d_out_ptrs = d_out_ptr + token[:, None] * stride_dm + ks[None, :]
@@ -320,9 +357,8 @@ def down_bwd_dswiglu_kernel(
             acc_dh = mma(a_dy, b_down, acc_dh, UPCAST)
             d_out_ptrs += BLOCK_K
             wd_offsets += BLOCK_K * stride_wd_k
-        gu_ptrs = gate_up_ptr + rows[:, None] * stride_gum + cols[None, :]
-        acc_gate = tl.load(gu_ptrs, mask=col_mask[None, :], other=0.0).to(tl.float32)
-        acc_up = tl.load(gu_ptrs + N, mask=col_mask[None, :], other=0.0).to(tl.float32)
+        acc_gate = _get_tile(gate_up_ptr, rows, cols, N, 0, stride_gum, r0, c0, ROWS_TMA)
+        acc_up = _get_tile(gate_up_ptr, rows, cols, N, N, stride_gum, r0, c0, ROWS_TMA)
     else:
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -360,16 +396,15 @@ def down_bwd_dswiglu_kernel(
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     sig = tl.sigmoid(gate)
     silu = gate * sig
-    h_ptrs = h_ptr + rows[:, None] * stride_hm + cols[None, :]
     if H_OUT:  # h from the kept pre-activations, for the down projection's weight gradient
         h = silu * up
-        tl.store(h_ptrs, cast_to(h, h_ptr.dtype.element_ty, UPCAST), mask=col_mask[None, :])
+        _put_tile(h_ptr, h, rows, cols, N, 0, stride_hm, r0, c0, ROWS_TMA, UPCAST)
     if HAS_WEIGHT:
         # d w[route] = <d_out[token], w_down[e] h[row]> = sum_n dh0[row, n] * h[row, n], with the
         # h the forward stored (bf16), so the gradient matches the forward that ran (H_OUT: the
         # h of the kept pre-activations, in fp32).
         if not H_OUT:
-            h = tl.load(h_ptrs, mask=col_mask[None, :], other=0.0).to(tl.float32)
+            h = _get_tile(h_ptr, rows, cols, N, 0, stride_hm, r0, c0, ROWS_TMA)
         tl.store(d_weight_partial_ptr + rows * stride_pm + pid_n, tl.sum(acc_dh * h, axis=1))
         weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
         acc_dh = acc_dh * weight[:, None]
@@ -378,10 +413,8 @@ def down_bwd_dswiglu_kernel(
     if HAS_LIMIT:
         d_gate = tl.where(gate_pass, d_gate, 0.0)
         d_up = tl.where(up_pass, d_up, 0.0)
-    g_ptrs = d_gate_up_ptr + rows[:, None] * stride_gm + cols[None, :]
-    dtype = d_gate_up_ptr.dtype.element_ty
-    tl.store(g_ptrs, cast_to(d_gate, dtype, UPCAST), mask=col_mask[None, :])
-    tl.store(g_ptrs + N, cast_to(d_up, dtype, UPCAST), mask=col_mask[None, :])
+    _put_tile(d_gate_up_ptr, d_gate, rows, cols, N, 0, stride_gm, r0, c0, ROWS_TMA, UPCAST)
+    _put_tile(d_gate_up_ptr, d_up, rows, cols, N, N, stride_gm, r0, c0, ROWS_TMA, UPCAST)
 
 
 @triton.jit
@@ -390,11 +423,15 @@ def d_x_rows_kernel(
     dest_route_ptr, out_delta_ptr,
     num_m_blocks, N, K, routes_per_rank,
     stride_gm, stride_we, stride_wk, stride_wn, stride_om,
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """out[row] = d_gate[row] @ w_gate[e] + d_up[row] @ w_up[e]; N = H, K = I, w [E, K, N]."""
+    """out[row] = d_gate[row] @ w_gate[e] + d_up[row] @ w_up[e]; N = H, K = I, w [E, K, N].
+
+    ROWS_TMA (not with SCATTER): d_gate_up_ptr and out_ptr are TMA descriptors of d_gate_up and
+    out, with [BLOCK_M, BLOCK_K] (BLOCK_K divides K) and [BLOCK_M, BLOCK_N] boxes.
+    """
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     if expert < 0:
@@ -402,23 +439,30 @@ def d_x_rows_kernel(
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = d_gate_up_ptr + rows[:, None] * stride_gm + ks[None, :]
+    a_offsets = rows[:, None] * stride_gm + ks[None, :]
     w_offsets = (expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk
                  + cols[None, :] * stride_wn)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + ks) < K
         w_mask = k_mask[:, None] & (cols[None, :] < N)
-        a_gate = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-        a_up = tl.load(a_ptrs + K, mask=k_mask[None, :], other=0.0)
+        if ROWS_TMA:
+            a_gate = d_gate_up_ptr.load([pid_m * BLOCK_M, k0])
+            a_up = d_gate_up_ptr.load([pid_m * BLOCK_M, K + k0])
+        else:
+            a_gate = tl.load(d_gate_up_ptr + a_offsets, mask=k_mask[None, :], other=0.0)
+            a_up = tl.load(d_gate_up_ptr + a_offsets + K, mask=k_mask[None, :], other=0.0)
         b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
         b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
         acc = mma(a_gate, b_gate, acc, UPCAST)
         acc = mma(a_up, b_up, acc, UPCAST)
-        a_ptrs += BLOCK_K
+        a_offsets += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
-    _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
-                routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
+    if ROWS_TMA:
+        out_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], cast_to(acc, out_ptr.dtype, UPCAST))
+    else:
+        _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
+                    routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
 
 
 @triton.jit

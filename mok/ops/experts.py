@@ -64,6 +64,23 @@ def _gate_up_operands(w_gate: torch.Tensor, w_up: torch.Tensor,
     return w_gate, w_up, False
 
 
+def _rows_operands(tiles: GemmTiles, *specs, wanted: bool = True) -> tuple[list, bool]:
+    """(operands, whether they are TMA descriptors), one per spec (t, part, box_n): t a
+    [rows, width] tensor whose columns are blocks of `part` columns each, read or written in
+    [block_m, box_n] boxes. Descriptors when tiles.tma_rows (and `wanted`) ask for them and
+    every t allows one (unit column stride, 16-byte aligned start and rows, box_n dividing part,
+    so that no box straddles two blocks); the tensors otherwise."""
+    def usable(t: torch.Tensor, part: int, box_n: int) -> bool:
+        size = t.element_size()
+        return (t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+                and (part * size) % 16 == 0 and part % box_n == 0 and t.shape[0] > 0)
+
+    if not (wanted and tiles.tma_rows and all(usable(*spec) for spec in specs)):
+        return [t for t, _, _ in specs], False
+    return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [tiles.block_m, box_n])
+            for t, _, box_n in specs], True
+
+
 def _gemm_meta(tiles: GemmTiles) -> dict:
     return dict(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
@@ -106,14 +123,18 @@ def gate_up_swiglu(
     limit, has_limit = _limit_args(swiglu_limit)
     pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, h)
     gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
+    outs = [(h, intermediate, tiles.block_n)]
+    if gate_up is not None:
+        outs.append((gate_up, intermediate, tiles.block_n))
+    (h_out, *gate_up_out), rows_tma = _rows_operands(tiles, *outs)
     gemm_kernels.gate_up_swiglu_kernel[(grid + pull_scalars[0],)](
-        x, gate, up, h, gate_up if gate_up is not None else h, routing.row_route,
+        x, gate, up, h_out, gate_up_out[0] if gate_up_out else h_out, routing.row_route,
         routing.block_expert, *pull_ptrs,
         num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
         x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
         gate_up.stride(0) if gate_up is not None else 0,
         limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=tma,
-        SAVE_GATE_UP=gate_up is not None, **pull_meta, **_gemm_meta(tiles),
+        SAVE_GATE_UP=gate_up is not None, ROWS_TMA=rows_tma, **pull_meta, **_gemm_meta(tiles),
     )
     return h
 
@@ -151,13 +172,16 @@ def down_proj(
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
     weights, tma = _weights_operand(w_down, tiles)
+    (h_in, out_arg), rows_tma = _rows_operands(
+        tiles, (h, intermediate, tiles.block_k), (out, hidden, tiles.block_n),
+        wanted=scatter is None)
     gemm_kernels.down_proj_kernel[(grid,)](
-        h, weights, out, router_weights if router_weights is not None else h,
+        h_in, weights, out_arg, router_weights if router_weights is not None else h,
         routing.row_route, routing.block_expert, *scatter_ptrs,
         num_m_blocks, hidden, intermediate, routes_per_rank,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0),
-        HAS_WEIGHT=router_weights is not None, ALIGN=routing.align, W_TMA=tma, **scatter_meta,
-        **_gemm_meta(tiles),
+        HAS_WEIGHT=router_weights is not None, ALIGN=routing.align, W_TMA=tma,
+        ROWS_TMA=rows_tma, **scatter_meta, **_gemm_meta(tiles),
     )
     return out
 
@@ -226,10 +250,14 @@ def down_bwd_dswiglu(
         gate, up, tma = w_gate, w_up, False
     if h_out and gate_up is None:
         raise ValueError("h_out needs the kept pre-activations (gate_up)")
+    specs = [(d_gate_up, intermediate, tiles.block_n), (h, intermediate, tiles.block_n)]
+    if gate_up is not None:
+        specs.append((gate_up, intermediate, tiles.block_n))
+    (d_gate_up_arg, h_arg, *gate_up_arg), rows_tma = _rows_operands(tiles, *specs)
     gemm_kernels.down_bwd_dswiglu_kernel[(grid + pull_scalars[0],)](
-        d_out, x, w_down, gate, up, h, gate_up if gate_up is not None else h,
+        d_out, x, w_down, gate, up, h_arg, gate_up_arg[0] if gate_up_arg else h_arg,
         router_weights if router_weights is not None else h,
-        d_gate_up, partial if partial is not None else d_gate_up,
+        d_gate_up_arg, partial if partial is not None else d_gate_up,
         routing.row_route, routing.block_expert, *pull_ptrs,
         num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
         d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
@@ -237,8 +265,8 @@ def down_bwd_dswiglu(
         gate_up.stride(0) if gate_up is not None else 0, d_gate_up.stride(0),
         partial.stride(0) if partial is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
-        W_TMA=tma, SAVED_GATE_UP=gate_up is not None, H_OUT=h_out, **pull_meta,
-        **_gemm_meta(tiles),
+        W_TMA=tma, SAVED_GATE_UP=gate_up is not None, H_OUT=h_out, ROWS_TMA=rows_tma,
+        **pull_meta, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 
@@ -263,11 +291,14 @@ def d_x_rows(
         out = scatter.out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
+    (d_gate_up_in, out_arg), rows_tma = _rows_operands(
+        tiles, (d_gate_up, intermediate, tiles.block_k), (out, hidden, tiles.block_n),
+        wanted=scatter is None)
     gemm_kernels.d_x_rows_kernel[(grid,)](
-        d_gate_up, w_gate, w_up, out, routing.block_expert, *scatter_ptrs,
+        d_gate_up_in, w_gate, w_up, out_arg, routing.block_expert, *scatter_ptrs,
         num_m_blocks, hidden, intermediate, routes_per_rank,
         d_gate_up.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), out.stride(0),
-        ALIGN=routing.align, **scatter_meta, **_gemm_meta(tiles),
+        ALIGN=routing.align, ROWS_TMA=rows_tma, **scatter_meta, **_gemm_meta(tiles),
     )
     return out
 

@@ -44,6 +44,10 @@ class GemmTiles:
     persistent: bool = False  # wgrad only: one program per SM, a grid-stride loop of tiles
     tma: bool = False  # gate_up, down, down_bwd (recomputing): weight tiles through TMA
     pair: bool = False  # wgrad_gate_up only: gate and up in one launch, x's tiles loaded once
+    # gate_up, down, down_bwd(_saved), d_x: the row tiles read or written whole (not gathered by
+    # token, not scattered to other ranks) through TMA: the epilogues' outputs, the kept
+    # pre-activations, and the A operands of down and d_x.
+    tma_rows: bool = False
 
 
 @dataclass(frozen=True)
