@@ -119,9 +119,11 @@ def main(argv=None) -> None:
     def tiles(kind, n, kk):
         return table.get((kind, n, kk), HOPPER_TILES.pick(kind, n, kk))
 
-    # The table's tiles with pointer loads (the " tma" runs add TMA); the weight-gradient
-    # variants change the fallback tile (128x128x64, 3 stages), the table's own runs as " tuned".
-    t = {kind: dataclasses.replace(tiles(kind, *key), tma=False) for kind, key in (
+    # The table's tiles with pointer loads (the " tma" runs add TMA for the weights, " tma rows"
+    # for the whole row tiles); the weight-gradient variants change the fallback tile
+    # (128x128x64, 3 stages), the table's own runs as " tuned".
+    plain = dict(tma=False, tma_rows=False)
+    t = {kind: dataclasses.replace(tiles(kind, *key), **plain) for kind, key in (
         ("gate_up", (inter, hid)), ("down", (hid, inter)), ("down_bwd", (inter, hid)),
         ("down_bwd_saved", (inter, hid)), ("d_x", (hid, inter)),
         ("wgrad_gate_up", (inter, hid)), ("wgrad_down", (hid, inter)))}

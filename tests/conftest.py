@@ -3,6 +3,8 @@ kernels under Triton's interpreter on CPU otherwise (mok sets TRITON_INTERPRET=1
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,6 +34,13 @@ def tiles_for_tests(block: int = 16, align: int | None = None):
     if DEVICE.type == "cuda":
         return None
     return small_tiles(block, align)
+
+
+def with_tma_rows(tiles):
+    """`tiles` with every row GEMM's whole row tiles through TMA (GemmTiles.tma_rows)."""
+    return dataclasses.replace(tiles, **{
+        name: dataclasses.replace(getattr(tiles, name), tma_rows=True)
+        for name in ("gate_up", "down", "down_bwd", "d_x")})
 
 
 def run_layer(inputs, *, config=None, tiles=None, swiglu_limit=None, workspace=None,

@@ -26,7 +26,7 @@ from mok.testing import (
     moe_reference_grads,
 )
 
-from .conftest import DEVICE, tiles_for_tests
+from .conftest import DEVICE, tiles_for_tests, with_tma_rows
 
 REF_DTYPE = torch.float32 if DEVICE.type == "cuda" else torch.float64
 pytestmark = pytest.mark.timeout(900)
@@ -84,7 +84,8 @@ def _check_against_reference(inputs, y, grads, swiglu_limit):
 MAX_TOKENS = 24
 
 
-def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config, uneven=False):
+def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config, uneven=False,
+                            tiles=None):
     """uneven: rank r holds 24 - 5r tokens (the workspace is sized for 24)."""
     tokens = MAX_TOKENS - 5 * rank if uneven else MAX_TOKENS
     inputs = _rank_inputs(rank, world_size, tokens=tokens, shared=shared, pattern=pattern,
@@ -92,7 +93,7 @@ def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config,
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
                                    num_local_tokens=MAX_TOKENS,
                                    hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
-    tiles = tiles_for_tests()
+    tiles = tiles or tiles_for_tests()
     y, grads, schedule = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
     F.check_errors(workspace)
     _check_against_reference(inputs, y, grads, limit)
@@ -147,6 +148,16 @@ def test_ep_kept_gate_up(rank, world_size):
     config = dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False)
     _matches_reference_body(rank, world_size, shared=16, limit=0.8,
                             pattern=RoutingPattern.RANDOM, config=config)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_kept_gate_up_tma_rows(rank, world_size):
+    # The same with the row tiles through TMA (GemmTiles.tma_rows) while rows are pulled: h and
+    # the pre-activations written so in the forward, read and written so in the backward.
+    config = dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False)
+    tiles = with_tma_rows(small_tiles(16))
+    _matches_reference_body(rank, world_size, shared=16, limit=0.8,
+                            pattern=RoutingPattern.RANDOM, config=config, tiles=tiles)
 
 
 def _errors_body(rank, world_size):

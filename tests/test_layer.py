@@ -16,7 +16,7 @@ from mok.testing import (
     moe_reference_grads,
 )
 
-from .conftest import DEVICE, run_layer, tiles_for_tests
+from .conftest import DEVICE, run_layer, tiles_for_tests, with_tma_rows
 
 REF_DTYPE = torch.float32 if DEVICE.type == "cuda" else torch.float64
 
@@ -109,12 +109,6 @@ def _tma_weights(tiles):
                                down_bwd=dataclasses.replace(tiles.down_bwd, tma=True))
 
 
-def _tma_rows(tiles):
-    return dataclasses.replace(tiles, **{
-        name: dataclasses.replace(getattr(tiles, name), tma_rows=True)
-        for name in ("gate_up", "down", "down_bwd", "d_x")})
-
-
 def _paired_wgrad(tiles):
     return dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, pair=True))
 
@@ -124,7 +118,7 @@ def _paired_persistent_wgrad(tiles):
 
 
 @pytest.mark.parametrize("variant",
-                         [_persistent_wgrad, _tma_weights, _tma_rows, _paired_wgrad,
+                         [_persistent_wgrad, _tma_weights, with_tma_rows, _paired_wgrad,
                           _paired_persistent_wgrad],
                          ids=["persistent_wgrad", "tma_weights", "tma_rows", "paired_wgrad",
                               "paired_persistent_wgrad"])
@@ -145,7 +139,7 @@ def test_tile_variants_equal_plain_tiles(case, variant):
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=lambda c: c.name)
-def test_tma_rows_equal_plain_tiles_with_kept_gate_up(case):
+def testwith_tma_rows_equal_plain_tiles_with_kept_gate_up(case):
     # The kept pre-activations read and h written through TMA in the backward, and written so
     # in the forward: bitwise what pointer loads and stores give.
     base = tiles_for_tests(case.block) or ops.default_tiles(DEVICE)
@@ -153,8 +147,8 @@ def test_tma_rows_equal_plain_tiles_with_kept_gate_up(case):
     kept = F.MoKConfig(recompute_gate_up=False)
     y, grads, schedule, context = run_layer(case.inputs(), config=kept,
                                             swiglu_limit=case.limit, tiles=plain)
-    y_tma, grads_tma, _, context_tma = run_layer(case.inputs(), config=kept,
-                                                 swiglu_limit=case.limit, tiles=_tma_rows(plain))
+    y_tma, grads_tma, _, context_tma = run_layer(
+        case.inputs(), config=kept, swiglu_limit=case.limit, tiles=with_tma_rows(plain))
     assert torch.equal(y, y_tma)
     used = int(schedule.routing.expert_offsets[-1])  # rows past the last expert are never written
     assert torch.equal(context.gate_up[:used], context_tma.gate_up[:used])
