@@ -59,10 +59,13 @@ class Unavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Settings:
-    """device: where inputs live; liger_autotune: let Liger autotune its kernels (else pinned)."""
+    """device: where inputs live; liger_autotune: let Liger autotune its kernels (else pinned);
+    host_ahead: time the kernels alone, the whole call queued before the GPU starts it
+    (benchmarks.layer.measure)."""
 
     device: torch.device
     liger_autotune: bool = True
+    host_ahead: bool = False
 
 
 @dataclass(frozen=True)

@@ -117,18 +117,27 @@ def check(impl: Implementation, inputs: MoEInputs, reference: tuple, trains: boo
     return max(reports, key=lambda report: report.max_rel)
 
 
+# host_ahead: the GPU sleeps this long before each timed call, so the host has queued the whole
+# call before the GPU starts it (as in training, where the host runs ahead of the GPU).
+HOST_AHEAD_S = 0.05
+
+
 def measure(prepare: Callable[[int], Callable[[], object]], repeats: int, warmup: int,
-            device: torch.device) -> tuple[float, float | None]:
-    """(median ms, peak GiB) of the calls prepare(i) returns, i = 0, 1, ...; prepare's own work
-    is not timed. CUDA events on a GPU (device idle before each call), wall clock on CPU, where
-    the peak is None (not measured)."""
+            device: torch.device, host_ahead: bool = False) -> tuple[float, float | None, float]:
+    """(median ms, peak GiB, median host ms) of the calls prepare(i) returns, i = 0, 1, ...;
+    prepare's own work is not timed. CUDA events on a GPU (device idle before each call, so a
+    call whose host work outlasts its kernels is timed at its host pace; with host_ahead the
+    kernels alone), wall clock on CPU, where the peak is None (not measured). Host ms: the call's
+    own wall time (on a GPU, the time to queue it)."""
     for i in range(warmup):  # compile, autotune, caches: outside the timing
         prepare(i)()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-    times, peak = [], 0
+        sleep_cycles = int(HOST_AHEAD_S * torch.cuda.get_device_properties(device).clock_rate
+                           * 1e3)
+    times, host_times, peak = [], [], 0
     for i in range(warmup, warmup + repeats):
         call = prepare(i)
         if cuda:
@@ -136,8 +145,12 @@ def measure(prepare: Callable[[int], Callable[[], object]], repeats: int, warmup
             torch.cuda.reset_peak_memory_stats()
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
+            if host_ahead:
+                torch.cuda._sleep(sleep_cycles)
             start.record()
+            start_s = time.perf_counter()
             call()
+            host_times.append((time.perf_counter() - start_s) * 1e3)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -146,8 +159,9 @@ def measure(prepare: Callable[[int], Callable[[], object]], repeats: int, warmup
             start_s = time.perf_counter()
             call()
             times.append((time.perf_counter() - start_s) * 1e3)
+            host_times.append(times[-1])
         del call
-    return statistics.median(times), peak / 2**30 if cuda else None
+    return statistics.median(times), peak / 2**30 if cuda else None, statistics.median(host_times)
 
 
 def append_row(csv_path: Path, row: dict) -> None:
@@ -163,7 +177,7 @@ def _error(exc: BaseException) -> str:
 
 def bench_implementation(impl_name: str, shape: MoEShape, settings: Settings,
                          input_sets: list[MoEInputs], reference: tuple | None, modes: list[Mode],
-                         *, repeats: int, warmup: int, record: Callable[[dict], None],
+                         *, repeats: int, warmup: int, record: Callable[[dict, float], None],
                          skip: Callable[[Skip], None]) -> None:
     """Check and time one implementation at one shape in every mode; failures become skips."""
     try:
@@ -192,40 +206,44 @@ def bench_implementation(impl_name: str, shape: MoEShape, settings: Settings,
             return timed_call(impl, mode, input_sets[i % len(input_sets)])
 
         try:
-            ms, peak = measure(prepare, repeats, warmup, settings.device)
+            ms, peak, host_ms = measure(prepare, repeats, warmup, settings.device,
+                                        host_ahead=settings.host_ahead)
         except Exception as exc:
             skip(Skip(shape.name, impl.name, mode.value, f"timing failed: {_error(exc)}"))
             if settings.device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
         tflops = shape.flops(backward=False) * mode.flops_factor / ms / 1e9
-        record(dict(shape=shape.name, impl=impl.name, mode=mode.value, ms=float(f"{ms:.5g}"),
+        name = f"{impl.name}@ahead" if settings.host_ahead else impl.name
+        record(dict(shape=shape.name, impl=name, mode=mode.value, ms=float(f"{ms:.5g}"),
                     tflops=float(f"{tflops:.4g}"),
                     peak_mem_gb="" if peak is None else round(peak, 3),
-                    max_rel_err="n/a" if worst is None else f"{worst.max_rel:.2e}"))
+                    max_rel_err="n/a" if worst is None else f"{worst.max_rel:.2e}"),
+               host_ms)
 
 
 def run(shapes: list[MoEShape], impl_names: list[str], modes: list[Mode], *, repeats: int = 20,
         warmup: int = 5, num_input_sets: int = 3, csv_path: Path | None = None,
-        liger_autotune: bool = True) -> tuple[list[dict], list[Skip]]:
+        liger_autotune: bool = True, host_ahead: bool = False) -> tuple[list[dict], list[Skip]]:
     """Benchmark; returns (rows as appended to csv_path, skips). Draws csv_path's chart."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    settings = Settings(device, liger_autotune=liger_autotune)
+    settings = Settings(device, liger_autotune=liger_autotune,
+                        host_ahead=host_ahead and device.type == "cuda")
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = dict(gpu=gpu, commit=commit_id(),
                   date=datetime.datetime.now().isoformat(timespec="seconds"))
     rows: list[dict] = []
     skips: list[Skip] = []
 
-    def record(row: dict) -> None:
+    def record(row: dict, host_ms: float) -> None:
         row = {**common, **row}
         rows.append(row)
         if csv_path is not None:
             append_row(csv_path, row)
         peak = "n/a" if row["peak_mem_gb"] == "" else f"{row['peak_mem_gb']:.2f} GiB"
         print(f"{row['shape']:18s} {row['impl']:14s} {row['mode']:17s} {row['ms']:10.3f} ms "
-              f"{row['tflops']:9.4g} TFLOP/s  peak {peak}  max_rel {row['max_rel_err']}",
-              flush=True)
+              f"{row['tflops']:9.4g} TFLOP/s  peak {peak}  max_rel {row['max_rel_err']}  "
+              f"host {host_ms:.3f} ms", flush=True)
 
     def skip(entry: Skip) -> None:
         repeated = any((s.shape, s.impl, s.reason) == (entry.shape, entry.impl, entry.reason)
@@ -356,6 +374,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="let Liger autotune its kernels on its first call per shape "
                              "(minutes each on a GPU); --no-liger-autotune pins one config "
                              "(rows named liger_untuned)")
+    parser.add_argument("--host-ahead", action="store_true",
+                        help="time the kernels alone: the GPU sleeps before each call until the "
+                             "host has queued all of it, as when the host runs ahead in training "
+                             "(rows named IMPL@ahead); the default times a call from an idle "
+                             "GPU, host pace included")
     parser.add_argument("--redraw", action="store_true",
                         help="measure nothing: chart and tabulate the newest GPU row of each "
                              "(shape, implementation, mode) already in the CSV")
@@ -372,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     run([BENCH_SHAPES[name] for name in args.shapes], list(dict.fromkeys(args.impls)),
         [Mode(mode) for mode in dict.fromkeys(args.modes)], repeats=args.repeats,
         warmup=args.warmup, num_input_sets=args.input_sets, csv_path=csv_path,
-        liger_autotune=args.liger_autotune)
+        liger_autotune=args.liger_autotune, host_ahead=args.host_ahead)
     print(f"rows appended to {csv_path}; chart {csv_path.with_suffix('.png')}")
 
 
