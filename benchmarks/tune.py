@@ -123,9 +123,10 @@ def stage_runners(shape) -> list[tuple[str, str, tuple[int, int], object]]:
 
 
 def tune(shapes, table: dict | None = None, out: Path | None = None,
-         kinds=tuple(CANDIDATES)) -> dict:
+         kinds=tuple(CANDIDATES), verbose: bool = False) -> dict:
     """Tune `shapes` into `table` (entries of other shapes kept); with `out`, the table is
-    written after each shape, so a run cut short keeps what it measured."""
+    written after each shape, so a run cut short keeps what it measured. verbose: print every
+    candidate's time, not only the best."""
     table = dict(table or {})
     for shape in shapes:
         print(f"== {shape.name}", flush=True)
@@ -141,6 +142,8 @@ def tune(shapes, table: dict | None = None, out: Path | None = None,
                           flush=True)
             fallback = results[0][0]
             best_ms, best = min(results, key=lambda r: r[0])
+            for ms, tiles in (results if verbose else []):
+                print(f"     {ms:7.3f} ms {ms / best_ms:5.2f}x best  {tiles}", flush=True)
             table[(kind, n, k)] = best
             print(f"   {group:6s} {kind:14s} n={n:6d} k={k:6d} fallback {fallback:7.3f} ms -> best "
                   f"{best_ms:7.3f} ms ({fallback / best_ms:4.2f}x) {best}", flush=True)
@@ -159,9 +162,12 @@ def main(argv=None) -> None:
     parser.add_argument("--fresh", action="store_true",
                         help="start from an empty table (default: keep the entries of the "
                              "table in use for shapes not tuned now)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every candidate's time, not only the best")
     args = parser.parse_args(argv)
     tune([SHAPES_BY_NAME[name] for name in args.shapes],
-         {} if args.fresh else tuned_table(), Path(args.out), kinds=args.kinds)
+         {} if args.fresh else tuned_table(), Path(args.out), kinds=args.kinds,
+         verbose=args.verbose)
 
 
 if __name__ == "__main__":
