@@ -29,10 +29,6 @@ PERSISTENT_WGRAD = [T(128, 128, 64, 1, 8, 3, persistent=True),
                     T(128, 128, 64, 1, 8, 4, persistent=True),
                     T(128, 256, 64, 1, 8, 3, persistent=True)]
 DEEP_WGRAD = [T(128, 128, 64, 1, 8, 4), T(128, 128, 64, 1, 8, 5)]
-# Row loops of a program's tiles as one loop (shared memory: 128 KB at 128x128x64, 3 stages;
-# 176 at 128x256 and 256x128).
-FLAT_WGRAD = [T(128, 128, 64, 1, 8, 3, flat=True), T(128, 128, 64, 1, 8, 4, flat=True),
-              T(128, 256, 64, 1, 8, 3, flat=True), T(256, 128, 64, 1, 8, 3, flat=True)]
 CANDIDATES: dict[str, list[GemmTiles]] = {
     "gate_up": [T(128, 64, 64, 8, 8, 4), T(128, 128, 64, 8, 8, 3), T(64, 128, 64, 8, 4, 4),
                 T(128, 64, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 4),
@@ -69,11 +65,10 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
                       T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,
                       T(128, 128, 64, 1, 8, 3, pair=True), T(128, 128, 64, 1, 8, 4, pair=True),
                       T(128, 128, 32, 1, 8, 4, pair=True),
-                      T(128, 128, 64, 1, 8, 3, persistent=True, pair=True), *FLAT_WGRAD,
-                      T(128, 128, 64, 1, 8, 3, pair=True, flat=True)],
+                      T(128, 128, 64, 1, 8, 3, persistent=True, pair=True)],
     "wgrad_down": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
                    T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
-                   T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD, *FLAT_WGRAD],
+                   T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD],
 }
 
 

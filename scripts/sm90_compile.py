@@ -162,15 +162,10 @@ def main(argv=None) -> None:
                            (" pair persistent", dict(pair=True, persistent=True)),
                            (" pair 128x128x32 s4", dict(pair=True, block_k=32, num_stages=4)),
                            (" 128x256", dict(block_n=256)),
-                           (" 128x256 persistent", dict(block_n=256, persistent=True)),
-                           (" flat", dict(flat=True)), (" pair flat", dict(pair=True, flat=True)),
-                           (" 128x256 flat", dict(block_n=256, flat=True)),
-                           (" 256x128 flat", dict(block_m=256, flat=True))):
+                           (" 128x256 persistent", dict(block_n=256, persistent=True))):
         runs.append((f"wgrad_gate_up{label}", r(HOPPER_TILES.wgrad, **variant), wgrad_gate_up))
     for label, variant in (("", {}), (" persistent", dict(persistent=True)),
-                           (" s4", dict(num_stages=4)), (" 128x256", dict(block_n=256)),
-                           (" flat", dict(flat=True)),
-                           (" 128x256 flat", dict(block_n=256, flat=True))):
+                           (" s4", dict(num_stages=4)), (" 128x256", dict(block_n=256))):
         runs.append((f"wgrad_down{label}", r(HOPPER_TILES.wgrad, **variant), wgrad_down))
     runs.append(("wgrad_gate_up tuned", t["wgrad_gate_up"], wgrad_gate_up))
     runs.append(("wgrad_down tuned", t["wgrad_down"], wgrad_down))

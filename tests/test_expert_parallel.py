@@ -154,10 +154,10 @@ def test_ep_kept_gate_up(rank, world_size):
 def test_ep_kept_gate_up_tile_variants(rank, world_size):
     # The same with the row tiles through TMA (GemmTiles.tma_rows) while rows are pulled (h and
     # the pre-activations written so in the forward, read and written so in the backward), and
-    # the weight gradients of pulled rows in flattened persistent loops (GemmTiles.flat).
+    # the weight gradients of pulled rows in a persistent loop.
     config = dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False)
     tiles = with_tma_rows(small_tiles(16))
-    tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, flat=True))
+    tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, persistent=True))
     _matches_reference_body(rank, world_size, shared=16, limit=0.8,
                             pattern=RoutingPattern.RANDOM, config=config, tiles=tiles)
 

@@ -117,19 +117,11 @@ def _paired_persistent_wgrad(tiles):
     return _persistent_wgrad(_paired_wgrad(tiles))
 
 
-def _flat_wgrad(tiles):
-    return dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, flat=True))
-
-
-def _paired_flat_wgrad(tiles):
-    return _flat_wgrad(_paired_wgrad(tiles))
-
-
 @pytest.mark.parametrize("variant",
                          [_persistent_wgrad, _tma_weights, with_tma_rows, _paired_wgrad,
-                          _paired_persistent_wgrad, _flat_wgrad, _paired_flat_wgrad],
+                          _paired_persistent_wgrad],
                          ids=["persistent_wgrad", "tma_weights", "tma_rows", "paired_wgrad",
-                              "paired_persistent_wgrad", "flat_wgrad", "paired_flat_wgrad"])
+                              "paired_persistent_wgrad"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[8]], ids=lambda c: c.name)
 def test_tile_variants_equal_plain_tiles(case, variant):
     # The same tiles summed in the same order, only loaded or scheduled differently: bitwise

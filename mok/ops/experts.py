@@ -360,8 +360,7 @@ def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, ro
     width_p, width_q = a.shape[1], b.shape[1]
     num_tiles = (routing.num_local_experts * triton.cdiv(width_p, tiles.block_m)
                  * triton.cdiv(width_q, tiles.block_n))
-    persistent = tiles.persistent or tiles.flat
-    grid = min(num_tiles, _num_programs(a.device)) if persistent else num_tiles
+    grid = min(num_tiles, _num_programs(a.device)) if tiles.persistent else num_tiles
     gemm_kernels.grouped_wgrad_kernel[(grid,)](
         a, a2 if a2 is not None else a, b, out, out2 if out2 is not None else out,
         routing.row_route, router_weights if router_weights is not None else a,
@@ -370,7 +369,7 @@ def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, ro
         a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
         GATHER_A=gather_a, SCALE_A=router_weights is not None, WEIGHTS_BY_ROW=weights_by_row,
         GATHER_B=gather_b, PAIR=a2 is not None, BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,
-        BLOCK_R=tiles.block_k, PERSISTENT=persistent, FLAT=tiles.flat, UPCAST=UPCAST,
+        BLOCK_R=tiles.block_k, PERSISTENT=tiles.persistent, UPCAST=UPCAST,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 

@@ -48,9 +48,6 @@ class GemmTiles:
     # token, not scattered to other ranks) through TMA: the epilogues' outputs, the kept
     # pre-activations, and the A operands of down and d_x.
     tma_rows: bool = False
-    # wgrad only: one program per SM whose tiles' row loops are one loop (the next tile's loads
-    # overlap this tile's store); implies persistent.
-    flat: bool = False
 
 
 @dataclass(frozen=True)
