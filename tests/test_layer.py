@@ -139,7 +139,7 @@ def test_tile_variants_equal_plain_tiles(case, variant):
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=lambda c: c.name)
-def testwith_tma_rows_equal_plain_tiles_with_kept_gate_up(case):
+def test_tma_rows_equal_plain_tiles_with_kept_gate_up(case):
     # The kept pre-activations read and h written through TMA in the backward, and written so
     # in the forward: bitwise what pointer loads and stores give.
     base = tiles_for_tests(case.block) or ops.default_tiles(DEVICE)

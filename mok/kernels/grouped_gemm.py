@@ -466,93 +466,6 @@ def d_x_rows_kernel(
 
 
 @triton.jit
-def _wgrad_tile_coords(tile, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """(expert, pid_p, pid_q) of a weight-gradient tile: tiles run expert by expert, then P,
-    then Q."""
-    num_p_blocks = tl.cdiv(P, BLOCK_P)
-    num_q_blocks = tl.cdiv(Q, BLOCK_Q)
-    pid_pq = tile % (num_p_blocks * num_q_blocks)
-    return tile // (num_p_blocks * num_q_blocks), pid_pq // num_q_blocks, pid_pq % num_q_blocks
-
-
-@triton.jit
-def _expert_rows(expert, expert_counts_ptr, expert_offsets_ptr, num_rows):
-    """[start, end): the expert's rows. num_rows: on a capacity overflow an expert's rows may
-    run past the schedule's rows."""
-    start = tl.load(expert_offsets_ptr + expert)
-    return start, tl.minimum(start + tl.load(expert_counts_ptr + expert), num_rows)
-
-
-@triton.jit
-def _wgrad_step(
-    row0, end, next_route, ps, qs, acc, acc2, a_ptr, a2_ptr, b_ptr, row_route_ptr,
-    router_weights_ptr, P, Q, topk, stride_am, stride_bm,
-    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, WEIGHTS_BY_ROW: tl.constexpr,
-    GATHER_B: tl.constexpr, PAIR: tl.constexpr, NEED_ROUTE: tl.constexpr,
-    BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """acc (+ acc2) += the rows [row0, row0 + BLOCK_R) of one expert (rows < end); returns
-    (acc, acc2, the routes of the next rows).
-
-    An expert's rows [start, end) are all scheduled routes (its padding comes after), so
-    validity needs no route: only a gathered operand or a route's weight loads one. It is loaded
-    an iteration ahead (next_route): a load whose address comes from a load of the same
-    iteration costs the software pipeline a stage.
-    """
-    rows = row0 + tl.arange(0, BLOCK_R)
-    valid = rows < end
-    a_rows = rows.to(tl.int64)
-    b_rows = rows.to(tl.int64)
-    route = next_route
-    if NEED_ROUTE:
-        ahead = rows + BLOCK_R
-        next_route = tl.load(row_route_ptr + ahead, mask=ahead < end, other=0)
-        token = (route // topk).to(tl.int64)
-        if GATHER_A:
-            a_rows = token
-        if GATHER_B:
-            b_rows = token
-    a_offsets = a_rows[None, :] * stride_am + ps[:, None]
-    a_mask = valid[None, :] & (ps[:, None] < P)
-    a = tl.load(a_ptr + a_offsets, mask=a_mask, other=0.0)
-    if SCALE_A:
-        if WEIGHTS_BY_ROW:
-            weight = tl.load(router_weights_ptr + rows, mask=valid, other=0.0)
-        else:
-            weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
-        a = cast_to(a.to(tl.float32) * weight[None, :], a_ptr.dtype.element_ty, UPCAST)
-    b = tl.load(b_ptr + b_rows[:, None] * stride_bm + qs[None, :],
-                mask=valid[:, None] & (qs[None, :] < Q), other=0.0)
-    acc = mma(a, b, acc, UPCAST)
-    if PAIR:  # a second A of the same rows and layout, sharing B's tile
-        a2 = tl.load(a2_ptr + a_offsets, mask=a_mask, other=0.0)
-        acc2 = mma(a2, b, acc2, UPCAST)
-    return acc, acc2, next_route
-
-
-@triton.jit
-def _first_routes(row_route_ptr, start, end, NEED_ROUTE: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The routes of an expert's first BLOCK_R rows (zeros when no operand needs them)."""
-    offsets = tl.arange(0, BLOCK_R)
-    if NEED_ROUTE:
-        return tl.load(row_route_ptr + start + offsets, mask=start + offsets < end, other=0)
-    return tl.zeros([BLOCK_R], dtype=tl.int32)
-
-
-@triton.jit
-def _wgrad_store(acc, acc2, expert, ps, qs, out_ptr, out2_ptr, P, Q, stride_oe, stride_op,
-                 stride_oq, PAIR: tl.constexpr, UPCAST: tl.constexpr):
-    out_offsets = (expert.to(tl.int64) * stride_oe + ps[:, None] * stride_op
-                   + qs[None, :] * stride_oq)
-    out_mask = (ps[:, None] < P) & (qs[None, :] < Q)
-    tl.store(out_ptr + out_offsets, cast_to(acc, out_ptr.dtype.element_ty, UPCAST),
-             mask=out_mask)
-    if PAIR:
-        tl.store(out2_ptr + out_offsets, cast_to(acc2, out_ptr.dtype.element_ty, UPCAST),
-                 mask=out_mask)
-
-
-@triton.jit
 def _wgrad_tile(
     tile, a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr, router_weights_ptr,
     expert_counts_ptr, expert_offsets_ptr, P, Q, topk, num_rows, stride_am, stride_bm, stride_oe,
@@ -561,22 +474,67 @@ def _wgrad_tile(
     GATHER_B: tl.constexpr, PAIR: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One output tile of grouped_wgrad_kernel, its rows in order."""
-    expert, pid_p, pid_q = _wgrad_tile_coords(tile, P, Q, BLOCK_P, BLOCK_Q)
-    start, end = _expert_rows(expert, expert_counts_ptr, expert_offsets_ptr, num_rows)
+    """One output tile of grouped_wgrad_kernel: tiles run expert by expert, then P, then Q."""
+    num_p_blocks = tl.cdiv(P, BLOCK_P)
+    num_q_blocks = tl.cdiv(Q, BLOCK_Q)
+    expert = tile // (num_p_blocks * num_q_blocks)
+    pid_pq = tile % (num_p_blocks * num_q_blocks)
+    pid_p = pid_pq // num_q_blocks
+    pid_q = pid_pq % num_q_blocks
+    start = tl.load(expert_offsets_ptr + expert)
+    # num_rows: on a capacity overflow an expert's rows may run past the schedule's rows
+    end = tl.minimum(start + tl.load(expert_counts_ptr + expert), num_rows)
     ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
     NEED_ROUTE: tl.constexpr = GATHER_A or GATHER_B or (SCALE_A and not WEIGHTS_BY_ROW)
-    next_route = _first_routes(row_route_ptr, start, end, NEED_ROUTE, BLOCK_R)
+    offsets = tl.arange(0, BLOCK_R)
+    next_route = tl.zeros([BLOCK_R], dtype=tl.int32)
+    if NEED_ROUTE:
+        next_route = tl.load(row_route_ptr + start + offsets, mask=start + offsets < end,
+                             other=0)
     for row0 in range(start, end, BLOCK_R):
-        acc, acc2, next_route = _wgrad_step(
-            row0, end, next_route, ps, qs, acc, acc2, a_ptr, a2_ptr, b_ptr, row_route_ptr,
-            router_weights_ptr, P, Q, topk, stride_am, stride_bm, GATHER_A, SCALE_A,
-            WEIGHTS_BY_ROW, GATHER_B, PAIR, NEED_ROUTE, BLOCK_R, UPCAST)
-    _wgrad_store(acc, acc2, expert, ps, qs, out_ptr, out2_ptr, P, Q, stride_oe, stride_op,
-                 stride_oq, PAIR, UPCAST)
+        rows = row0 + offsets
+        # An expert's rows [start, end) are all scheduled routes (its padding comes after), so
+        # validity needs no route: only a gathered operand or a route's weight loads one. It
+        # is loaded an iteration ahead: a load whose address comes from a load of the same
+        # iteration costs the software pipeline a stage.
+        valid = rows < end
+        a_rows = rows.to(tl.int64)
+        b_rows = rows.to(tl.int64)
+        if NEED_ROUTE:
+            route = next_route
+            ahead = rows + BLOCK_R
+            next_route = tl.load(row_route_ptr + ahead, mask=ahead < end, other=0)
+            token = (route // topk).to(tl.int64)
+            if GATHER_A:
+                a_rows = token
+            if GATHER_B:
+                b_rows = token
+        a_offsets = a_rows[None, :] * stride_am + ps[:, None]
+        a_mask = valid[None, :] & (ps[:, None] < P)
+        a = tl.load(a_ptr + a_offsets, mask=a_mask, other=0.0)
+        if SCALE_A:
+            if WEIGHTS_BY_ROW:
+                weight = tl.load(router_weights_ptr + rows, mask=valid, other=0.0)
+            else:
+                weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
+            a = cast_to(a.to(tl.float32) * weight[None, :], a_ptr.dtype.element_ty, UPCAST)
+        b = tl.load(b_ptr + b_rows[:, None] * stride_bm + qs[None, :],
+                    mask=valid[:, None] & (qs[None, :] < Q), other=0.0)
+        acc = mma(a, b, acc, UPCAST)
+        if PAIR:  # a second A of the same rows and layout, sharing B's tile
+            a2 = tl.load(a2_ptr + a_offsets, mask=a_mask, other=0.0)
+            acc2 = mma(a2, b, acc2, UPCAST)
+    out_offsets = (expert.to(tl.int64) * stride_oe + ps[:, None] * stride_op
+                   + qs[None, :] * stride_oq)
+    out_mask = (ps[:, None] < P) & (qs[None, :] < Q)
+    tl.store(out_ptr + out_offsets, cast_to(acc, out_ptr.dtype.element_ty, UPCAST),
+             mask=out_mask)
+    if PAIR:
+        tl.store(out2_ptr + out_offsets, cast_to(acc2, out_ptr.dtype.element_ty, UPCAST),
+                 mask=out_mask)
 
 
 @triton.jit
