@@ -26,6 +26,9 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   T*k routes as one expert: [T*k, H] x [H, 2I] and [T*k, I] x [I, H], plus the shared expert's
   two over T rows); its backward is their input and weight gradients (twice the FLOPs). It
   computes no layer, so it is not checked against the reference.
+- triton_dense: the same dense GEMMs in a plain Triton kernel (benchmarks.triton_gemm: TMA loads,
+  wgmma, a few tiles autotuned): what Triton itself reaches there, to tell the compiler's share
+  of mok's gap to cuBLAS from the MoE structure's. Not checked either.
 """
 
 from __future__ import annotations
@@ -283,6 +286,20 @@ def dense_gemms(shape: MoEShape) -> list[tuple[int, int, int]]:
 
 
 def dense_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    """The ceiling: cuBLAS on dense GEMMs of the layer's FLOPs (dense_gemms)."""
+    return _dense_gemms_implementation("dense", shape, settings, torch.matmul)
+
+
+def triton_dense_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    """The same dense GEMMs in a plain Triton kernel (benchmarks.triton_gemm): how far Triton
+    itself gets on them."""
+    from benchmarks.triton_gemm import matmul
+
+    return _dense_gemms_implementation("triton_dense", shape, settings, matmul)
+
+
+def _dense_gemms_implementation(name: str, shape: MoEShape, settings: Settings,
+                                matmul: Callable) -> Implementation:
     operands_by_set: dict[int, list] = {}
 
     def operands(inputs):
@@ -300,12 +317,13 @@ def dense_implementation(shape: MoEShape, settings: Settings) -> Implementation:
         return operands_by_set[key]
 
     def forward(inputs):
-        return [a @ w.T for a, w, _ in operands(inputs)]
+        return [matmul(a, w.T) for a, w, _ in operands(inputs)]
 
     def backward(saved, inputs):
-        return tuple(grad for a, w, d_out in saved for grad in (d_out @ w, d_out.T @ a))
+        return tuple(grad for a, w, d_out in saved
+                     for grad in (matmul(d_out, w), matmul(d_out.T, a)))
 
-    return Implementation("dense", forward, lambda inputs: (forward(inputs), operands(inputs)),
+    return Implementation(name, forward, lambda inputs: (forward(inputs), operands(inputs)),
                           backward, checked=False)
 
 
@@ -313,6 +331,7 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok": mok_implementation,
     "mok_kept": mok_kept_implementation,
     "dense": dense_implementation,
+    "triton_dense": triton_dense_implementation,
     "grouped_mm": grouped_mm_implementation,
     "liger": liger_implementation,
     "loop": loop_implementation,

@@ -192,3 +192,23 @@ def test_redraw_charts_the_newest_gpu_row_of_each_cell(tmp_path, capsys):
     assert "from 3 rows" in out and "300" in out
     with csv_path.open(newline="") as handle:
         assert len(list(csv.DictReader(handle))) == len(rows)  # nothing appended
+
+
+def test_triton_dense_computes_what_dense_computes():
+    # The anchor of Triton's own GEMM speed does the cuBLAS anchor's products, in each operand
+    # layout they use (a @ w.T, d_out @ w, d_out.T @ a), on the same operands.
+    settings = Settings(DEVICE, liger_autotune=False)
+    inputs = make_inputs(16, TINY.hidden_size, TINY.intermediate_size, TINY.num_experts,
+                         TINY.topk, device=DEVICE, seed=3)
+    dense = implementations.dense_implementation(TINY, settings)
+    triton_dense = implementations.triton_dense_implementation(TINY, settings)
+    outputs, saved = dense.forward_train(inputs)
+    outputs_triton, saved_triton = triton_dense.forward_train(inputs)
+    pairs = [*zip(outputs, outputs_triton, strict=True),
+             *zip(dense.backward(saved, inputs), triton_dense.backward(saved_triton, inputs),
+                  strict=True)]
+    assert len(pairs) == 3 * len(dense_gemms(TINY))
+    for expected, actual in pairs:
+        assert actual.shape == expected.shape and actual.dtype == torch.bfloat16
+        rel = (actual.float() - expected.float()).norm() / expected.float().norm()
+        assert rel < 1e-2, rel
