@@ -144,6 +144,9 @@ def main(argv=None) -> None:
         ("down_bwd saved", t["down_bwd_saved"], lambda tt: ops.down_bwd_dswiglu(
             d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None, gate_up=dgu, h_out=True)),
         ("d_x", t["d_x"], lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
+        ("down_bwd saved tma", r(t["down_bwd_saved"], tma=True), lambda tt: ops.down_bwd_dswiglu(
+            d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None, gate_up=dgu, h_out=True)),
+        ("d_x tma", r(t["d_x"], tma=True), lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
     ]
     # The same GEMMs with their whole row tiles (outputs, kept pre-activations, the A operands
     # of down and d_x) through TMA.

@@ -36,11 +36,16 @@ def tiles_for_tests(block: int = 16, align: int | None = None):
     return small_tiles(block, align)
 
 
+def with_row_tiles(tiles, **fields):
+    """`tiles` with `fields` set in the tiles of every row GEMM (gate_up, down, down_bwd, d_x)."""
+    return dataclasses.replace(tiles, **{
+        name: dataclasses.replace(getattr(tiles, name), **fields)
+        for name in ("gate_up", "down", "down_bwd", "d_x")})
+
+
 def with_tma_rows(tiles):
     """`tiles` with every row GEMM's whole row tiles through TMA (GemmTiles.tma_rows)."""
-    return dataclasses.replace(tiles, **{
-        name: dataclasses.replace(getattr(tiles, name), tma_rows=True)
-        for name in ("gate_up", "down", "down_bwd", "d_x")})
+    return with_row_tiles(tiles, tma_rows=True)
 
 
 def run_layer(inputs, *, config=None, tiles=None, swiglu_limit=None, workspace=None,

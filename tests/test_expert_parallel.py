@@ -26,7 +26,7 @@ from mok.testing import (
     moe_reference_grads,
 )
 
-from .conftest import DEVICE, tiles_for_tests, with_tma_rows
+from .conftest import DEVICE, tiles_for_tests, with_row_tiles
 
 REF_DTYPE = torch.float32 if DEVICE.type == "cuda" else torch.float64
 pytestmark = pytest.mark.timeout(900)
@@ -152,11 +152,12 @@ def test_ep_kept_gate_up(rank, world_size):
 
 @distributed_test(world_sizes=(2,))
 def test_ep_kept_gate_up_tile_variants(rank, world_size):
-    # The same with the row tiles through TMA (GemmTiles.tma_rows) while rows are pulled (h and
-    # the pre-activations written so in the forward, read and written so in the backward), and
-    # the weight gradients of pulled rows in a persistent loop.
+    # The same with the row tiles and the weights through TMA (GemmTiles.tma_rows, tma) while
+    # rows are pulled and scattered (h and the pre-activations written so in the forward, read
+    # and written so in the backward), and the weight gradients of pulled rows in a persistent
+    # loop.
     config = dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False)
-    tiles = with_tma_rows(small_tiles(16))
+    tiles = with_row_tiles(small_tiles(16), tma=True, tma_rows=True)
     tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, persistent=True))
     _matches_reference_body(rank, world_size, shared=16, limit=0.8,
                             pattern=RoutingPattern.RANDOM, config=config, tiles=tiles)

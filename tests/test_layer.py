@@ -16,7 +16,7 @@ from mok.testing import (
     moe_reference_grads,
 )
 
-from .conftest import DEVICE, run_layer, tiles_for_tests, with_tma_rows
+from .conftest import DEVICE, run_layer, tiles_for_tests, with_row_tiles, with_tma_rows
 
 REF_DTYPE = torch.float32 if DEVICE.type == "cuda" else torch.float64
 
@@ -104,9 +104,7 @@ def _persistent_wgrad(tiles):
 
 
 def _tma_weights(tiles):
-    return dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, tma=True),
-                               down=dataclasses.replace(tiles.down, tma=True),
-                               down_bwd=dataclasses.replace(tiles.down_bwd, tma=True))
+    return with_row_tiles(tiles, tma=True)
 
 
 def _paired_wgrad(tiles):
@@ -138,17 +136,20 @@ def test_tile_variants_equal_plain_tiles(case, variant):
     check_against_reference(case, y_variant, grads_variant)
 
 
+@pytest.mark.parametrize("variant", [with_tma_rows, _tma_weights],
+                         ids=["tma_rows", "tma_weights"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=lambda c: c.name)
-def test_tma_rows_equal_plain_tiles_with_kept_gate_up(case):
+def test_tma_variants_equal_plain_tiles_with_kept_gate_up(case, variant):
     # The kept pre-activations read and h written through TMA in the backward, and written so
-    # in the forward: bitwise what pointer loads and stores give.
+    # in the forward; or the backward's w_down tiles through TMA: bitwise what pointer loads and
+    # stores give.
     base = tiles_for_tests(case.block) or ops.default_tiles(DEVICE)
     plain = dataclasses.replace(base, use_tuned=False)
     kept = F.MoKConfig(recompute_gate_up=False)
     y, grads, schedule, context = run_layer(case.inputs(), config=kept,
                                             swiglu_limit=case.limit, tiles=plain)
     y_tma, grads_tma, _, context_tma = run_layer(
-        case.inputs(), config=kept, swiglu_limit=case.limit, tiles=with_tma_rows(plain))
+        case.inputs(), config=kept, swiglu_limit=case.limit, tiles=variant(plain))
     assert torch.equal(y, y_tma)
     used = int(schedule.routing.expert_offsets[-1])  # rows past the last expert are never written
     assert torch.equal(context.gate_up[:used], context_tma.gate_up[:used])

@@ -14,7 +14,9 @@ W_TMA (gate/up, down, and the gate/up weights of down_bwd): the weight tiles com
 descriptors of the weights viewed [E * N, K] instead of pointer loads. A tile's rows past its
 expert's N read the next expert's rows (or TMA's zero fill past the end); they only reach
 output columns >= N, which are never stored. K is the descriptor's last dimension, so TMA
-zero-fills past K as the masks would.
+zero-fills past K as the masks would. WK_TMA (w_down in down_bwd, w_gate and w_up in d_x, whose
+weights are [E, K, N]): descriptors of the weights viewed [E * K, N] with [BLOCK_K, BLOCK_N]
+boxes; BLOCK_K divides K (the host checks), so no box reaches the next expert's rows.
 
 Expert parallelism adds two switches. PULL: the launch's first programs pull the rows the GEMM
 reads from the other ranks (mok.kernels.comm.pull_rows) and every tile, before its K loop, waits
@@ -296,6 +298,7 @@ def down_bwd_dswiglu_kernel(
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
+    WK_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -309,13 +312,13 @@ def down_bwd_dswiglu_kernel(
     d_up] (columns [0, N) and [N, 2N)) for dh = w[route] * dh0, and the partial router-weight
     gradient sum_n dh0 * h over this tile's columns to d_weight_partial[row, pid_n]. With PULL,
     d_out's rows (and x's, PULL_SECOND) are pulled from the other ranks by the launch's first
-    programs. W_TMA: w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module
-    docstring); w_down stays with pointer loads. SAVED_GATE_UP: gate and up are read from
-    gate_up[row] = [gate, up] (what the forward's SAVE_GATE_UP wrote); the K loop is dh0's alone
-    and x, w_gate, w_up are not read. H_OUT (with SAVED_GATE_UP): h is written, swiglu of the
-    kept pre-activations, rather than read. ROWS_TMA: h_ptr, gate_up_ptr and d_gate_up_ptr are
-    TMA descriptors of h, gate_up and d_gate_up with [BLOCK_M, BLOCK_N] boxes (BLOCK_N divides
-    N).
+    programs. W_TMA: w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K],
+    WK_TMA: w_down_ptr one of w_down viewed [E * K, N] (module docstring). SAVED_GATE_UP: gate
+    and up are read from gate_up[row] = [gate, up] (what the forward's SAVE_GATE_UP wrote); the
+    K loop is dh0's alone and x, w_gate, w_up are not read. H_OUT (with SAVED_GATE_UP): h is
+    written, swiglu of the kept pre-activations, rather than read. ROWS_TMA: h_ptr, gate_up_ptr
+    and d_gate_up_ptr are TMA descriptors of h, gate_up and d_gate_up with [BLOCK_M, BLOCK_N]
+    boxes (BLOCK_N divides N).
     """
     pid = tl.program_id(0)
     if PULL:
@@ -352,8 +355,11 @@ def down_bwd_dswiglu_kernel(
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + ks) < K
             a_dy = tl.load(d_out_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-            b_down = tl.load(w_down_ptr + wd_offsets, mask=k_mask[:, None] & col_mask[None, :],
-                             other=0.0)
+            if WK_TMA:
+                b_down = w_down_ptr.load([expert * K + k0, c0])
+            else:
+                b_down = tl.load(w_down_ptr + wd_offsets,
+                                 mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             acc_dh = mma(a_dy, b_down, acc_dh, UPCAST)
             d_out_ptrs += BLOCK_K
             wd_offsets += BLOCK_K * stride_wd_k
@@ -368,7 +374,10 @@ def down_bwd_dswiglu_kernel(
             w_mask = k_mask[:, None] & col_mask[None, :]
             a_dy = tl.load(d_out_ptrs, mask=a_mask, other=0.0)
             a_x = tl.load(x_ptrs, mask=a_mask, other=0.0)
-            b_down = tl.load(w_down_ptr + wd_offsets, mask=w_mask, other=0.0)
+            if WK_TMA:
+                b_down = w_down_ptr.load([expert * K + k0, c0])
+            else:
+                b_down = tl.load(w_down_ptr + wd_offsets, mask=w_mask, other=0.0)
             if W_TMA:
                 b_gate = w_gate_ptr.load([w_row, k0]).T
                 b_up = w_up_ptr.load([w_row, k0]).T
@@ -423,14 +432,15 @@ def d_x_rows_kernel(
     dest_route_ptr, out_delta_ptr,
     num_m_blocks, N, K, routes_per_rank,
     stride_gm, stride_we, stride_wk, stride_wn, stride_om,
-    ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr,
+    ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[row] = d_gate[row] @ w_gate[e] + d_up[row] @ w_up[e]; N = H, K = I, w [E, K, N].
 
     ROWS_TMA (not with SCATTER): d_gate_up_ptr and out_ptr are TMA descriptors of d_gate_up and
-    out, with [BLOCK_M, BLOCK_K] (BLOCK_K divides K) and [BLOCK_M, BLOCK_N] boxes.
+    out, with [BLOCK_M, BLOCK_K] (BLOCK_K divides K) and [BLOCK_M, BLOCK_N] boxes. WK_TMA:
+    w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * K, N] (module docstring).
     """
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
@@ -452,8 +462,12 @@ def d_x_rows_kernel(
         else:
             a_gate = tl.load(d_gate_up_ptr + a_offsets, mask=k_mask[None, :], other=0.0)
             a_up = tl.load(d_gate_up_ptr + a_offsets + K, mask=k_mask[None, :], other=0.0)
-        b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
-        b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
+        if WK_TMA:
+            b_gate = w_gate_ptr.load([expert * K + k0, pid_n * BLOCK_N])
+            b_up = w_up_ptr.load([expert * K + k0, pid_n * BLOCK_N])
+        else:
+            b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
+            b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
         acc = mma(a_gate, b_gate, acc, UPCAST)
         acc = mma(a_up, b_up, acc, UPCAST)
         a_offsets += BLOCK_K

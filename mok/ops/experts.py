@@ -54,6 +54,22 @@ def _weights_operand(w: torch.Tensor, tiles: GemmTiles) -> tuple[object, bool]:
                             [tiles.block_n, tiles.block_k]), True
 
 
+def _weights_k_rows_operand(w: torch.Tensor, tiles: GemmTiles) -> tuple[object, bool]:
+    """(w or a TMA descriptor of w [E, K, N] viewed [E * K, N] with [block_k, block_n] boxes,
+    whether it is the descriptor): the descriptor when tiles.tma asks for it and w's layout
+    allows one (unit N stride, experts back to back, 16-byte aligned rows and start, block_k
+    dividing K so that no box reaches the next expert's rows); pointer loads otherwise."""
+    experts, k, n = w.shape
+    usable = (tiles.tma and w.stride(2) == 1 and w.stride(0) == k * w.stride(1)
+              and (w.stride(1) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+              and k % tiles.block_k == 0 and experts * k > 0)
+    if not usable:
+        return w, False
+    flat = w.as_strided((experts * k, n), (w.stride(1), 1))
+    return TensorDescriptor(flat, [experts * k, n], [w.stride(1), 1],
+                            [tiles.block_k, tiles.block_n]), True
+
+
 def _gate_up_operands(w_gate: torch.Tensor, w_up: torch.Tensor,
                       tiles: GemmTiles) -> tuple[object, object, bool]:
     """Both gate/up weights as TMA descriptors, or both as pointers (see _weights_operand)."""
@@ -250,12 +266,13 @@ def down_bwd_dswiglu(
         gate, up, tma = w_gate, w_up, False
     if h_out and gate_up is None:
         raise ValueError("h_out needs the kept pre-activations (gate_up)")
+    down_weights, wk_tma = _weights_k_rows_operand(w_down, tiles)
     specs = [(d_gate_up, intermediate, tiles.block_n), (h, intermediate, tiles.block_n)]
     if gate_up is not None:
         specs.append((gate_up, intermediate, tiles.block_n))
     (d_gate_up_arg, h_arg, *gate_up_arg), rows_tma = _rows_operands(tiles, *specs)
     gemm_kernels.down_bwd_dswiglu_kernel[(grid + pull_scalars[0],)](
-        d_out, x, w_down, gate, up, h_arg, gate_up_arg[0] if gate_up_arg else h_arg,
+        d_out, x, down_weights, gate, up, h_arg, gate_up_arg[0] if gate_up_arg else h_arg,
         router_weights if router_weights is not None else h,
         d_gate_up_arg, partial if partial is not None else d_gate_up,
         routing.row_route, routing.block_expert, *pull_ptrs,
@@ -266,7 +283,7 @@ def down_bwd_dswiglu(
         partial.stride(0) if partial is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
         W_TMA=tma, SAVED_GATE_UP=gate_up is not None, H_OUT=h_out, ROWS_TMA=rows_tma,
-        **pull_meta, **_gemm_meta(tiles),
+        WK_TMA=wk_tma, **pull_meta, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 
@@ -294,11 +311,16 @@ def d_x_rows(
     (d_gate_up_in, out_arg), rows_tma = _rows_operands(
         tiles, (d_gate_up, intermediate, tiles.block_k), (out, hidden, tiles.block_n),
         wanted=scatter is None)
+    gate, gate_tma = _weights_k_rows_operand(w_gate, tiles)
+    up, up_tma = _weights_k_rows_operand(w_up, tiles)
+    wk_tma = gate_tma and up_tma
     gemm_kernels.d_x_rows_kernel[(grid,)](
-        d_gate_up_in, w_gate, w_up, out_arg, routing.block_expert, *scatter_ptrs,
+        d_gate_up_in, gate if wk_tma else w_gate, up if wk_tma else w_up, out_arg,
+        routing.block_expert, *scatter_ptrs,
         num_m_blocks, hidden, intermediate, routes_per_rank,
         d_gate_up.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), out.stride(0),
-        ALIGN=routing.align, ROWS_TMA=rows_tma, **scatter_meta, **_gemm_meta(tiles),
+        ALIGN=routing.align, ROWS_TMA=rows_tma, WK_TMA=wk_tma, **scatter_meta,
+        **_gemm_meta(tiles),
     )
     return out
 
