@@ -37,37 +37,32 @@ def _num_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _weights_operand(w: torch.Tensor, tiles: GemmTiles) -> tuple[object, bool]:
-    """(w or a TMA descriptor of w [E, N, K] viewed [E * N, K] with [block_n, block_k] boxes,
-    whether it is the descriptor): the descriptor when tiles.tma asks for it and w's layout
-    allows one (unit K stride, experts back to back, 16-byte aligned rows, boxes of at most 128
-    bytes along K); pointer loads otherwise."""
-    experts, n, k = w.shape
-    itemsize = w.element_size()
-    usable = (tiles.tma and w.stride(2) == 1 and w.stride(0) == n * w.stride(1)
-              and (w.stride(1) * itemsize) % 16 == 0 and w.data_ptr() % 16 == 0
-              and tiles.block_k * itemsize <= 128 and experts * n > 0)
+def _experts_descriptor(w: torch.Tensor, box: list[int], wanted: bool) -> tuple[object, bool]:
+    """(w or a TMA descriptor of w [E, R, C] viewed [E * R, C] with `box`, whether it is the
+    descriptor): the descriptor when `wanted` and w's layout allows one (unit C stride, experts
+    back to back, 16-byte aligned rows and start); pointer loads otherwise."""
+    experts, rows, cols = w.shape
+    usable = (wanted and w.stride(2) == 1 and w.stride(0) == rows * w.stride(1)
+              and (w.stride(1) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+              and experts * rows > 0)
     if not usable:
         return w, False
-    flat = w.as_strided((experts * n, k), (w.stride(1), 1))
-    return TensorDescriptor(flat, [experts * n, k], [w.stride(1), 1],
-                            [tiles.block_n, tiles.block_k]), True
+    flat = w.as_strided((experts * rows, cols), (w.stride(1), 1))
+    return TensorDescriptor(flat, [experts * rows, cols], [w.stride(1), 1], box), True
+
+
+def _weights_operand(w: torch.Tensor, tiles: GemmTiles) -> tuple[object, bool]:
+    """w [E, N, K] as a descriptor with [block_n, block_k] boxes (_experts_descriptor) when
+    tiles.tma asks for it and the boxes hold at most 128 bytes along K."""
+    return _experts_descriptor(w, [tiles.block_n, tiles.block_k],
+                               tiles.tma and tiles.block_k * w.element_size() <= 128)
 
 
 def _weights_k_rows_operand(w: torch.Tensor, tiles: GemmTiles) -> tuple[object, bool]:
-    """(w or a TMA descriptor of w [E, K, N] viewed [E * K, N] with [block_k, block_n] boxes,
-    whether it is the descriptor): the descriptor when tiles.tma asks for it and w's layout
-    allows one (unit N stride, experts back to back, 16-byte aligned rows and start, block_k
-    dividing K so that no box reaches the next expert's rows); pointer loads otherwise."""
-    experts, k, n = w.shape
-    usable = (tiles.tma and w.stride(2) == 1 and w.stride(0) == k * w.stride(1)
-              and (w.stride(1) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-              and k % tiles.block_k == 0 and experts * k > 0)
-    if not usable:
-        return w, False
-    flat = w.as_strided((experts * k, n), (w.stride(1), 1))
-    return TensorDescriptor(flat, [experts * k, n], [w.stride(1), 1],
-                            [tiles.block_k, tiles.block_n]), True
+    """w [E, K, N] as a descriptor with [block_k, block_n] boxes (_experts_descriptor) when
+    tiles.tma asks for it and block_k divides K, so that no box reaches the next expert's rows."""
+    return _experts_descriptor(w, [tiles.block_k, tiles.block_n],
+                               tiles.tma and w.shape[1] % tiles.block_k == 0)
 
 
 def _gate_up_operands(w_gate: torch.Tensor, w_up: torch.Tensor,
