@@ -152,6 +152,9 @@ def main(argv=None) -> None:
     # of down and d_x) through TMA.
     runs += [(f"{label} tma rows", r(tt, tma_rows=True), run) for label, tt, run in runs
              if " tma" not in label]
+    # And as persistent loops over their tiles.
+    runs += [(f"{label} persistent", r(tt, persistent=True), run) for label, tt, run in runs
+             if label.endswith(" tma rows") or " " not in label]
     def wgrad_gate_up(tt):
         return ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True, out_dtype=x.dtype)
 

@@ -154,13 +154,21 @@ def test_ep_kept_gate_up(rank, world_size):
 def test_ep_kept_gate_up_tile_variants(rank, world_size):
     # The same with the row tiles and the weights through TMA (GemmTiles.tma_rows, tma) while
     # rows are pulled and scattered (h and the pre-activations written so in the forward, read
-    # and written so in the backward), and the weight gradients of pulled rows in a persistent
-    # loop.
+    # and written so in the backward), every GEMM of pulled rows in a persistent loop.
     config = dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False)
-    tiles = with_row_tiles(small_tiles(16), tma=True, tma_rows=True)
+    tiles = with_row_tiles(small_tiles(16), tma=True, tma_rows=True, persistent=True)
     tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, persistent=True))
     _matches_reference_body(rank, world_size, shared=16, limit=0.8,
                             pattern=RoutingPattern.RANDOM, config=config, tiles=tiles)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_persistent_row_tiles(rank, world_size):
+    # The row GEMMs as persistent loops (GemmTiles.persistent) while rows are pulled (each tile
+    # still waits for its own rows) and scattered, gate/up recomputed in the backward.
+    tiles = with_row_tiles(small_tiles(16), persistent=True)
+    _matches_reference_body(rank, world_size, shared=16, limit=0.8,
+                            pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES, tiles=tiles)
 
 
 def _errors_body(rank, world_size):

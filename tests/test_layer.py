@@ -115,11 +115,19 @@ def _paired_persistent_wgrad(tiles):
     return _persistent_wgrad(_paired_wgrad(tiles))
 
 
+def _persistent_rows(tiles):
+    return with_row_tiles(tiles, persistent=True)
+
+
+def _persistent_tma(tiles):
+    return with_row_tiles(tiles, persistent=True, tma=True, tma_rows=True)
+
+
 @pytest.mark.parametrize("variant",
                          [_persistent_wgrad, _tma_weights, with_tma_rows, _paired_wgrad,
-                          _paired_persistent_wgrad],
+                          _paired_persistent_wgrad, _persistent_rows, _persistent_tma],
                          ids=["persistent_wgrad", "tma_weights", "tma_rows", "paired_wgrad",
-                              "paired_persistent_wgrad"])
+                              "paired_persistent_wgrad", "persistent_rows", "persistent_tma"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[8]], ids=lambda c: c.name)
 def test_tile_variants_equal_plain_tiles(case, variant):
     # The same tiles summed in the same order, only loaded or scheduled differently: bitwise
@@ -136,8 +144,8 @@ def test_tile_variants_equal_plain_tiles(case, variant):
     check_against_reference(case, y_variant, grads_variant)
 
 
-@pytest.mark.parametrize("variant", [with_tma_rows, _tma_weights],
-                         ids=["tma_rows", "tma_weights"])
+@pytest.mark.parametrize("variant", [with_tma_rows, _tma_weights, _persistent_tma],
+                         ids=["tma_rows", "tma_weights", "persistent_tma"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=lambda c: c.name)
 def test_tma_variants_equal_plain_tiles_with_kept_gate_up(case, variant):
     # The kept pre-activations read and h written through TMA in the backward, and written so

@@ -18,6 +18,11 @@ zero-fills past K as the masks would. WK_TMA (w_down in down_bwd, w_gate and w_u
 weights are [E, K, N]): descriptors of the weights viewed [E * K, N] with [BLOCK_K, BLOCK_N]
 boxes; BLOCK_K divides K (the host checks), so no box reaches the next expert's rows.
 
+PERSISTENT (the row GEMMs; the weight gradients have their own): a program per SM rather than
+per tile, each striding over the tiles of the rows in use (the schedule's expert_offsets[E], read
+on the device), so no program starts on a tile without an expert and a program's next tile
+starts without a launch. A tile is computed the same either way: the results are bitwise equal.
+
 Expert parallelism adds two switches. PULL: the launch's first programs pull the rows the GEMM
 reads from the other ranks (mok.kernels.comm.pull_rows) and every tile, before its K loop, waits
 until its own rows have landed (mok.kernels.comm.wait_rows_ready). SCATTER: a row's output
@@ -41,6 +46,21 @@ def _tile_coords(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks, num_n_blocks,
+               BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr):
+    """(first, end, step, grid_m): this program's tiles are range(first, end, step), each mapped
+    to its (m block, n block) by _tile_coords(tile, grid_m, ...). The schedule's used rows
+    (used_rows_ptr, a multiple of the row alignment) bound the tiles worth running: those past
+    them have no expert. PERSISTENT: the GEMM programs (those after the pulling ones) stride over
+    the used rows' tiles; otherwise a program's one tile, none if past the used rows."""
+    num_used_m = tl.load(used_rows_ptr) // BLOCK_M
+    if PERSISTENT:
+        return pid, num_used_m * num_n_blocks, tl.num_programs(0) - num_pull_programs, num_used_m
+    pid_m, _ = _tile_coords(pid, num_m_blocks, num_n_blocks, GROUP_M)
+    return pid, pid + (pid_m < num_used_m).to(tl.int32), 1, num_m_blocks
 
 
 @triton.jit
@@ -148,13 +168,13 @@ def gate_up_swiglu_kernel(
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
-    num_m_blocks, N, K, topk,
+    used_rows_ptr, num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
-    SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr,
+    SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -181,10 +201,30 @@ def gate_up_swiglu_kernel(
             PULL_ROW_ALIGN, HAS_TIMER)
         if pid < 0:
             return
-    pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
+                                          tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
+    for tile in tl.range(first, end, step):
+        pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+        _gate_up_tile(
+            x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
+            ready_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
+            stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, swiglu_limit,
+            HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PULL,
+            MINIBATCH, HAS_TIMER, UPCAST)
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
+    ready_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, swiglu_limit,
+    HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
+    SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PULL: tl.constexpr, MINIBATCH: tl.constexpr,
+    HAS_TIMER: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of gate_up_swiglu_kernel (an expert's rows)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
-    if expert < 0:
-        return
     if PULL:
         _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M, MINIBATCH,
                    HAS_TIMER)
@@ -234,9 +274,10 @@ def gate_up_swiglu_kernel(
 def down_proj_kernel(
     h_ptr, w_down_ptr, out_ptr, router_weights_ptr, row_route_ptr, block_expert_ptr,
     dest_route_ptr, out_delta_ptr,
-    num_m_blocks, N, K, routes_per_rank,
+    used_rows_ptr, num_m_blocks, N, K, routes_per_rank,
     stride_hm, stride_we, stride_wn, stride_wk, stride_om,
     HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr, ROWS_TMA: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -246,10 +287,28 @@ def down_proj_kernel(
     ROWS_TMA (not with SCATTER): h_ptr and out_ptr are TMA descriptors of h and out, with
     [BLOCK_M, BLOCK_K] and [BLOCK_M, BLOCK_N] boxes.
     """
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    first, end, step, grid_m = _tile_span(tl.program_id(0), 0, used_rows_ptr, num_m_blocks,
+                                          tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
+    for tile in tl.range(first, end, step):
+        pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+        _down_tile(h_ptr, w_down_ptr, out_ptr, router_weights_ptr, row_route_ptr,
+                   block_expert_ptr, dest_route_ptr, out_delta_ptr, pid_m, pid_n, N, K,
+                   routes_per_rank, stride_hm, stride_we, stride_wn, stride_wk, stride_om,
+                   HAS_WEIGHT, ALIGN, W_TMA, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SCATTER,
+                   ROW_ALIGN, UPCAST)
+
+
+@triton.jit
+def _down_tile(
+    h_ptr, w_down_ptr, out_ptr, router_weights_ptr, row_route_ptr, block_expert_ptr,
+    dest_route_ptr, out_delta_ptr, pid_m, pid_n, N, K, routes_per_rank,
+    stride_hm, stride_we, stride_wn, stride_wk, stride_om,
+    HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr, ROWS_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of down_proj_kernel (an expert's rows)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
-    if expert < 0:
-        return
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -290,7 +349,7 @@ def down_bwd_dswiglu_kernel(
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
-    num_m_blocks, N, K, topk,
+    used_rows_ptr, num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
@@ -298,7 +357,7 @@ def down_bwd_dswiglu_kernel(
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
-    WK_TMA: tl.constexpr,
+    WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -331,10 +390,35 @@ def down_bwd_dswiglu_kernel(
             PULL_BLOCK_R, PULL_BLOCK_W, PULL_ROW_ALIGN, HAS_TIMER)
         if pid < 0:
             return
-    pid_m, pid_n = _tile_coords(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
+                                          tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
+    for tile in tl.range(first, end, step):
+        pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+        _down_bwd_tile(
+            d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
+            router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
+            block_expert_ptr, ready_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K,
+            topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n, stride_we,
+            stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm, swiglu_limit,
+            HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA, BLOCK_M,
+            BLOCK_N, BLOCK_K, PULL, MINIBATCH, HAS_TIMER, UPCAST)
+
+
+@triton.jit
+def _down_bwd_tile(
+    d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, router_weights_ptr,
+    d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
+    ready_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
+    stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
+    stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
+    swiglu_limit,
+    HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
+    SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
+    WK_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PULL: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of down_bwd_dswiglu_kernel (an expert's rows)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
-    if expert < 0:
-        return
     if PULL:
         _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M, MINIBATCH,
                    HAS_TIMER)
@@ -430,9 +514,9 @@ def down_bwd_dswiglu_kernel(
 def d_x_rows_kernel(
     d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr,
     dest_route_ptr, out_delta_ptr,
-    num_m_blocks, N, K, routes_per_rank,
+    used_rows_ptr, num_m_blocks, N, K, routes_per_rank,
     stride_gm, stride_we, stride_wk, stride_wn, stride_om,
-    ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr,
+    ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -442,10 +526,27 @@ def d_x_rows_kernel(
     out, with [BLOCK_M, BLOCK_K] (BLOCK_K divides K) and [BLOCK_M, BLOCK_N] boxes. WK_TMA:
     w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * K, N] (module docstring).
     """
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    first, end, step, grid_m = _tile_span(tl.program_id(0), 0, used_rows_ptr, num_m_blocks,
+                                          tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
+    for tile in tl.range(first, end, step):
+        pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+        _d_x_tile(d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr, dest_route_ptr,
+                  out_delta_ptr, pid_m, pid_n, N, K, routes_per_rank, stride_gm, stride_we,
+                  stride_wk, stride_wn, stride_om, ALIGN, ROWS_TMA, WK_TMA, BLOCK_M, BLOCK_N,
+                  BLOCK_K, SCATTER, ROW_ALIGN, UPCAST)
+
+
+@triton.jit
+def _d_x_tile(
+    d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr, dest_route_ptr,
+    out_delta_ptr, pid_m, pid_n, N, K, routes_per_rank,
+    stride_gm, stride_we, stride_wk, stride_wn, stride_om,
+    ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of d_x_rows_kernel (an expert's rows)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
-    if expert < 0:
-        return
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)

@@ -95,14 +95,19 @@ def _rows_operands(tiles: GemmTiles, *specs, wanted: bool = True) -> tuple[list,
 def _gemm_meta(tiles: GemmTiles) -> dict:
     return dict(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m, UPCAST=UPCAST,
+        GROUP_M=tiles.group_m, PERSISTENT=tiles.persistent, UPCAST=UPCAST,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
 
 def _row_grid(routing: Routing, tiles: GemmTiles, n: int) -> tuple[int, int]:
+    """(row blocks of the schedule, GEMM programs): a program per tile, or with
+    tiles.persistent at most one per SM, striding over the tiles of the rows in use."""
     num_m_blocks = routing.capacity_rows // tiles.block_m
-    return num_m_blocks, num_m_blocks * triton.cdiv(n, tiles.block_n)
+    num_tiles = num_m_blocks * triton.cdiv(n, tiles.block_n)
+    if tiles.persistent:
+        return num_m_blocks, min(num_tiles, _num_programs(routing.row_route.device))
+    return num_m_blocks, num_tiles
 
 
 def _limit_args(swiglu_limit: float | None) -> tuple[float, bool]:
@@ -141,7 +146,7 @@ def gate_up_swiglu(
     gemm_kernels.gate_up_swiglu_kernel[(grid + pull_scalars[0],)](
         x, gate, up, h_out, gate_up_out[0] if gate_up_out else h_out, routing.row_route,
         routing.block_expert, *pull_ptrs,
-        num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
+        routing.used_rows, num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
         x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
         gate_up.stride(0) if gate_up is not None else 0,
         limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=tma,
@@ -189,7 +194,7 @@ def down_proj(
     gemm_kernels.down_proj_kernel[(grid,)](
         h_in, weights, out_arg, router_weights if router_weights is not None else h,
         routing.row_route, routing.block_expert, *scatter_ptrs,
-        num_m_blocks, hidden, intermediate, routes_per_rank,
+        routing.used_rows, num_m_blocks, hidden, intermediate, routes_per_rank,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0),
         HAS_WEIGHT=router_weights is not None, ALIGN=routing.align, W_TMA=tma,
         ROWS_TMA=rows_tma, **scatter_meta, **_gemm_meta(tiles),
@@ -271,7 +276,7 @@ def down_bwd_dswiglu(
         router_weights if router_weights is not None else h,
         d_gate_up_arg, partial if partial is not None else d_gate_up,
         routing.row_route, routing.block_expert, *pull_ptrs,
-        num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
+        routing.used_rows, num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
         d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
         w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
         gate_up.stride(0) if gate_up is not None else 0, d_gate_up.stride(0),
@@ -312,7 +317,7 @@ def d_x_rows(
     gemm_kernels.d_x_rows_kernel[(grid,)](
         d_gate_up_in, gate if wk_tma else w_gate, up if wk_tma else w_up, out_arg,
         routing.block_expert, *scatter_ptrs,
-        num_m_blocks, hidden, intermediate, routes_per_rank,
+        routing.used_rows, num_m_blocks, hidden, intermediate, routes_per_rank,
         d_gate_up.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), out.stride(0),
         ALIGN=routing.align, ROWS_TMA=rows_tma, WK_TMA=wk_tma, **scatter_meta,
         **_gemm_meta(tiles),

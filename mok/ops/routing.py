@@ -42,6 +42,11 @@ class Routing:
     def capacity_rows(self) -> int:
         return self.row_route.shape[0]
 
+    @property
+    def used_rows(self) -> torch.Tensor:
+        """[1] int32 on the device: the rows the experts use (expert_offsets[E])."""
+        return self.expert_offsets[self.num_local_experts:]
+
 
 def capacity_rows(num_routes: int, num_local_experts: int, align: int, route_capacity: int) -> int:
     """Rows for `route_capacity` routes once each expert's rows are padded to `align`."""

@@ -41,7 +41,7 @@ class GemmTiles:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    persistent: bool = False  # wgrad only: one program per SM, a grid-stride loop of tiles
+    persistent: bool = False  # one program per SM, a grid-stride loop of tiles
     tma: bool = False  # gate_up, down, down_bwd(_saved), d_x: weight tiles through TMA
     pair: bool = False  # wgrad_gate_up only: gate and up in one launch, x's tiles loaded once
     # gate_up, down, down_bwd(_saved), d_x: the row tiles read or written whole (not gathered by
