@@ -13,6 +13,7 @@ read by TileConfig.pick; a fixed table keeps results reproducible across process
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -93,10 +94,12 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
                       T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,
                       T(128, 128, 64, 1, 8, 3, pair=True), T(128, 128, 64, 1, 8, 4, pair=True),
                       T(128, 128, 32, 1, 8, 4, pair=True),
-                      T(128, 128, 64, 1, 8, 3, persistent=True, pair=True)],
+                      T(128, 128, 64, 1, 8, 3, persistent=True, pair=True),
+                      T(128, 128, 64, 1, 8, 3, grouped_mm=True)],
     "wgrad_down": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
                    T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
-                   T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD],
+                   T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,
+                   T(128, 128, 64, 1, 8, 3, grouped_mm=True)],
 }
 
 
@@ -145,11 +148,22 @@ def stage_runners(shape) -> list[tuple[str, str, tuple[int, int], object]]:
             for kind, (key, run) in runners.items()]
 
 
+def candidates(kind: str, current: GemmTiles | None, only: tuple[str, ...] = ()) -> list:
+    """The fallback tiles first, then those of CANDIDATES[kind] with every field of `only` set,
+    then the table's current entry (so tuning a subset never loses a faster earlier pick)."""
+    fallback, *others = CANDIDATES[kind]
+    chosen = [fallback] + [t for t in others if all(getattr(t, name) for name in only)]
+    if current is not None and current not in chosen:
+        chosen.append(current)
+    return chosen
+
+
 def tune(shapes, table: dict | None = None, out: Path | None = None,
-         kinds=tuple(CANDIDATES), verbose: bool = False) -> dict:
+         kinds=tuple(CANDIDATES), verbose: bool = False, only: tuple[str, ...] = ()) -> dict:
     """Tune `shapes` into `table` (entries of other shapes kept); with `out`, the table is
     written after each shape, so a run cut short keeps what it measured. verbose: print every
-    candidate's time, not only the best."""
+    candidate's time, not only the best. only: try just the candidates with these GemmTiles
+    flags set (besides the fallback and the table's entry)."""
     table = dict(table or {})
     for shape in shapes:
         print(f"== {shape.name}", flush=True)
@@ -157,7 +171,7 @@ def tune(shapes, table: dict | None = None, out: Path | None = None,
             if kind not in kinds:
                 continue
             results = []
-            for tiles in CANDIDATES[kind]:
+            for tiles in candidates(kind, table.get((kind, n, k)), only):
                 try:
                     results.append((median_ms(lambda t=tiles, run=run: run(t)), tiles))
                 except Exception as exc:  # a tile that does not fit this GPU: skip it
@@ -187,10 +201,14 @@ def main(argv=None) -> None:
                              "table in use for shapes not tuned now)")
     parser.add_argument("--verbose", action="store_true",
                         help="print every candidate's time, not only the best")
+    flags = [f.name for f in dataclasses.fields(GemmTiles) if f.type in (bool, "bool")]
+    parser.add_argument("--only", nargs="+", choices=flags, default=[],
+                        help="try only the candidates with these flags set (and the fallback "
+                             "and the table's entry)")
     args = parser.parse_args(argv)
     tune([SHAPES_BY_NAME[name] for name in args.shapes],
          {} if args.fresh else tuned_table(), Path(args.out), kinds=args.kinds,
-         verbose=args.verbose)
+         verbose=args.verbose, only=tuple(args.only))
 
 
 if __name__ == "__main__":

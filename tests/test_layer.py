@@ -166,6 +166,63 @@ def test_tma_variants_equal_plain_tiles_with_kept_gate_up(case, variant):
     check_against_reference(case, y_tma, grads_tma)
 
 
+def _grouped_mm_wgrad(tiles):
+    return dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, grouped_mm=True))
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4], CASES[8], CASES[9], CASES[10]],
+                         ids=lambda c: c.name)
+def test_grouped_mm_weight_gradients(case, kept):
+    # GemmTiles.grouped_mm: the weight gradients by torch._grouped_mm over rows copied into
+    # schedule order. Another summation order than the Triton kernel's, so close rather than
+    # equal to it; everything else is bitwise the same, and it is deterministic.
+    base = tiles_for_tests(case.block, case.align) or ops.default_tiles(DEVICE)
+    plain = dataclasses.replace(base, use_tuned=False)
+    config = F.MoKConfig(recompute_gate_up=not kept)
+    y, grads, _, _ = run_layer(case.inputs(), config=config, swiglu_limit=case.limit,
+                               tiles=plain)
+    runs = [run_layer(case.inputs(), config=config, swiglu_limit=case.limit,
+                      tiles=_grouped_mm_wgrad(plain)) for _ in range(2)]
+    (y_mm, grads_mm, _, _), (_, grads_again, _, _) = runs
+    assert torch.equal(y, y_mm)
+    for name, a, b, again in zip(GRAD_NAMES, grads, grads_mm, grads_again, strict=True):
+        if a is None:
+            assert b is None, name
+        elif name.startswith(("d_w_routed", "d_w_shared")):
+            assert torch.equal(b, again), name
+            assert_close(b, a, dtype=case.dtype, name=name)
+        else:
+            assert torch.equal(a, b), name
+    check_against_reference(case, y_mm, grads_mm)
+    if case.routing is RoutingPattern.EMPTY_EXPERT:
+        for grad in grads_mm[2:5]:
+            assert bool((grad[-1] == 0).all()), "an expert without tokens gets zero gradients"
+
+
+def test_copy_rows_gathers_scales_and_zeroes_padding():
+    case = Case("copy_rows", 37, 40, 16, 5, 3, routing=RoutingPattern.SKEWED, seed=14)
+    inputs = case.inputs()
+    config = F.MoKConfig()
+    workspace = F.create_workspace(config, None, device=DEVICE, num_local_tokens=case.tokens,
+                                   hidden_size=case.hidden, topk=case.topk)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=case.experts, tiles=tiles_for_tests(16))
+    routing = schedule.routing
+    weights = inputs.router_weights.reshape(-1).float()
+    rows = ops.copy_rows(inputs.x, routing, gather=True, router_weights=weights)
+    used = int(routing.expert_offsets[-1])
+    route = routing.row_route[:used].long()
+    valid = route >= 0
+    token = torch.where(valid, route // case.topk, 0)
+    expected = (inputs.x[token].float() * torch.where(valid, weights[route.clamp(min=0)], 0.0)
+                [:, None]).to(inputs.x.dtype)
+    assert int(valid.sum()) == case.tokens * case.topk
+    assert torch.equal(rows[:used], expected)
+    by_row = ops.copy_rows(rows, routing, gather=False)  # row-indexed: a plain copy
+    assert torch.equal(by_row[:used], rows[:used])
+
+
 def test_recompute_forward_context_equals_forward_context():
     case = Case("recompute", 30, 32, 16, 4, 2, shared=16, limit=2.0, seed=13)
     inputs = case.inputs()

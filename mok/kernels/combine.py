@@ -1,4 +1,5 @@
-"""Combine kernels: per-token sums over the token's routes in a fixed order (no atomics)."""
+"""Row kernels outside the GEMMs: the combine (per-token sums over the token's routes in a fixed
+order, no atomics), the router-weight gradient's sums, and row copies in schedule order."""
 
 import triton
 import triton.language as tl
@@ -57,3 +58,44 @@ def router_grad_kernel(
                          mask=mask, other=0.0)
         acc += tl.sum(values, axis=1)
     tl.store(out_ptr + routes, acc, mask=route_mask)
+
+
+@triton.jit
+def copy_rows_kernel(
+    src_ptr, row_route_ptr, weights_ptr, out_ptr, used_rows_ptr,
+    N, topk, stride_sm, stride_om,
+    GATHER: tl.constexpr, SCALE: tl.constexpr, WEIGHTS_BY_ROW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """out[row] = src[route // topk] (GATHER; else src[row]), times weights[route] (SCALE;
+    weights[row] with WEIGHTS_BY_ROW) rounded to out's dtype; 0 on padding rows (route -1).
+
+    route = row_route[row]. Rows past the schedule's used rows (used_rows_ptr) are not written.
+    """
+    first = tl.program_id(0) * BLOCK_M
+    used = tl.load(used_rows_ptr)
+    if first >= used:
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    in_use = rows < used
+    route = tl.load(row_route_ptr + rows, mask=in_use, other=-1)
+    valid = route >= 0
+    if GATHER:
+        src_rows = tl.where(valid, route // topk, 0).to(tl.int64)
+    else:
+        src_rows = rows.to(tl.int64)
+    if SCALE:
+        if WEIGHTS_BY_ROW:
+            weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
+        else:
+            weight = tl.load(weights_ptr + route, mask=valid, other=0.0)
+    cols = tl.arange(0, BLOCK_N)
+    for c0 in range(0, N, BLOCK_N):
+        col_mask = (c0 + cols) < N
+        values = tl.load(src_ptr + src_rows[:, None] * stride_sm + (c0 + cols)[None, :],
+                         mask=valid[:, None] & col_mask[None, :], other=0.0)
+        if SCALE:
+            values = values.to(tl.float32) * weight[:, None]
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + (c0 + cols)[None, :],
+                 cast_to(values, out_ptr.dtype.element_ty, UPCAST),
+                 mask=in_use[:, None] & col_mask[None, :])

@@ -11,6 +11,7 @@ from mok.ops.comm import (
 )
 from mok.ops.experts import (
     combine,
+    copy_rows,
     d_x_rows,
     down_bwd_dswiglu,
     down_proj,
@@ -34,6 +35,7 @@ __all__ = [
     "build_routing",
     "capacity_rows",
     "combine",
+    "copy_rows",
     "d_x_rows",
     "default_tiles",
     "dense_routing",

@@ -343,6 +343,11 @@ def grouped_wgrad(
     indexed by token. With router_weights, a's rows are scaled by the route's weight
     (router_weights [T * k] by route, or [C] by row with weights_by_row).
     """
+    if _use_grouped_mm(tiles, a, b):
+        a_rows = copy_rows(a, routing, gather=gather_a, router_weights=router_weights,
+                           weights_by_row=weights_by_row)
+        b_rows = copy_rows(b, routing, gather=gather_b)
+        return _grouped_mm_wgrad(a_rows, b_rows, routing, out_dtype)
     out = torch.empty(routing.num_local_experts, a.shape[1], b.shape[1], dtype=out_dtype,
                       device=a.device)
     _launch_wgrad(a, None, b, out, None, routing, tiles, gather_a=gather_a, gather_b=gather_b,
@@ -364,6 +369,10 @@ def grouped_wgrad_gate_up(
     x once; otherwise two launches. Either way each output tile is summed in the same order."""
     intermediate = d_gate_up.shape[1] // 2
     d_gate, d_up = d_gate_up[:, :intermediate], d_gate_up[:, intermediate:]
+    if _use_grouped_mm(tiles, d_gate_up, x):
+        x_rows = copy_rows(x, routing, gather=gather_x)
+        return (_grouped_mm_wgrad(d_gate, x_rows, routing, out_dtype),
+                _grouped_mm_wgrad(d_up, x_rows, routing, out_dtype))
     shape = (routing.num_local_experts, intermediate, x.shape[1])
     d_w_gate = torch.empty(shape, dtype=out_dtype, device=x.device)
     d_w_up = torch.empty(shape, dtype=out_dtype, device=x.device)
@@ -375,6 +384,48 @@ def grouped_wgrad_gate_up(
             _launch_wgrad(a, None, x, out, None, routing, tiles, gather_a=False,
                           gather_b=gather_x, router_weights=None)
     return d_w_gate, d_w_up
+
+
+def copy_rows(
+    src: torch.Tensor,
+    routing: Routing,
+    *,
+    gather: bool,
+    router_weights: torch.Tensor | None = None,
+    weights_by_row: bool = False,
+) -> torch.Tensor:
+    """rows [C, width] in schedule order: src[token] (gather; src [T, width]) or src[row] (src
+    [C, width]), scaled by the route's router weight (router_weights [T * k] by route, or [C]
+    by row with weights_by_row) and rounded to src's dtype; 0 on padding rows. Rows past the
+    schedule's used rows are left unwritten."""
+    width = src.shape[1]
+    out = torch.empty(routing.capacity_rows, width, dtype=src.dtype, device=src.device)
+    block_m, block_n = 16, min(256, triton.next_power_of_2(max(width, 1)))
+    combine_kernels.copy_rows_kernel[(triton.cdiv(routing.capacity_rows, block_m),)](
+        src, routing.row_route, router_weights if router_weights is not None else src, out,
+        routing.used_rows, width, routing.topk, src.stride(0), out.stride(0),
+        GATHER=gather, SCALE=router_weights is not None, WEIGHTS_BY_ROW=weights_by_row,
+        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=UPCAST, num_warps=4,
+    )
+    return out
+
+
+def _use_grouped_mm(tiles: GemmTiles, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """tiles.grouped_mm where torch._grouped_mm takes the operands: bf16 on a GPU (any dtype
+    on CPU), rows 16-byte aligned."""
+    dtype_ok = a.device.type == "cpu" or a.dtype == b.dtype == torch.bfloat16
+    aligned = all((t.shape[1] * t.element_size()) % 16 == 0 for t in (a, b))
+    return tiles.grouped_mm and dtype_ok and aligned
+
+
+def _grouped_mm_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, routing: Routing,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+    """out [E, P, Q]: out[e] = a_rows[rows of e]^T b_rows[rows of e] by torch._grouped_mm
+    (one K-split group per expert: its rows, padding included, which are 0 in both operands;
+    rows past the used rows excluded). The offsets stay on the device."""
+    ends = torch.minimum(routing.expert_offsets[1:], routing.used_rows)
+    out = torch._grouped_mm(a_rows.t(), b_rows, offs=ends)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, router_weights,

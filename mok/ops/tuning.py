@@ -48,6 +48,9 @@ class GemmTiles:
     # token, not scattered to other ranks) through TMA: the epilogues' outputs, the kept
     # pre-activations, and the A operands of down and d_x.
     tma_rows: bool = False
+    # wgrad only: torch._grouped_mm (one K-split group per expert) over the rows copied into
+    # schedule order (mok.ops.copy_rows); the tile fields are unused then.
+    grouped_mm: bool = False
 
 
 @dataclass(frozen=True)
