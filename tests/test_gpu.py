@@ -1,9 +1,12 @@
 """GPU-only properties: real shapes, no host sync, CUDA-graph capture, determinism at scale."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import mok.functional as F
+from mok import ops
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
@@ -15,7 +18,7 @@ from mok.testing import (
     moe_reference_grads,
 )
 
-from .conftest import run_layer
+from .conftest import run_layer, with_row_tiles
 
 pytestmark = pytest.mark.gpu
 
@@ -52,23 +55,34 @@ def test_skewed_routing_at_scale():
         assert_close(actual, expected, dtype=torch.bfloat16, name=name)
 
 
-def _step(config, workspace, inputs, limit):
+def _step(config, workspace, inputs, limit, tiles=None):
     schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                num_local_experts=inputs.num_local_experts)
+                                num_local_experts=inputs.num_local_experts, tiles=tiles)
     y, context = F.forward(config, workspace, schedule, *inputs.layer_args, swiglu_limit=limit)
     grads = F.backward(config, workspace, schedule, context, inputs.d_output,
                        *inputs.layer_args, swiglu_limit=limit)
     return (y, *grads)
 
 
-@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept_gate_up"])
-def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up):
+def _persistent_grouped_mm(tiles):
+    """Every row GEMM persistent with its rows and weights through TMA, the weight gradients by
+    torch._grouped_mm (the tuned table picks these at the real shapes)."""
+    tiles = with_row_tiles(tiles, persistent=True, tma=True, tma_rows=True)
+    return dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, grouped_mm=True))
+
+
+@pytest.mark.parametrize(("recompute_gate_up", "variant"),
+                         [(True, None), (False, None), (False, _persistent_grouped_mm)],
+                         ids=["recompute", "kept_gate_up", "kept_persistent_grouped_mm"])
+def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up, variant):
     inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=3)
     config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
     workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=3000,
                                    hidden_size=512, topk=4)
-    eager, graph, captured = eager_and_captured(lambda: _step(config, workspace, inputs, 7.0))
+    tiles = variant(ops.default_tiles(torch.device("cuda"))) if variant else None
+    eager, graph, captured = eager_and_captured(
+        lambda: _step(config, workspace, inputs, 7.0, tiles))
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(eager, captured, strict=True):
@@ -81,7 +95,7 @@ def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up):
         getattr(inputs, name).copy_(getattr(fresh, name))
     graph.replay()
     torch.cuda.synchronize()
-    expected = _step(config, workspace, inputs, 7.0)
+    expected = _step(config, workspace, inputs, 7.0, tiles)
     for a, b in zip(expected, captured, strict=True):
         assert torch.equal(a, b)
     F.check_errors(workspace)

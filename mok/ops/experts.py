@@ -341,12 +341,14 @@ def grouped_wgrad(
 
     a [rows or T, P] and b [rows or T, Q] (a view with unit column stride); a gathered operand is
     indexed by token. With router_weights, a's rows are scaled by the route's weight
-    (router_weights [T * k] by route, or [C] by row with weights_by_row).
+    (router_weights [T * k] by route, or [C] by row with weights_by_row). A row-indexed b holds
+    zeros on padding rows, as the row GEMMs' outputs (h) do: with tiles.grouped_mm it is read
+    as it is, padding included (a is copied, see copy_rows).
     """
     if _use_grouped_mm(tiles, a, b):
         a_rows = copy_rows(a, routing, gather=gather_a, router_weights=router_weights,
                            weights_by_row=weights_by_row)
-        b_rows = copy_rows(b, routing, gather=gather_b)
+        b_rows = copy_rows(b, routing, gather=True) if gather_b else b
         return _grouped_mm_wgrad(a_rows, b_rows, routing, out_dtype)
     out = torch.empty(routing.num_local_experts, a.shape[1], b.shape[1], dtype=out_dtype,
                       device=a.device)
@@ -410,12 +412,20 @@ def copy_rows(
     return out
 
 
+@functools.cache
+def _grouped_mm_device(device: torch.device) -> bool:
+    """torch._grouped_mm runs there: CPU, or a GPU of compute capability 9.0 or newer."""
+    return device.type == "cpu" or (device.type == "cuda"
+                                    and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 def _use_grouped_mm(tiles: GemmTiles, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """tiles.grouped_mm where torch._grouped_mm takes the operands: bf16 on a GPU (any dtype
-    on CPU), rows 16-byte aligned."""
+    """tiles.grouped_mm where torch._grouped_mm takes the operands: bf16 on a Hopper or newer
+    GPU (any dtype on CPU), rows 16-byte aligned."""
+    if not (tiles.grouped_mm and _grouped_mm_device(a.device)):
+        return False
     dtype_ok = a.device.type == "cpu" or a.dtype == b.dtype == torch.bfloat16
-    aligned = all((t.shape[1] * t.element_size()) % 16 == 0 for t in (a, b))
-    return tiles.grouped_mm and dtype_ok and aligned
+    return dtype_ok and all((t.shape[1] * t.element_size()) % 16 == 0 for t in (a, b))
 
 
 def _grouped_mm_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, routing: Routing,
