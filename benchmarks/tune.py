@@ -32,11 +32,12 @@ PERSISTENT_WGRAD = [T(128, 128, 64, 1, 8, 3, persistent=True),
 DEEP_WGRAD = [T(128, 128, 64, 1, 8, 4), T(128, 128, 64, 1, 8, 5)]
 
 
-def _persistent(*tiles: GemmTiles) -> list[GemmTiles]:
+def _persistent(*tiles: GemmTiles, split: int = 1) -> list[GemmTiles]:
     """The row-GEMM tiles as persistent loops (one program per SM), every row tile and weight
-    through TMA, as Triton's persistent TMA GEMMs are fastest on Hopper."""
+    through TMA, as Triton's persistent TMA GEMMs are fastest on Hopper; split: their
+    epilogues in that many column slices."""
     return [T(t.block_m, t.block_n, t.block_k, t.group_m, t.num_warps, t.num_stages,
-              persistent=True, tma=True, tma_rows=True) for t in tiles]
+              persistent=True, tma=True, tma_rows=True, epilogue_split=split) for t in tiles]
 
 
 CANDIDATES: dict[str, list[GemmTiles]] = {
@@ -48,7 +49,9 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
                 T(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True),
                 *_persistent(T(128, 128, 64, 8, 8, 3), T(128, 128, 64, 8, 8, 4),
                              T(128, 64, 64, 8, 8, 4), T(128, 128, 32, 8, 8, 4)),
-                T(128, 128, 64, 8, 8, 3, persistent=True)],
+                T(128, 128, 64, 8, 8, 3, persistent=True),
+                *_persistent(T(128, 128, 64, 8, 8, 3), split=2),
+                T(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True, epilogue_split=2)],
     "down": [T(128, 128, 64, 8, 8, 4), T(128, 256, 64, 8, 8, 3), T(128, 128, 64, 8, 4, 4),
              T(64, 256, 64, 8, 8, 3), T(128, 128, 128, 8, 8, 3),
              T(128, 256, 64, 8, 8, 3, tma=True), T(128, 128, 64, 8, 8, 4, tma=True),
@@ -58,7 +61,8 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
              T(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True),
              *_persistent(T(128, 256, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 4),
                           T(128, 128, 64, 8, 8, 4), T(128, 128, 64, 8, 4, 4)),
-             T(128, 256, 64, 8, 8, 3, persistent=True)],
+             T(128, 256, 64, 8, 8, 3, persistent=True),
+             *_persistent(T(128, 256, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 4), split=2)],
     "down_bwd": [T(128, 64, 64, 8, 8, 3), T(64, 128, 64, 8, 8, 3), T(128, 64, 32, 8, 8, 4),
                  T(64, 64, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 3),
                  T(128, 128, 32, 8, 8, 3, tma=True), T(128, 128, 32, 8, 8, 4, tma=True),
@@ -66,7 +70,8 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
                  T(128, 128, 32, 8, 8, 3, tma=True, tma_rows=True),
                  T(128, 64, 64, 8, 8, 3, tma_rows=True),
                  *_persistent(T(128, 128, 32, 8, 8, 3), T(128, 64, 64, 8, 8, 3),
-                              T(128, 128, 32, 8, 8, 4))],
+                              T(128, 128, 32, 8, 8, 4)),
+                 *_persistent(T(128, 128, 32, 8, 8, 3), split=2)],
     "down_bwd_saved": [T(128, 128, 64, 8, 8, 4), T(128, 128, 64, 8, 8, 3),
                        T(128, 256, 64, 8, 8, 3), T(128, 64, 64, 8, 4, 4),
                        T(64, 128, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 4),
@@ -79,7 +84,10 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
                        T(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True),
                        *_persistent(T(64, 128, 64, 8, 4, 4), T(128, 128, 64, 8, 8, 4),
                                     T(128, 128, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 3),
-                                    T(128, 128, 64, 8, 4, 3))],
+                                    T(128, 128, 64, 8, 4, 3)),
+                       *_persistent(T(128, 256, 64, 8, 8, 3), T(128, 128, 64, 8, 8, 4),
+                                    split=2),
+                       T(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True, epilogue_split=2)],
     "d_x": [T(128, 128, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 2), T(128, 128, 32, 8, 8, 4),
             T(128, 128, 64, 8, 4, 3), T(64, 256, 32, 8, 8, 3),
             T(128, 128, 64, 8, 8, 3, tma_rows=True), T(128, 256, 64, 8, 8, 2, tma_rows=True),
@@ -88,7 +96,8 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
             T(128, 128, 64, 8, 4, 3, tma=True, tma_rows=True), T(128, 256, 64, 8, 8, 2, tma=True),
             *_persistent(T(128, 128, 64, 8, 4, 3), T(128, 128, 64, 8, 8, 3),
                          T(128, 256, 64, 8, 8, 2), T(128, 256, 64, 8, 8, 3),
-                         T(128, 128, 64, 8, 8, 4))],
+                         T(128, 128, 64, 8, 8, 4)),
+            *_persistent(T(128, 256, 64, 8, 8, 2), T(128, 128, 64, 8, 4, 3), split=2)],
     "wgrad_gate_up": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
                       T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
                       T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,
@@ -148,11 +157,19 @@ def stage_runners(shape) -> list[tuple[str, str, tuple[int, int], object]]:
             for kind, (key, run) in runners.items()]
 
 
+# GemmTiles options (beyond the tile's sizes) that `--only` can ask for, with their defaults.
+OPTIONS = {f.name: f.default for f in dataclasses.fields(GemmTiles)
+           if f.name not in ("block_m", "block_n", "block_k", "group_m", "num_warps",
+                             "num_stages")}
+
+
 def candidates(kind: str, current: GemmTiles | None, only: tuple[str, ...] = ()) -> list:
-    """The fallback tiles first, then those of CANDIDATES[kind] with every field of `only` set,
-    then the table's current entry (so tuning a subset never loses a faster earlier pick)."""
+    """The fallback tiles first, then those of CANDIDATES[kind] with every option of `only`
+    set (not its default), then the table's current entry (so tuning a subset never loses a
+    faster earlier pick)."""
     fallback, *others = CANDIDATES[kind]
-    chosen = [fallback] + [t for t in others if all(getattr(t, name) for name in only)]
+    chosen = [fallback] + [t for t in others
+                           if all(getattr(t, name) != OPTIONS[name] for name in only)]
     if current is not None and current not in chosen:
         chosen.append(current)
     return chosen
@@ -201,9 +218,8 @@ def main(argv=None) -> None:
                              "table in use for shapes not tuned now)")
     parser.add_argument("--verbose", action="store_true",
                         help="print every candidate's time, not only the best")
-    flags = [f.name for f in dataclasses.fields(GemmTiles) if f.type in (bool, "bool")]
-    parser.add_argument("--only", nargs="+", choices=flags, default=[],
-                        help="try only the candidates with these flags set (and the fallback "
+    parser.add_argument("--only", nargs="+", choices=list(OPTIONS), default=[],
+                        help="try only the candidates with these options set (and the fallback "
                              "and the table's entry)")
     args = parser.parse_args(argv)
     tune([SHAPES_BY_NAME[name] for name in args.shapes],

@@ -122,7 +122,7 @@ def main(argv=None) -> None:
     # The table's tiles with pointer loads (the " tma" runs add TMA for the weights, " tma rows"
     # for the whole row tiles); the weight-gradient variants change the fallback tile
     # (128x128x64, 3 stages), the table's own runs as " tuned".
-    plain = dict(tma=False, tma_rows=False)
+    plain = dict(tma=False, tma_rows=False, grouped_mm=False, epilogue_split=1)
     t = {kind: dataclasses.replace(tiles(kind, *key), **plain) for kind, key in (
         ("gate_up", (inter, hid)), ("down", (hid, inter)), ("down_bwd", (inter, hid)),
         ("down_bwd_saved", (inter, hid)), ("d_x", (hid, inter)),
@@ -155,6 +155,17 @@ def main(argv=None) -> None:
     # And as persistent loops over their tiles.
     runs += [(f"{label} persistent", r(tt, persistent=True), run) for label, tt, run in runs
              if label.endswith(" tma rows") or " " not in label]
+    # Epilogues in two column halves (GemmTiles.epilogue_split), at the table's tiles and at
+    # 128 x 256 (the halves keep its epilogue's registers and TMA store boxes in bounds).
+    # (d_x loads two A and two B tiles a stage: two stages at 128 x 256.)
+    wide = {"down tma rows": 4, "down_bwd saved tma rows": 3, "d_x tma rows": 2}
+    runs += [(f"{label} split", r(tt, epilogue_split=2), run) for label, tt, run in runs
+             if label in ("gate_up tma rows", "down tma rows", "down_bwd tma rows",
+                          "down_bwd saved tma rows", "d_x tma rows")]
+    runs += [(f"{label} split 128x256", r(tt, epilogue_split=2, tma=True, persistent=True,
+                                          block_m=128, block_n=256, block_k=64, num_warps=8,
+                                          num_stages=wide[label]), run)
+             for label, tt, run in runs if label in wide]
     def wgrad_gate_up(tt):
         return ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True, out_dtype=x.dtype)
 

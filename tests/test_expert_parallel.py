@@ -165,10 +165,11 @@ def test_ep_kept_gate_up_tile_variants(rank, world_size):
 @distributed_test(world_sizes=(2,))
 def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
     # The row GEMMs as persistent loops (GemmTiles.persistent) while rows are pulled (each tile
-    # still waits for its own rows) and scattered, gate/up recomputed in the backward; the
-    # weight gradients of the pulled rows by torch._grouped_mm (GemmTiles.grouped_mm: the rows
-    # copied with their padding zeroed, d_out's scaled by the pulled router weights).
-    tiles = with_row_tiles(small_tiles(16), persistent=True)
+    # still waits for its own rows) and scattered, their epilogues in column halves
+    # (epilogue_split), gate/up recomputed in the backward; the weight gradients of the pulled
+    # rows by torch._grouped_mm (GemmTiles.grouped_mm: the rows copied with their padding
+    # zeroed, d_out's scaled by the pulled router weights).
+    tiles = with_row_tiles(small_tiles(16), persistent=True, epilogue_split=2)
     tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, grouped_mm=True))
     _matches_reference_body(rank, world_size, shared=16, limit=0.8,
                             pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES, tiles=tiles)

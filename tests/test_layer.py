@@ -166,6 +166,38 @@ def test_tma_variants_equal_plain_tiles_with_kept_gate_up(case, variant):
     check_against_reference(case, y_tma, grads_tma)
 
 
+@pytest.mark.parametrize("variant", [
+    lambda tiles: with_row_tiles(tiles, epilogue_split=2),
+    lambda tiles: with_row_tiles(tiles, epilogue_split=2, tma=True, tma_rows=True,
+                                 persistent=True),
+], ids=["split", "split_tma_persistent"])
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[8], CASES[10]], ids=lambda c: c.name)
+def test_split_epilogue_equals_plain_tiles(case, kept, variant):
+    # GemmTiles.epilogue_split: every row GEMM's epilogue in two column halves. Elementwise, so
+    # bitwise the same outputs; only the router-weight gradient adds its per-tile partial sums
+    # as two half sums, so it is close rather than equal.
+    base = tiles_for_tests(case.block, case.align) or ops.default_tiles(DEVICE)
+    plain = dataclasses.replace(base, use_tuned=False)
+    config = F.MoKConfig(recompute_gate_up=not kept)
+    y, grads, schedule, context = run_layer(case.inputs(), config=config,
+                                            swiglu_limit=case.limit, tiles=plain)
+    y_split, grads_split, _, context_split = run_layer(
+        case.inputs(), config=config, swiglu_limit=case.limit, tiles=variant(plain))
+    assert torch.equal(y, y_split)
+    if kept:
+        used = int(schedule.routing.expert_offsets[-1])
+        assert torch.equal(context.gate_up[:used], context_split.gate_up[:used])
+    for name, a, b in zip(GRAD_NAMES, grads, grads_split, strict=True):
+        if a is None:
+            assert b is None, name
+        elif name == "d_router_weights":
+            assert_close(b, a, dtype=torch.float32, name=name)
+        else:
+            assert torch.equal(a, b), name
+    check_against_reference(case, y_split, grads_split)
+
+
 def _grouped_mm_wgrad(tiles):
     return dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, grouped_mm=True))
 

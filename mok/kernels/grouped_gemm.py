@@ -18,6 +18,11 @@ zero-fills past K as the masks would. WK_TMA (w_down in down_bwd, w_gate and w_u
 weights are [E, K, N]): descriptors of the weights viewed [E * K, N] with [BLOCK_K, BLOCK_N]
 boxes; BLOCK_K divides K (the host checks), so no box reaches the next expert's rows.
 
+SPLIT (the row GEMMs' epilogues): 1, or 2 to take the output tile in two column halves one after
+the other, so fewer values are live at once and a TMA store box is half as wide (the row
+descriptors' boxes are then [BLOCK_M, BLOCK_N // 2]). Elementwise, so the outputs are the same;
+the router-weight gradient's per-tile partial sums then add two half sums.
+
 PERSISTENT (the row GEMMs; the weight gradients have their own): a program per SM rather than
 per tile, each striding over the tiles of the rows in use (the schedule's expert_offsets[E], read
 on the device), so no program starts on a tile without an expert and a program's next tile
@@ -155,6 +160,43 @@ def _get_tile(src, rows, cols, N, shift, stride, r0, c0, ROWS_TMA: tl.constexpr)
 
 
 @triton.jit
+def _halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """t [BLOCK_M, BLOCK_N] -> its column halves t[:, :BLOCK_N // 2], t[:, BLOCK_N // 2:]."""
+    return tl.split(tl.permute(tl.reshape(t, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+
+
+@triton.jit
+def _store_slice(out_ptr, value, rows, r0, c0, N, stride_om, dest_route_ptr, out_delta_ptr,
+                 routes_per_rank, WIDTH: tl.constexpr, ROWS_TMA: tl.constexpr,
+                 SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr):
+    """out[rows, c0:c0 + WIDTH] = value: through the TMA descriptor out_ptr (ROWS_TMA, box
+    [BLOCK_M, WIDTH] at (r0, c0)) or _store_rows."""
+    if ROWS_TMA:
+        out_ptr.store([r0, c0], cast_to(value, out_ptr.dtype, UPCAST))
+    else:
+        _store_rows(out_ptr, rows, c0 + tl.arange(0, WIDTH), N, value, stride_om,
+                    dest_route_ptr, out_delta_ptr, routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
+
+
+@triton.jit
+def _store_out(out_ptr, acc, rows, r0, c0, N, stride_om, dest_route_ptr, out_delta_ptr,
+               routes_per_rank, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               SPLIT: tl.constexpr, ROWS_TMA: tl.constexpr, SCATTER: tl.constexpr,
+               ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr):
+    """The output tile acc [BLOCK_M, BLOCK_N] at (r0, c0), in SPLIT (1 or 2) column slices."""
+    if SPLIT == 1:
+        _store_slice(out_ptr, acc, rows, r0, c0, N, stride_om, dest_route_ptr, out_delta_ptr,
+                     routes_per_rank, BLOCK_N, ROWS_TMA, SCATTER, ROW_ALIGN, UPCAST)
+    else:
+        HALF: tl.constexpr = BLOCK_N // 2
+        first, second = _halves(acc, BLOCK_M, BLOCK_N)
+        _store_slice(out_ptr, first, rows, r0, c0, N, stride_om, dest_route_ptr,
+                     out_delta_ptr, routes_per_rank, HALF, ROWS_TMA, SCATTER, ROW_ALIGN, UPCAST)
+        _store_slice(out_ptr, second, rows, r0, c0 + HALF, N, stride_om, dest_route_ptr,
+                     out_delta_ptr, routes_per_rank, HALF, ROWS_TMA, SCATTER, ROW_ALIGN, UPCAST)
+
+
+@triton.jit
 def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
@@ -175,6 +217,7 @@ def gate_up_swiglu_kernel(
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -209,8 +252,8 @@ def gate_up_swiglu_kernel(
             x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
             ready_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
             stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, swiglu_limit,
-            HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PULL,
-            MINIBATCH, HAS_TIMER, UPCAST)
+            HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
+            PULL, MINIBATCH, HAS_TIMER, UPCAST)
 
 
 @triton.jit
@@ -220,8 +263,8 @@ def _gate_up_tile(
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PULL: tl.constexpr, MINIBATCH: tl.constexpr,
-    HAS_TIMER: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PULL: tl.constexpr,
+    MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of gate_up_swiglu_kernel (an expert's rows)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
@@ -253,6 +296,27 @@ def _gate_up_tile(
         acc_up = mma(a, b_up, acc_up, UPCAST)
         a_ptrs += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
+    if SPLIT == 1:
+        _gate_up_slice(acc_gate, acc_up, rows, r0, c0, N, h_ptr, gate_up_ptr, stride_hm,
+                       stride_gum, swiglu_limit, BLOCK_N, HAS_LIMIT, SAVE_GATE_UP, ROWS_TMA,
+                       UPCAST)
+    else:  # two column halves, one after the other
+        HALF: tl.constexpr = BLOCK_N // 2
+        gate_a, gate_b = _halves(acc_gate, BLOCK_M, BLOCK_N)
+        up_a, up_b = _halves(acc_up, BLOCK_M, BLOCK_N)
+        _gate_up_slice(gate_a, up_a, rows, r0, c0, N, h_ptr, gate_up_ptr, stride_hm,
+                       stride_gum, swiglu_limit, HALF, HAS_LIMIT, SAVE_GATE_UP, ROWS_TMA, UPCAST)
+        _gate_up_slice(gate_b, up_b, rows, r0, c0 + HALF, N, h_ptr, gate_up_ptr, stride_hm,
+                       stride_gum, swiglu_limit, HALF, HAS_LIMIT, SAVE_GATE_UP, ROWS_TMA, UPCAST)
+
+
+@triton.jit
+def _gate_up_slice(acc_gate, acc_up, rows, r0, c0, N, h_ptr, gate_up_ptr, stride_hm,
+                   stride_gum, swiglu_limit, WIDTH: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                   SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, UPCAST: tl.constexpr):
+    """gate_up_swiglu's epilogue on a tile's columns [c0, c0 + WIDTH): h, and with
+    SAVE_GATE_UP the pre-activations."""
+    cols = c0 + tl.arange(0, WIDTH)
     if SAVE_GATE_UP:
         # The backward computes from these rounded values; h below from the unrounded ones.
         # With a limit, a value the limit clamps is stored as +-inf: rounding must not move it
@@ -277,7 +341,7 @@ def down_proj_kernel(
     used_rows_ptr, num_m_blocks, N, K, routes_per_rank,
     stride_hm, stride_we, stride_wn, stride_wk, stride_om,
     HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr, ROWS_TMA: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -294,7 +358,7 @@ def down_proj_kernel(
         _down_tile(h_ptr, w_down_ptr, out_ptr, router_weights_ptr, row_route_ptr,
                    block_expert_ptr, dest_route_ptr, out_delta_ptr, pid_m, pid_n, N, K,
                    routes_per_rank, stride_hm, stride_we, stride_wn, stride_wk, stride_om,
-                   HAS_WEIGHT, ALIGN, W_TMA, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SCATTER,
+                   HAS_WEIGHT, ALIGN, W_TMA, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, SCATTER,
                    ROW_ALIGN, UPCAST)
 
 
@@ -304,7 +368,7 @@ def _down_tile(
     dest_route_ptr, out_delta_ptr, pid_m, pid_n, N, K, routes_per_rank,
     stride_hm, stride_we, stride_wn, stride_wk, stride_om,
     HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr, ROWS_TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of down_proj_kernel (an expert's rows)."""
@@ -335,11 +399,9 @@ def _down_tile(
         route = tl.load(row_route_ptr + rows)
         weight = tl.load(router_weights_ptr + route, mask=route >= 0, other=0.0)
         acc = acc * weight[:, None]
-    if ROWS_TMA:
-        out_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], cast_to(acc, out_ptr.dtype, UPCAST))
-    else:
-        _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
-                    routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
+    _store_out(out_ptr, acc, rows, pid_m * BLOCK_M, pid_n * BLOCK_N, N, stride_om,
+               dest_route_ptr, out_delta_ptr, routes_per_rank, BLOCK_M, BLOCK_N, SPLIT, ROWS_TMA,
+               SCATTER, ROW_ALIGN, UPCAST)
 
 
 @triton.jit
@@ -357,7 +419,7 @@ def down_bwd_dswiglu_kernel(
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
-    WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -401,7 +463,7 @@ def down_bwd_dswiglu_kernel(
             topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n, stride_we,
             stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm, swiglu_limit,
             HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA, BLOCK_M,
-            BLOCK_N, BLOCK_K, PULL, MINIBATCH, HAS_TIMER, UPCAST)
+            BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
 
 
 @triton.jit
@@ -415,7 +477,8 @@ def _down_bwd_tile(
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
     WK_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PULL: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, PULL: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of down_bwd_dswiglu_kernel (an expert's rows)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
@@ -447,8 +510,8 @@ def _down_bwd_tile(
             acc_dh = mma(a_dy, b_down, acc_dh, UPCAST)
             d_out_ptrs += BLOCK_K
             wd_offsets += BLOCK_K * stride_wd_k
-        acc_gate = _get_tile(gate_up_ptr, rows, cols, N, 0, stride_gum, r0, c0, ROWS_TMA)
-        acc_up = _get_tile(gate_up_ptr, rows, cols, N, N, stride_gum, r0, c0, ROWS_TMA)
+        acc_gate = acc_dh  # unused: _dswiglu_slice reads the kept gate and up
+        acc_up = acc_dh
     else:
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -476,8 +539,46 @@ def _down_bwd_tile(
             wd_offsets += BLOCK_K * stride_wd_k
             w_offsets += BLOCK_K * stride_wk
 
-    gate = acc_gate
-    up = acc_up
+    if SPLIT == 1:
+        partial = _dswiglu_slice(
+            acc_dh, acc_gate, acc_up, rows, route, valid, r0, c0, N, h_ptr, gate_up_ptr,
+            router_weights_ptr, d_gate_up_ptr, stride_hm, stride_gum, stride_gm, swiglu_limit,
+            BLOCK_M, BLOCK_N, HAS_LIMIT, HAS_WEIGHT, SAVED_GATE_UP, H_OUT, ROWS_TMA, UPCAST)
+    else:  # two column halves, one after the other: half the epilogue's registers
+        HALF: tl.constexpr = BLOCK_N // 2
+        dh_a, dh_b = _halves(acc_dh, BLOCK_M, BLOCK_N)
+        gate_a, gate_b = _halves(acc_gate, BLOCK_M, BLOCK_N)
+        up_a, up_b = _halves(acc_up, BLOCK_M, BLOCK_N)
+        partial = _dswiglu_slice(
+            dh_a, gate_a, up_a, rows, route, valid, r0, c0, N, h_ptr, gate_up_ptr,
+            router_weights_ptr, d_gate_up_ptr, stride_hm, stride_gum, stride_gm, swiglu_limit,
+            BLOCK_M, HALF, HAS_LIMIT, HAS_WEIGHT, SAVED_GATE_UP, H_OUT, ROWS_TMA, UPCAST)
+        partial += _dswiglu_slice(
+            dh_b, gate_b, up_b, rows, route, valid, r0, c0 + HALF, N, h_ptr, gate_up_ptr,
+            router_weights_ptr, d_gate_up_ptr, stride_hm, stride_gum, stride_gm, swiglu_limit,
+            BLOCK_M, HALF, HAS_LIMIT, HAS_WEIGHT, SAVED_GATE_UP, H_OUT, ROWS_TMA, UPCAST)
+    if HAS_WEIGHT:
+        tl.store(d_weight_partial_ptr + rows * stride_pm + pid_n, partial)
+
+
+@triton.jit
+def _dswiglu_slice(
+    acc_dh, acc_gate, acc_up, rows, route, valid, r0, c0, N, h_ptr, gate_up_ptr,
+    router_weights_ptr, d_gate_up_ptr, stride_hm, stride_gum, stride_gm, swiglu_limit,
+    BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr,
+    ROWS_TMA: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dSwiGLU of a tile's columns [c0, c0 + WIDTH) (acc_dh = dh0 there; acc_gate, acc_up the
+    recomputed pre-activations, or with SAVED_GATE_UP read here): writes d_gate and d_up (and
+    h, H_OUT); returns the slice's part of the router-weight gradient per row (HAS_WEIGHT)."""
+    cols = c0 + tl.arange(0, WIDTH)
+    if SAVED_GATE_UP:
+        gate = _get_tile(gate_up_ptr, rows, cols, N, 0, stride_gum, r0, c0, ROWS_TMA)
+        up = _get_tile(gate_up_ptr, rows, cols, N, N, stride_gum, r0, c0, ROWS_TMA)
+    else:
+        gate = acc_gate
+        up = acc_up
     if HAS_LIMIT:
         if SAVED_GATE_UP:  # the forward stored clamped values as +-inf
             gate_pass = gate != float("inf")
@@ -492,13 +593,14 @@ def _down_bwd_tile(
     if H_OUT:  # h from the kept pre-activations, for the down projection's weight gradient
         h = silu * up
         _put_tile(h_ptr, h, rows, cols, N, 0, stride_hm, r0, c0, ROWS_TMA, UPCAST)
+    partial = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_WEIGHT:
         # d w[route] = <d_out[token], w_down[e] h[row]> = sum_n dh0[row, n] * h[row, n], with the
         # h the forward stored (bf16), so the gradient matches the forward that ran (H_OUT: the
         # h of the kept pre-activations, in fp32).
         if not H_OUT:
             h = _get_tile(h_ptr, rows, cols, N, 0, stride_hm, r0, c0, ROWS_TMA)
-        tl.store(d_weight_partial_ptr + rows * stride_pm + pid_n, tl.sum(acc_dh * h, axis=1))
+        partial = tl.sum(acc_dh * h, axis=1)
         weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
         acc_dh = acc_dh * weight[:, None]
     d_gate = acc_dh * up * (sig * (1.0 + gate * (1.0 - sig)))
@@ -508,6 +610,7 @@ def _down_bwd_tile(
         d_up = tl.where(up_pass, d_up, 0.0)
     _put_tile(d_gate_up_ptr, d_gate, rows, cols, N, 0, stride_gm, r0, c0, ROWS_TMA, UPCAST)
     _put_tile(d_gate_up_ptr, d_up, rows, cols, N, N, stride_gm, r0, c0, ROWS_TMA, UPCAST)
+    return partial
 
 
 @triton.jit
@@ -517,6 +620,7 @@ def d_x_rows_kernel(
     used_rows_ptr, num_m_blocks, N, K, routes_per_rank,
     stride_gm, stride_we, stride_wk, stride_wn, stride_om,
     ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -533,7 +637,7 @@ def d_x_rows_kernel(
         _d_x_tile(d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr, dest_route_ptr,
                   out_delta_ptr, pid_m, pid_n, N, K, routes_per_rank, stride_gm, stride_we,
                   stride_wk, stride_wn, stride_om, ALIGN, ROWS_TMA, WK_TMA, BLOCK_M, BLOCK_N,
-                  BLOCK_K, SCATTER, ROW_ALIGN, UPCAST)
+                  BLOCK_K, SPLIT, SCATTER, ROW_ALIGN, UPCAST)
 
 
 @triton.jit
@@ -542,7 +646,7 @@ def _d_x_tile(
     out_delta_ptr, pid_m, pid_n, N, K, routes_per_rank,
     stride_gm, stride_we, stride_wk, stride_wn, stride_om,
     ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of d_x_rows_kernel (an expert's rows)."""
@@ -573,11 +677,9 @@ def _d_x_tile(
         acc = mma(a_up, b_up, acc, UPCAST)
         a_offsets += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
-    if ROWS_TMA:
-        out_ptr.store([pid_m * BLOCK_M, pid_n * BLOCK_N], cast_to(acc, out_ptr.dtype, UPCAST))
-    else:
-        _store_rows(out_ptr, rows, cols, N, acc, stride_om, dest_route_ptr, out_delta_ptr,
-                    routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
+    _store_out(out_ptr, acc, rows, pid_m * BLOCK_M, pid_n * BLOCK_N, N, stride_om,
+               dest_route_ptr, out_delta_ptr, routes_per_rank, BLOCK_M, BLOCK_N, SPLIT, ROWS_TMA,
+               SCATTER, ROW_ALIGN, UPCAST)
 
 
 @triton.jit

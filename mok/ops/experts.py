@@ -76,26 +76,39 @@ def _gate_up_operands(w_gate: torch.Tensor, w_up: torch.Tensor,
 
 
 def _rows_operands(tiles: GemmTiles, *specs, wanted: bool = True) -> tuple[list, bool]:
-    """(operands, whether they are TMA descriptors), one per spec (t, part, box_n): t a
-    [rows, width] tensor whose columns are blocks of `part` columns each, read or written in
-    [block_m, box_n] boxes. Descriptors when tiles.tma_rows (and `wanted`) ask for them and
-    every t allows one (unit column stride, 16-byte aligned start and rows, box_n dividing part,
-    so that no box straddles two blocks); the tensors otherwise."""
-    def usable(t: torch.Tensor, part: int, box_n: int) -> bool:
+    """(operands, whether they are TMA descriptors), one per spec (t, part, span, box_n): t a
+    [rows, width] tensor whose columns are blocks of `part` columns each, covered by tiles
+    `span` columns wide (block_k for an A operand, block_n for an output) and read or written in
+    [block_m, box_n] boxes (box_n divides span). Descriptors when tiles.tma_rows (and `wanted`)
+    ask for them and every t allows one (unit column stride, 16-byte aligned start and rows,
+    span dividing part, so that no tile reaches past its block into the next); the tensors
+    otherwise."""
+    def usable(t: torch.Tensor, part: int, span: int, box_n: int) -> bool:
         size = t.element_size()
         return (t.stride(1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
-                and (part * size) % 16 == 0 and part % box_n == 0 and t.shape[0] > 0)
+                and (part * size) % 16 == 0 and part % span == 0 and t.shape[0] > 0)
 
     if not (wanted and tiles.tma_rows and all(usable(*spec) for spec in specs)):
-        return [t for t, _, _ in specs], False
+        return [spec[0] for spec in specs], False
     return [TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [tiles.block_m, box_n])
-            for t, _, box_n in specs], True
+            for t, _, _, box_n in specs], True
+
+
+def _a_spec(t: torch.Tensor, part: int, tiles: GemmTiles) -> tuple:
+    """_rows_operands' spec of an A operand read whole, [block_m, block_k] per K step."""
+    return t, part, tiles.block_k, tiles.block_k
+
+
+def _out_spec(t: torch.Tensor, part: int, tiles: GemmTiles) -> tuple:
+    """_rows_operands' spec of a tile-shaped epilogue operand, in tiles.epilogue_split boxes."""
+    return t, part, tiles.block_n, tiles.block_n // tiles.epilogue_split
 
 
 def _gemm_meta(tiles: GemmTiles) -> dict:
     return dict(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m, PERSISTENT=tiles.persistent, UPCAST=UPCAST,
+        GROUP_M=tiles.group_m, PERSISTENT=tiles.persistent, SPLIT=tiles.epilogue_split,
+        UPCAST=UPCAST,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -139,9 +152,9 @@ def gate_up_swiglu(
     limit, has_limit = _limit_args(swiglu_limit)
     pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, h)
     gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
-    outs = [(h, intermediate, tiles.block_n)]
+    outs = [_out_spec(h, intermediate, tiles)]
     if gate_up is not None:
-        outs.append((gate_up, intermediate, tiles.block_n))
+        outs.append(_out_spec(gate_up, intermediate, tiles))
     (h_out, *gate_up_out), rows_tma = _rows_operands(tiles, *outs)
     gemm_kernels.gate_up_swiglu_kernel[(grid + pull_scalars[0],)](
         x, gate, up, h_out, gate_up_out[0] if gate_up_out else h_out, routing.row_route,
@@ -189,7 +202,7 @@ def down_proj(
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
     weights, tma = _weights_operand(w_down, tiles)
     (h_in, out_arg), rows_tma = _rows_operands(
-        tiles, (h, intermediate, tiles.block_k), (out, hidden, tiles.block_n),
+        tiles, _a_spec(h, intermediate, tiles), _out_spec(out, hidden, tiles),
         wanted=scatter is None)
     gemm_kernels.down_proj_kernel[(grid,)](
         h_in, weights, out_arg, router_weights if router_weights is not None else h,
@@ -267,9 +280,9 @@ def down_bwd_dswiglu(
     if h_out and gate_up is None:
         raise ValueError("h_out needs the kept pre-activations (gate_up)")
     down_weights, wk_tma = _weights_k_rows_operand(w_down, tiles)
-    specs = [(d_gate_up, intermediate, tiles.block_n), (h, intermediate, tiles.block_n)]
+    specs = [_out_spec(d_gate_up, intermediate, tiles), _out_spec(h, intermediate, tiles)]
     if gate_up is not None:
-        specs.append((gate_up, intermediate, tiles.block_n))
+        specs.append(_out_spec(gate_up, intermediate, tiles))
     (d_gate_up_arg, h_arg, *gate_up_arg), rows_tma = _rows_operands(tiles, *specs)
     gemm_kernels.down_bwd_dswiglu_kernel[(grid + pull_scalars[0],)](
         d_out, x, down_weights, gate, up, h_arg, gate_up_arg[0] if gate_up_arg else h_arg,
@@ -309,7 +322,7 @@ def d_x_rows(
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
     (d_gate_up_in, out_arg), rows_tma = _rows_operands(
-        tiles, (d_gate_up, intermediate, tiles.block_k), (out, hidden, tiles.block_n),
+        tiles, _a_spec(d_gate_up, intermediate, tiles), _out_spec(out, hidden, tiles),
         wanted=scatter is None)
     gate, gate_tma = _weights_k_rows_operand(w_gate, tiles)
     up, up_tma = _weights_k_rows_operand(w_up, tiles)

@@ -51,6 +51,9 @@ class GemmTiles:
     # wgrad only: torch._grouped_mm (one K-split group per expert) over the rows copied into
     # schedule order (mok.ops.copy_rows); the tile fields are unused then.
     grouped_mm: bool = False
+    # gate_up, down, down_bwd(_saved), d_x: the epilogue takes the output tile in this many
+    # column slices (1 or 2), one after the other: fewer live registers, half-width TMA boxes.
+    epilogue_split: int = 1
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ _FALLBACK_KINDS = {"down_bwd_saved": "down"}
 def _check_row_tiles(name: str, tiles: GemmTiles, align: int) -> None:
     if align % tiles.block_m != 0:
         raise ValueError(f"{name}.block_m={tiles.block_m} must divide align={align}")
+    if tiles.epilogue_split not in (1, 2):
+        raise ValueError(f"{name}.epilogue_split={tiles.epilogue_split} must be 1 or 2")
 
 
 def _check_dot_tiles(name: str, tiles: GemmTiles) -> None:
