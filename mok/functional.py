@@ -800,15 +800,18 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
                  scatter=ep.scatter_rows(plan, dtype))
     ep.clear_dropped(peer, plan, rows_dtype=dtype, values=True)
     ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
-    # The pulled rows are the rows' own routes: no gather, the weights by row.
+    # The pulled rows are the rows' own routes: no gather, the weights by row. They are not
+    # needed after their weight gradient: no copy of them is made (padding zeroed, d_output's
+    # scaled, in place).
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
         d_gate_up, x_rows, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=False,
-        out_dtype=w_gate.dtype)
+        out_dtype=w_gate.dtype, overwrite_x=True)
     del d_gate_up, x_rows  # freed before d_w_down is allocated
     d_w_down = ops.grouped_wgrad(dy_rows, h, routing,
                                  pick("wgrad_down", hidden, intermediate), gather_a=False,
                                  gather_b=False, router_weights=context.weights_rows,
-                                 weights_by_row=True, out_dtype=w_down.dtype)
+                                 weights_by_row=True, out_dtype=w_down.dtype, overwrite_a=True)
+    del dy_rows
     ops.wait_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
     ep.collect_errors(peer)
     source = plan.source_routing
