@@ -216,7 +216,7 @@ def test_ep_errors(rank, world_size):
     _errors_body(rank, world_size)
 
 
-def _overflow_body(rank, world_size, pattern, multiplier):
+def _overflow_body(rank, world_size, pattern, multiplier, tiles=None):
     # A schedule too small for the routes it receives: the routes without a row are reported
     # and left out on their tokens' ranks, as on one GPU: y and every gradient equal the
     # reference with those routes' router weights set to zero, and their router-weight
@@ -228,7 +228,8 @@ def _overflow_body(rank, world_size, pattern, multiplier):
                                    num_local_tokens=tokens, hidden_size=inputs.x.shape[1],
                                    topk=topk)
     schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                num_local_experts=inputs.num_local_experts, tiles=small_tiles(16))
+                                num_local_experts=inputs.num_local_experts,
+                                tiles=tiles or small_tiles(16))
     # Which routes found no row: each expert's rank knows its own and reports the overflow at
     # once; the tokens' ranks learn of it in the forward (below).
     plan = schedule.exchange
@@ -274,6 +275,11 @@ def _overflow_body(rank, world_size, pattern, multiplier):
 def test_ep_capacity_overflow_leaves_the_routes_out(rank, world_size):
     _overflow_body(rank, world_size, RoutingPattern.ONE_EXPERT, 0.25)
     _overflow_body(rank, world_size, RoutingPattern.SKEWED, 0.5)
+    # The same with persistent row GEMMs (their tiles bounded by the rows in use, read on the
+    # device) and the weight gradients by torch._grouped_mm (groups clamped to those rows).
+    tiles = with_row_tiles(small_tiles(16), persistent=True, epilogue_split=2)
+    tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, grouped_mm=True))
+    _overflow_body(rank, world_size, RoutingPattern.ONE_EXPERT, 0.25, tiles)
 
 
 def _layout_body(rank, world_size):

@@ -1,5 +1,7 @@
 """The device-built routing schedule against a stable sort written in PyTorch (exact)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -128,7 +130,8 @@ def test_capacity_overflow_raises():
         F.check_errors(workspace)
 
 
-def test_weight_gradient_stops_at_the_rows_of_an_overflowing_schedule():
+@pytest.mark.parametrize("grouped_mm", [False, True], ids=["triton", "grouped_mm"])
+def test_weight_gradient_stops_at_the_rows_of_an_overflowing_schedule(grouped_mm):
     # Every route on one expert, a schedule holding a quarter of them (80 rows for 96 routes):
     # the expert's route count runs past the schedule's rows. On a GPU the backward may run
     # before the error reaches the host, so the kernels must stay inside the rows: the rows in
@@ -151,7 +154,8 @@ def test_weight_gradient_stops_at_the_rows_of_an_overflowing_schedule():
     generator = torch.Generator().manual_seed(3)
     a = torch.randn(rows, width_p, generator=generator).to(DEVICE, torch.float16)
     x = torch.randn(tokens, width_q, generator=generator).to(DEVICE, torch.float16)
-    out = ops.grouped_wgrad(a, x, routing, tiles.wgrad, gather_a=False, gather_b=True,
+    wgrad = dataclasses.replace(tiles.wgrad, grouped_mm=grouped_mm)
+    out = ops.grouped_wgrad(a, x, routing, wgrad, gather_a=False, gather_b=True,
                             out_dtype=torch.float32)
     route = routing.row_route.long().cpu()
     placed = route >= 0
