@@ -3,9 +3,10 @@
 Rows are the schedule's expert-ordered rows (mok.ops.routing): row_route[row] is the route id of a
 row (token * topk + slot) or -1 for padding; block_expert[row // ALIGN] is the local expert owning
 a block of ALIGN rows, or -1 past the last expert (such tiles exit at once). BLOCK_M divides ALIGN,
-so every row tile belongs to one expert. Token rows are gathered inside the GEMMs: no permuted copy
-of x or d_output is ever written. Each output element is written by exactly one program with a
-fixed reduction order, so every result is bitwise reproducible.
+so every row tile belongs to one expert. Token rows are gathered inside these GEMMs: they need no
+permuted copy of x or d_output (only the weight gradients by torch._grouped_mm, where the tile
+table picks them, copy rows: mok.ops.copy_rows). Each output element is written by exactly one
+program with a fixed reduction order, so every result is bitwise reproducible.
 
 Legend: M rows, N output columns, K reduction; E local experts; H hidden, I intermediate.
 UPCAST: under Triton's CPU interpreter (see mok.kernels.common).
