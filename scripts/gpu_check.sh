@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine, in priority order: tests, training comparison, tile sweep, layer
-# benchmark (with the tiles just measured), per-stage breakdown. Each step has its own time limit
-# and writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_TUNE RUN_BENCH
-# RUN_BREAKDOWN (1 runs it); *_TIMEOUT seconds; *_ARGS extra arguments.
+# benchmark (with the tiles just measured), host time per launcher, per-stage breakdown. Each step
+# has its own time limit and writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN
+# RUN_TUNE RUN_BENCH RUN_HOST RUN_BREAKDOWN (1 runs it); *_TIMEOUT seconds; *_ARGS extra
+# arguments.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -41,6 +42,9 @@ fi
 if [ "${RUN_BENCH:-1}" = 1 ]; then
   step bench "${BENCH_TIMEOUT:-240}" bench.log python3 -m mok bench --csv "$OUT/layer.csv" \
     ${BENCH_ARGS:-}
+fi
+if [ "${RUN_HOST:-0}" = 1 ]; then
+  step host "${HOST_TIMEOUT:-120}" host.log python3 -m benchmarks.host ${HOST_ARGS:-}
 fi
 if [ "${RUN_BREAKDOWN:-0}" = 1 ]; then
   step breakdown "${BREAKDOWN_TIMEOUT:-150}" breakdown.log python3 -m benchmarks.breakdown \

@@ -212,3 +212,18 @@ def test_triton_dense_computes_what_dense_computes():
         assert actual.shape == expected.shape and actual.dtype == torch.bfloat16
         rel = (actual.float() - expected.float()).norm() / expected.float().norm()
         assert rel < 1e-2, rel
+
+
+def test_host_times_cover_every_launcher_of_a_step(capsys):
+    from benchmarks import host
+
+    times = host.host_times(TINY, kept=False, repeats=1, device=DEVICE)
+    for name in ("build_routing", "gate_up_swiglu", "down_proj", "combine", "down_bwd_dswiglu",
+                 "d_x_rows", "grouped_wgrad_gate_up", "grouped_wgrad", "router_grad"):
+        assert 0 < times[name] < times["step"], name
+    parts = sum(us for name, us in times.items() if name != "step")
+    assert parts == pytest.approx(times["step"], rel=1e-6)  # one step: the parts add up
+    assert all(getattr(host.ops, name).__module__ != host.__name__ for name in host._launchers())
+    host.main(["--shapes", TINY.name, "--repeats", "1", "--kept"])
+    out = capsys.readouterr().out
+    assert "kept gate/up" in out and "outside launchers" in out
