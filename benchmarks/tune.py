@@ -36,8 +36,8 @@ def _persistent(*tiles: GemmTiles, split: int = 1) -> list[GemmTiles]:
     """The row-GEMM tiles as persistent loops (one program per SM), every row tile and weight
     through TMA, as Triton's persistent TMA GEMMs are fastest on Hopper; split: their
     epilogues in that many column slices."""
-    return [T(t.block_m, t.block_n, t.block_k, t.group_m, t.num_warps, t.num_stages,
-              persistent=True, tma=True, tma_rows=True, epilogue_split=split) for t in tiles]
+    return [dataclasses.replace(t, persistent=True, tma=True, tma_rows=True,
+                                epilogue_split=split) for t in tiles]
 
 
 CANDIDATES: dict[str, list[GemmTiles]] = {

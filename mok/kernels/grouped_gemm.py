@@ -231,8 +231,8 @@ def gate_up_swiglu_kernel(
     w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module docstring).
     SAVE_GATE_UP: the pre-activations go to gate_up[row] = [gate, up] too (columns [0, N) and
     [N, 2N)), for a backward that reads them instead of recomputing them. ROWS_TMA: h_ptr and
-    gate_up_ptr are TMA descriptors of h and gate_up with [BLOCK_M, BLOCK_N] boxes (BLOCK_N
-    divides N).
+    gate_up_ptr are TMA descriptors of h and gate_up with [BLOCK_M, BLOCK_N // SPLIT] boxes
+    (BLOCK_N divides N).
     """
     pid = tl.program_id(0)
     if PULL:
@@ -350,7 +350,7 @@ def down_proj_kernel(
 
     W_TMA: w_down_ptr is a TMA descriptor of w_down viewed [E * N, K] (module docstring).
     ROWS_TMA (not with SCATTER): h_ptr and out_ptr are TMA descriptors of h and out, with
-    [BLOCK_M, BLOCK_K] and [BLOCK_M, BLOCK_N] boxes.
+    [BLOCK_M, BLOCK_K] and [BLOCK_M, BLOCK_N // SPLIT] boxes.
     """
     first, end, step, grid_m = _tile_span(tl.program_id(0), 0, used_rows_ptr, num_m_blocks,
                                           tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
@@ -439,8 +439,8 @@ def down_bwd_dswiglu_kernel(
     and up are read from gate_up[row] = [gate, up] (what the forward's SAVE_GATE_UP wrote); the
     K loop is dh0's alone and x, w_gate, w_up are not read. H_OUT (with SAVED_GATE_UP): h is
     written, swiglu of the kept pre-activations, rather than read. ROWS_TMA: h_ptr, gate_up_ptr
-    and d_gate_up_ptr are TMA descriptors of h, gate_up and d_gate_up with [BLOCK_M, BLOCK_N]
-    boxes (BLOCK_N divides N).
+    and d_gate_up_ptr are TMA descriptors of h, gate_up and d_gate_up with
+    [BLOCK_M, BLOCK_N // SPLIT] boxes (BLOCK_N divides N).
     """
     pid = tl.program_id(0)
     if PULL:
@@ -548,8 +548,11 @@ def _down_bwd_tile(
     else:  # two column halves, one after the other: half the epilogue's registers
         HALF: tl.constexpr = BLOCK_N // 2
         dh_a, dh_b = _halves(acc_dh, BLOCK_M, BLOCK_N)
-        gate_a, gate_b = _halves(acc_gate, BLOCK_M, BLOCK_N)
-        up_a, up_b = _halves(acc_up, BLOCK_M, BLOCK_N)
+        if SAVED_GATE_UP:  # _dswiglu_slice reads them: placeholders
+            gate_a, gate_b, up_a, up_b = dh_a, dh_b, dh_a, dh_b
+        else:
+            gate_a, gate_b = _halves(acc_gate, BLOCK_M, BLOCK_N)
+            up_a, up_b = _halves(acc_up, BLOCK_M, BLOCK_N)
         partial = _dswiglu_slice(
             dh_a, gate_a, up_a, rows, route, valid, r0, c0, N, h_ptr, gate_up_ptr,
             router_weights_ptr, d_gate_up_ptr, stride_hm, stride_gum, stride_gm, swiglu_limit,
@@ -628,7 +631,7 @@ def d_x_rows_kernel(
     """out[row] = d_gate[row] @ w_gate[e] + d_up[row] @ w_up[e]; N = H, K = I, w [E, K, N].
 
     ROWS_TMA (not with SCATTER): d_gate_up_ptr and out_ptr are TMA descriptors of d_gate_up and
-    out, with [BLOCK_M, BLOCK_K] (BLOCK_K divides K) and [BLOCK_M, BLOCK_N] boxes. WK_TMA:
+    out, with [BLOCK_M, BLOCK_K] (BLOCK_K divides K) and [BLOCK_M, BLOCK_N // SPLIT] boxes. WK_TMA:
     w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * K, N] (module docstring).
     """
     first, end, step, grid_m = _tile_span(tl.program_id(0), 0, used_rows_ptr, num_m_blocks,

@@ -364,7 +364,7 @@ def grouped_wgrad(
         a_rows = copy_rows(a, routing, gather=gather_a, router_weights=router_weights,
                            weights_by_row=weights_by_row, in_place=overwrite_a and not gather_a)
         b_rows = copy_rows(b, routing, gather=True) if gather_b else b
-        return _grouped_mm_wgrad(a_rows, b_rows, routing, out_dtype)
+        return _grouped_mm_wgrad(a_rows, b_rows, _group_ends(routing), out_dtype)
     out = torch.empty(routing.num_local_experts, a.shape[1], b.shape[1], dtype=out_dtype,
                       device=a.device)
     _launch_wgrad(a, None, b, out, None, routing, tiles, gather_a=gather_a, gather_b=gather_b,
@@ -392,8 +392,9 @@ def grouped_wgrad_gate_up(
     d_gate, d_up = d_gate_up[:, :intermediate], d_gate_up[:, intermediate:]
     if _use_grouped_mm(tiles, d_gate_up, x):
         x_rows = copy_rows(x, routing, gather=gather_x, in_place=overwrite_x and not gather_x)
-        return (_grouped_mm_wgrad(d_gate, x_rows, routing, out_dtype),
-                _grouped_mm_wgrad(d_up, x_rows, routing, out_dtype))
+        ends = _group_ends(routing)
+        return (_grouped_mm_wgrad(d_gate, x_rows, ends, out_dtype),
+                _grouped_mm_wgrad(d_up, x_rows, ends, out_dtype))
     shape = (routing.num_local_experts, intermediate, x.shape[1])
     d_w_gate = torch.empty(shape, dtype=out_dtype, device=x.device)
     d_w_up = torch.empty(shape, dtype=out_dtype, device=x.device)
@@ -454,12 +455,17 @@ def _use_grouped_mm(tiles: GemmTiles, a: torch.Tensor, b: torch.Tensor) -> bool:
     return dtype_ok and all((t.shape[1] * t.element_size()) % 16 == 0 for t in (a, b))
 
 
-def _grouped_mm_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, routing: Routing,
+def _group_ends(routing: Routing) -> torch.Tensor:
+    """[E] int32 on the device: each expert's last row + 1, clamped to the rows in use (a
+    capacity overflow leaves the experts' rows past them unscheduled)."""
+    return torch.minimum(routing.expert_offsets[1:], routing.used_rows)
+
+
+def _grouped_mm_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, ends: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
-    """out [E, P, Q]: out[e] = a_rows[rows of e]^T b_rows[rows of e] by torch._grouped_mm
-    (one K-split group per expert: its rows, padding included, which are 0 in both operands;
-    rows past the used rows excluded). The offsets stay on the device."""
-    ends = torch.minimum(routing.expert_offsets[1:], routing.used_rows)
+    """out [E, P, Q]: out[e] = a_rows[rows of e]^T b_rows[rows of e] by torch._grouped_mm,
+    one K-split group per expert ending at ends[e] (_group_ends): its rows, padding included,
+    which are 0 in both operands."""
     out = torch._grouped_mm(a_rows.t(), b_rows, offs=ends)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
