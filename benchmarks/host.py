@@ -1,6 +1,6 @@
 """Host time of one mok training step, per launcher: where the host's share of a step goes.
 
-    python -m benchmarks.host [--shapes SHAPE ...] [--repeats N] [--kept]
+    python -m benchmarks.host [--shapes SHAPE ...] [--repeats N] [--kept] [--profile N]
 
 A call that starts on an idle GPU waits for the host to launch its first long kernel (the
 benchmark's forward at qwen3-30b-a3b lost about 0.38 ms so against `bench --host-ahead`). This
@@ -8,13 +8,16 @@ times, with the host clock, each launcher of `mok.ops` that `mok.functional` cal
 (schedule, forward, backward), the time outside them (mok.functional's own Python: checks,
 allocations, views) and the whole step. On a GPU the device sleeps before each step, so no
 launch waits on it. Medians over --repeats steps, in microseconds; on CPU (Triton's
-interpreter) the launchers' times are the interpreter running the kernels, not launch costs.
+interpreter) the launchers' times are the interpreter running the kernels, not launch costs. --profile N also prints the N Python functions with the most host time of their
+own (cProfile over the same steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -46,8 +49,10 @@ def _timed(fn, totals: dict, name: str):
     return wrapper
 
 
-def host_times(shape, *, kept: bool, repeats: int, device: torch.device) -> dict[str, float]:
-    """{launcher or "outside launchers" or "step": median host microseconds per step}."""
+def host_times(shape, *, kept: bool, repeats: int, device: torch.device,
+               profile: int = 0) -> dict[str, float]:
+    """{launcher or "outside launchers" or "step": median host microseconds per step}; profile:
+    print that many functions of a cProfile of the steps, by their own time."""
     inputs = make_shape_inputs(shape, device=device, seed=0)
     config = F.MoKConfig(recompute_gate_up=not kept)
     workspace = F.create_workspace(config, None, device=device,
@@ -65,6 +70,7 @@ def host_times(shape, *, kept: bool, repeats: int, device: torch.device) -> dict
     totals: dict[str, float] = defaultdict(float)
     originals = {name: getattr(ops, name) for name in _launchers()}
     samples: dict[str, list[float]] = defaultdict(list)
+    profiler = cProfile.Profile() if profile else None
     try:
         for name, fn in originals.items():
             setattr(ops, name, _timed(fn, totals, name))
@@ -73,9 +79,13 @@ def host_times(shape, *, kept: bool, repeats: int, device: torch.device) -> dict
                 torch.cuda.synchronize()
                 torch.cuda._sleep(50_000_000)  # tens of ms: the device stays behind the host
             totals.clear()
+            if profiler is not None:
+                profiler.enable()
             start = time.perf_counter()
             step()
             whole = time.perf_counter() - start
+            if profiler is not None:
+                profiler.disable()
             for name in originals:
                 samples[name].append(totals.get(name, 0.0))
             samples["outside launchers"].append(whole - sum(totals.values()))
@@ -85,6 +95,9 @@ def host_times(shape, *, kept: bool, repeats: int, device: torch.device) -> dict
             setattr(ops, name, fn)
         if device.type == "cuda":
             torch.cuda.synchronize()
+    if profiler is not None:
+        print(f"-- cProfile of {repeats} steps (the timers above add their own share)")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     return {name: statistics.median(values) * 1e6 for name, values in samples.items()
             if any(values)}
 
@@ -98,11 +111,13 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20 if cuda else 2)
     parser.add_argument("--kept", action="store_true",
                         help="MoKConfig(recompute_gate_up=False)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print the N functions with the most host time of their own")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
     for name in args.shapes:
         times = host_times(BENCH_SHAPES[name], kept=args.kept, repeats=args.repeats,
-                           device=device)
+                           device=device, profile=args.profile)
         print(f"== {name} ({'kept gate/up' if args.kept else 'recompute'}): host us per step, "
               f"median of {args.repeats}")
         for label, us in sorted(times.items(), key=lambda item: -item[1]):

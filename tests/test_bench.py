@@ -224,6 +224,7 @@ def test_host_times_cover_every_launcher_of_a_step(capsys):
     parts = sum(us for name, us in times.items() if name != "step")
     assert parts == pytest.approx(times["step"], rel=1e-6)  # one step: the parts add up
     assert all(getattr(host.ops, name).__module__ != host.__name__ for name in host._launchers())
-    host.main(["--shapes", TINY.name, "--repeats", "1", "--kept"])
+    host.main(["--shapes", TINY.name, "--repeats", "1", "--kept", "--profile", "5"])
     out = capsys.readouterr().out
     assert "kept gate/up" in out and "outside launchers" in out
+    assert "cProfile of 1 steps" in out and "tottime" in out
