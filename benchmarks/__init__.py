@@ -42,6 +42,9 @@ def newest_gpu_rows(csv_path: Path, group: Callable[[dict], object], modes: Sequ
     """The last GPU row of each (group, impl, mode) in csv_path, as read (strings): groups and
     implementations in the order they first appear, modes in `modes`' order (other modes after
     them when other_modes, else left out). What the benchmarks' --redraw charts."""
+    if not csv_path.is_file():
+        raise SystemExit(f"no results to redraw at {csv_path}: name the CSV with --csv FILE "
+                         "(the measured rows are under benchmarks/results/)")
     with csv_path.open(newline="") as handle:
         rows = [row for row in csv.DictReader(handle) if not row["gpu"].startswith("cpu")
                 and (other_modes or row["mode"] in modes)]

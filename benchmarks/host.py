@@ -8,8 +8,9 @@ times, with the host clock, each launcher of `mok.ops` that `mok.functional` cal
 (schedule, forward, backward), the time outside them (mok.functional's own Python: checks,
 allocations, views) and the whole step. On a GPU the device sleeps before each step, so no
 launch waits on it. Medians over --repeats steps, in microseconds; on CPU (Triton's
-interpreter) the launchers' times are the interpreter running the kernels, not launch costs. --profile N also prints the N Python functions with the most host time of their
-own (cProfile over the same steps).
+interpreter) the launchers' times are the interpreter running the kernels, not launch costs.
+--profile N also prints the N Python functions with the most host time of their own (cProfile
+over the same steps).
 """
 
 from __future__ import annotations

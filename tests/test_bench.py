@@ -192,6 +192,8 @@ def test_redraw_charts_the_newest_gpu_row_of_each_cell(tmp_path, capsys):
     assert "from 3 rows" in out and "300" in out
     with csv_path.open(newline="") as handle:
         assert len(list(csv.DictReader(handle))) == len(rows)  # nothing appended
+    with pytest.raises(SystemExit, match="name the CSV with --csv"):
+        mok_main(["bench", "--redraw", "--csv", str(tmp_path / "missing.csv")])
 
 
 def test_triton_dense_computes_what_dense_computes():

@@ -154,7 +154,8 @@ def test_ep_kept_gate_up(rank, world_size):
 def test_ep_kept_gate_up_tile_variants(rank, world_size):
     # The same with the row tiles and the weights through TMA (GemmTiles.tma_rows, tma) while
     # rows are pulled and scattered (h and the pre-activations written so in the forward, read
-    # and written so in the backward), every GEMM of pulled rows in a persistent loop.
+    # and written so in the backward), with persistent tiles asked for every GEMM (the launches
+    # that pull run a program per tile all the same: ops.experts._pulling_tiles).
     config = dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False)
     tiles = with_row_tiles(small_tiles(16), tma=True, tma_rows=True, persistent=True)
     tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, persistent=True))
@@ -164,16 +165,29 @@ def test_ep_kept_gate_up_tile_variants(rank, world_size):
 
 @distributed_test(world_sizes=(2,))
 def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
-    # The row GEMMs as persistent loops (GemmTiles.persistent) while rows are pulled (each tile
-    # still waits for its own rows) and scattered, their epilogues in column halves
-    # (epilogue_split), gate/up recomputed in the backward; the weight gradients of the pulled
-    # rows by torch._grouped_mm (GemmTiles.grouped_mm: the rows copied with their padding
+    # The row GEMMs as persistent loops (GemmTiles.persistent; those that pull rows run a
+    # program per tile all the same) while rows are pulled and scattered, epilogues in halves
+    # (GemmTiles.epilogue_split), gate/up recomputed in the backward; the weight gradients of the
+    # pulled rows by torch._grouped_mm (GemmTiles.grouped_mm: the rows copied with their padding
     # zeroed, d_out's scaled by the pulled router weights).
     tiles = with_row_tiles(small_tiles(16), persistent=True, epilogue_split=2)
     tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, grouped_mm=True))
     _matches_reference_body(rank, world_size, shared=16, limit=0.8,
                             pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES, tiles=tiles)
 
+
+
+def test_pulling_launches_run_a_program_per_tile():
+    # A launch whose first programs pull rows is never persistent: a persistent program kept off
+    # its SM by a pulling one would start its fixed share of tiles only after the pulls.
+    from mok.ops import experts
+
+    tiles = with_row_tiles(small_tiles(16), persistent=True, epilogue_split=2).gate_up
+    assert experts._pulling_tiles(tiles, None) is tiles
+    pulled = experts._pulling_tiles(tiles, pull=object())
+    assert pulled == dataclasses.replace(tiles, persistent=False)
+    plain = dataclasses.replace(tiles, persistent=False)
+    assert experts._pulling_tiles(plain, pull=object()) is plain
 
 def _errors_body(rank, world_size):
     config = SMALL_MINIBATCHES
