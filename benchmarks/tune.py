@@ -87,7 +87,10 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
                                     T(128, 128, 64, 8, 4, 3)),
                        *_persistent(T(128, 256, 64, 8, 8, 3), T(128, 128, 64, 8, 8, 4),
                                     split=2),
-                       T(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True, epilogue_split=2)],
+                       T(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True, epilogue_split=2),
+                       # each gathered d_out row tile feeding 256 columns; 128 x 64 two to an SM
+                       T(64, 256, 64, 8, 8, 3, tma=True, tma_rows=True),
+                       T(128, 64, 64, 8, 4, 4, tma=True, tma_rows=True)],
     "d_x": [T(128, 128, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 2), T(128, 128, 32, 8, 8, 4),
             T(128, 128, 64, 8, 4, 3), T(64, 256, 32, 8, 8, 3),
             T(128, 128, 64, 8, 8, 3, tma_rows=True), T(128, 256, 64, 8, 8, 2, tma_rows=True),
