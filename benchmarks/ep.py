@@ -49,10 +49,26 @@ PULL_CEILING_GB_S = 371.0
 
 
 def ep_shape(shape, world_size):
-    """E in total stays as listed, except for kimi's slice whose experts are per GPU."""
+    """E in total stays as listed, except for kimi's slice, whose experts are per GPU, and the
+    tiny CPU check, whose experts grow to one per rank. E must split evenly over the ranks."""
     if shape.name.startswith("kimi"):
         return dataclasses.replace(shape, num_experts=shape.num_experts * world_size)
+    if shape.name == "tiny" and shape.num_experts < world_size:
+        return dataclasses.replace(shape, num_experts=world_size)
+    if shape.num_experts % world_size:
+        raise SystemExit(f"{shape.name}: {shape.num_experts} experts do not split over "
+                         f"{world_size} ranks")
     return shape
+
+
+def compute_only_sizes(shape, world_size) -> tuple[int, int, int]:
+    """(tokens, top-k, experts) of the compute-only run: one GPU's share of the group's work,
+    its E / P experts and, balanced, T * k routes. Where k exceeds E / P (mixtral at EP=8: one
+    expert a rank, k = 2) each token takes E / P routes and the tokens grow to keep T * k (a
+    shared expert then runs on those tokens too: only the tiny check has both)."""
+    num_local = shape.num_experts // world_size
+    topk = min(shape.topk, num_local)
+    return shape.num_tokens * shape.topk // topk, topk, num_local
 
 
 def rank_inputs(shape, rank, world_size, device, seed=0):
@@ -257,10 +273,9 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
                   f"k={shape.topk}", flush=True)
         inputs = rank_inputs(shape, rank, world_size, device)
         # compute only: the same per-GPU work on one GPU, no group
-        num_local = shape.num_experts // world_size
-        solo = make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
-                           num_local, shape.topk,
-                           shared_intermediate_size=shape.shared_intermediate_size,
+        solo_tokens, solo_topk, num_local = compute_only_sizes(shape, world_size)
+        solo = make_inputs(solo_tokens, shape.hidden_size, shape.intermediate_size, num_local,
+                           solo_topk, shared_intermediate_size=shape.shared_intermediate_size,
                            device=device, seed=7 + rank)
         solo_layer = MoKLayer(solo, None, config)
         if cuda:  # else the peak of the shape before (or the inputs' setup) is reported
@@ -508,13 +523,20 @@ def main(argv=None) -> None:
         print(f"chart {chart} from {len(rows)} rows of {args.csv}")
         return
 
+    names = [s.name for s in SHAPES] if args.shapes == "all" else args.shapes.split(",")
+    from benchmarks.layer import BENCH_SHAPES
+
+    unknown = [name for name in names if name not in BENCH_SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown shapes {unknown}; known: {', '.join(BENCH_SHAPES)}")
+    for name in names:  # experts that do not split over the ranks: said here, not in a rank
+        ep_shape(BENCH_SHAPES[name], args.ep)
     if cuda and torch.cuda.device_count() < args.ep:
         raise SystemExit(f"--ep {args.ep} needs {args.ep} GPUs, found "
                          f"{torch.cuda.device_count()}")
     if not cuda:
         print(f"no GPU: {args.ep} CPU processes, the tiny shape under Triton's interpreter "
               "(a check of the pipeline, not a measurement)")
-    names = [s.name for s in SHAPES] if args.shapes == "all" else args.shapes.split(",")
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(key, value)  # never NVLink multicast

@@ -1,4 +1,4 @@
-"""`python -m mok bench --ep 2` end to end on CPU processes (the tiny shape, interpreter)."""
+"""`python -m mok bench --ep N` end to end on CPU processes (the tiny shape, interpreter)."""
 
 import csv
 
@@ -11,10 +11,13 @@ from mok.testing.tolerance import TOLERANCES
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark")
-@pytest.mark.parametrize("kept", ["", "_kept"], ids=["recompute", "kept_gate_up"])
-def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, kept):
+@pytest.mark.parametrize(("world_size", "kept"), [(2, ""), (2, "_kept"), (4, ""), (8, "")],
+                         ids=["ep2", "ep2_kept_gate_up", "ep4", "ep8"])
+def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, world_size, kept):
+    # At 4 and 8 ranks the tiny shape has one expert a rank (top-2): its compute-only run takes
+    # one route per token over twice the tokens.
     path = tmp_path / "ep.csv"
-    ep.main(["--ep", "2", "--csv", str(path), "--iters", "1", "--warmup", "0",
+    ep.main(["--ep", str(world_size), "--csv", str(path), "--iters", "1", "--warmup", "0",
              *(["--keep-gate-up"] if kept else [])])
     rows = list(csv.DictReader(path.open()))
     assert set(rows[0]) == set(ep.CSV_FIELDS)
@@ -25,7 +28,7 @@ def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, kept):
                 (mok_name, "down_scatter"), (mok_name, "down_local")}
     assert expected <= set(by_key)
     for row in rows:
-        assert row["ep"] == "2" and row["shape"] == "tiny" and float(row["ms"]) > 0
+        assert row["ep"] == str(world_size) and row["shape"] == "tiny" and float(row["ms"]) > 0
     for mode in ("forward", "forward+backward"):
         mok = by_key[(mok_name, mode)]
         # checked against the reference on the group before it was timed
@@ -33,6 +36,26 @@ def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, kept):
         ratio = float(mok["ms"]) / float(by_key[(compute_name, mode)]["ms"])
         assert float(mok["vs_compute_only"]) == pytest.approx(ratio, rel=1e-2)
     assert (tmp_path / "ep.png").stat().st_size > 0
+
+
+def test_ep_shapes_and_compute_only_sizes_keep_the_routes_per_gpu():
+    from benchmarks.layer import BENCH_SHAPES
+
+    mixtral, qwen3 = BENCH_SHAPES["mixtral-8x7b"], BENCH_SHAPES["qwen3-30b-a3b"]
+    for shape, world_size, expected in ((qwen3, 8, (16384, 8, 16)), (mixtral, 2, (8192, 2, 4)),
+                                        (mixtral, 8, (16384, 1, 1))):
+        sizes = ep.compute_only_sizes(ep.ep_shape(shape, world_size), world_size)
+        assert sizes == expected
+        assert sizes[0] * sizes[1] == shape.num_tokens * shape.topk  # T * k routes kept
+    kimi = BENCH_SHAPES["kimi-ep64-slice"]
+    assert ep.ep_shape(kimi, 4).num_experts == 4 * kimi.num_experts  # experts per GPU
+    assert ep.ep_shape(BENCH_SHAPES["tiny"], 8).num_experts == 8
+    with pytest.raises(SystemExit, match="do not split over 16 ranks"):
+        ep.ep_shape(mixtral, 16)
+    with pytest.raises(SystemExit, match="do not split"):
+        ep.main(["--ep", "16", "--shapes", "mixtral-8x7b"])
+    with pytest.raises(SystemExit, match="unknown shapes"):
+        ep.main(["--ep", "2", "--shapes", "nope"])
 
 
 def test_ep_redraw_charts_the_newest_gpu_rows(tmp_path, capsys):
