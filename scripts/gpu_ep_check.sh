@@ -3,6 +3,7 @@
 # Face, example), then the EP benchmark with mok's per-kernel times.
 # Writes under $OUT (default ./gpu-out). EP_SIZE (default 2) ranks; EP_TESTS=0 / EP_BENCH=0 skip
 # a step; *_TIMEOUT seconds; EP_BENCH_ARGS extra benchmark arguments. NVLink multicast stays off.
+# With 4 or 8 GPUs the tests' main cases run with 4 and 8 ranks too: give EP_TESTS_TIMEOUT room.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"

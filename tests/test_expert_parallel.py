@@ -117,11 +117,15 @@ def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config,
     _assert_equal_grads(grads, _recomputed_grads(workspace, config, schedule, inputs, limit))
 
 
+# The cases that also run with 4 and 8 ranks on GPUs (one a rank; skipped where fewer are
+# present): 2 ranks on CPU processes, where 4 and 8 would take too long under the interpreter.
+GPU_WORLD_SIZES = (2, 4, 8)
+
 SMALL_MINIBATCHES = F.MoKConfig(fwd_num_comm_sms=2, bwd_num_comm_sms=3, minibatch_size=8,
                                 macrobatch_size=64, peer_timeout_s=300.0)
 
 
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_matches_reference(rank, world_size):
     _matches_reference_body(rank, world_size, shared=0, limit=None,
                             pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES)
@@ -141,7 +145,7 @@ def test_ep_shared_expert_limit_skewed(rank, world_size):
                             pattern=RoutingPattern.SKEWED, config=config)
 
 
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_kept_gate_up(rank, world_size):
     # MoKConfig(recompute_gate_up=False): the backward reads the pre-activations of the pulled
     # rows instead of recomputing them (the x rows are still pulled, for the weight gradients).
@@ -150,7 +154,7 @@ def test_ep_kept_gate_up(rank, world_size):
                             pattern=RoutingPattern.RANDOM, config=config)
 
 
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_kept_gate_up_tile_variants(rank, world_size):
     # The same with the row tiles and the weights through TMA (GemmTiles.tma_rows, tma) while
     # rows are pulled and scattered (h and the pre-activations written so in the forward, read
@@ -163,7 +167,7 @@ def test_ep_kept_gate_up_tile_variants(rank, world_size):
                             pattern=RoutingPattern.RANDOM, config=config, tiles=tiles)
 
 
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
     # The row GEMMs as persistent loops (GemmTiles.persistent; those that pull rows run a
     # program per tile all the same) while rows are pulled and scattered, epilogues in halves
@@ -285,7 +289,7 @@ def _overflow_body(rank, world_size, pattern, multiplier, tiles=None):
         assert_close(grad, grad_ref, dtype=inputs.x.dtype, name=name)
 
 
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_capacity_overflow_leaves_the_routes_out(rank, world_size):
     _overflow_body(rank, world_size, RoutingPattern.ONE_EXPERT, 0.25)
     _overflow_body(rank, world_size, RoutingPattern.SKEWED, 0.5)
@@ -354,7 +358,7 @@ def _graph_body(rank, world_size):
 
 
 @pytest.mark.gpu
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_no_host_sync_and_cuda_graph(rank, world_size):
     _graph_body(rank, world_size)
 

@@ -98,3 +98,25 @@ def _ep_reference_body(rank, world_size):
 @distributed_test(world_sizes=(2, 4), backend="gloo")
 def test_reference_expert_parallel_matches_single_process(rank, world_size):
     _ep_reference_body(rank, world_size)
+
+
+def test_distributed_test_picks_its_world_sizes_by_backend(monkeypatch):
+    # gpu_world_sizes apply where the cases run on NCCL (one GPU a rank), world_sizes elsewhere.
+    from mok.testing import distributed
+
+    def sizes_of(test):
+        (mark,) = [m for m in test.pytestmark if m.name == "parametrize"]
+        return list(mark.args[1])
+
+    def body(rank, world_size):
+        return None
+
+    for chosen, expected in (("gloo", [2]), ("nccl", [2, 4, 8])):
+        monkeypatch.setattr(distributed, "default_backend", lambda chosen=chosen: chosen)
+        test = distributed.distributed_test(world_sizes=(2,), gpu_world_sizes=(2, 4, 8))(body)
+        assert sizes_of(test) == expected, chosen
+    pinned = distributed.distributed_test(world_sizes=(2,), backend="gloo",
+                                          gpu_world_sizes=(2, 4, 8))(body)
+    assert sizes_of(pinned) == [2]  # gloo chosen explicitly: CPU processes
+    plain = distributed.distributed_test(world_sizes=(2, 4))(body)
+    assert sizes_of(plain) == [2, 4]  # no gpu_world_sizes: the same everywhere

@@ -96,18 +96,24 @@ def run_distributed(
 _BODIES: dict[tuple[str, str], Callable] = {}
 
 
-def distributed_test(world_sizes: Sequence[int] = (2,), backend: str | None = None):
+def distributed_test(world_sizes: Sequence[int] = (2,), backend: str | None = None,
+                     gpu_world_sizes: Sequence[int] | None = None):
     """Decorator: run the test body as fn(rank, world_size) on each world size.
 
     The decorated function must be defined at module level (workers import its module and find
-    the body by name). NCCL cases are skipped when fewer GPUs than ranks are present.
+    the body by name). gpu_world_sizes: the world sizes where the cases run on NCCL (one GPU a
+    rank; default world_sizes), e.g. 4 and 8 ranks that CPU processes would take too long for.
+    NCCL cases are skipped when fewer GPUs than ranks are present.
     """
     import pytest
+
+    on_gpus = (backend or default_backend()) == "nccl"
+    sizes = list(gpu_world_sizes if on_gpus and gpu_world_sizes is not None else world_sizes)
 
     def decorate(fn):
         _BODIES[(fn.__module__, fn.__qualname__)] = fn
 
-        @pytest.mark.parametrize("world_size", list(world_sizes))
+        @pytest.mark.parametrize("world_size", sizes)
         @functools.wraps(fn)
         def test(world_size):
             chosen = backend or default_backend()
