@@ -12,7 +12,8 @@ experts are per GPU), on the same inputs on every rank:
 - with --keep-gate-up, mok and compute_only run with MoKConfig(recompute_gate_up=False) (rows
   mok_kept, compute_only_kept);
 - dispatch: mok's publish + pull of the forward alone, for the NVLink bandwidth it reaches
-  (bytes pulled from other ranks / time; the measured pull ceiling of copy_ is 371 GB/s);
+  (bytes of the other ranks' tokens pulled, a row per token, / time; the measured pull
+  ceiling of copy_ is 371 GB/s);
 - down_scatter / down_local: the forward's down GEMM writing its rows into the tokens' ranks'
   combine buffers (the combine's NVLink traffic, remote bytes / time) and the same GEMM writing
   them locally: the difference is what the remote writes cost.
@@ -388,22 +389,33 @@ def dispatch_only(layer, inputs, iters, warmup, group):
         dst, dst_weights, pull = ep.forward_pull(
             peer, schedule.exchange, x, weights, minibatch=config.minibatch_size,
             num_programs=config.fwd_num_comm_sms)
-        comm.pull_rows(peer, src=pull.src, dst=dst, weights=pull.weights,
-                       dst_weights=dst_weights, row_route=pull.row_route,
-                       expert_offsets=pull.expert_offsets, ready=pull.ready, phase=pull.phase,
-                       publish_slot=pull.publish_slot, routes_per_rank=pull.routes_per_rank,
-                       topk=pull.topk, num_programs=pull.num_programs,
-                       minibatch=pull.minibatch, src_deltas=pull.src_deltas,
-                       weights_deltas=pull.weights_deltas)
+        comm.pull_tokens(peer, src=pull.src, dst=dst, weights=pull.weights,
+                         dst_weights=dst_weights, route_row=pull.route_row, ready=pull.ready,
+                         phase=pull.phase, publish_slot=pull.publish_slot,
+                         tokens_per_rank=pull.tokens_per_rank, topk=pull.topk,
+                         num_programs=pull.num_programs, minibatch=pull.minibatch,
+                         src_deltas=pull.src_deltas, weights_deltas=pull.weights_deltas)
         ep.pulled(peer, Phase.FORWARD)
 
     ms = timed(run, iters, warmup, group)
-    return ms, _remote_bytes(schedule, ep, x, group)
+    return ms, _pulled_bytes(schedule, ep, x, group)
+
+
+def _pulled_bytes(schedule, ep, x, group) -> float:
+    """Bytes of the tokens of other ranks with a route scheduled here, one row each (min over
+    ranks): what the dispatch pulls over NVLink."""
+    plan = schedule.exchange
+    scheduled = (plan.group_routing.route_row >= 0).view(-1, ep.topk).any(dim=1)
+    rank_of = torch.arange(scheduled.shape[0], device=scheduled.device) // ep.num_tokens
+    remote = (scheduled & (rank_of != ep.rank)).sum()
+    value = _device_tensor(float(remote) * x.shape[1] * x.element_size())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return float(value)
 
 
 def _remote_bytes(schedule, ep, x, group) -> float:
     """Bytes of the rows of this rank's schedule whose tokens live on other ranks (min over
-    ranks)."""
+    ranks): what the down GEMM writes into their combine buffers."""
     routes = schedule.exchange.group_routing.row_route
     remote = ((routes >= 0) & (routes // ep.routes_per_rank != ep.rank)).sum()
     value = _device_tensor(float(remote) * x.shape[1] * x.element_size())
@@ -426,11 +438,11 @@ def down_scatter_and_local(layer, inputs, iters, warmup, group):
     scatter = ep.scatter_rows(schedule.exchange, inputs.x.dtype)
 
     def remote():
-        ops.down_proj(context.h, w_down, schedule.routing, tiles, context.weights_rows,
+        ops.down_proj(context.h, w_down, schedule.routing, tiles, context.weights_group,
                       scatter=scatter)
 
     def local():
-        ops.down_proj(context.h, w_down, schedule.routing, tiles, context.weights_rows)
+        ops.down_proj(context.h, w_down, schedule.routing, tiles, context.weights_group)
 
     scatter_ms = timed(remote, iters, warmup, group)
     local_ms = timed(local, iters, warmup, group)

@@ -14,8 +14,10 @@ on every rank since every rank makes the same calls:
 - schedule: publish topk; pull every rank's topk (waiting on each rank's publish flag); sort the
   routes of the local experts, exactly as on one GPU but over the P * TK routes of the group.
 - forward: publish x and the router weights; the first programs of the gate/up GEMM's launch pull
-  the rows of the local experts from their ranks in minibatches, raising a ready flag per
-  minibatch, while its other programs start on each row tile as soon as its minibatch has
+  the token rows the local experts need from their ranks, each token once however many of its
+  routes come here (with k = 8 of 128 experts over 2 ranks a quarter of the bytes of a row per
+  route), in minibatches of tokens, raising a ready flag per minibatch, while its other programs
+  gather each row tile from the pulled tokens as on one GPU as soon as their minibatches have
   landed (one launch: the pulling programs start first, so a spinning tile can never keep them
   from running, as a separate kernel on a side stream could); the down GEMM writes
   each weighted row straight into its token's rank's combine buffer; each rank signals "done" to
@@ -76,14 +78,13 @@ class FlagSlots:
 class ExchangePlan:
     """The per-schedule facts of the exchange (device tensors, no host sync).
 
-    rows_routing: the routing of the local rows as the GEMMs see them: row r reads row r of the
-        pulled buffers (row_route = r, or -1 for padding; topk 1).
-    group_routing: the sort of the group's routes (row_route = g per row; route_row per g).
+    group_routing: the sort of the group's routes (row_route = g per row; route_row per g), the
+        GEMMs' routing: route g = p * routes_per_rank + t * k + j reads group token
+        g // k = p * T_max + t of the pulled token buffers [P * T_max, H].
     source_routing: this rank's own routes for the combine: route_row[t * k + j] = t * k + j, or
         -1 when the expert id is out of range (those routes are computed nowhere).
     """
 
-    rows_routing: Routing
     group_routing: Routing
     source_routing: Routing
     routes_per_rank: int
@@ -133,9 +134,10 @@ class ExpertParallel:
     def combine_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         return self._combine.view(dtype)
 
-    def ready(self, phase: Phase, rows: int, minibatch: int) -> torch.Tensor:
-        """Ready flags of `phase`'s pulls (zeros at first; the values only grow)."""
-        needed = max(triton.cdiv(rows, minibatch), 1)
+    def ready(self, phase: Phase, minibatch: int) -> torch.Tensor:
+        """Ready flags of `phase`'s pulls, one per minibatch of a rank's tokens (zeros at
+        first; the values only grow)."""
+        needed = self.world_size * max(triton.cdiv(self.num_tokens, minibatch), 1)
         flags = self._ready.get(phase)
         if flags is None or flags.shape[0] < needed:
             flags = torch.zeros(needed, dtype=torch.int64, device=self.device)
@@ -159,49 +161,51 @@ class ExpertParallel:
              src: torch.Tensor, weights: torch.Tensor | None, minibatch: int,
              num_programs: int, second_src: torch.Tensor | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, comm.Pull]:
-        """The buffers the rows of this rank's schedule (their weights, and the rows of
-        second_src) are pulled into, and the pull for the GEMM that reads them to run in its
-        launch (then call `pulled`)."""
-        routing = plan.group_routing
-        rows = routing.capacity_rows
-        dst = torch.empty(rows, src.shape[1], dtype=src.dtype, device=self.device)
-        dst_weights = (torch.empty(rows, dtype=torch.float32, device=self.device)
+        """The buffers the group's tokens with a route to this rank's experts ([P * T_max, H];
+        their router weights [P * T_max * k], and the rows of second_src) are pulled into, and
+        the pull for the GEMM that reads them to run in its launch (then call `pulled`). Rows
+        of the other tokens are left unwritten: no route scheduled here reads them."""
+        tokens = self.world_size * self.num_tokens
+        dst = torch.empty(tokens, src.shape[1], dtype=src.dtype, device=self.device)
+        dst_weights = (torch.empty(tokens * self.topk, dtype=torch.float32, device=self.device)
                        if weights is not None else None)
         dst2 = torch.empty_like(dst) if second_src is not None else None
         pull = comm.Pull(
             peer, src, self.buffer.deltas(src.dtype), weights,
             self.buffer.deltas(torch.float32) if weights is not None else None, dst_weights,
-            routing.row_route, routing.expert_offsets, self.ready(phase, rows, minibatch),
-            int(phase), self.slots.pub(phase), self.routes_per_rank, self.topk,
-            max(1, int(num_programs)), int(minibatch), second_src)
+            plan.group_routing.route_row, self.ready(phase, minibatch), int(phase),
+            self.slots.pub(phase), self.num_tokens, self.topk, max(1, int(num_programs)),
+            int(minibatch), second_src)
         return dst, dst_weights, dst2, pull
 
     def forward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, x: torch.Tensor,
                      router_weights: torch.Tensor, *, minibatch: int, num_programs: int,
                      ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
         """The forward's exchange up to its GEMM: publish x and the router weights, and the pull
-        of the local experts' rows and weights (see `pull`)."""
+        of the tokens of the local experts' routes and their weights (see `pull`). Returns
+        (x of the group's tokens, router weights of the group's routes, pull)."""
         tokens = x.shape[0]
         self.publish(peer, Phase.FORWARD, [
             (self.x_pub(x.dtype)[:tokens], x),
             (self.weights_pub[:tokens * self.topk], router_weights.reshape(-1))])
-        x_rows, weights_rows, _, pull = self.pull(
+        x_group, weights_group, _, pull = self.pull(
             peer, Phase.FORWARD, plan, src=self.x_pub(x.dtype), weights=self.weights_pub,
             minibatch=minibatch, num_programs=num_programs)
-        return x_rows, weights_rows, pull
+        return x_group, weights_group, pull
 
     def backward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, d_output: torch.Tensor,
                       x: torch.Tensor, *, minibatch: int, num_programs: int,
                       ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
         """The backward's exchange up to its first GEMM: publish d_output and x; the pull of
-        both for the local experts' rows. Returns (d_output rows, x rows, pull)."""
+        both for the tokens of the local experts' routes. Returns (d_output and x of the
+        group's tokens, pull)."""
         tokens = x.shape[0]
         self.publish(peer, Phase.BACKWARD, [(self.dy_pub(d_output.dtype)[:tokens], d_output),
                                             (self.x_pub(x.dtype)[:tokens], x)])
-        dy_rows, _, x_rows, pull = self.pull(
+        dy_group, _, x_group, pull = self.pull(
             peer, Phase.BACKWARD, plan, src=self.dy_pub(d_output.dtype), weights=None,
             minibatch=minibatch, num_programs=num_programs, second_src=self.x_pub(x.dtype))
-        return dy_rows, x_rows, pull
+        return dy_group, x_group, pull
 
     def pulled(self, peer: comm.PeerFlags, phase: Phase) -> None:
         """After the GEMM that pulled: tell every rank its published rows may be overwritten."""
@@ -270,14 +274,6 @@ class ExpertParallel:
             first_local_expert=num_local_experts * self.rank,
             num_local_experts=num_local_experts, align=align, route_capacity=route_capacity)
         i32 = dict(dtype=torch.int32, device=self.device)
-        rows = torch.arange(group_routing.capacity_rows, **i32)
-        rows_routing = Routing(
-            row_route=torch.where(group_routing.row_route >= 0, rows, -1),
-            route_row=group_routing.route_row, block_expert=group_routing.block_expert,
-            expert_counts=group_routing.expert_counts,
-            expert_offsets=group_routing.expert_offsets,
-            num_tokens=group_routing.capacity_rows, topk=1,
-            num_local_experts=num_local_experts, align=align)
         source_route_row = torch.where((own >= 0) & (own < num_experts),
                                        torch.arange(own.shape[0], **i32), -1)
         empty = torch.empty(0, **i32)
@@ -285,5 +281,5 @@ class ExpertParallel:
             row_route=empty, route_row=source_route_row, block_expert=empty,
             expert_counts=empty, expert_offsets=empty, num_tokens=topk_experts.shape[0],
             topk=self.topk, num_local_experts=num_local_experts, align=align)
-        return ExchangePlan(rows_routing, group_routing, source_routing, routes, group_topk,
+        return ExchangePlan(group_routing, source_routing, routes, group_topk,
                             num_local_experts * self.rank)

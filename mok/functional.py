@@ -56,9 +56,9 @@ class MoKConfig:
         expert parallelism (the first programs of the forward's gate/up and the backward's
         first GEMM launch). 64: pulls by SM loads need many SMs in flight on Hopper (two H200,
         qwen3-30b-a3b: 98 GB/s with 16, 221 GB/s with 64).
-    minibatch_size: rows per ready flag when tokens arrive from peers.
+    minibatch_size: tokens per ready flag when tokens arrive from peers.
     macrobatch_size: rows of the dispatch ring buffer (MoK's knob, checked but not used yet:
-        the pull buffers hold all C rows of the schedule; README, expert parallelism).
+        the pull buffers hold all the group's tokens; README, expert parallelism).
     schedule_capacity_multiplier: the schedule holds capacity_multiplier * T * k routes (never more
         than can arrive); on one GPU any value >= 1 is dropless. Overflow is an error, never a
         silent drop.
@@ -320,9 +320,10 @@ class ForwardContext:
         the routed and shared experts, kept (in place of h, h_shared: the backward rebuilds
         those from them) when the config does not recompute them (across nodes the shared
         expert keeps h_shared and recomputes).
-    weights_rows [C] fp32 (expert parallelism only): the router weights pulled with the rows, in
-        schedule row order. The pulled token rows are not kept: the backward pulls them again
-        with d_output.
+    weights_group [P * T_max * k] fp32 (expert parallelism only): the router weights of the
+        group's routes, pulled with their tokens (those of the routes scheduled here; by route,
+        as the schedule's rows read them). The pulled token rows are not kept: the backward
+        pulls them again with d_output.
     inner (expert parallelism across nodes): the one-node context of the tokens gathered from
         the other nodes.
     Without gate_up, the gate/up projections are recomputed inside the backward kernel; expert
@@ -331,14 +332,14 @@ class ForwardContext:
 
     h: torch.Tensor | None
     h_shared: torch.Tensor | None
-    weights_rows: torch.Tensor | None = None
+    weights_group: torch.Tensor | None = None
     inner: ForwardContext | None = None
     gate_up: torch.Tensor | None = None
     gate_up_shared: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        parts = (self.h, self.h_shared, self.weights_rows, self.gate_up, self.gate_up_shared)
+        parts = (self.h, self.h_shared, self.weights_group, self.gate_up, self.gate_up_shared)
         own = sum(t.numel() * t.element_size() for t in parts if t is not None)
         return own + (self.inner.nbytes if self.inner is not None else 0)
 
@@ -479,7 +480,7 @@ def build_schedule(
             workspace.ep.peer_flags(workspace.error_flags), topk_experts,
             num_local_experts=int(num_local_experts), align=tiles.align,
             route_capacity=route_capacity, ghost_expert=bool(ghost))
-        routing = exchange.rows_routing
+        routing = exchange.group_routing
     else:
         routing = ops.build_routing(
             topk_experts, workspace.error_flags, num_experts=int(num_local_experts) + ghost,
@@ -517,14 +518,14 @@ def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_
                                gate_up=gate_up)
         return ForwardContext(h, h_shared, gate_up=gate_up, gate_up_shared=gate_up_shared)
     peer = ep.peer_flags(schedule.workspace.error_flags)
-    x_rows, weights_rows, pull = ep.forward_pull(
+    x_group, weights_group, pull = ep.forward_pull(
         peer, schedule.exchange, x, router_weights, minibatch=config.minibatch_size,
         num_programs=config.fwd_num_comm_sms)
-    h = ops.gate_up_swiglu(x_rows, w_routed_gate, w_routed_up, schedule.routing,
+    h = ops.gate_up_swiglu(x_group, w_routed_gate, w_routed_up, schedule.routing,
                            pick("gate_up", intermediate, hidden), swiglu_limit, pull=pull,
                            gate_up=gate_up)
     ep.pulled(peer, Phase.FORWARD)
-    return ForwardContext(h, h_shared, weights_rows=weights_rows, gate_up=gate_up,
+    return ForwardContext(h, h_shared, weights_group=weights_group, gate_up=gate_up,
                           gate_up_shared=gate_up_shared)
 
 
@@ -572,7 +573,7 @@ def forward(
         combine_routing = schedule.routing
     else:  # each weighted row lands in its token's rank's combine buffer
         rows = ops.down_proj(context.h, w_routed_down, schedule.routing, down_tiles,
-                             context.weights_rows, scatter=ep.scatter_rows(schedule.exchange,
+                             context.weights_group, scatter=ep.scatter_rows(schedule.exchange,
                                                                            x.dtype))
         combine_routing = schedule.exchange.source_routing
     shared_rows = None
@@ -738,7 +739,7 @@ def backward(
             raise MoKInputError("the forward context was made for another workspace")
         return workspace.cross_node.backward(config, schedule, forward_context, d_output, x,
                                              router_weights, shared, routed, swiglu_limit)
-    if (forward_context.weights_rows is None) != (workspace.ep is None):
+    if (forward_context.weights_group is None) != (workspace.ep is None):
         raise MoKInputError("the forward context was made for another workspace")
     _check_context_rows(forward_context.h, forward_context.gate_up, schedule.routing,
                         w_routed_gate.shape[1], "")
@@ -774,8 +775,8 @@ def backward(
 def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared_rows, w_gate,
                               w_up, w_down, swiglu_limit):
     """The routed experts' backward when the token rows live on their tokens' ranks: pull d_output
-    and x rows in the first GEMM's launch, send d_x rows and router-weight gradients back, keep
-    the weight gradients."""
+    and x of the group's tokens in the first GEMM's launch, send d_x rows and router-weight
+    gradients back, keep the weight gradients."""
     workspace, plan = schedule.workspace, schedule.exchange
     ep = workspace.ep
     peer = ep.peer_flags(workspace.error_flags)
@@ -783,35 +784,29 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     hidden, intermediate = d_output.shape[1], w_gate.shape[1]
     pick = schedule.tiles.pick
     routing = schedule.routing
-    dy_rows, x_rows, pull = ep.backward_pull(peer, plan, d_output, x,
-                                             minibatch=config.minibatch_size,
-                                             num_programs=config.bwd_num_comm_sms)
+    dy_group, x_group, pull = ep.backward_pull(peer, plan, d_output, x,
+                                               minibatch=config.minibatch_size,
+                                               num_programs=config.bwd_num_comm_sms)
     h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
     d_gate_up, partial = ops.down_bwd_dswiglu(
-        dy_rows, x_rows, w_down, w_gate, w_up, h, routing,
-        pick(_down_bwd_kind(context.gate_up), intermediate, hidden), context.weights_rows,
+        dy_group, x_group, w_down, w_gate, w_up, h, routing,
+        pick(_down_bwd_kind(context.gate_up), intermediate, hidden), context.weights_group,
         swiglu_limit, pull=pull, gate_up=context.gate_up, h_out=h_out)
     ep.pulled(peer, Phase.BACKWARD)
     # Router-weight gradients by route of the group, each sent to its token's rank.
-    by_route = ops.router_grad(partial, plan.group_routing)
-    ops.scatter_route_values(by_route.reshape(-1), plan.group_routing.route_row, ep.d_weights,
+    by_route = ops.router_grad(partial, routing)
+    ops.scatter_route_values(by_route.reshape(-1), routing.route_row, ep.d_weights,
                              ep.buffer.deltas(torch.float32), plan.routes_per_rank)
     ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate),
                  scatter=ep.scatter_rows(plan, dtype))
     ep.clear_dropped(peer, plan, rows_dtype=dtype, values=True)
     ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
-    # The pulled rows are the rows' own routes: no gather, the weights by row. They are not
-    # needed after their weight gradient: no copy of them is made (padding zeroed, d_output's
-    # scaled, in place).
-    d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
-        d_gate_up, x_rows, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=False,
-        out_dtype=w_gate.dtype, overwrite_x=True)
-    del d_gate_up, x_rows  # freed before d_w_down is allocated
-    d_w_down = ops.grouped_wgrad(dy_rows, h, routing,
-                                 pick("wgrad_down", hidden, intermediate), gather_a=False,
-                                 gather_b=False, router_weights=context.weights_rows,
-                                 weights_by_row=True, out_dtype=w_down.dtype, overwrite_a=True)
-    del dy_rows
+    # The weight gradients as on one GPU, over the pulled tokens of the group.
+    saved = [d_gate_up, h]
+    del d_gate_up  # freed inside, before d_w_down is allocated
+    d_routed = _expert_weight_grads(schedule.tiles, routing, dy_group, x_group, saved,
+                                    context.weights_group, w_gate, w_down)
+    del dy_group, x_group
     ops.wait_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
     ep.collect_errors(peer)
     source = plan.source_routing
@@ -819,4 +814,4 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     valid = (source.route_row >= 0).view(source.num_tokens, source.topk)
     received = ep.d_weights[:source.num_tokens * source.topk].view(valid.shape)
     d_router_weights = torch.where(valid, received, 0.0)
-    return d_x, d_router_weights, (d_w_gate, d_w_up, d_w_down)
+    return d_x, d_router_weights, d_routed

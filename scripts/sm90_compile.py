@@ -195,16 +195,31 @@ def main(argv=None) -> None:
         runs.append((f"wgrad_down{label}", r(HOPPER_TILES.wgrad, **variant), wgrad_down))
     runs.append(("wgrad_gate_up tuned", t["wgrad_gate_up"], wgrad_gate_up))
     runs.append(("wgrad_down tuned", t["wgrad_down"], wgrad_down))
-    x_rows = torch.empty(rows, hid, **bf16)  # expert parallelism: rows pulled, no gather
-    dy_rows = torch.empty(rows, hid, **bf16)
-    rw_rows = torch.empty(rows, dtype=torch.float32)
-    runs.append(("wgrad_gate_up EP rows", t["wgrad_gate_up"],
-                 lambda tt: ops.grouped_wgrad_gate_up(dgu, x_rows, routing, tt, gather_x=False,
-                                                      out_dtype=x.dtype)))
-    runs.append(("wgrad_down EP rows", t["wgrad_down"],
-                 lambda tt: ops.grouped_wgrad(dy_rows, h, routing, tt, gather_a=False,
-                                              gather_b=False, router_weights=rw_rows,
-                                              weights_by_row=True, out_dtype=x.dtype)))
+    # Expert parallelism: the launches that pull the group's tokens in their first programs (the
+    # table's tiles; such launches are never persistent), over two ranks' tokens.
+    from mok.ops import comm
+
+    i64 = dict(dtype=torch.int64)
+    peer = comm.PeerFlags(torch.empty(16, **i64), torch.empty(2, **i64), torch.empty(3, **i64),
+                          torch.empty(4, **i32), 0, 2, 10**9)
+    x_group = torch.empty(2 * tokens, hid, **bf16)
+
+    def pull(second):
+        return comm.Pull(peer, x, torch.empty(2, **i64), None if second else rw.view(-1),
+                         None if second else torch.empty(2, **i64),
+                         None if second else torch.empty(2 * tokens * k, dtype=torch.float32),
+                         torch.empty(2 * tokens * k, **i32), torch.empty(16, **i64), 1, 1,
+                         tokens // 2, k, 64, 128, x if second else None)
+
+    runs.append(("gate_up EP pull", tiles("gate_up", inter, hid), lambda tt: ops.gate_up_swiglu(
+        x_group, w_g, w_u, routing, tt, None, pull=pull(False))))
+    runs.append(("down_bwd EP pull", tiles("down_bwd", inter, hid),
+                 lambda tt: ops.down_bwd_dswiglu(d_out, x_group, w_d, w_g, w_u, h, routing, tt,
+                                                 rw, None, pull=pull(True))))
+    runs.append(("down_bwd saved EP pull", tiles("down_bwd_saved", inter, hid),
+                 lambda tt: ops.down_bwd_dswiglu(d_out, x_group, w_d, w_g, w_u, h, routing, tt,
+                                                 rw, None, pull=pull(True), gate_up=dgu,
+                                                 h_out=True)))
     if not args.json:
         print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
     rows_out = []

@@ -193,6 +193,68 @@ def test_pulling_launches_run_a_program_per_tile():
     plain = dataclasses.replace(tiles, persistent=False)
     assert experts._pulling_tiles(plain, pull=object()) is plain
 
+def _dispatch_body(rank, world_size):
+    """The dispatch alone: every token of the group with a route scheduled here lands once, at
+    its group row, with its router weights; no other row or weight is written."""
+    from mok.expert_parallel import Phase
+    from mok.ops import comm
+
+    config = SMALL_MINIBATCHES
+    tokens = MAX_TOKENS - 7 * rank  # ranks with fewer tokens than the workspace holds
+    inputs = _rank_inputs(rank, world_size, tokens=tokens, seed=4)
+    topk = inputs.topk_experts.shape[1]
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=MAX_TOKENS, hidden_size=inputs.x.shape[1],
+                                   topk=topk)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=inputs.num_local_experts,
+                                tiles=tiles_for_tests())
+    ep = workspace.ep
+    peer = ep.peer_flags(workspace.error_flags)
+    _, _, pull = ep.forward_pull(peer, schedule.exchange, inputs.x, inputs.router_weights,
+                                 minibatch=config.minibatch_size, num_programs=3)
+    group_tokens = world_size * MAX_TOKENS
+    dst = torch.full((group_tokens, inputs.x.shape[1]), float("nan"), dtype=inputs.x.dtype,
+                     device=inputs.x.device)
+    dst_weights = torch.full((group_tokens * topk,), float("nan"), device=inputs.x.device)
+    comm.pull_tokens(peer, src=pull.src, dst=dst, weights=pull.weights, dst_weights=dst_weights,
+                     route_row=pull.route_row, ready=pull.ready, phase=pull.phase,
+                     publish_slot=pull.publish_slot, tokens_per_rank=pull.tokens_per_rank,
+                     topk=topk, num_programs=pull.num_programs, minibatch=pull.minibatch,
+                     src_deltas=pull.src_deltas, weights_deltas=pull.weights_deltas)
+    ep.pulled(peer, Phase.FORWARD)
+    F.check_errors(workspace)
+    # What every rank holds, on every rank (sums of one rank's values and zeros: exact).
+    mine = slice(rank * MAX_TOKENS, rank * MAX_TOKENS + tokens)
+
+    def everyone(values, width):
+        out = torch.zeros(group_tokens, width, dtype=torch.float64, device=inputs.x.device)
+        out[mine] = values.double()
+        dist.all_reduce(out)
+        return out
+
+    x_all = everyone(inputs.x, inputs.x.shape[1]).to(inputs.x.dtype)
+    w_all = everyone(inputs.router_weights, topk).float()
+    ids_all = everyone(inputs.topk_experts + 1, topk).long() - 1  # -1: no token there
+    first = rank * inputs.num_local_experts
+    local = (ids_all >= first) & (ids_all < first + inputs.num_local_experts)
+    wanted = local.any(dim=1)
+    assert wanted.any() and not wanted.all()
+    assert torch.equal(dst[wanted], x_all[wanted])
+    assert dst[~wanted].isnan().all()
+    weights = dst_weights.view(group_tokens, topk)
+    assert torch.equal(weights[wanted], w_all[wanted])
+    assert weights[~wanted].isnan().all()
+    # Every minibatch of every rank's tokens was announced, this round's number each.
+    assert pull.ready.shape[0] == world_size * -(-MAX_TOKENS // config.minibatch_size)
+    assert (pull.ready == pull.ready[0]).all() and int(pull.ready[0]) > 0
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_dispatch_pulls_each_needed_token_once(rank, world_size):
+    _dispatch_body(rank, world_size)
+
+
 def _errors_body(rank, world_size):
     config = SMALL_MINIBATCHES
     inputs = _rank_inputs(rank, world_size, seed=2)

@@ -114,28 +114,30 @@ def gather_peers_kernel(src_ptr, delta_ptr, dst_ptr, flags_ptr, flag_delta_ptr, 
 
 
 @triton.jit
-def pull_rows(
+def pull_tokens(
     pid, num_programs,
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
-    src2_ptr, dst2_ptr,
-    row_route_ptr, expert_offsets_ptr, ready_ptr,
+    src2_ptr, dst2_ptr, route_row_ptr, ready_ptr,
     flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
-    phase, publish_slot, num_local_experts, routes_per_rank, topk, width, world_size, timeout,
+    phase, publish_slot, rank, tokens_per_rank, topk, width, world_size, timeout,
     stride_src, stride_dst, stride_dst2,
     HAS_WEIGHTS: tl.constexpr, HAS_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_PAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
     HAS_TIMER: tl.constexpr,
 ):
-    """The dispatch, as program `pid` of `num_programs`: dst[row] = (rank of route g)'s
-    src[token of g], g = row_route[row].
+    """The dispatch, as program `pid` of `num_programs`: dst[p * tokens_per_rank + t] = rank p's
+    src[t] for every token t of every rank p with a route to this rank's experts (one row per
+    token however many of its routes come here; tokens without one are not read).
 
-    A route g of the whole group is rank g // routes_per_rank's route g % routes_per_rank, token
-    (g % routes_per_rank) // topk. Programs take minibatches of MINIBATCH rows in turn, in row
-    order, up to the rows in use, and set ready[minibatch] = seq[phase] when one has landed, so
-    the expert GEMMs start on the first rows while later ones are in flight. With HAS_WEIGHTS the
-    route's router weight comes along: dst_weights[row] = weights of rank g's route. With
-    HAS_SECOND a second buffer of the same symmetric allocation and row layout comes along too:
-    dst2[row] = that rank's src2[token] (the backward pulls d_output and x together).
+    Group token u = p * tokens_per_rank + t holds routes u * topk + j (j < topk) of the group;
+    route_row[g] >= 0 marks a route scheduled here. Minibatches of MINIBATCH tokens of one rank
+    are taken in turn, this rank's own first (local copies land at once), then the next ranks';
+    ready[p * cdiv(tokens_per_rank, MINIBATCH) + t // MINIBATCH] = seq[phase] once one has
+    landed (`wait_tokens_ready`), so the expert GEMMs start on rows whose tokens are in while
+    later ones are in flight. With HAS_WEIGHTS the token's router weights come along:
+    dst_weights[u * topk + j] = rank p's weights[t * topk + j]. With HAS_SECOND a second buffer
+    of the same symmetric allocation and row layout comes along too: dst2[u] = rank p's src2[t]
+    (the backward pulls d_output and x together).
 
     The GEMMs that wait on these rows run the pull in their own launch, as its first programs
     (see mok.kernels.grouped_gemm): programs start in order, so the pull always has SMs and a
@@ -145,26 +147,26 @@ def pull_rows(
     for peer in range(0, world_size):
         wait_at_least(flags_ptr + tl.load(flag_delta_ptr + peer) + publish_slot, target, peer,
                       timeout, error_ptr, HAS_TIMER)
-    used_rows = tl.load(expert_offsets_ptr + num_local_experts)
-    num_minibatches = tl.cdiv(used_rows, MINIBATCH)
+    per_rank = tl.cdiv(tokens_per_rank, MINIBATCH)
     cols = tl.arange(0, BLOCK_W)
-    for minibatch in range(pid, num_minibatches, num_programs):
+    slots = tl.arange(0, K_PAD)
+    for i in range(pid, per_rank * world_size, num_programs):
+        src_rank = (rank + i // per_rank) % world_size
+        first = (i % per_rank) * MINIBATCH
+        src_delta = tl.load(src_delta_ptr + src_rank)
         for r0 in range(0, MINIBATCH, BLOCK_R):
-            rows = minibatch * MINIBATCH + r0 + tl.arange(0, BLOCK_R)
-            in_batch = (rows < used_rows) & (rows < (minibatch + 1) * MINIBATCH)
-            route = tl.load(row_route_ptr + rows, mask=in_batch, other=-1)
-            valid = route >= 0
-            safe = tl.where(valid, route, 0)
-            src_rank = safe // routes_per_rank
-            local_route = safe % routes_per_rank
-            token = (local_route // topk).to(tl.int64)
-            src_rows = tl.multiple_of(
-                tl.load(src_delta_ptr + src_rank, mask=valid, other=0) + token * stride_src,
-                ROW_ALIGN)
-            dst_rows = rows.to(tl.int64) * stride_dst
-            dst2_rows = rows.to(tl.int64) * stride_dst2
+            tokens = first + r0 + tl.arange(0, BLOCK_R)
+            in_batch = (tokens < tokens_per_rank) & (r0 + tl.arange(0, BLOCK_R) < MINIBATCH)
+            group_token = src_rank.to(tl.int64) * tokens_per_rank + tokens
+            route_mask = in_batch[:, None] & (slots < topk)[None, :]
+            routes = group_token[:, None] * topk + slots[None, :]
+            row = tl.load(route_row_ptr + routes, mask=route_mask, other=-1)
+            needed = tl.max(row, axis=1) >= 0
+            src_rows = tl.multiple_of(src_delta + tokens.to(tl.int64) * stride_src, ROW_ALIGN)
+            dst_rows = group_token * stride_dst
+            dst2_rows = group_token * stride_dst2
             for c0 in range(0, width, BLOCK_W):
-                mask = valid[:, None] & ((c0 + cols) < width)[None, :]
+                mask = needed[:, None] & ((c0 + cols) < width)[None, :]
                 values = tl.load(src_ptr + src_rows[:, None] + (c0 + cols)[None, :], mask=mask)
                 tl.store(dst_ptr + dst_rows[:, None] + (c0 + cols)[None, :], values, mask=mask)
                 if HAS_SECOND:
@@ -173,40 +175,62 @@ def pull_rows(
                     tl.store(dst2_ptr + dst2_rows[:, None] + (c0 + cols)[None, :], values,
                              mask=mask)
             if HAS_WEIGHTS:
-                w_delta = tl.load(weights_delta_ptr + src_rank, mask=valid, other=0)
-                weight = tl.load(weights_ptr + w_delta + local_route, mask=valid, other=0.0)
-                tl.store(dst_weights_ptr + rows, weight, mask=in_batch)
+                w_delta = tl.load(weights_delta_ptr + src_rank)
+                w_mask = route_mask & needed[:, None]
+                weight = tl.load(weights_ptr + w_delta + tokens[:, None] * topk + slots[None, :],
+                                 mask=w_mask, other=0.0)
+                tl.store(dst_weights_ptr + routes, weight, mask=w_mask)
         tl.debug_barrier()
-        tl.atomic_xchg(ready_ptr + minibatch, target, sem="release", scope="gpu")
+        tl.atomic_xchg(ready_ptr + src_rank * per_rank + i % per_rank, target, sem="release",
+                       scope="gpu")
 
 
 @triton.jit
-def pull_rows_kernel(
+def pull_tokens_kernel(
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
-    row_route_ptr, expert_offsets_ptr, ready_ptr,
-    flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
-    phase, publish_slot, num_local_experts, routes_per_rank, topk, width, world_size, timeout,
+    route_row_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
+    phase, publish_slot, rank, tokens_per_rank, topk, width, world_size, timeout,
     stride_src, stride_dst,
     HAS_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_W: tl.constexpr, ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
+    BLOCK_W: tl.constexpr, K_PAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    HAS_TIMER: tl.constexpr,
 ):
-    """pull_rows on its own (to measure the dispatch alone)."""
-    pull_rows(tl.program_id(0), tl.num_programs(0),
-              src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
-              src_ptr, dst_ptr,
-              row_route_ptr, expert_offsets_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr,
-              error_ptr, phase, publish_slot, num_local_experts, routes_per_rank, topk, width,
-              world_size, timeout, stride_src, stride_dst, stride_dst,
-              HAS_WEIGHTS, False, MINIBATCH, BLOCK_R, BLOCK_W, ROW_ALIGN, HAS_TIMER)
+    """pull_tokens on its own (to measure the dispatch alone)."""
+    pull_tokens(tl.program_id(0), tl.num_programs(0),
+                src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr,
+                dst_weights_ptr, src_ptr, dst_ptr, route_row_ptr, ready_ptr, flags_ptr,
+                flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot, rank, tokens_per_rank,
+                topk, width, world_size, timeout, stride_src, stride_dst, stride_dst,
+                HAS_WEIGHTS, False, MINIBATCH, BLOCK_R, BLOCK_W, K_PAD, ROW_ALIGN, HAS_TIMER)
 
 
 @triton.jit
-def wait_rows_ready(ready_ptr, first_row, num_rows, target, timeout, error_ptr,
-                    MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Inside a GEMM: wait until the minibatches holding rows [first_row, first_row + num_rows)
-    have landed (see pull_rows_kernel). The peer reported on timeout is -1 (this rank's pull)."""
-    for minibatch in range(first_row // MINIBATCH, tl.cdiv(first_row + num_rows, MINIBATCH)):
-        wait_at_least(ready_ptr + minibatch, target, -1, timeout, error_ptr, HAS_TIMER)
+def wait_tokens_ready(ready_ptr, token, valid, tokens_per_rank, target, timeout, error_ptr,
+                      MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Inside a GEMM: wait until the minibatches holding the group tokens `token` (where
+    `valid`) have landed (see pull_tokens); like wait_at_least, with the timeout reported for
+    peer -1 (this rank's pull)."""
+    per_rank = tl.cdiv(tokens_per_rank, MINIBATCH)
+    index = (token // tokens_per_rank) * per_rank + (token % tokens_per_rank) // MINIBATCH
+    index = tl.where(valid, index, 0)
+    zero = tl.zeros(token.shape, dtype=tl.int64)
+    value = tl.atomic_add(ready_ptr + index, zero, mask=valid, sem="acquire", scope="sys")
+    pending = valid & (value < target)
+    start = _now(HAS_TIMER)
+    elapsed = tl.zeros([], dtype=tl.int64)
+    if tl.load(error_ptr + FLAG_PEER_TIMEOUT, volatile=True) != 0:
+        elapsed += timeout + 1
+    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (elapsed <= timeout):
+        value = tl.atomic_add(ready_ptr + index, zero, mask=pending, sem="acquire", scope="sys")
+        pending = pending & (value < target)
+        if HAS_TIMER:
+            elapsed = _now(HAS_TIMER) - start
+        else:
+            elapsed += 1
+    if tl.max(pending.to(tl.int32), axis=0) > 0:
+        tl.atomic_max(error_ptr + FLAG_PEER_TIMEOUT, 1)
+        tl.atomic_max(error_ptr + FLAG_PEER_RANK, 0)
+    tl.debug_barrier()
 
 
 @triton.jit

@@ -29,9 +29,10 @@ per tile, each striding over the tiles of the rows in use (the schedule's expert
 on the device), so no program starts on a tile without an expert and a program's next tile
 starts without a launch. A tile is computed the same either way: the results are bitwise equal.
 
-Expert parallelism adds two switches. PULL: the launch's first programs pull the rows the GEMM
-reads from the other ranks (mok.kernels.comm.pull_rows) and every tile, before its K loop, waits
-until its own rows have landed (mok.kernels.comm.wait_rows_ready). SCATTER: a row's output
+Expert parallelism adds two switches. PULL: the launch's first programs pull the token rows the
+GEMM reads from their ranks (mok.kernels.comm.pull_tokens: the group's tokens, one row each, that
+row_route's routes gather as on one GPU) and every tile, before its K loop, waits until its rows'
+tokens have landed (mok.kernels.comm.wait_tokens_ready). SCATTER: a row's output
 goes to the rank that owns its token, at `out + delta[g // routes_per_rank]`, row g %
 routes_per_rank of that rank's combine buffer, g = dest_route[row] (a route of the whole group).
 """
@@ -39,7 +40,7 @@ routes_per_rank of that rank's combine buffer, g = dest_route[row] (a route of t
 import triton
 import triton.language as tl
 
-from mok.kernels.comm import pull_rows, wait_rows_ready
+from mok.kernels.comm import pull_tokens, wait_tokens_ready
 from mok.kernels.common import cast_to, mma
 
 
@@ -84,32 +85,32 @@ def _pull_programs(
     dst_ptr, stride_dst, dst2_ptr, stride_dst2, width,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
-    pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
-    num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
+    pull_route_row_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
+    num_pull_programs, phase, publish_slot, pull_rank, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
-    PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr, PULL_ROW_ALIGN: tl.constexpr,
-    HAS_TIMER: tl.constexpr,
+    PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr, PULL_K_PAD: tl.constexpr,
+    PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
 ):
-    """The first num_pull_programs programs pull dst's rows (and dst2's, PULL_SECOND); returns
-    the GEMM tile's program id of the others (negative for the pulling ones)."""
+    """The first num_pull_programs programs pull dst's token rows (and dst2's, PULL_SECOND);
+    returns the GEMM tile's program id of the others (negative for the pulling ones)."""
     pid = tl.program_id(0)
     if pid < num_pull_programs:
-        pull_rows(pid, num_pull_programs, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
-                  pull_w_delta_ptr, dst_ptr, pull_dst_w_ptr, pull_src2_ptr, dst2_ptr,
-                  pull_route_ptr, pull_offsets_ptr, ready_ptr, flags_ptr, flag_delta_ptr,
-                  seq_ptr, error_ptr, phase, publish_slot, pull_num_experts, routes_per_rank,
-                  pull_topk, width, world_size, timeout, stride_pull_src, stride_dst,
-                  stride_dst2, PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R,
-                  PULL_BLOCK_W, PULL_ROW_ALIGN, HAS_TIMER)
+        pull_tokens(pid, num_pull_programs, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
+                    pull_w_delta_ptr, dst_ptr, pull_dst_w_ptr, pull_src2_ptr, dst2_ptr,
+                    pull_route_row_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr,
+                    error_ptr, phase, publish_slot, pull_rank, tokens_per_rank, pull_topk,
+                    width, world_size, timeout, stride_pull_src, stride_dst, stride_dst2,
+                    PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W,
+                    PULL_K_PAD, PULL_ROW_ALIGN, HAS_TIMER)
     return pid - num_pull_programs
 
 
 @triton.jit
-def _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M: tl.constexpr,
+def _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, token, valid, tokens_per_rank,
                MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr):
-    wait_rows_ready(ready_ptr, pid_m * BLOCK_M, BLOCK_M, tl.load(seq_ptr + phase), timeout,
-                    error_ptr, MINIBATCH, HAS_TIMER)
+    wait_tokens_ready(ready_ptr, token, valid, tokens_per_rank, tl.load(seq_ptr + phase),
+                      timeout, error_ptr, MINIBATCH, HAS_TIMER)
 
 
 @triton.jit
@@ -210,9 +211,9 @@ def gate_up_swiglu_kernel(
     x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
-    pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
+    pull_route_row_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
     used_rows_ptr, num_m_blocks, N, K, topk,
-    num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
+    num_pull_programs, phase, publish_slot, pull_rank, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
     swiglu_limit,
@@ -222,7 +223,7 @@ def gate_up_swiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
-    PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
+    PULL_K_PAD: tl.constexpr, PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """h[row, n] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, K], w [E, N, K].
@@ -238,11 +239,11 @@ def gate_up_swiglu_kernel(
     if PULL:
         pid = _pull_programs(
             x_ptr, stride_xm, x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
-            pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_route_ptr, pull_offsets_ptr,
-            ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr, num_pull_programs, phase,
-            publish_slot, pull_num_experts, routes_per_rank, pull_topk, world_size, timeout,
+            pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_route_row_ptr, ready_ptr,
+            seq_ptr, flags_ptr, flag_delta_ptr, error_ptr, num_pull_programs, phase,
+            publish_slot, pull_rank, tokens_per_rank, pull_topk, world_size, timeout,
             stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W,
-            PULL_ROW_ALIGN, HAS_TIMER)
+            PULL_K_PAD, PULL_ROW_ALIGN, HAS_TIMER)
         if pid < 0:
             return
     first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
@@ -251,8 +252,9 @@ def gate_up_swiglu_kernel(
         pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
         _gate_up_tile(
             x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
-            ready_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
-            stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, swiglu_limit,
+            ready_ptr, seq_ptr, error_ptr, phase, timeout, tokens_per_rank, pid_m, pid_n, N, K,
+            topk, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
+            swiglu_limit,
             HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
             PULL, MINIBATCH, HAS_TIMER, UPCAST)
 
@@ -260,7 +262,7 @@ def gate_up_swiglu_kernel(
 @triton.jit
 def _gate_up_tile(
     x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
-    ready_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
+    ready_ptr, seq_ptr, error_ptr, phase, timeout, tokens_per_rank, pid_m, pid_n, N, K, topk,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -269,10 +271,10 @@ def _gate_up_tile(
 ):
     """One [BLOCK_M, BLOCK_N] tile of gate_up_swiglu_kernel (an expert's rows)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
-    if PULL:
-        _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M, MINIBATCH,
-                   HAS_TIMER)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
+    if PULL:
+        _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, token, valid,
+                   tokens_per_rank, MINIBATCH, HAS_TIMER)
     r0 = pid_m * BLOCK_M
     c0 = pid_n * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)
@@ -411,9 +413,9 @@ def down_bwd_dswiglu_kernel(
     d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
-    pull_route_ptr, pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
+    pull_route_row_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
     used_rows_ptr, num_m_blocks, N, K, topk,
-    num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
+    num_pull_programs, phase, publish_slot, pull_rank, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
     stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
@@ -424,7 +426,7 @@ def down_bwd_dswiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
-    PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
+    PULL_K_PAD: tl.constexpr, PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Backward through the down projection and SwiGLU, gate/up recomputed in the same K loop.
@@ -446,11 +448,11 @@ def down_bwd_dswiglu_kernel(
     if PULL:
         pid = _pull_programs(
             d_out_ptr, stride_dm, x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr,
-            pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_route_ptr,
-            pull_offsets_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
-            num_pull_programs, phase, publish_slot, pull_num_experts, routes_per_rank, pull_topk,
+            pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_route_row_ptr,
+            ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
+            num_pull_programs, phase, publish_slot, pull_rank, tokens_per_rank, pull_topk,
             world_size, timeout, stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH,
-            PULL_BLOCK_R, PULL_BLOCK_W, PULL_ROW_ALIGN, HAS_TIMER)
+            PULL_BLOCK_R, PULL_BLOCK_W, PULL_K_PAD, PULL_ROW_ALIGN, HAS_TIMER)
         if pid < 0:
             return
     first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
@@ -460,9 +462,10 @@ def down_bwd_dswiglu_kernel(
         _down_bwd_tile(
             d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
             router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
-            block_expert_ptr, ready_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K,
-            topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n, stride_we,
-            stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm, swiglu_limit,
+            block_expert_ptr, ready_ptr, seq_ptr, error_ptr, phase, timeout, tokens_per_rank,
+            pid_m, pid_n, N, K, topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k,
+            stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm,
+            stride_pm, swiglu_limit,
             HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA, BLOCK_M,
             BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
 
@@ -471,7 +474,7 @@ def down_bwd_dswiglu_kernel(
 def _down_bwd_tile(
     d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, router_weights_ptr,
     d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
-    ready_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
+    ready_ptr, seq_ptr, error_ptr, phase, timeout, tokens_per_rank, pid_m, pid_n, N, K, topk,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
     stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
     swiglu_limit,
@@ -483,10 +486,10 @@ def _down_bwd_tile(
 ):
     """One [BLOCK_M, BLOCK_N] tile of down_bwd_dswiglu_kernel (an expert's rows)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
-    if PULL:
-        _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, pid_m, BLOCK_M, MINIBATCH,
-                   HAS_TIMER)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
+    if PULL:
+        _wait_tile(ready_ptr, seq_ptr, phase, timeout, error_ptr, token, valid,
+                   tokens_per_rank, MINIBATCH, HAS_TIMER)
     r0 = pid_m * BLOCK_M
     c0 = pid_n * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)

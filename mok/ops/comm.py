@@ -170,43 +170,46 @@ def gather_peers(peer: PeerFlags, src: torch.Tensor, dst: torch.Tensor, src_delt
         BLOCK=block, HAS_TIMER=HAS_TIMER)
 
 
-def pull_rows(
+def pull_tokens(
     peer: PeerFlags,
     *,
     src: torch.Tensor,
     dst: torch.Tensor,
     weights: torch.Tensor | None,
     dst_weights: torch.Tensor | None,
-    row_route: torch.Tensor,
-    expert_offsets: torch.Tensor,
+    route_row: torch.Tensor,
     ready: torch.Tensor,
     phase: int,
     publish_slot: int,
-    routes_per_rank: int,
+    tokens_per_rank: int,
     topk: int,
     num_programs: int,
     minibatch: int,
     src_deltas: torch.Tensor,
     weights_deltas: torch.Tensor | None,
 ) -> None:
-    """The dispatch (see mok.kernels.comm.pull_rows_kernel): dst[row] = the token row of the
-    row's route on the rank that holds it; ready[minibatch] is set as minibatches land."""
+    """The dispatch on its own (see mok.kernels.comm.pull_tokens): dst[p * tokens_per_rank + t]
+    = rank p's src[t] for the group's tokens with a route scheduled here (route_row >= 0);
+    ready is set as minibatches land."""
     width = src.shape[1]
     # Tiles of 16K elements (32 KB) per program keep enough bytes in flight over NVLink.
     block_r, block_w = _pull_blocks(width, minibatch, 16384)
     has_weights = weights is not None
-    num_local_experts = expert_offsets.shape[0] - 1
-    kernels.pull_rows_kernel[(num_programs,)](
+    kernels.pull_tokens_kernel[(num_programs,)](
         src, src_deltas, weights if has_weights else src,
         weights_deltas if has_weights else src_deltas, dst,
         dst_weights if has_weights else dst,
-        row_route, expert_offsets, ready, peer.flags, peer.flag_deltas, peer.seq, peer.errors,
-        phase, publish_slot, num_local_experts, routes_per_rank, topk, width, peer.world_size,
+        route_row, ready, peer.flags, peer.flag_deltas, peer.seq, peer.errors,
+        phase, publish_slot, peer.rank, tokens_per_rank, topk, width, peer.world_size,
         peer.timeout, src.stride(0), dst.stride(0),
         HAS_WEIGHTS=has_weights, MINIBATCH=minibatch, BLOCK_R=block_r, BLOCK_W=block_w,
-        ROW_ALIGN=row_align(src.element_size(), src.stride(0)), HAS_TIMER=HAS_TIMER,
-        num_warps=8 if HAS_TIMER else 1,
+        K_PAD=_k_pad(topk), ROW_ALIGN=row_align(src.element_size(), src.stride(0)),
+        HAS_TIMER=HAS_TIMER, num_warps=8 if HAS_TIMER else 1,
     )
+
+
+def _k_pad(topk: int) -> int:
+    return triton.next_power_of_2(max(int(topk), 1))
 
 
 def scatter_route_values(values: torch.Tensor, route_row: torch.Tensor, out: torch.Tensor,
@@ -263,11 +266,13 @@ def _pull_blocks(width: int, minibatch: int, elements: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Pull:
-    """Rows a GEMM pulls from the other ranks in its own launch (mok.kernels.comm.pull_rows):
-    the GEMM's A operand, row r = the token row of route row_route[r] on the rank holding it,
-    read from that rank's copy of `src`; with weights, dst_weights[r] = that route's weight; with
-    second_src (a buffer of the same symmetric allocation and row layout as src), the GEMM's
-    second token-row operand likewise."""
+    """Token rows a GEMM pulls from their ranks in its own launch (mok.kernels.comm.pull_tokens):
+    the GEMM's A operand [P * tokens_per_rank, H], row p * tokens_per_rank + t = rank p's token
+    t, read from that rank's copy of `src`, for the group's tokens with a route scheduled here
+    (route_row >= 0); the GEMM gathers them by route as on one GPU. With weights,
+    dst_weights[g] = route g's router weight for those tokens' routes; with second_src (a buffer
+    of the same symmetric allocation and row layout as src), the GEMM's second token-row operand
+    likewise."""
 
     peer: PeerFlags
     src: torch.Tensor
@@ -275,12 +280,11 @@ class Pull:
     weights: torch.Tensor | None
     weights_deltas: torch.Tensor | None
     dst_weights: torch.Tensor | None
-    row_route: torch.Tensor
-    expert_offsets: torch.Tensor
+    route_row: torch.Tensor
     ready: torch.Tensor
     phase: int
     publish_slot: int
-    routes_per_rank: int
+    tokens_per_rank: int
     topk: int
     num_programs: int
     minibatch: int
@@ -290,9 +294,9 @@ class Pull:
     def kernel_args(pull: Pull | None, fallback: torch.Tensor) -> tuple[tuple, tuple, dict]:
         """(pointers, scalars, constexprs) of a GEMM's pull, in the kernels' order."""
         if pull is None:
-            return ((fallback,) * 13, (0,) * 9, dict(
+            return ((fallback,) * 12, (0,) * 9, dict(
                 PULL=False, PULL_WEIGHTS=False, PULL_SECOND=False, MINIBATCH=1, PULL_BLOCK_R=1,
-                PULL_BLOCK_W=1, PULL_ROW_ALIGN=1, HAS_TIMER=HAS_TIMER))
+                PULL_BLOCK_W=1, PULL_K_PAD=1, PULL_ROW_ALIGN=1, HAS_TIMER=HAS_TIMER))
         peer = pull.peer
         has_weights = pull.weights is not None
         block_r, block_w = _pull_blocks(pull.src.shape[1], pull.minibatch, 8192)
@@ -301,14 +305,15 @@ class Pull:
                     pull.weights_deltas if has_weights else pull.src_deltas,
                     pull.dst_weights if has_weights else pull.src,
                     pull.second_src if pull.second_src is not None else pull.src,
-                    pull.row_route, pull.expert_offsets, pull.ready, peer.seq, peer.flags,
-                    peer.flag_deltas, peer.errors)
-        scalars = (pull.num_programs, pull.phase, pull.publish_slot,
-                   pull.expert_offsets.shape[0] - 1, pull.routes_per_rank, pull.topk,
-                   peer.world_size, peer.timeout, pull.src.stride(0))
+                    pull.route_row, pull.ready, peer.seq, peer.flags, peer.flag_deltas,
+                    peer.errors)
+        scalars = (pull.num_programs, pull.phase, pull.publish_slot, peer.rank,
+                   pull.tokens_per_rank, pull.topk, peer.world_size, peer.timeout,
+                   pull.src.stride(0))
         return pointers, scalars, dict(
             PULL=True, PULL_WEIGHTS=has_weights, PULL_SECOND=pull.second_src is not None,
             MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w,
+            PULL_K_PAD=_k_pad(pull.topk),
             PULL_ROW_ALIGN=row_align(pull.src.element_size(), pull.src.stride(0)),
             HAS_TIMER=HAS_TIMER)
 
