@@ -16,10 +16,11 @@ on every rank since every rank makes the same calls:
 - forward: publish x and the router weights; the first programs of the gate/up GEMM's launch pull
   the token rows the local experts need from their ranks, each token once however many of its
   routes come here (with k = 8 of 128 experts over 2 ranks a quarter of the bytes of a row per
-  route), in minibatches of tokens, raising a ready flag per minibatch, while its other programs
-  gather each row tile from the pulled tokens as on one GPU as soon as their minibatches have
-  landed (one launch: the pulling programs start first, so a spinning tile can never keep them
-  from running, as a separate kernel on a side stream could); the down GEMM writes
+  route): minibatches of schedule rows in row order, a row moving its token when it is the
+  token's first row, raising a ready flag per minibatch, while its other programs gather each
+  row tile from the pulled tokens as on one GPU as soon as the minibatches of its rows' first
+  rows have landed (one launch: the pulling programs start first, so a spinning tile can never
+  keep them from running, as a separate kernel on a side stream could); the down GEMM writes
   each weighted row straight into its token's rank's combine buffer; each rank signals "done" to
   every rank and, once all have, combines its own tokens in a fixed order.
 - backward: x (published again: the forward keeps no copy of the pulled rows, so what the
@@ -134,10 +135,10 @@ class ExpertParallel:
     def combine_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         return self._combine.view(dtype)
 
-    def ready(self, phase: Phase, minibatch: int) -> torch.Tensor:
-        """Ready flags of `phase`'s pulls, one per minibatch of a rank's tokens (zeros at
-        first; the values only grow)."""
-        needed = self.world_size * max(triton.cdiv(self.num_tokens, minibatch), 1)
+    def ready(self, phase: Phase, rows: int, minibatch: int) -> torch.Tensor:
+        """Ready flags of `phase`'s pulls, one per minibatch of schedule rows (zeros at first;
+        the values only grow)."""
+        needed = max(triton.cdiv(rows, minibatch), 1)
         flags = self._ready.get(phase)
         if flags is None or flags.shape[0] < needed:
             flags = torch.zeros(needed, dtype=torch.int64, device=self.device)
@@ -165,6 +166,7 @@ class ExpertParallel:
         their router weights [P * T_max * k], and the rows of second_src) are pulled into, and
         the pull for the GEMM that reads them to run in its launch (then call `pulled`). Rows
         of the other tokens are left unwritten: no route scheduled here reads them."""
+        routing = plan.group_routing
         tokens = self.world_size * self.num_tokens
         dst = torch.empty(tokens, src.shape[1], dtype=src.dtype, device=self.device)
         dst_weights = (torch.empty(tokens * self.topk, dtype=torch.float32, device=self.device)
@@ -173,7 +175,8 @@ class ExpertParallel:
         pull = comm.Pull(
             peer, src, self.buffer.deltas(src.dtype), weights,
             self.buffer.deltas(torch.float32) if weights is not None else None, dst_weights,
-            plan.group_routing.route_row, self.ready(phase, minibatch), int(phase),
+            routing.row_route, routing.route_row, routing.used_rows,
+            self.ready(phase, routing.capacity_rows, minibatch), int(phase),
             self.slots.pub(phase), self.num_tokens, self.topk, max(1, int(num_programs)),
             int(minibatch), second_src)
         return dst, dst_weights, dst2, pull

@@ -218,7 +218,8 @@ def _dispatch_body(rank, world_size):
                      device=inputs.x.device)
     dst_weights = torch.full((group_tokens * topk,), float("nan"), device=inputs.x.device)
     comm.pull_tokens(peer, src=pull.src, dst=dst, weights=pull.weights, dst_weights=dst_weights,
-                     route_row=pull.route_row, ready=pull.ready, phase=pull.phase,
+                     row_route=pull.row_route, route_row=pull.route_row,
+                     used_rows=pull.used_rows, ready=pull.ready, phase=pull.phase,
                      publish_slot=pull.publish_slot, tokens_per_rank=pull.tokens_per_rank,
                      topk=topk, num_programs=pull.num_programs, minibatch=pull.minibatch,
                      src_deltas=pull.src_deltas, weights_deltas=pull.weights_deltas)
@@ -245,9 +246,9 @@ def _dispatch_body(rank, world_size):
     weights = dst_weights.view(group_tokens, topk)
     assert torch.equal(weights[wanted], w_all[wanted])
     assert weights[~wanted].isnan().all()
-    # Every minibatch of every rank's tokens was announced, this round's number each.
-    assert pull.ready.shape[0] == world_size * -(-MAX_TOKENS // config.minibatch_size)
-    assert (pull.ready == pull.ready[0]).all() and int(pull.ready[0]) > 0
+    # Every minibatch of the rows in use was announced, this round's number each.
+    used = -(-int(schedule.routing.used_rows) // config.minibatch_size)
+    assert (pull.ready[:used] == pull.ready[0]).all() and int(pull.ready[0]) > 0
 
 
 @distributed_test(world_sizes=(2,))

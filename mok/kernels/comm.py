@@ -114,30 +114,43 @@ def gather_peers_kernel(src_ptr, delta_ptr, dst_ptr, flags_ptr, flag_delta_ptr, 
 
 
 @triton.jit
+def first_rows(route_row_ptr, token, valid, topk, K_PAD: tl.constexpr):
+    """The first schedule row of each group token's routes scheduled here, where `valid` (the
+    token's earliest: the rows are in expert order). Routes g = token * topk + j; route_row[g]
+    is g's row or -1."""
+    slots = tl.arange(0, K_PAD)
+    mask = valid[:, None] & (slots < topk)[None, :]
+    rows = tl.load(route_row_ptr + token[:, None] * topk + slots[None, :], mask=mask, other=-1)
+    return tl.min(tl.where(rows >= 0, rows, 2147483647), axis=1)
+
+
+@triton.jit
 def pull_tokens(
     pid, num_programs,
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
-    src2_ptr, dst2_ptr, route_row_ptr, ready_ptr,
+    src2_ptr, dst2_ptr, row_route_ptr, route_row_ptr, used_rows_ptr, ready_ptr,
     flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
-    phase, publish_slot, rank, tokens_per_rank, topk, width, world_size, timeout,
+    phase, publish_slot, tokens_per_rank, topk, width, world_size, timeout,
     stride_src, stride_dst, stride_dst2,
     HAS_WEIGHTS: tl.constexpr, HAS_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_PAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
     HAS_TIMER: tl.constexpr,
 ):
-    """The dispatch, as program `pid` of `num_programs`: dst[p * tokens_per_rank + t] = rank p's
-    src[t] for every token t of every rank p with a route to this rank's experts (one row per
-    token however many of its routes come here; tokens without one are not read).
+    """The dispatch, as program `pid` of `num_programs`: dst[u] = rank p's src[t] for every group
+    token u = p * tokens_per_rank + t with a route scheduled here, once however many of its
+    routes come here (tokens without one are not read).
 
-    Group token u = p * tokens_per_rank + t holds routes u * topk + j (j < topk) of the group;
-    route_row[g] >= 0 marks a route scheduled here. Minibatches of MINIBATCH tokens of one rank
-    are taken in turn, this rank's own first (local copies land at once), then the next ranks';
-    ready[p * cdiv(tokens_per_rank, MINIBATCH) + t // MINIBATCH] = seq[phase] once one has
-    landed (`wait_tokens_ready`), so the expert GEMMs start on rows whose tokens are in while
-    later ones are in flight. With HAS_WEIGHTS the token's router weights come along:
-    dst_weights[u * topk + j] = rank p's weights[t * topk + j]. With HAS_SECOND a second buffer
-    of the same symmetric allocation and row layout comes along too: dst2[u] = rank p's src2[t]
-    (the backward pulls d_output and x together).
+    Route g of the group is group token g // topk's slot g % topk; row_route[row] is the route
+    of a schedule row, route_row[g] the row of a route (-1: none). Programs take minibatches of
+    MINIBATCH schedule rows in turn, in row order, up to the rows in use; a row moves its token
+    when it is the token's first row (`first_rows`), and ready[minibatch] = seq[phase] once the
+    minibatch has landed. A row's token thus lands with its first row, never after the row
+    itself: GEMM tiles wait on the minibatches of their rows' first rows
+    (`wait_tokens_ready`) and start on the first rows while later ones are in flight. With
+    HAS_WEIGHTS the token's router weights come along: dst_weights[u * topk + j] = rank p's
+    weights[t * topk + j]. With HAS_SECOND a second buffer of the same symmetric allocation and
+    row layout comes along too: dst2[u] = rank p's src2[t] (the backward pulls d_output and x
+    together).
 
     The GEMMs that wait on these rows run the pull in their own launch, as its first programs
     (see mok.kernels.grouped_gemm): programs start in order, so the pull always has SMs and a
@@ -147,26 +160,26 @@ def pull_tokens(
     for peer in range(0, world_size):
         wait_at_least(flags_ptr + tl.load(flag_delta_ptr + peer) + publish_slot, target, peer,
                       timeout, error_ptr, HAS_TIMER)
-    per_rank = tl.cdiv(tokens_per_rank, MINIBATCH)
+    used_rows = tl.load(used_rows_ptr)
     cols = tl.arange(0, BLOCK_W)
     slots = tl.arange(0, K_PAD)
-    for i in range(pid, per_rank * world_size, num_programs):
-        src_rank = (rank + i // per_rank) % world_size
-        first = (i % per_rank) * MINIBATCH
-        src_delta = tl.load(src_delta_ptr + src_rank)
+    for minibatch in range(pid, tl.cdiv(used_rows, MINIBATCH), num_programs):
         for r0 in range(0, MINIBATCH, BLOCK_R):
-            tokens = first + r0 + tl.arange(0, BLOCK_R)
-            in_batch = (tokens < tokens_per_rank) & (r0 + tl.arange(0, BLOCK_R) < MINIBATCH)
-            group_token = src_rank.to(tl.int64) * tokens_per_rank + tokens
-            route_mask = in_batch[:, None] & (slots < topk)[None, :]
-            routes = group_token[:, None] * topk + slots[None, :]
-            row = tl.load(route_row_ptr + routes, mask=route_mask, other=-1)
-            needed = tl.max(row, axis=1) >= 0
-            src_rows = tl.multiple_of(src_delta + tokens.to(tl.int64) * stride_src, ROW_ALIGN)
-            dst_rows = group_token * stride_dst
-            dst2_rows = group_token * stride_dst2
+            rows = minibatch * MINIBATCH + r0 + tl.arange(0, BLOCK_R)
+            in_batch = (rows < used_rows) & (r0 + tl.arange(0, BLOCK_R) < MINIBATCH)
+            route = tl.load(row_route_ptr + rows, mask=in_batch, other=-1)
+            token = tl.where(route >= 0, route // topk, 0).to(tl.int64)
+            moves = (route >= 0) & (first_rows(route_row_ptr, token, route >= 0, topk,
+                                               K_PAD) == rows)
+            src_rank = token // tokens_per_rank
+            local_token = token % tokens_per_rank
+            src_rows = tl.multiple_of(
+                tl.load(src_delta_ptr + src_rank, mask=moves, other=0) + local_token * stride_src,
+                ROW_ALIGN)
+            dst_rows = token * stride_dst
+            dst2_rows = token * stride_dst2
             for c0 in range(0, width, BLOCK_W):
-                mask = needed[:, None] & ((c0 + cols) < width)[None, :]
+                mask = moves[:, None] & ((c0 + cols) < width)[None, :]
                 values = tl.load(src_ptr + src_rows[:, None] + (c0 + cols)[None, :], mask=mask)
                 tl.store(dst_ptr + dst_rows[:, None] + (c0 + cols)[None, :], values, mask=mask)
                 if HAS_SECOND:
@@ -175,21 +188,21 @@ def pull_tokens(
                     tl.store(dst2_ptr + dst2_rows[:, None] + (c0 + cols)[None, :], values,
                              mask=mask)
             if HAS_WEIGHTS:
-                w_delta = tl.load(weights_delta_ptr + src_rank)
-                w_mask = route_mask & needed[:, None]
-                weight = tl.load(weights_ptr + w_delta + tokens[:, None] * topk + slots[None, :],
-                                 mask=w_mask, other=0.0)
-                tl.store(dst_weights_ptr + routes, weight, mask=w_mask)
+                w_delta = tl.load(weights_delta_ptr + src_rank, mask=moves, other=0)
+                w_mask = moves[:, None] & (slots < topk)[None, :]
+                weight = tl.load(weights_ptr + (w_delta + local_token * topk)[:, None]
+                                 + slots[None, :], mask=w_mask, other=0.0)
+                tl.store(dst_weights_ptr + token[:, None] * topk + slots[None, :], weight,
+                         mask=w_mask)
         tl.debug_barrier()
-        tl.atomic_xchg(ready_ptr + src_rank * per_rank + i % per_rank, target, sem="release",
-                       scope="gpu")
+        tl.atomic_xchg(ready_ptr + minibatch, target, sem="release", scope="gpu")
 
 
 @triton.jit
 def pull_tokens_kernel(
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
-    route_row_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
-    phase, publish_slot, rank, tokens_per_rank, topk, width, world_size, timeout,
+    row_route_ptr, route_row_ptr, used_rows_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr,
+    error_ptr, phase, publish_slot, tokens_per_rank, topk, width, world_size, timeout,
     stride_src, stride_dst,
     HAS_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr, K_PAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
@@ -198,21 +211,20 @@ def pull_tokens_kernel(
     """pull_tokens on its own (to measure the dispatch alone)."""
     pull_tokens(tl.program_id(0), tl.num_programs(0),
                 src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr,
-                dst_weights_ptr, src_ptr, dst_ptr, route_row_ptr, ready_ptr, flags_ptr,
-                flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot, rank, tokens_per_rank,
-                topk, width, world_size, timeout, stride_src, stride_dst, stride_dst,
-                HAS_WEIGHTS, False, MINIBATCH, BLOCK_R, BLOCK_W, K_PAD, ROW_ALIGN, HAS_TIMER)
+                dst_weights_ptr, src_ptr, dst_ptr, row_route_ptr, route_row_ptr, used_rows_ptr,
+                ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot,
+                tokens_per_rank, topk, width, world_size, timeout, stride_src, stride_dst,
+                stride_dst, HAS_WEIGHTS, False, MINIBATCH, BLOCK_R, BLOCK_W, K_PAD, ROW_ALIGN,
+                HAS_TIMER)
 
 
 @triton.jit
-def wait_tokens_ready(ready_ptr, token, valid, tokens_per_rank, target, timeout, error_ptr,
-                      MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Inside a GEMM: wait until the minibatches holding the group tokens `token` (where
-    `valid`) have landed (see pull_tokens); like wait_at_least, with the timeout reported for
-    peer -1 (this rank's pull)."""
-    per_rank = tl.cdiv(tokens_per_rank, MINIBATCH)
-    index = (token // tokens_per_rank) * per_rank + (token % tokens_per_rank) // MINIBATCH
-    index = tl.where(valid, index, 0)
+def wait_tokens_ready(ready_ptr, route_row_ptr, token, valid, topk, target, timeout, error_ptr,
+                      MINIBATCH: tl.constexpr, K_PAD: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Inside a GEMM: wait until the group tokens `token` (where `valid`) have landed: the
+    minibatches of their first rows (see pull_tokens); like wait_at_least, with the timeout
+    reported for peer -1 (this rank's pull)."""
+    index = tl.where(valid, first_rows(route_row_ptr, token, valid, topk, K_PAD) // MINIBATCH, 0)
     zero = tl.zeros(token.shape, dtype=tl.int64)
     value = tl.atomic_add(ready_ptr + index, zero, mask=valid, sem="acquire", scope="sys")
     pending = valid & (value < target)

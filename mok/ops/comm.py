@@ -177,7 +177,9 @@ def pull_tokens(
     dst: torch.Tensor,
     weights: torch.Tensor | None,
     dst_weights: torch.Tensor | None,
+    row_route: torch.Tensor,
     route_row: torch.Tensor,
+    used_rows: torch.Tensor,
     ready: torch.Tensor,
     phase: int,
     publish_slot: int,
@@ -189,8 +191,8 @@ def pull_tokens(
     weights_deltas: torch.Tensor | None,
 ) -> None:
     """The dispatch on its own (see mok.kernels.comm.pull_tokens): dst[p * tokens_per_rank + t]
-    = rank p's src[t] for the group's tokens with a route scheduled here (route_row >= 0);
-    ready is set as minibatches land."""
+    = rank p's src[t] for the group's tokens with a route scheduled here, each moved by its
+    first schedule row; ready[minibatch of rows] is set as minibatches land."""
     width = src.shape[1]
     # Tiles of 16K elements (32 KB) per program keep enough bytes in flight over NVLink.
     block_r, block_w = _pull_blocks(width, minibatch, 16384)
@@ -199,8 +201,8 @@ def pull_tokens(
         src, src_deltas, weights if has_weights else src,
         weights_deltas if has_weights else src_deltas, dst,
         dst_weights if has_weights else dst,
-        route_row, ready, peer.flags, peer.flag_deltas, peer.seq, peer.errors,
-        phase, publish_slot, peer.rank, tokens_per_rank, topk, width, peer.world_size,
+        row_route, route_row, used_rows, ready, peer.flags, peer.flag_deltas, peer.seq,
+        peer.errors, phase, publish_slot, tokens_per_rank, topk, width, peer.world_size,
         peer.timeout, src.stride(0), dst.stride(0),
         HAS_WEIGHTS=has_weights, MINIBATCH=minibatch, BLOCK_R=block_r, BLOCK_W=block_w,
         K_PAD=_k_pad(topk), ROW_ALIGN=row_align(src.element_size(), src.stride(0)),
@@ -268,8 +270,9 @@ def _pull_blocks(width: int, minibatch: int, elements: int) -> tuple[int, int]:
 class Pull:
     """Token rows a GEMM pulls from their ranks in its own launch (mok.kernels.comm.pull_tokens):
     the GEMM's A operand [P * tokens_per_rank, H], row p * tokens_per_rank + t = rank p's token
-    t, read from that rank's copy of `src`, for the group's tokens with a route scheduled here
-    (route_row >= 0); the GEMM gathers them by route as on one GPU. With weights,
+    t, read from that rank's copy of `src`, for the group's tokens with a route scheduled here,
+    each moved with its first schedule row (row_route, route_row: the schedule's; used_rows its
+    rows in use); the GEMM gathers them by route as on one GPU. With weights,
     dst_weights[g] = route g's router weight for those tokens' routes; with second_src (a buffer
     of the same symmetric allocation and row layout as src), the GEMM's second token-row operand
     likewise."""
@@ -280,7 +283,9 @@ class Pull:
     weights: torch.Tensor | None
     weights_deltas: torch.Tensor | None
     dst_weights: torch.Tensor | None
+    row_route: torch.Tensor
     route_row: torch.Tensor
+    used_rows: torch.Tensor
     ready: torch.Tensor
     phase: int
     publish_slot: int
@@ -294,7 +299,7 @@ class Pull:
     def kernel_args(pull: Pull | None, fallback: torch.Tensor) -> tuple[tuple, tuple, dict]:
         """(pointers, scalars, constexprs) of a GEMM's pull, in the kernels' order."""
         if pull is None:
-            return ((fallback,) * 12, (0,) * 9, dict(
+            return ((fallback,) * 14, (0,) * 8, dict(
                 PULL=False, PULL_WEIGHTS=False, PULL_SECOND=False, MINIBATCH=1, PULL_BLOCK_R=1,
                 PULL_BLOCK_W=1, PULL_K_PAD=1, PULL_ROW_ALIGN=1, HAS_TIMER=HAS_TIMER))
         peer = pull.peer
@@ -305,11 +310,10 @@ class Pull:
                     pull.weights_deltas if has_weights else pull.src_deltas,
                     pull.dst_weights if has_weights else pull.src,
                     pull.second_src if pull.second_src is not None else pull.src,
-                    pull.route_row, pull.ready, peer.seq, peer.flags, peer.flag_deltas,
-                    peer.errors)
-        scalars = (pull.num_programs, pull.phase, pull.publish_slot, peer.rank,
-                   pull.tokens_per_rank, pull.topk, peer.world_size, peer.timeout,
-                   pull.src.stride(0))
+                    pull.row_route, pull.route_row, pull.used_rows, pull.ready, peer.seq,
+                    peer.flags, peer.flag_deltas, peer.errors)
+        scalars = (pull.num_programs, pull.phase, pull.publish_slot, pull.tokens_per_rank,
+                   pull.topk, peer.world_size, peer.timeout, pull.src.stride(0))
         return pointers, scalars, dict(
             PULL=True, PULL_WEIGHTS=has_weights, PULL_SECOND=pull.second_src is not None,
             MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w,
