@@ -390,8 +390,8 @@ def dispatch_only(layer, inputs, iters, warmup, group):
             peer, schedule.exchange, x, weights, minibatch=config.minibatch_size,
             num_programs=config.fwd_num_comm_sms)
         comm.pull_tokens(peer, src=pull.src, dst=dst, weights=pull.weights,
-                         dst_weights=dst_weights, row_route=pull.row_route,
-                         route_row=pull.route_row, used_rows=pull.used_rows, ready=pull.ready,
+                         dst_weights=dst_weights, order=pull.order, moving=pull.moving,
+                         ready=pull.ready,
                          phase=pull.phase, publish_slot=pull.publish_slot,
                          tokens_per_rank=pull.tokens_per_rank, topk=pull.topk,
                          num_programs=pull.num_programs, minibatch=pull.minibatch,

@@ -16,13 +16,13 @@ on every rank since every rank makes the same calls:
 - forward: publish x and the router weights; the first programs of the gate/up GEMM's launch pull
   the token rows the local experts need from their ranks, each token once however many of its
   routes come here (with k = 8 of 128 experts over 2 ranks a quarter of the bytes of a row per
-  route): minibatches of schedule rows in row order, a row moving its token when it is the
-  token's first row, raising a ready flag per minibatch, while its other programs gather each
-  row tile from the pulled tokens as on one GPU as soon as the minibatches of its rows' first
-  rows have landed (one launch: the pulling programs start first, so a spinning tile can never
-  keep them from running, as a separate kernel on a side stream could); the down GEMM writes
-  each weighted row straight into its token's rank's combine buffer; each rank signals "done" to
-  every rank and, once all have, combines its own tokens in a fixed order.
+  route), in the order of their first rows in the schedule, in minibatches, raising a ready flag
+  per minibatch, while its other programs gather each row tile from the pulled tokens as on
+  one GPU as soon as its rows' tokens have landed (one launch: the pulling programs start
+  first, so a spinning tile can never keep them from running, as a separate kernel on a side
+  stream could); the down GEMM writes each weighted row straight into its token's rank's
+  combine buffer; each rank signals "done" to every rank and, once all have, combines its own
+  tokens in a fixed order.
 - backward: x (published again: the forward keeps no copy of the pulled rows, so what the
   forward leaves for the backward stays h and routing metadata) and d_output, pulled together by
   the first backward GEMM's launch; d_x rows and router-weight gradients go back to the token's
@@ -84,6 +84,10 @@ class ExchangePlan:
         g // k = p * T_max + t of the pulled token buffers [P * T_max, H].
     source_routing: this rank's own routes for the combine: route_row[t * k + j] = t * k + j, or
         -1 when the expert id is out of range (those routes are computed nowhere).
+    pull_order [P * T_max] int32: the group tokens with a route scheduled here (the first
+        pull_moving[0] entries), by their first row in the schedule (its rows are in expert
+        order, so that is a token's earliest), the others after them: the order the pulls move
+        them in. pull_position [P * T_max] int32: a token's index in pull_order.
     """
 
     group_routing: Routing
@@ -91,6 +95,9 @@ class ExchangePlan:
     routes_per_rank: int
     group_topk: torch.Tensor  # [P * routes_per_rank] int32: the group's expert ids as sorted
     first_local_expert: int
+    pull_order: torch.Tensor
+    pull_position: torch.Tensor
+    pull_moving: torch.Tensor
 
 
 class ExpertParallel:
@@ -135,10 +142,10 @@ class ExpertParallel:
     def combine_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         return self._combine.view(dtype)
 
-    def ready(self, phase: Phase, rows: int, minibatch: int) -> torch.Tensor:
-        """Ready flags of `phase`'s pulls, one per minibatch of schedule rows (zeros at first;
-        the values only grow)."""
-        needed = max(triton.cdiv(rows, minibatch), 1)
+    def ready(self, phase: Phase, minibatch: int) -> torch.Tensor:
+        """Ready flags of `phase`'s pulls, one per minibatch of the group's tokens in pull order
+        (zeros at first; the values only grow)."""
+        needed = max(triton.cdiv(self.world_size * self.num_tokens, minibatch), 1)
         flags = self._ready.get(phase)
         if flags is None or flags.shape[0] < needed:
             flags = torch.zeros(needed, dtype=torch.int64, device=self.device)
@@ -166,7 +173,6 @@ class ExpertParallel:
         their router weights [P * T_max * k], and the rows of second_src) are pulled into, and
         the pull for the GEMM that reads them to run in its launch (then call `pulled`). Rows
         of the other tokens are left unwritten: no route scheduled here reads them."""
-        routing = plan.group_routing
         tokens = self.world_size * self.num_tokens
         dst = torch.empty(tokens, src.shape[1], dtype=src.dtype, device=self.device)
         dst_weights = (torch.empty(tokens * self.topk, dtype=torch.float32, device=self.device)
@@ -175,8 +181,8 @@ class ExpertParallel:
         pull = comm.Pull(
             peer, src, self.buffer.deltas(src.dtype), weights,
             self.buffer.deltas(torch.float32) if weights is not None else None, dst_weights,
-            routing.row_route, routing.route_row, routing.used_rows,
-            self.ready(phase, routing.capacity_rows, minibatch), int(phase),
+            plan.pull_order, plan.pull_position, plan.pull_moving, self.ready(phase, minibatch),
+            int(phase),
             self.slots.pub(phase), self.num_tokens, self.topk, max(1, int(num_programs)),
             int(minibatch), second_src)
         return dst, dst_weights, dst2, pull
@@ -284,5 +290,13 @@ class ExpertParallel:
             row_route=empty, route_row=source_route_row, block_expert=empty,
             expert_counts=empty, expert_offsets=empty, num_tokens=topk_experts.shape[0],
             topk=self.topk, num_local_experts=num_local_experts, align=align)
+        # The pulls' order: each group token by its first row here (int32 max: none).
+        first_row = group_routing.route_row.view(-1, self.topk)
+        first_row = torch.where(first_row >= 0, first_row, torch.iinfo(torch.int32).max)
+        first_row = first_row.amin(dim=1)
+        order = torch.sort(first_row, stable=True).indices.to(torch.int32)
+        position = torch.empty_like(order)
+        position[order.long()] = torch.arange(order.shape[0], **i32)
+        moving = (first_row < torch.iinfo(torch.int32).max).sum(dtype=torch.int32).view(1)
         return ExchangePlan(group_routing, source_routing, routes, group_topk,
-                            num_local_experts * self.rank)
+                            num_local_experts * self.rank, order, position, moving)

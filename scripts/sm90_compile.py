@@ -208,9 +208,9 @@ def main(argv=None) -> None:
         return comm.Pull(peer, x, torch.empty(2, **i64), None if second else rw.view(-1),
                          None if second else torch.empty(2, **i64),
                          None if second else torch.empty(2 * tokens * k, dtype=torch.float32),
-                         routing.row_route, torch.empty(2 * tokens * k, **i32),
-                         routing.used_rows, torch.empty(16, **i64), 1, 1, tokens // 2, k, 64,
-                         128, x if second else None)
+                         torch.empty(2 * tokens, **i32), torch.empty(2 * tokens, **i32),
+                         torch.empty(1, **i32), torch.empty(16, **i64), 1, 1, tokens // 2, k,
+                         64, 128, x if second else None)
 
     runs.append(("gate_up EP pull", tiles("gate_up", inter, hid), lambda tt: ops.gate_up_swiglu(
         x_group, w_g, w_u, routing, tt, None, pull=pull(False))))

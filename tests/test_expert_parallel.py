@@ -218,8 +218,7 @@ def _dispatch_body(rank, world_size):
                      device=inputs.x.device)
     dst_weights = torch.full((group_tokens * topk,), float("nan"), device=inputs.x.device)
     comm.pull_tokens(peer, src=pull.src, dst=dst, weights=pull.weights, dst_weights=dst_weights,
-                     row_route=pull.row_route, route_row=pull.route_row,
-                     used_rows=pull.used_rows, ready=pull.ready, phase=pull.phase,
+                     order=pull.order, moving=pull.moving, ready=pull.ready, phase=pull.phase,
                      publish_slot=pull.publish_slot, tokens_per_rank=pull.tokens_per_rank,
                      topk=topk, num_programs=pull.num_programs, minibatch=pull.minibatch,
                      src_deltas=pull.src_deltas, weights_deltas=pull.weights_deltas)
@@ -246,8 +245,19 @@ def _dispatch_body(rank, world_size):
     weights = dst_weights.view(group_tokens, topk)
     assert torch.equal(weights[wanted], w_all[wanted])
     assert weights[~wanted].isnan().all()
-    # Every minibatch of the rows in use was announced, this round's number each.
-    used = -(-int(schedule.routing.used_rows) // config.minibatch_size)
+    # The pull's order: the moving tokens first, by first schedule row; every minibatch of them
+    # announced, this round's number each.
+    plan = schedule.exchange
+    moving = int(plan.pull_moving)
+    assert moving == int(wanted.sum())
+    order = plan.pull_order.long()
+    assert wanted[order[:moving]].all()
+    first_row = torch.where(schedule.routing.route_row >= 0, schedule.routing.route_row,
+                            2**31 - 1).view(group_tokens, topk).amin(dim=1)
+    assert (first_row[order[:moving]].diff() > 0).all()
+    assert torch.equal(plan.pull_position.long()[order], torch.arange(group_tokens,
+                                                                       device=order.device))
+    used = -(-moving // config.minibatch_size)
     assert (pull.ready[:used] == pull.ready[0]).all() and int(pull.ready[0]) > 0
 
 

@@ -114,21 +114,10 @@ def gather_peers_kernel(src_ptr, delta_ptr, dst_ptr, flags_ptr, flag_delta_ptr, 
 
 
 @triton.jit
-def first_rows(route_row_ptr, token, valid, topk, K_PAD: tl.constexpr):
-    """The first schedule row of each group token's routes scheduled here, where `valid` (the
-    token's earliest: the rows are in expert order). Routes g = token * topk + j; route_row[g]
-    is g's row or -1."""
-    slots = tl.arange(0, K_PAD)
-    mask = valid[:, None] & (slots < topk)[None, :]
-    rows = tl.load(route_row_ptr + token[:, None] * topk + slots[None, :], mask=mask, other=-1)
-    return tl.min(tl.where(rows >= 0, rows, 2147483647), axis=1)
-
-
-@triton.jit
 def pull_tokens(
     pid, num_programs,
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
-    src2_ptr, dst2_ptr, row_route_ptr, route_row_ptr, used_rows_ptr, ready_ptr,
+    src2_ptr, dst2_ptr, order_ptr, moving_ptr, ready_ptr,
     flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
     phase, publish_slot, tokens_per_rank, topk, width, world_size, timeout,
     stride_src, stride_dst, stride_dst2,
@@ -140,17 +129,16 @@ def pull_tokens(
     token u = p * tokens_per_rank + t with a route scheduled here, once however many of its
     routes come here (tokens without one are not read).
 
-    Route g of the group is group token g // topk's slot g % topk; row_route[row] is the route
-    of a schedule row, route_row[g] the row of a route (-1: none). Programs take minibatches of
-    MINIBATCH schedule rows in turn, in row order, up to the rows in use; a row moves its token
-    when it is the token's first row (`first_rows`), and ready[minibatch] = seq[phase] once the
-    minibatch has landed. A row's token thus lands with its first row, never after the row
-    itself: GEMM tiles wait on the minibatches of their rows' first rows
-    (`wait_tokens_ready`) and start on the first rows while later ones are in flight. With
-    HAS_WEIGHTS the token's router weights come along: dst_weights[u * topk + j] = rank p's
-    weights[t * topk + j]. With HAS_SECOND a second buffer of the same symmetric allocation and
-    row layout comes along too: dst2[u] = rank p's src2[t] (the backward pulls d_output and x
-    together).
+    order[i] (i < moving[0]) lists those tokens by their first schedule row (the schedule's
+    rows are in expert order: a token's first row is its earliest; see
+    mok.expert_parallel.ExchangePlan). Programs take minibatches of MINIBATCH of them in turn,
+    in that order, and set ready[minibatch] = seq[phase] once one has landed; GEMM tiles wait
+    on the minibatches of their rows' tokens (`wait_tokens_ready`), which come no later than
+    the tiles' own rows in the order, so the first tiles start while later tokens are in
+    flight. With HAS_WEIGHTS the token's router weights come along: dst_weights[u * topk + j]
+    = rank p's weights[t * topk + j]. With HAS_SECOND a second buffer of the same symmetric
+    allocation and row layout comes along too: dst2[u] = rank p's src2[t] (the backward pulls
+    d_output and x together).
 
     The GEMMs that wait on these rows run the pull in their own launch, as its first programs
     (see mok.kernels.grouped_gemm): programs start in order, so the pull always has SMs and a
@@ -160,17 +148,14 @@ def pull_tokens(
     for peer in range(0, world_size):
         wait_at_least(flags_ptr + tl.load(flag_delta_ptr + peer) + publish_slot, target, peer,
                       timeout, error_ptr, HAS_TIMER)
-    used_rows = tl.load(used_rows_ptr)
+    moving = tl.load(moving_ptr)
     cols = tl.arange(0, BLOCK_W)
     slots = tl.arange(0, K_PAD)
-    for minibatch in range(pid, tl.cdiv(used_rows, MINIBATCH), num_programs):
+    for minibatch in range(pid, tl.cdiv(moving, MINIBATCH), num_programs):
         for r0 in range(0, MINIBATCH, BLOCK_R):
-            rows = minibatch * MINIBATCH + r0 + tl.arange(0, BLOCK_R)
-            in_batch = (rows < used_rows) & (r0 + tl.arange(0, BLOCK_R) < MINIBATCH)
-            route = tl.load(row_route_ptr + rows, mask=in_batch, other=-1)
-            token = tl.where(route >= 0, route // topk, 0).to(tl.int64)
-            moves = (route >= 0) & (first_rows(route_row_ptr, token, route >= 0, topk,
-                                               K_PAD) == rows)
+            index = minibatch * MINIBATCH + r0 + tl.arange(0, BLOCK_R)
+            moves = (index < moving) & (r0 + tl.arange(0, BLOCK_R) < MINIBATCH)
+            token = tl.load(order_ptr + index, mask=moves, other=0).to(tl.int64)
             src_rank = token // tokens_per_rank
             local_token = token % tokens_per_rank
             src_rows = tl.multiple_of(
@@ -201,8 +186,8 @@ def pull_tokens(
 @triton.jit
 def pull_tokens_kernel(
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
-    row_route_ptr, route_row_ptr, used_rows_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr,
-    error_ptr, phase, publish_slot, tokens_per_rank, topk, width, world_size, timeout,
+    order_ptr, moving_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
+    phase, publish_slot, tokens_per_rank, topk, width, world_size, timeout,
     stride_src, stride_dst,
     HAS_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr, K_PAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
@@ -211,20 +196,19 @@ def pull_tokens_kernel(
     """pull_tokens on its own (to measure the dispatch alone)."""
     pull_tokens(tl.program_id(0), tl.num_programs(0),
                 src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr,
-                dst_weights_ptr, src_ptr, dst_ptr, row_route_ptr, route_row_ptr, used_rows_ptr,
-                ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot,
-                tokens_per_rank, topk, width, world_size, timeout, stride_src, stride_dst,
-                stride_dst, HAS_WEIGHTS, False, MINIBATCH, BLOCK_R, BLOCK_W, K_PAD, ROW_ALIGN,
-                HAS_TIMER)
+                dst_weights_ptr, src_ptr, dst_ptr, order_ptr, moving_ptr, ready_ptr, flags_ptr,
+                flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot, tokens_per_rank, topk,
+                width, world_size, timeout, stride_src, stride_dst, stride_dst, HAS_WEIGHTS,
+                False, MINIBATCH, BLOCK_R, BLOCK_W, K_PAD, ROW_ALIGN, HAS_TIMER)
 
 
 @triton.jit
-def wait_tokens_ready(ready_ptr, route_row_ptr, token, valid, topk, target, timeout, error_ptr,
-                      MINIBATCH: tl.constexpr, K_PAD: tl.constexpr, HAS_TIMER: tl.constexpr):
+def wait_tokens_ready(ready_ptr, position_ptr, token, valid, target, timeout, error_ptr,
+                      MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr):
     """Inside a GEMM: wait until the group tokens `token` (where `valid`) have landed: the
-    minibatches of their first rows (see pull_tokens); like wait_at_least, with the timeout
-    reported for peer -1 (this rank's pull)."""
-    index = tl.where(valid, first_rows(route_row_ptr, token, valid, topk, K_PAD) // MINIBATCH, 0)
+    minibatches of their positions in the pull's order (see pull_tokens); like wait_at_least,
+    with the timeout reported for peer -1 (this rank's pull)."""
+    index = tl.where(valid, tl.load(position_ptr + token, mask=valid, other=0) // MINIBATCH, 0)
     zero = tl.zeros(token.shape, dtype=tl.int64)
     value = tl.atomic_add(ready_ptr + index, zero, mask=valid, sem="acquire", scope="sys")
     pending = valid & (value < target)

@@ -85,7 +85,7 @@ def _pull_programs(
     dst_ptr, stride_dst, dst2_ptr, stride_dst2, width,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
-    pull_row_route_ptr, pull_route_row_ptr, pull_used_rows_ptr, ready_ptr, seq_ptr, flags_ptr,
+    pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
     flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
     pull_topk, world_size, timeout, stride_pull_src,
     PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
@@ -98,7 +98,7 @@ def _pull_programs(
     if pid < num_pull_programs:
         pull_tokens(pid, num_pull_programs, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
                     pull_w_delta_ptr, dst_ptr, pull_dst_w_ptr, pull_src2_ptr, dst2_ptr,
-                    pull_row_route_ptr, pull_route_row_ptr, pull_used_rows_ptr, ready_ptr,
+                    pull_order_ptr, pull_moving_ptr, ready_ptr,
                     flags_ptr, flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot,
                     tokens_per_rank, pull_topk, width, world_size, timeout, stride_pull_src,
                     stride_dst, stride_dst2,
@@ -108,10 +108,10 @@ def _pull_programs(
 
 
 @triton.jit
-def _wait_tile(ready_ptr, route_row_ptr, seq_ptr, phase, timeout, error_ptr, token, valid, topk,
-               MINIBATCH: tl.constexpr, K_PAD: tl.constexpr, HAS_TIMER: tl.constexpr):
-    wait_tokens_ready(ready_ptr, route_row_ptr, token, valid, topk, tl.load(seq_ptr + phase),
-                      timeout, error_ptr, MINIBATCH, K_PAD, HAS_TIMER)
+def _wait_tile(ready_ptr, position_ptr, seq_ptr, phase, timeout, error_ptr, token, valid,
+               MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr):
+    wait_tokens_ready(ready_ptr, position_ptr, token, valid, tl.load(seq_ptr + phase), timeout,
+                      error_ptr, MINIBATCH, HAS_TIMER)
 
 
 @triton.jit
@@ -212,7 +212,7 @@ def gate_up_swiglu_kernel(
     x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
-    pull_row_route_ptr, pull_route_row_ptr, pull_used_rows_ptr, ready_ptr, seq_ptr, flags_ptr,
+    pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
     flag_delta_ptr, error_ptr, used_rows_ptr, num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
@@ -240,8 +240,8 @@ def gate_up_swiglu_kernel(
     if PULL:
         pid = _pull_programs(
             x_ptr, stride_xm, x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
-            pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_row_route_ptr,
-            pull_route_row_ptr, pull_used_rows_ptr, ready_ptr, seq_ptr, flags_ptr,
+            pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_order_ptr,
+            pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
             flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
             pull_topk, world_size, timeout,
             stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W,
@@ -254,30 +254,29 @@ def gate_up_swiglu_kernel(
         pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
         _gate_up_tile(
             x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
-            ready_ptr, pull_route_row_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N,
+            ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N,
             K, topk, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
             swiglu_limit,
             HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-            PULL, MINIBATCH, PULL_K_PAD, HAS_TIMER, UPCAST)
+            PULL, MINIBATCH, HAS_TIMER, UPCAST)
 
 
 @triton.jit
 def _gate_up_tile(
     x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
-    ready_ptr, pull_route_row_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
+    ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PULL: tl.constexpr,
-    MINIBATCH: tl.constexpr, K_PAD: tl.constexpr, HAS_TIMER: tl.constexpr,
-    UPCAST: tl.constexpr,
+    MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of gate_up_swiglu_kernel (an expert's rows)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
     if PULL:
-        _wait_tile(ready_ptr, pull_route_row_ptr, seq_ptr, phase, timeout, error_ptr, token,
-                   valid, topk, MINIBATCH, K_PAD, HAS_TIMER)
+        _wait_tile(ready_ptr, pull_position_ptr, seq_ptr, phase, timeout, error_ptr, token,
+                   valid, MINIBATCH, HAS_TIMER)
     r0 = pid_m * BLOCK_M
     c0 = pid_n * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)
@@ -416,7 +415,7 @@ def down_bwd_dswiglu_kernel(
     d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
-    pull_row_route_ptr, pull_route_row_ptr, pull_used_rows_ptr, ready_ptr, seq_ptr, flags_ptr,
+    pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
     flag_delta_ptr, error_ptr, used_rows_ptr, num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
@@ -451,8 +450,8 @@ def down_bwd_dswiglu_kernel(
     if PULL:
         pid = _pull_programs(
             d_out_ptr, stride_dm, x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr,
-            pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_row_route_ptr,
-            pull_route_row_ptr, pull_used_rows_ptr, ready_ptr, seq_ptr, flags_ptr,
+            pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_order_ptr,
+            pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
             flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
             pull_topk,
             world_size, timeout, stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH,
@@ -466,34 +465,34 @@ def down_bwd_dswiglu_kernel(
         _down_bwd_tile(
             d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
             router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
-            block_expert_ptr, ready_ptr, pull_route_row_ptr, seq_ptr, error_ptr, phase, timeout,
+            block_expert_ptr, ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout,
             pid_m, pid_n, N, K, topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k,
             stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm,
             stride_pm, swiglu_limit,
             HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA, BLOCK_M,
-            BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, PULL_K_PAD, HAS_TIMER, UPCAST)
+            BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
 
 
 @triton.jit
 def _down_bwd_tile(
     d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, router_weights_ptr,
     d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
-    ready_ptr, pull_route_row_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
+    ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
     stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
     WK_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, PULL: tl.constexpr, MINIBATCH: tl.constexpr, K_PAD: tl.constexpr,
-    HAS_TIMER: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr, PULL: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of down_bwd_dswiglu_kernel (an expert's rows)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
     if PULL:
-        _wait_tile(ready_ptr, pull_route_row_ptr, seq_ptr, phase, timeout, error_ptr, token,
-                   valid, topk, MINIBATCH, K_PAD, HAS_TIMER)
+        _wait_tile(ready_ptr, pull_position_ptr, seq_ptr, phase, timeout, error_ptr, token,
+                   valid, MINIBATCH, HAS_TIMER)
     r0 = pid_m * BLOCK_M
     c0 = pid_n * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)

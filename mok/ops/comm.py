@@ -177,9 +177,8 @@ def pull_tokens(
     dst: torch.Tensor,
     weights: torch.Tensor | None,
     dst_weights: torch.Tensor | None,
-    row_route: torch.Tensor,
-    route_row: torch.Tensor,
-    used_rows: torch.Tensor,
+    order: torch.Tensor,
+    moving: torch.Tensor,
     ready: torch.Tensor,
     phase: int,
     publish_slot: int,
@@ -191,8 +190,8 @@ def pull_tokens(
     weights_deltas: torch.Tensor | None,
 ) -> None:
     """The dispatch on its own (see mok.kernels.comm.pull_tokens): dst[p * tokens_per_rank + t]
-    = rank p's src[t] for the group's tokens with a route scheduled here, each moved by its
-    first schedule row; ready[minibatch of rows] is set as minibatches land."""
+    = rank p's src[t] for the group tokens order[:moving[0]] (those with a route scheduled
+    here, by first schedule row); ready[minibatch] is set as minibatches of them land."""
     width = src.shape[1]
     # Tiles of 16K elements (32 KB) per program keep enough bytes in flight over NVLink.
     block_r, block_w = _pull_blocks(width, minibatch, 16384)
@@ -201,7 +200,7 @@ def pull_tokens(
         src, src_deltas, weights if has_weights else src,
         weights_deltas if has_weights else src_deltas, dst,
         dst_weights if has_weights else dst,
-        row_route, route_row, used_rows, ready, peer.flags, peer.flag_deltas, peer.seq,
+        order, moving, ready, peer.flags, peer.flag_deltas, peer.seq,
         peer.errors, phase, publish_slot, tokens_per_rank, topk, width, peer.world_size,
         peer.timeout, src.stride(0), dst.stride(0),
         HAS_WEIGHTS=has_weights, MINIBATCH=minibatch, BLOCK_R=block_r, BLOCK_W=block_w,
@@ -270,9 +269,9 @@ def _pull_blocks(width: int, minibatch: int, elements: int) -> tuple[int, int]:
 class Pull:
     """Token rows a GEMM pulls from their ranks in its own launch (mok.kernels.comm.pull_tokens):
     the GEMM's A operand [P * tokens_per_rank, H], row p * tokens_per_rank + t = rank p's token
-    t, read from that rank's copy of `src`, for the group's tokens with a route scheduled here,
-    each moved with its first schedule row (row_route, route_row: the schedule's; used_rows its
-    rows in use); the GEMM gathers them by route as on one GPU. With weights,
+    t, read from that rank's copy of `src`, for the group's tokens with a route scheduled here:
+    order[:moving[0]], by first schedule row, position[u] being token u's index there (see
+    mok.expert_parallel.ExchangePlan); the GEMM gathers them by route as on one GPU. With weights,
     dst_weights[g] = route g's router weight for those tokens' routes; with second_src (a buffer
     of the same symmetric allocation and row layout as src), the GEMM's second token-row operand
     likewise."""
@@ -283,9 +282,9 @@ class Pull:
     weights: torch.Tensor | None
     weights_deltas: torch.Tensor | None
     dst_weights: torch.Tensor | None
-    row_route: torch.Tensor
-    route_row: torch.Tensor
-    used_rows: torch.Tensor
+    order: torch.Tensor
+    position: torch.Tensor
+    moving: torch.Tensor
     ready: torch.Tensor
     phase: int
     publish_slot: int
@@ -310,7 +309,7 @@ class Pull:
                     pull.weights_deltas if has_weights else pull.src_deltas,
                     pull.dst_weights if has_weights else pull.src,
                     pull.second_src if pull.second_src is not None else pull.src,
-                    pull.row_route, pull.route_row, pull.used_rows, pull.ready, peer.seq,
+                    pull.order, pull.position, pull.moving, pull.ready, peer.seq,
                     peer.flags, peer.flag_deltas, peer.errors)
         scalars = (pull.num_programs, pull.phase, pull.publish_slot, pull.tokens_per_rank,
                    pull.topk, peer.world_size, peer.timeout, pull.src.stride(0))
