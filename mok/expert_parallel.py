@@ -182,9 +182,8 @@ class ExpertParallel:
             peer, src, self.buffer.deltas(src.dtype), weights,
             self.buffer.deltas(torch.float32) if weights is not None else None, dst_weights,
             plan.pull_order, plan.pull_position, plan.pull_moving, self.ready(phase, minibatch),
-            int(phase),
-            self.slots.pub(phase), self.num_tokens, self.topk, max(1, int(num_programs)),
-            int(minibatch), second_src)
+            int(phase), self.slots.pub(phase), self.num_tokens, self.topk,
+            max(1, int(num_programs)), int(minibatch), second_src)
         return dst, dst_weights, dst2, pull
 
     def forward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, x: torch.Tensor,
