@@ -57,8 +57,9 @@ class MoKConfig:
         first GEMM launch). 64: pulls by SM loads need many SMs in flight on Hopper (two H200,
         qwen3-30b-a3b: 98 GB/s with 16, 221 GB/s with 64).
     minibatch_size: tokens per ready flag when tokens arrive from peers.
-    macrobatch_size: rows of the dispatch ring buffer (MoK's knob, checked but not used yet:
-        the pull buffers hold all the group's tokens; README, expert parallelism).
+    macrobatch_size: rows of the dispatch ring buffer (MoK's knob, checked, not used: the pull
+        buffers hold the group's tokens, each pulled once; README, expert parallelism, says
+        why a ring does not pay at these sizes).
     schedule_capacity_multiplier: the schedule holds capacity_multiplier * T * k routes (never more
         than can arrive); on one GPU any value >= 1 is dropless. Overflow is an error, never a
         silent drop.
