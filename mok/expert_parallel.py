@@ -294,8 +294,8 @@ class ExpertParallel:
         first_row = torch.where(first_row >= 0, first_row, torch.iinfo(torch.int32).max)
         first_row = first_row.amin(dim=1)
         order = torch.sort(first_row, stable=True).indices.to(torch.int32)
-        position = torch.empty_like(order)
-        position[order.long()] = torch.arange(order.shape[0], **i32)
+        position = torch.empty_like(order).scatter_(0, order.long(),
+                                                    torch.arange(order.shape[0], **i32))
         moving = (first_row < torch.iinfo(torch.int32).max).sum(dtype=torch.int32).view(1)
         return ExchangePlan(group_routing, source_routing, routes, group_topk,
                             num_local_experts * self.rank, order, position, moving)
