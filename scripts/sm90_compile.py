@@ -196,7 +196,7 @@ def main(argv=None) -> None:
     runs.append(("wgrad_gate_up tuned", t["wgrad_gate_up"], wgrad_gate_up))
     runs.append(("wgrad_down tuned", t["wgrad_down"], wgrad_down))
     # Expert parallelism: the launches that pull the group's tokens in their first programs (the
-    # table's tiles; such launches are never persistent), over two ranks' tokens.
+    # table's tiles with TMA weights; such launches are never persistent), two ranks' tokens.
     from mok.ops import comm
 
     i64 = dict(dtype=torch.int64)
@@ -212,12 +212,14 @@ def main(argv=None) -> None:
                          torch.empty(1, **i32), torch.empty(16, **i64), 1, 1, tokens // 2, k,
                          64, 128, x if second else None)
 
-    runs.append(("gate_up EP pull", tiles("gate_up", inter, hid), lambda tt: ops.gate_up_swiglu(
+    ep_tiles = {kind: r(tiles(kind, inter, hid), tma=True)
+                for kind in ("gate_up", "down_bwd", "down_bwd_saved")}
+    runs.append(("gate_up EP pull tma", ep_tiles["gate_up"], lambda tt: ops.gate_up_swiglu(
         x_group, w_g, w_u, routing, tt, None, pull=pull(False))))
-    runs.append(("down_bwd EP pull", tiles("down_bwd", inter, hid),
+    runs.append(("down_bwd EP pull tma", ep_tiles["down_bwd"],
                  lambda tt: ops.down_bwd_dswiglu(d_out, x_group, w_d, w_g, w_u, h, routing, tt,
                                                  rw, None, pull=pull(True))))
-    runs.append(("down_bwd saved EP pull", tiles("down_bwd_saved", inter, hid),
+    runs.append(("down_bwd saved EP pull tma", ep_tiles["down_bwd_saved"],
                  lambda tt: ops.down_bwd_dswiglu(d_out, x_group, w_d, w_g, w_u, h, routing, tt,
                                                  rw, None, pull=pull(True), gate_up=dgu,
                                                  h_out=True)))
