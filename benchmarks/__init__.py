@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import subprocess
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -61,10 +62,15 @@ def finish_chart(figure, rows: list[dict], num_impls: int, title: str, path: Pat
     """The legend of the first panel on top, the title with the GPU and every commit the rows
     come from, then save as PNG."""
     commits = ", ".join(dict.fromkeys(str(row["commit"]) for row in rows))
+    # Wrapped to the figure's width (about 13 characters an inch at 10 points).
+    text = textwrap.fill(title.format(gpu=rows[0]["gpu"], commits=commits),
+                         width=int(figure.get_figwidth() * 13))
+    extra = 0.2 * text.count("\n")  # inches a further title line takes
+    height = figure.get_figheight()
     handles, labels = figure.axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="upper center", ncols=min(num_impls, max_cols), fontsize=8,
-                  bbox_to_anchor=(0.5, 0.995 - 0.25 / figure.get_figheight()))
-    figure.suptitle(title.format(gpu=rows[0]["gpu"], commits=commits), fontsize=10)
-    figure.tight_layout(rect=(0, 0, 1, 1 - 0.6 / figure.get_figheight()))
+                  bbox_to_anchor=(0.5, 0.995 - (0.25 + extra) / height))
+    figure.suptitle(text, fontsize=10)
+    figure.tight_layout(rect=(0, 0, 1, 1 - (0.6 + extra) / height))
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
