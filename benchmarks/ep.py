@@ -405,21 +405,22 @@ def dispatch_only(layer, inputs, iters, warmup, group):
 def _pulled_bytes(schedule, ep, x, group) -> float:
     """Bytes of the tokens of other ranks with a route scheduled here, one row each (min over
     ranks): what the dispatch pulls over NVLink."""
-    plan = schedule.exchange
-    scheduled = (plan.group_routing.route_row >= 0).view(-1, ep.topk).any(dim=1)
+    scheduled = (schedule.exchange.group_routing.route_row >= 0).view(-1, ep.topk).any(dim=1)
     rank_of = torch.arange(scheduled.shape[0], device=scheduled.device) // ep.num_tokens
-    remote = (scheduled & (rank_of != ep.rank)).sum()
-    value = _device_tensor(float(remote) * x.shape[1] * x.element_size())
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return float(value)
+    return _min_row_bytes((scheduled & (rank_of != ep.rank)).sum(), x, group)
 
 
 def _remote_bytes(schedule, ep, x, group) -> float:
     """Bytes of the rows of this rank's schedule whose tokens live on other ranks (min over
     ranks): what the down GEMM writes into their combine buffers."""
     routes = schedule.exchange.group_routing.row_route
-    remote = ((routes >= 0) & (routes // ep.routes_per_rank != ep.rank)).sum()
-    value = _device_tensor(float(remote) * x.shape[1] * x.element_size())
+    return _min_row_bytes(((routes >= 0) & (routes // ep.routes_per_rank != ep.rank)).sum(), x,
+                          group)
+
+
+def _min_row_bytes(rows, x, group) -> float:
+    """`rows` rows of x's width and dtype in bytes, the smallest over the group's ranks."""
+    value = _device_tensor(float(rows) * x.shape[1] * x.element_size())
     dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
     return float(value)
 

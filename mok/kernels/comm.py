@@ -208,7 +208,7 @@ def wait_tokens_ready(ready_ptr, position_ptr, token, valid, target, timeout, er
     """Inside a GEMM: wait until the group tokens `token` (where `valid`) have landed: the
     minibatches of their positions in the pull's order (see pull_tokens); like wait_at_least,
     with the timeout reported for peer -1 (this rank's pull)."""
-    index = tl.where(valid, tl.load(position_ptr + token, mask=valid, other=0) // MINIBATCH, 0)
+    index = tl.load(position_ptr + token, mask=valid, other=0) // MINIBATCH
     zero = tl.zeros(token.shape, dtype=tl.int64)
     value = tl.atomic_add(ready_ptr + index, zero, mask=valid, sem="acquire", scope="sys")
     pending = valid & (value < target)

@@ -85,7 +85,7 @@ def _pull_programs(
     dst_ptr, stride_dst, dst2_ptr, stride_dst2, width,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
-    pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
+    pull_order_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
     flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
     pull_topk, world_size, timeout, stride_pull_src,
     PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
@@ -241,7 +241,7 @@ def gate_up_swiglu_kernel(
         pid = _pull_programs(
             x_ptr, stride_xm, x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
             pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_order_ptr,
-            pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
+            pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
             flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
             pull_topk, world_size, timeout,
             stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W,
@@ -451,7 +451,7 @@ def down_bwd_dswiglu_kernel(
         pid = _pull_programs(
             d_out_ptr, stride_dm, x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr,
             pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_order_ptr,
-            pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
+            pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
             flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
             pull_topk,
             world_size, timeout, stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH,
