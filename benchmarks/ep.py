@@ -186,11 +186,15 @@ def _device_tensor(value: float) -> torch.Tensor:
     return torch.tensor([value], device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def timed(fn, iters, warmup, group, calls=4):
+def timed(fn, iters, warmup, group, calls=4, host_ahead=False):
     """Median ms per call of `fn` over `iters` samples of `calls` back-to-back calls (fixed
     counts on every rank), slowest rank. Back to back, as layers run in training and as the
     one-GPU benchmark times them: the host launches the next call while the GPU runs this one,
-    so host time shows only where it exceeds GPU time."""
+    so host time shows only where it exceeds GPU time. host_ahead (GPU only): the GPU sleeps
+    before each sample until the host has queued all its calls, so the kernels alone are timed
+    (benchmarks.layer.HOST_AHEAD_S)."""
+    from benchmarks.layer import HOST_AHEAD_S
+
     cuda = torch.cuda.is_available()
     if not cuda:
         calls = 1
@@ -199,11 +203,17 @@ def timed(fn, iters, warmup, group, calls=4):
     _sync()
     if group is not None:
         dist.barrier(group)
+    sleep_cycles = 0
+    if cuda and host_ahead:
+        sleep_cycles = int(HOST_AHEAD_S * calls * torch.cuda.get_device_properties(
+            torch.cuda.current_device()).clock_rate * 1e3)
     times = []
     for _ in range(iters):
         if cuda:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
+            if sleep_cycles:
+                torch.cuda._sleep(sleep_cycles)
             start.record()
             for _ in range(calls):
                 fn()
@@ -234,7 +244,7 @@ def max_error(y, grads, inputs, group):
 
 
 def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, peer_timeout_s,
-               profile=False, keep_gate_up=False):
+               profile=False, keep_gate_up=False, host_ahead=False):
     import mok.functional as F
     from benchmarks.layer import BENCH_SHAPES
     from mok.testing import make_inputs
@@ -286,6 +296,14 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
         for mode, ms in compute.items():
             row(shape, f"compute_only{kept}", mode, ms,
                 fwd_flops * (3 if "backward" in mode else 1))
+        if host_ahead and cuda:
+            compute_ahead = {"forward": timed(solo_layer.forward, iters, 1, group,
+                                              host_ahead=True),
+                             "forward+backward": timed(solo_layer.step, iters, 1, group,
+                                                       host_ahead=True)}
+            for mode, ms in compute_ahead.items():
+                row(shape, f"compute_only{kept}@ahead", mode, ms,
+                    fwd_flops * (3 if "backward" in mode else 1))
         del solo_layer, solo
 
         for impl_name in ("mok", "nccl_grouped_mm"):
@@ -314,6 +332,12 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
                 flops = fwd_flops * (3 if "backward" in mode else 1)
                 row(shape, impl_name + (kept if impl_name == "mok" else ""), mode, ms, flops,
                     compute[mode], err=err)
+            if impl_name == "mok" and host_ahead and cuda:
+                for mode, fn in (("forward", impl.forward), ("forward+backward", impl.step)):
+                    ms = timed(fn, iters, 1, group, host_ahead=True)
+                    row(shape, f"mok{kept}@ahead", mode, ms,
+                        fwd_flops * (3 if "backward" in mode else 1), compute_ahead[mode],
+                        err=err)
             if impl_name == "mok":
                 ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)
                 row(shape, f"mok{kept}", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
@@ -326,6 +350,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
                     print_kernel_times(impl.step, group, quiet=rank != 0)
                     print_host_times({"forward": impl.forward, "forward+backward": impl.step},
                                      group, quiet=rank != 0)
+                    print_host_profile(impl.forward, group, quiet=rank != 0)
             del impl
     return rows
 
@@ -371,6 +396,30 @@ def print_host_times(fns, group, quiet=False, repeats=5):
     dist.barrier(group)
     if not quiet:
         print("\n".join(lines), flush=True)
+
+
+def print_host_profile(fn, group, quiet=False, top=14):
+    """The Python functions with the most host time of their own in one call of `fn` (cProfile;
+    the GPU kept behind so no launch waits on it): where a call's host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    torch.cuda._sleep(50_000_000)  # tens of ms: the device stays behind the host
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    if not quiet:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+        lines = [line for line in text.getvalue().splitlines() if line.strip()]
+        print("    host time of one forward call by function (cProfile, own time):")
+        print("\n".join("      " + line[:150] for line in lines[2:]), flush=True)
 
 
 def dispatch_only(layer, inputs, iters, warmup, group):
@@ -456,11 +505,12 @@ CHART_MODES = ("forward", "forward+backward")
 
 def newest_rows(csv_path: Path) -> list[dict]:
     """The last GPU row of each (ep, shape, impl, mode) of CHART_MODES in csv_path (see
-    benchmarks.newest_gpu_rows)."""
+    benchmarks.newest_gpu_rows), without the host-ahead rows (IMPL@ahead, kernels alone)."""
     from benchmarks import newest_gpu_rows
 
-    return newest_gpu_rows(csv_path, lambda row: (row["ep"], row["shape"]), CHART_MODES,
-                           other_modes=False)
+    return [row for row in newest_gpu_rows(csv_path, lambda row: (row["ep"], row["shape"]),
+                                           CHART_MODES, other_modes=False)
+            if "@" not in row["impl"]]
 
 
 def draw_chart(path: Path, rows: list[dict]) -> None:
@@ -521,6 +571,10 @@ def main(argv=None) -> None:
     parser.add_argument("--keep-gate-up", action="store_true",
                         help="mok and its compute-only time with MoKConfig(recompute_gate_up="
                              "False); rows named mok_kept, compute_only_kept")
+    parser.add_argument("--host-ahead", action="store_true",
+                        help="also time mok and compute_only with the host ahead of the GPU "
+                             "(the GPU sleeps until a sample's calls are queued): the kernels "
+                             "alone; rows IMPL@ahead")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--redraw", action="store_true",
                         help="measure nothing: chart the newest GPU rows already in the CSV")
@@ -556,12 +610,14 @@ def main(argv=None) -> None:
         os.environ.setdefault(key, value)  # never NVLink multicast
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
                               args.comm_sms, args.peer_timeout, args.profile, args.keep_gate_up,
+                              args.host_ahead,
                               backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
     rows = results[0]
     append_rows(args.csv, CSV_FIELDS, rows)
     print(f"{len(rows)} rows appended to {args.csv}")
     try:
-        draw_chart(chart, [row for row in rows if row["mode"] in CHART_MODES])
+        draw_chart(chart, [row for row in rows
+                           if row["mode"] in CHART_MODES and "@" not in row["impl"]])
         print(f"chart {chart}")
     except Exception as exc:  # the rows are in the CSV already
         print(f"chart not drawn: {type(exc).__name__}: {exc}")
