@@ -165,12 +165,14 @@ def pull_tokens(
             dst2_rows = token * stride_dst2
             for c0 in range(0, width, BLOCK_W):
                 mask = moves[:, None] & ((c0 + cols) < width)[None, :]
+                # Both buffers' loads go out before either store: twice the bytes in flight.
                 values = tl.load(src_ptr + src_rows[:, None] + (c0 + cols)[None, :], mask=mask)
+                if HAS_SECOND:
+                    values2 = tl.load(src2_ptr + src_rows[:, None] + (c0 + cols)[None, :],
+                                      mask=mask)
                 tl.store(dst_ptr + dst_rows[:, None] + (c0 + cols)[None, :], values, mask=mask)
                 if HAS_SECOND:
-                    values = tl.load(src2_ptr + src_rows[:, None] + (c0 + cols)[None, :],
-                                     mask=mask)
-                    tl.store(dst2_ptr + dst2_rows[:, None] + (c0 + cols)[None, :], values,
+                    tl.store(dst2_ptr + dst2_rows[:, None] + (c0 + cols)[None, :], values2,
                              mask=mask)
             if HAS_WEIGHTS:
                 w_delta = tl.load(weights_delta_ptr + src_rank, mask=moves, other=0)

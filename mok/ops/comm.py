@@ -193,8 +193,8 @@ def pull_tokens(
     = rank p's src[t] for the group tokens order[:moving[0]] (those with a route scheduled
     here, by first schedule row); ready[minibatch] is set as minibatches of them land."""
     width = src.shape[1]
-    # Tiles of 16K elements (32 KB) per program keep enough bytes in flight over NVLink.
-    block_r, block_w = _pull_blocks(width, minibatch, 16384)
+    num_warps = 8 if HAS_TIMER else 1
+    block_r, block_w = _pull_blocks(width, minibatch, src.element_size(), num_warps)
     has_weights = weights is not None
     kernels.pull_tokens_kernel[(num_programs,)](
         src, src_deltas, weights if has_weights else src,
@@ -205,7 +205,7 @@ def pull_tokens(
         peer.timeout, src.stride(0), dst.stride(0),
         HAS_WEIGHTS=has_weights, MINIBATCH=minibatch, BLOCK_R=block_r, BLOCK_W=block_w,
         K_PAD=_k_pad(topk), ROW_ALIGN=row_align(src.element_size(), src.stride(0)),
-        HAS_TIMER=HAS_TIMER, num_warps=8 if HAS_TIMER else 1,
+        HAS_TIMER=HAS_TIMER, num_warps=num_warps,
     )
 
 
@@ -260,7 +260,16 @@ def collect_reported_errors(peer: PeerFlags, report_slot: int) -> None:
     kernels.collect_reported_errors_kernel[(1,)](peer.flags, report_slot, peer.errors)
 
 
-def _pull_blocks(width: int, minibatch: int, elements: int) -> tuple[int, int]:
+# Bytes each thread of a pulling program loads per step (64 registers). A remote load waits
+# microseconds, so a program's pull rate is the bytes it has in flight over that wait: 16 KB a
+# program (8 warps) pulled about 3.5 GB/s an SM (two H200: 221 GB/s with 64 programs).
+PULL_BYTES_PER_THREAD = 256
+
+
+def _pull_blocks(width: int, minibatch: int, itemsize: int, num_warps: int) -> tuple[int, int]:
+    """(rows, columns) of a pulling program's step: PULL_BYTES_PER_THREAD a thread, at most a
+    minibatch of rows and 512 columns."""
+    elements = PULL_BYTES_PER_THREAD * 32 * max(1, num_warps) // itemsize
     block_w = min(512, triton.next_power_of_2(width))
     return max(1, min(triton.next_power_of_2(minibatch), elements // block_w)), block_w
 
@@ -295,15 +304,18 @@ class Pull:
     second_src: torch.Tensor | None = None
 
     @staticmethod
-    def kernel_args(pull: Pull | None, fallback: torch.Tensor) -> tuple[tuple, tuple, dict]:
-        """(pointers, scalars, constexprs) of a GEMM's pull, in the kernels' order."""
+    def kernel_args(pull: Pull | None, fallback: torch.Tensor,
+                    num_warps: int) -> tuple[tuple, tuple, dict]:
+        """(pointers, scalars, constexprs) of a GEMM's pull, in the kernels' order; num_warps:
+        the launch's."""
         if pull is None:
             return ((fallback,) * 14, (0,) * 8, dict(
                 PULL=False, PULL_WEIGHTS=False, PULL_SECOND=False, MINIBATCH=1, PULL_BLOCK_R=1,
                 PULL_BLOCK_W=1, PULL_K_PAD=1, PULL_ROW_ALIGN=1, HAS_TIMER=HAS_TIMER))
         peer = pull.peer
         has_weights = pull.weights is not None
-        block_r, block_w = _pull_blocks(pull.src.shape[1], pull.minibatch, 8192)
+        block_r, block_w = _pull_blocks(pull.src.shape[1], pull.minibatch,
+                                        pull.src.element_size(), num_warps)
         pointers = (pull.src, pull.src_deltas,
                     pull.weights if has_weights else pull.src,
                     pull.weights_deltas if has_weights else pull.src_deltas,

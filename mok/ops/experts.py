@@ -164,7 +164,7 @@ def gate_up_swiglu(
         _check_gate_up(gate_up, routing, intermediate)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     limit, has_limit = _limit_args(swiglu_limit)
-    pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, h)
+    pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, h, tiles.num_warps)
     gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
     outs = [_out_spec(h, intermediate, tiles)]
     if gate_up is not None:
@@ -286,7 +286,7 @@ def down_bwd_dswiglu(
         partial = torch.empty(rows, triton.cdiv(intermediate, tiles.block_n),
                               dtype=torch.float32, device=x.device)
     limit, has_limit = _limit_args(swiglu_limit)
-    pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, d_gate_up)
+    pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, d_gate_up, tiles.num_warps)
     if gate_up is None:
         gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
     else:
