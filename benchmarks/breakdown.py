@@ -51,6 +51,7 @@ def breakdown(shape) -> None:
     routes = shape.num_tokens * shape.topk
     hid, inter = shape.hidden_size, shape.intermediate_size
     t_gate_up = tiles.pick("gate_up", inter, hid)
+    t_gate_up_saved = tiles.pick("gate_up_saved", inter, hid)
     t_down_bwd = tiles.pick("down_bwd", inter, hid)
     t_down_bwd_saved = tiles.pick("down_bwd_saved", inter, hid)
     t_down = tiles.pick("down", hid, inter)
@@ -75,8 +76,8 @@ def breakdown(shape) -> None:
          rows.numel() * 2 * routes / rows.shape[0] + x.numel() * 2),
         ("down_bwd_dswiglu", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing,
                                                           t_down_bwd, rw, None), 3 * gemm, 0),
-        ("gate_up_saving", lambda: ops.gate_up_swiglu(x, w_g, w_u, routing, t_gate_up, None,
-                                                      gate_up=gate_up), 2 * gemm, 0),
+        ("gate_up_saving", lambda: ops.gate_up_swiglu(x, w_g, w_u, routing, t_gate_up_saved,
+                                                      None, gate_up=gate_up), 2 * gemm, 0),
         ("down_bwd_saved", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h_kept, routing,
                                                         t_down_bwd_saved, rw, None,
                                                         gate_up=gate_up, h_out=True),

@@ -113,6 +113,13 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
                    T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,
                    T(128, 128, 64, 1, 8, 3, grouped_mm=True)],
 }
+# gate/up also storing its pre-activations: the gate/up tiles, and epilogues in halves or
+# through TMA (the tile stores three outputs: h, gate, up).
+CANDIDATES["gate_up_saved"] = [
+    *CANDIDATES["gate_up"], T(128, 128, 64, 8, 8, 4, tma_rows=True),
+    T(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True),
+    T(128, 128, 64, 8, 8, 3, tma=True, tma_rows=True, epilogue_split=2),
+    *_persistent(T(128, 128, 64, 8, 8, 4), split=2)]
 
 
 def gemm_runners(x, w_g, w_u, w_d, routing, rw, d_out, setup=HOPPER_TILES) -> dict:
@@ -126,6 +133,8 @@ def gemm_runners(x, w_g, w_u, w_d, routing, rw, d_out, setup=HOPPER_TILES) -> di
     ops.gate_up_swiglu(x, w_g, w_u, routing, setup.gate_up, None, gate_up=gate_up)
     return {
         "gate_up": ((inter, hid), lambda t: ops.gate_up_swiglu(x, w_g, w_u, routing, t, None)),
+        "gate_up_saved": ((inter, hid), lambda t: ops.gate_up_swiglu(
+            x, w_g, w_u, routing, t, None, gate_up=gate_up)),
         "down": ((hid, inter), lambda t: ops.down_proj(h, w_d, routing, t, rw)),
         "down_bwd": ((inter, hid), lambda t: ops.down_bwd_dswiglu(
             d_out, x, w_d, w_g, w_u, h, routing, t, rw, None)),

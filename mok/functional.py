@@ -42,7 +42,7 @@ from mok.expert_parallel import ExchangePlan, ExpertParallel, Phase
 
 if TYPE_CHECKING:
     from mok.cross_node import CrossNodePlan
-from mok.ops import Routing, TileConfig
+from mok.ops import GemmTiles, Routing, TileConfig
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -500,22 +500,25 @@ def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_
     """The gate/up GEMMs; with expert parallelism the routed one pulls its rows (and router
     weights) from their ranks in its own launch. The shared expert goes first: it needs no
     remote rows, and the other ranks have time to publish theirs."""
-    pick = schedule.tiles.pick
     hidden, intermediate = x.shape[1], w_routed_gate.shape[1]
     keep = not config.recompute_gate_up
+
+    def pick(n: int) -> GemmTiles:  # storing the pre-activations has tiles of its own
+        return schedule.tiles.pick("gate_up_saved" if keep else "gate_up", n, hidden)
+
     h_shared = gate_up_shared = None
     if w_shared_gate is not None:
         shared_routing = schedule.shared_routing
         gate_up_shared = ops.gate_up_buffer(x, w_shared_gate[None], shared_routing) if keep \
             else None
         h_shared = ops.gate_up_swiglu(x, w_shared_gate[None], w_shared_up[None], shared_routing,
-                                      pick("gate_up", w_shared_gate.shape[0], hidden),
+                                      pick(w_shared_gate.shape[0]),
                                       swiglu_limit, gate_up=gate_up_shared)
     ep = schedule.workspace.ep
     gate_up = ops.gate_up_buffer(x, w_routed_gate, schedule.routing) if keep else None
     if ep is None:
         h = ops.gate_up_swiglu(x, w_routed_gate, w_routed_up, schedule.routing,
-                               pick("gate_up", intermediate, hidden), swiglu_limit,
+                               pick(intermediate), swiglu_limit,
                                gate_up=gate_up)
         return ForwardContext(h, h_shared, gate_up=gate_up, gate_up_shared=gate_up_shared)
     peer = ep.peer_flags(schedule.workspace.error_flags)
@@ -523,7 +526,7 @@ def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_
         peer, schedule.exchange, x, router_weights, minibatch=config.minibatch_size,
         num_programs=config.fwd_num_comm_sms)
     h = ops.gate_up_swiglu(x_group, w_routed_gate, w_routed_up, schedule.routing,
-                           pick("gate_up", intermediate, hidden), swiglu_limit, pull=pull,
+                           pick(intermediate), swiglu_limit, pull=pull,
                            gate_up=gate_up)
     ep.pulled(peer, Phase.FORWARD)
     return ForwardContext(h, h_shared, weights_group=weights_group, gate_up=gate_up,

@@ -124,8 +124,8 @@ def main(argv=None) -> None:
     # (128x128x64, 3 stages), the table's own runs as " tuned".
     plain = dict(tma=False, tma_rows=False, grouped_mm=False, epilogue_split=1)
     t = {kind: dataclasses.replace(tiles(kind, *key), **plain) for kind, key in (
-        ("gate_up", (inter, hid)), ("down", (hid, inter)), ("down_bwd", (inter, hid)),
-        ("down_bwd_saved", (inter, hid)), ("d_x", (hid, inter)),
+        ("gate_up", (inter, hid)), ("gate_up_saved", (inter, hid)), ("down", (hid, inter)),
+        ("down_bwd", (inter, hid)), ("down_bwd_saved", (inter, hid)), ("d_x", (hid, inter)),
         ("wgrad_gate_up", (inter, hid)), ("wgrad_down", (hid, inter)))}
     r = dataclasses.replace
     runs = [
@@ -139,7 +139,7 @@ def main(argv=None) -> None:
             d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None)),
         ("down_bwd tma", r(t["down_bwd"], tma=True), lambda tt: ops.down_bwd_dswiglu(
             d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None)),
-        ("gate_up saving", t["gate_up"], lambda tt: ops.gate_up_swiglu(
+        ("gate_up saving", t["gate_up_saved"], lambda tt: ops.gate_up_swiglu(
             x, w_g, w_u, routing, tt, None, gate_up=dgu)),
         ("down_bwd saved", t["down_bwd_saved"], lambda tt: ops.down_bwd_dswiglu(
             d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None, gate_up=dgu, h_out=True)),
@@ -213,9 +213,12 @@ def main(argv=None) -> None:
                          64, 128, x if second else None)
 
     ep_tiles = {kind: r(tiles(kind, inter, hid), tma=True)
-                for kind in ("gate_up", "down_bwd", "down_bwd_saved")}
+                for kind in ("gate_up", "gate_up_saved", "down_bwd", "down_bwd_saved")}
     runs.append(("gate_up EP pull tma", ep_tiles["gate_up"], lambda tt: ops.gate_up_swiglu(
         x_group, w_g, w_u, routing, tt, None, pull=pull(False))))
+    runs.append(("gate_up saving EP pull tma", ep_tiles["gate_up_saved"],
+                 lambda tt: ops.gate_up_swiglu(x_group, w_g, w_u, routing, tt, None,
+                                               pull=pull(False), gate_up=dgu)))
     runs.append(("down_bwd EP pull tma", ep_tiles["down_bwd"],
                  lambda tt: ops.down_bwd_dswiglu(d_out, x_group, w_d, w_g, w_u, h, routing, tt,
                                                  rw, None, pull=pull(True))))

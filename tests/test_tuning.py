@@ -21,8 +21,10 @@ from mok.testing import SHAPES, make_inputs
 from .conftest import DEVICE
 
 # (n, k) of each kind for the routed experts (mok.ops.tuning.KINDS).
-KEYS = {"gate_up": "IH", "down": "HI", "down_bwd": "IH", "down_bwd_saved": "IH", "d_x": "HI",
-        "wgrad_gate_up": "IH", "wgrad_down": "HI"}
+KEYS = {"gate_up": "IH", "gate_up_saved": "IH", "down": "HI", "down_bwd": "IH",
+        "down_bwd_saved": "IH", "d_x": "HI", "wgrad_gate_up": "IH", "wgrad_down": "HI"}
+# Kinds that take another kind's tiles when untuned.
+FALLBACK = {"down_bwd_saved": "down", "gate_up_saved": "gate_up"}
 
 
 def committed() -> dict:
@@ -60,6 +62,7 @@ def test_pick_falls_back_to_the_config_tiles():
     assert HOPPER_TILES.pick("d_x", 12345, 678) == HOPPER_TILES.d_x
     assert HOPPER_TILES.pick("wgrad_down", 12345, 678) == HOPPER_TILES.wgrad
     assert HOPPER_TILES.pick("down_bwd_saved", 12345, 678) == HOPPER_TILES.down
+    assert HOPPER_TILES.pick("gate_up_saved", 12345, 678) == HOPPER_TILES.gate_up
     untuned = dataclasses.replace(HOPPER_TILES, use_tuned=False)
     shape = SHAPES[0]
     assert untuned.pick("gate_up", shape.intermediate_size, shape.hidden_size) == untuned.gate_up
@@ -90,7 +93,7 @@ def test_tuner_runs_every_kind_for_routed_and_shared_experts():
         for kind, ((n, k), run) in runners.items():
             assert (n, k) == ((inter, 32) if KEYS[kind] == "IH" else (32, inter)), kind
             out = run(tiles.wgrad if kind.startswith("wgrad") else getattr(
-                tiles, "down" if kind == "down_bwd_saved" else kind))
+                tiles, FALLBACK.get(kind, kind)))
             first = out[0] if isinstance(out, tuple) else out
             if first.shape[0] == routing.capacity_rows:
                 first = first[:used]

@@ -22,6 +22,7 @@ TUNED_TILES_PATH = Path(__file__).with_name("tuned_tiles.json")
 # GEMM kinds and what their (n, k) key means. wgrad kinds: out [E, P, Q] keyed by (P, Q).
 KINDS = {
     "gate_up": "n = I, k = H",
+    "gate_up_saved": "n = I, k = H",
     "down": "n = H, k = I",
     "down_bwd": "n = I, k = H",
     "down_bwd_saved": "n = I, k = H",
@@ -91,8 +92,9 @@ class TileConfig:
 
 
 # Kinds without tiles of their own in a TileConfig: down_bwd reading saved gate/up
-# pre-activations is one accumulator over K = H, like the down projection.
-_FALLBACK_KINDS = {"down_bwd_saved": "down"}
+# pre-activations is one accumulator over K = H, like the down projection; gate/up also storing
+# its pre-activations (MoKConfig(recompute_gate_up=False)) is the gate/up GEMM.
+_FALLBACK_KINDS = {"down_bwd_saved": "down", "gate_up_saved": "gate_up"}
 
 
 def _check_row_tiles(name: str, tiles: GemmTiles, align: int) -> None:
