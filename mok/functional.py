@@ -54,8 +54,10 @@ class MoKConfig:
 
     fwd_num_comm_sms / bwd_num_comm_sms: programs that pull token rows from the other ranks in
         expert parallelism (the first programs of the forward's gate/up and the backward's
-        first GEMM launch). 64: pulls by SM loads need many SMs in flight on Hopper (two H200,
-        qwen3-30b-a3b: 98 GB/s with 16, 221 GB/s with 64).
+        first GEMM launch). Pulls by SM loads need bytes in flight (mok.ops.comm,
+        PULL_BYTES_PER_THREAD); with 64 KB a program, 32 programs pull as fast as 64 did and
+        leave the GEMM more SMs (two H200: the forward 3.49 -> 3.28 ms at qwen3-30b-a3b, 3.76
+        -> 3.57 at kimi-ep64-slice).
     minibatch_size: tokens per ready flag when tokens arrive from peers.
     macrobatch_size: rows of the dispatch ring buffer (MoK's knob, checked, not used: the pull
         buffers hold the group's tokens, each pulled once; README, expert parallelism, says
@@ -71,8 +73,8 @@ class MoKConfig:
         per route that a forward+backward runs) and rebuilds h from them.
     """
 
-    fwd_num_comm_sms: int = 64
-    bwd_num_comm_sms: int = 64
+    fwd_num_comm_sms: int = 32
+    bwd_num_comm_sms: int = 32
     minibatch_size: int = 128
     macrobatch_size: int = 8192
     schedule_capacity_multiplier: float = 2.0
