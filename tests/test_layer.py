@@ -253,19 +253,6 @@ def test_copy_rows_gathers_scales_and_zeroes_padding():
     assert torch.equal(rows[:used], expected)
     by_row = ops.copy_rows(rows, routing, gather=False)  # row-indexed: a plain copy
     assert torch.equal(by_row[:used], rows[:used])
-    # In place over rows in schedule order holding garbage on padding rows: scaled by row,
-    # padding zeroed.
-    garbage = torch.where(valid[:, None], rows[:used], float("nan"))
-    target = torch.full_like(rows, float("nan"))
-    target[:used] = garbage
-    row_weights = torch.rand(routing.capacity_rows, device=DEVICE)
-    out = ops.copy_rows(target, routing, gather=False, router_weights=row_weights,
-                        weights_by_row=True, in_place=True)
-    assert out is target
-    scaled = (rows[:used].float() * torch.where(valid, row_weights[:used], 0.0)[:, None])
-    assert torch.equal(target[:used], scaled.to(rows.dtype))
-    with pytest.raises(ValueError, match="in place"):
-        ops.copy_rows(inputs.x, routing, gather=True, in_place=True)
 
 
 def test_recompute_forward_context_equals_forward_context():

@@ -64,11 +64,11 @@ def router_grad_kernel(
 def copy_rows_kernel(
     src_ptr, row_route_ptr, weights_ptr, out_ptr, used_rows_ptr,
     N, topk, stride_sm, stride_om,
-    GATHER: tl.constexpr, SCALE: tl.constexpr, WEIGHTS_BY_ROW: tl.constexpr,
+    GATHER: tl.constexpr, SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """out[row] = src[route // topk] (GATHER; else src[row]), times weights[route] (SCALE;
-    weights[row] with WEIGHTS_BY_ROW) rounded to out's dtype; 0 on padding rows (route -1).
+    """out[row] = src[route // topk] (GATHER; else src[row]), times weights[route] (SCALE)
+    rounded to out's dtype; 0 on padding rows (route -1).
 
     route = row_route[row]. Rows past the schedule's used rows (used_rows_ptr) are not written.
     """
@@ -85,10 +85,7 @@ def copy_rows_kernel(
     else:
         src_rows = rows.to(tl.int64)
     if SCALE:
-        if WEIGHTS_BY_ROW:
-            weight = tl.load(weights_ptr + rows, mask=valid, other=0.0)
-        else:
-            weight = tl.load(weights_ptr + route, mask=valid, other=0.0)
+        weight = tl.load(weights_ptr + route, mask=valid, other=0.0)
     cols = tl.arange(0, BLOCK_N)
     for c0 in range(0, N, BLOCK_N):
         col_mask = (c0 + cols) < N

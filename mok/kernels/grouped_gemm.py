@@ -697,8 +697,7 @@ def _wgrad_tile(
     tile, a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr, router_weights_ptr,
     expert_counts_ptr, expert_offsets_ptr, P, Q, topk, num_rows, stride_am, stride_bm, stride_oe,
     stride_op, stride_oq,
-    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, WEIGHTS_BY_ROW: tl.constexpr,
-    GATHER_B: tl.constexpr, PAIR: tl.constexpr,
+    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr, PAIR: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One output tile of grouped_wgrad_kernel: tiles run expert by expert, then P, then Q."""
@@ -715,7 +714,7 @@ def _wgrad_tile(
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-    NEED_ROUTE: tl.constexpr = GATHER_A or GATHER_B or (SCALE_A and not WEIGHTS_BY_ROW)
+    NEED_ROUTE: tl.constexpr = GATHER_A or GATHER_B or SCALE_A
     offsets = tl.arange(0, BLOCK_R)
     next_route = tl.zeros([BLOCK_R], dtype=tl.int32)
     if NEED_ROUTE:
@@ -743,10 +742,7 @@ def _wgrad_tile(
         a_mask = valid[None, :] & (ps[:, None] < P)
         a = tl.load(a_ptr + a_offsets, mask=a_mask, other=0.0)
         if SCALE_A:
-            if WEIGHTS_BY_ROW:
-                weight = tl.load(router_weights_ptr + rows, mask=valid, other=0.0)
-            else:
-                weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
+            weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
             a = cast_to(a.to(tl.float32) * weight[None, :], a_ptr.dtype.element_ty, UPCAST)
         b = tl.load(b_ptr + b_rows[:, None] * stride_bm + qs[None, :],
                     mask=valid[:, None] & (qs[None, :] < Q), other=0.0)
@@ -770,16 +766,15 @@ def grouped_wgrad_kernel(
     expert_counts_ptr, expert_offsets_ptr,
     P, Q, topk, num_rows, num_tiles,
     stride_am, stride_bm, stride_oe, stride_op, stride_oq,
-    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, WEIGHTS_BY_ROW: tl.constexpr,
-    GATHER_B: tl.constexpr, PAIR: tl.constexpr,
+    GATHER_A: tl.constexpr, SCALE_A: tl.constexpr, GATHER_B: tl.constexpr, PAIR: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
     PERSISTENT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """out[e] = sum over the rows of expert e of A[row, :P]^T B[row, :Q], out [E, P, Q].
 
     GATHER_A / GATHER_B: that operand is token-indexed (row -> route // topk) rather than
-    row-indexed. SCALE_A: scale A's rows by router_weights[route] (router_weights[row] with
-    WEIGHTS_BY_ROW), rounded to A's dtype, as a weighted copy would be. The rows are summed in
+    row-indexed. SCALE_A: scale A's rows by router_weights[route], rounded to A's dtype, as a
+    weighted copy would be. The rows are summed in
     order, so the result is deterministic.
     PERSISTENT: each program takes tiles num_programs apart. The loop asks the compiler to
     flatten the nest so it could pipeline across tiles; with a row loop whose bounds change from
@@ -795,11 +790,9 @@ def grouped_wgrad_kernel(
             _wgrad_tile(tile, a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr,
                         router_weights_ptr, expert_counts_ptr, expert_offsets_ptr, P, Q, topk,
                         num_rows, stride_am, stride_bm, stride_oe, stride_op, stride_oq,
-                        GATHER_A, SCALE_A, WEIGHTS_BY_ROW, GATHER_B, PAIR, BLOCK_P, BLOCK_Q,
-                        BLOCK_R, UPCAST)
+                        GATHER_A, SCALE_A, GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R, UPCAST)
     else:
         _wgrad_tile(tl.program_id(0), a_ptr, a2_ptr, b_ptr, out_ptr, out2_ptr, row_route_ptr,
                     router_weights_ptr, expert_counts_ptr, expert_offsets_ptr, P, Q, topk,
                     num_rows, stride_am, stride_bm, stride_oe, stride_op, stride_oq, GATHER_A,
-                    SCALE_A, WEIGHTS_BY_ROW, GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R,
-                    UPCAST)
+                    SCALE_A, GATHER_B, PAIR, BLOCK_P, BLOCK_Q, BLOCK_R, UPCAST)

@@ -362,28 +362,23 @@ def grouped_wgrad(
     gather_a: bool,
     gather_b: bool,
     router_weights: torch.Tensor | None = None,
-    weights_by_row: bool = False,
     out_dtype: torch.dtype,
-    overwrite_a: bool = False,
 ) -> torch.Tensor:
     """out [E, P, Q] = sum over expert e's rows of a[row, :P]^T b[row, :Q].
 
     a [rows or T, P] and b [rows or T, Q] (a view with unit column stride); a gathered operand is
-    indexed by token. With router_weights, a's rows are scaled by the route's weight
-    (router_weights [T * k] by route, or [C] by row with weights_by_row). A row-indexed b holds
-    zeros on padding rows, as the row GEMMs' outputs (h) do: with tiles.grouped_mm it is read
-    as it is, padding included (a is copied, see copy_rows; or with overwrite_a, a row-indexed
-    a the caller no longer needs is scaled and its padding zeroed in place).
+    indexed by token. With router_weights [T * k], a's rows are scaled by the route's weight. A
+    row-indexed b holds zeros on padding rows, as the row GEMMs' outputs (h) do: with
+    tiles.grouped_mm it is read as it is, padding included (a is copied, see copy_rows).
     """
     if _use_grouped_mm(tiles, a, b):
-        a_rows = copy_rows(a, routing, gather=gather_a, router_weights=router_weights,
-                           weights_by_row=weights_by_row, in_place=overwrite_a and not gather_a)
+        a_rows = copy_rows(a, routing, gather=gather_a, router_weights=router_weights)
         b_rows = copy_rows(b, routing, gather=True) if gather_b else b
         return _grouped_mm_wgrad(a_rows, b_rows, _group_ends(routing), out_dtype)
     out = torch.empty(routing.num_local_experts, a.shape[1], b.shape[1], dtype=out_dtype,
                       device=a.device)
     _launch_wgrad(a, None, b, out, None, routing, tiles, gather_a=gather_a, gather_b=gather_b,
-                  router_weights=router_weights, weights_by_row=weights_by_row)
+                  router_weights=router_weights)
     return out
 
 
@@ -395,18 +390,15 @@ def grouped_wgrad_gate_up(
     *,
     gather_x: bool,
     out_dtype: torch.dtype,
-    overwrite_x: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_w_gate, d_w_up) [E, I, H] from d_gate_up [C, 2I] (d_gate, then d_up) and x (by token
     with gather_x, else by row). With tiles.pair one launch computes both, loading each tile of
     x once; otherwise two launches. Either way each output tile is summed in the same order.
-    With tiles.grouped_mm x's rows are copied into schedule order (copy_rows), or with
-    overwrite_x a row-indexed x the caller no longer needs has its padding rows zeroed in
-    place."""
+    With tiles.grouped_mm x's rows are copied into schedule order (copy_rows)."""
     intermediate = d_gate_up.shape[1] // 2
     d_gate, d_up = d_gate_up[:, :intermediate], d_gate_up[:, intermediate:]
     if _use_grouped_mm(tiles, d_gate_up, x):
-        x_rows = copy_rows(x, routing, gather=gather_x, in_place=overwrite_x and not gather_x)
+        x_rows = copy_rows(x, routing, gather=gather_x)
         ends = _group_ends(routing)
         return (_grouped_mm_wgrad(d_gate, x_rows, ends, out_dtype),
                 _grouped_mm_wgrad(d_up, x_rows, ends, out_dtype))
@@ -429,27 +421,18 @@ def copy_rows(
     *,
     gather: bool,
     router_weights: torch.Tensor | None = None,
-    weights_by_row: bool = False,
-    in_place: bool = False,
 ) -> torch.Tensor:
     """rows [C, width] in schedule order: src[token] (gather; src [T, width]) or src[row] (src
-    [C, width]), scaled by the route's router weight (router_weights [T * k] by route, or [C]
-    by row with weights_by_row) and rounded to src's dtype; 0 on padding rows. Rows past the
-    schedule's used rows are left unwritten. in_place (not with gather): written over src
-    (each row is read before it is written, by the same program), which is returned."""
+    [C, width]), scaled by the route's router weight (router_weights [T * k]) and rounded to
+    src's dtype; 0 on padding rows. Rows past the schedule's used rows are left unwritten."""
     width = src.shape[1]
-    if in_place:
-        if gather or src.shape[0] != routing.capacity_rows:
-            raise ValueError("copy_rows in place needs src of the schedule's rows, not gathered")
-        out = src
-    else:
-        out = torch.empty(routing.capacity_rows, width, dtype=src.dtype, device=src.device)
+    out = torch.empty(routing.capacity_rows, width, dtype=src.dtype, device=src.device)
     block_m, block_n = 16, min(256, triton.next_power_of_2(max(width, 1)))
     combine_kernels.copy_rows_kernel[(triton.cdiv(routing.capacity_rows, block_m),)](
         src, routing.row_route, router_weights if router_weights is not None else src, out,
         routing.used_rows, width, routing.topk, src.stride(0), out.stride(0),
-        GATHER=gather, SCALE=router_weights is not None, WEIGHTS_BY_ROW=weights_by_row,
-        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=UPCAST, num_warps=4,
+        GATHER=gather, SCALE=router_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=UPCAST, num_warps=4,
     )
     return out
 
@@ -485,8 +468,7 @@ def _grouped_mm_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, ends: torch.Te
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, router_weights,
-                  weights_by_row=False):
+def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, router_weights):
     width_p, width_q = a.shape[1], b.shape[1]
     num_tiles = (routing.num_local_experts * triton.cdiv(width_p, tiles.block_m)
                  * triton.cdiv(width_q, tiles.block_n))
@@ -497,8 +479,8 @@ def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, ro
         routing.expert_counts, routing.expert_offsets,
         width_p, width_q, routing.topk, routing.capacity_rows, num_tiles,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, SCALE_A=router_weights is not None, WEIGHTS_BY_ROW=weights_by_row,
-        GATHER_B=gather_b, PAIR=a2 is not None, BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,
+        GATHER_A=gather_a, SCALE_A=router_weights is not None, GATHER_B=gather_b,
+        PAIR=a2 is not None, BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,
         BLOCK_R=tiles.block_k, PERSISTENT=tiles.persistent, UPCAST=UPCAST,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
