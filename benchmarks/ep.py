@@ -400,9 +400,8 @@ def print_host_times(fns, group, quiet=False, repeats=5):
 
 def print_host_profile(fn, group, quiet=False, top=14):
     """The Python functions with the most host time of their own in one call of `fn` (cProfile;
-    the GPU kept behind so no launch waits on it): where a call's host time goes."""
+    the GPU kept behind so no launch waits on it), in ms: where a call's host time goes."""
     import cProfile
-    import io
     import pstats
 
     torch.cuda.synchronize()
@@ -414,12 +413,14 @@ def print_host_profile(fn, group, quiet=False, top=14):
     profiler.disable()
     torch.cuda.synchronize()
     dist.barrier(group)
-    if not quiet:
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-        lines = [line for line in text.getvalue().splitlines() if line.strip()]
-        print("    host time of one forward call by function (cProfile, own time):")
-        print("\n".join("      " + line[:150] for line in lines[2:]), flush=True)
+    if quiet:
+        return
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, _, own s, total s, _)}
+    print("    host time of one forward call by function (cProfile; own / with callees ms):")
+    for (path, line, name), (_, calls, own, total, _) in sorted(
+            stats.items(), key=lambda item: -item[1][2])[:top]:
+        where = f"{Path(path).name}:{line}" if line else path
+        print(f"      {own * 1e3:7.3f} {total * 1e3:7.3f} ms {calls:4d}x  {name} ({where})")
 
 
 def dispatch_only(layer, inputs, iters, warmup, group):
