@@ -278,6 +278,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
     for name in shape_names:
         shape = ep_shape(BENCH_SHAPES[name], world_size)
         fwd_flops = shape.flops() / 3
+        mode_flops = {"forward": fwd_flops, "forward+backward": 3 * fwd_flops}
         if rank == 0:
             print(f"== {shape.name} EP={world_size}: T={shape.num_tokens}/GPU, "
                   f"E={shape.num_experts}, H={shape.hidden_size}, I={shape.intermediate_size}, "
@@ -294,16 +295,14 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
         compute = {"forward": timed(solo_layer.forward, iters, warmup, group),
                    "forward+backward": timed(solo_layer.step, iters, warmup, group)}
         for mode, ms in compute.items():
-            row(shape, f"compute_only{kept}", mode, ms,
-                fwd_flops * (3 if "backward" in mode else 1))
+            row(shape, f"compute_only{kept}", mode, ms, mode_flops[mode])
         if host_ahead and cuda:
             compute_ahead = {"forward": timed(solo_layer.forward, iters, 1, group,
                                               host_ahead=True),
                              "forward+backward": timed(solo_layer.step, iters, 1, group,
                                                        host_ahead=True)}
             for mode, ms in compute_ahead.items():
-                row(shape, f"compute_only{kept}@ahead", mode, ms,
-                    fwd_flops * (3 if "backward" in mode else 1))
+                row(shape, f"compute_only{kept}@ahead", mode, ms, mode_flops[mode])
         del solo_layer, solo
 
         for impl_name in ("mok", "nccl_grouped_mm"):
@@ -329,14 +328,13 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
                 torch.cuda.reset_peak_memory_stats(device)
             for mode, fn in (("forward", impl.forward), ("forward+backward", impl.step)):
                 ms = timed(fn, iters, warmup, group)
-                flops = fwd_flops * (3 if "backward" in mode else 1)
-                row(shape, impl_name + (kept if impl_name == "mok" else ""), mode, ms, flops,
-                    compute[mode], err=err)
+                row(shape, impl_name + (kept if impl_name == "mok" else ""), mode, ms,
+                    mode_flops[mode], compute[mode], err=err)
             if impl_name == "mok" and host_ahead and cuda:
                 for mode, fn in (("forward", impl.forward), ("forward+backward", impl.step)):
                     ms = timed(fn, iters, 1, group, host_ahead=True)
                     row(shape, f"mok{kept}@ahead", mode, ms,
-                        fwd_flops * (3 if "backward" in mode else 1), compute_ahead[mode],
+                        mode_flops[mode], compute_ahead[mode],
                         err=err)
             if impl_name == "mok":
                 ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)

@@ -9,6 +9,7 @@ import torch
 import mok.functional as F
 from mok import _env
 from mok.ops.tuning import (
+    _FALLBACK_KINDS,
     HOPPER_TILES,
     KINDS,
     TUNED_TILES_PATH,
@@ -23,8 +24,6 @@ from .conftest import DEVICE
 # (n, k) of each kind for the routed experts (mok.ops.tuning.KINDS).
 KEYS = {"gate_up": "IH", "gate_up_saved": "IH", "down": "HI", "down_bwd": "IH",
         "down_bwd_saved": "IH", "d_x": "HI", "wgrad_gate_up": "IH", "wgrad_down": "HI"}
-# Kinds that take another kind's tiles when untuned.
-FALLBACK = {"down_bwd_saved": "down", "gate_up_saved": "gate_up"}
 
 
 def committed() -> dict:
@@ -93,7 +92,7 @@ def test_tuner_runs_every_kind_for_routed_and_shared_experts():
         for kind, ((n, k), run) in runners.items():
             assert (n, k) == ((inter, 32) if KEYS[kind] == "IH" else (32, inter)), kind
             out = run(tiles.wgrad if kind.startswith("wgrad") else getattr(
-                tiles, FALLBACK.get(kind, kind)))
+                tiles, _FALLBACK_KINDS.get(kind, kind)))
             first = out[0] if isinstance(out, tuple) else out
             if first.shape[0] == routing.capacity_rows:
                 first = first[:used]
