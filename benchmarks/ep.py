@@ -346,6 +346,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
                 row(shape, f"mok{kept}", "down_local", local_ms, 0)
                 if profile and cuda:
                     print_kernel_times(impl.step, group, quiet=rank != 0)
+                    print_timeline(impl.step, group, rank)
                     print_host_times({"forward": impl.forward, "forward+backward": impl.step},
                                      group, quiet=rank != 0)
                     print_host_profile(impl.forward, group, quiet=rank != 0)
@@ -375,6 +376,43 @@ def print_kernel_times(step, group, quiet=False):
     print("    kernel time of one forward+backward (rank 0):")
     for name, (ms, calls) in sorted(totals.items(), key=lambda item: -item[1][0])[:20]:
         print(f"      {ms:8.3f} ms  {calls:3d}x  {name}")
+
+
+def print_timeline(step, group, rank, min_us=3.0):
+    """Every rank's kernels of one forward+backward on one time line (torch.profiler; the ranks
+    share the host's clock), the host kept ahead (the GPU sleeps until the step is queued), so
+    the gaps are the kernels' own: who waits on whom, and for how long. Kernels shorter than
+    min_us are left out."""
+    from benchmarks.layer import HOST_AHEAD_S
+    from torch.profiler import ProfilerActivity, profile
+
+    cycles = int(HOST_AHEAD_S * torch.cuda.get_device_properties(
+        torch.cuda.current_device()).clock_rate * 1e3)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dist.barrier(group)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        step()
+        torch.cuda.synchronize()
+    dist.barrier(group)
+    mine = [(event.start_ns(), event.duration_ns(), event.name())
+            for event in prof.profiler.kineto_results.events()
+            if event.device_type() == torch.autograd.DeviceType.CUDA
+            and "sleep" not in event.name()]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if rank != 0:
+        return
+    events = sorted((start, duration, peer, name)
+                    for peer, events in enumerate(everyone) for start, duration, name in events)
+    t0 = events[0][0] if events else 0
+    print("    time line of one forward+backward, host ahead (us from the first kernel; "
+          "rank, duration, kernel):")
+    for start, duration, peer, name in events:
+        if duration >= min_us * 1e3:
+            print(f"      {(start - t0) / 1e3:9.1f}  r{peer} {duration / 1e3:8.1f}  {name[:60]}")
 
 
 def print_host_times(fns, group, quiet=False, repeats=5):
@@ -566,7 +604,8 @@ def main(argv=None) -> None:
     parser.add_argument("--peer-timeout", type=float, default=20.0,
                         help="MoKConfig.peer_timeout_s")
     parser.add_argument("--profile", action="store_true",
-                        help="print mok's GPU time per kernel of one step (torch.profiler)")
+                        help="print mok's GPU time per kernel of one step, every rank's kernels "
+                             "on one time line, and the host's time (torch.profiler, cProfile)")
     parser.add_argument("--keep-gate-up", action="store_true",
                         help="mok and its compute-only time with MoKConfig(recompute_gate_up="
                              "False); rows named mok_kept, compute_only_kept")

@@ -196,7 +196,8 @@ def main(argv=None) -> None:
     runs.append(("wgrad_gate_up tuned", t["wgrad_gate_up"], wgrad_gate_up))
     runs.append(("wgrad_down tuned", t["wgrad_down"], wgrad_down))
     # Expert parallelism: the launches that pull the group's tokens in their first programs (the
-    # table's tiles with TMA weights; such launches are never persistent), two ranks' tokens.
+    # table's tiles with TMA weights; persistent ones take their tiles from a shared counter),
+    # two ranks' tokens.
     from mok.ops import comm
 
     i64 = dict(dtype=torch.int64)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import mok.functional as F
+from mok import ops
 from mok.errors import MoKDataError, MoKInputError
 from mok.ops import small_tiles
 from mok.testing import (
@@ -159,7 +160,7 @@ def test_ep_kept_gate_up_tile_variants(rank, world_size):
     # The same with the row tiles and the weights through TMA (GemmTiles.tma_rows, tma) while
     # rows are pulled and scattered (h and the pre-activations written so in the forward, read
     # and written so in the backward), with persistent tiles asked for every GEMM (the launches
-    # that pull run a program per tile all the same: ops.experts._pulling_tiles).
+    # that pull take their tiles from a shared counter: ops.experts._tile_counter).
     config = dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False)
     tiles = with_row_tiles(small_tiles(16), tma=True, tma_rows=True, persistent=True)
     tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, persistent=True))
@@ -169,8 +170,8 @@ def test_ep_kept_gate_up_tile_variants(rank, world_size):
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
-    # The row GEMMs as persistent loops (GemmTiles.persistent; those that pull rows run a
-    # program per tile all the same) while rows are pulled and scattered, epilogues in halves
+    # The row GEMMs as persistent loops (GemmTiles.persistent; those that pull rows take their
+    # tiles from a shared counter) while rows are pulled and scattered, epilogues in halves
     # (GemmTiles.epilogue_split), gate/up recomputed in the backward; the weight gradients of the
     # pulled rows by torch._grouped_mm (GemmTiles.grouped_mm: the rows copied with their padding
     # zeroed, d_out's scaled by the pulled router weights).
@@ -181,17 +182,25 @@ def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
 
 
 
-def test_pulling_launches_run_a_program_per_tile():
-    # A launch whose first programs pull rows is never persistent: a persistent program kept off
-    # its SM by a pulling one would start its fixed share of tiles only after the pulls.
+def test_persistent_pulling_launches_share_a_tile_counter():
+    # A persistent launch whose first programs pull rows hands its tiles out from a counter
+    # zeroed for it; any other launch strides over fixed shares (no counter).
     from mok.ops import experts
 
+    routing = ops.dense_routing(8, 16, torch.device("cpu"))
     tiles = with_row_tiles(small_tiles(16), persistent=True, epilogue_split=2).gate_up
-    assert experts._pulling_tiles(tiles, None) is tiles
-    pulled = experts._pulling_tiles(tiles, pull=object())
-    assert pulled == dataclasses.replace(tiles, persistent=False)
     plain = dataclasses.replace(tiles, persistent=False)
-    assert experts._pulling_tiles(plain, pull=object()) is plain
+    for row_tiles, pull, dynamic in ((tiles, None, False), (plain, object(), False),
+                                     (tiles, object(), True)):
+        counter, is_dynamic = experts._tile_counter(row_tiles, pull, routing)
+        assert is_dynamic is dynamic
+        if dynamic:
+            assert counter.data_ptr() != routing.used_rows.data_ptr()
+            assert counter.dtype == torch.int32 and counter.tolist() == [0]
+        else:
+            # a placeholder the kernel never reads
+            assert counter.data_ptr() == routing.used_rows.data_ptr()
+
 
 def _dispatch_body(rank, world_size):
     """The dispatch alone: every token of the group with a route scheduled here lands once, at

@@ -144,6 +144,42 @@ def test_tile_variants_equal_plain_tiles(case, variant):
     check_against_reference(case, y_variant, grads_variant)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[8]], ids=lambda c: c.name)
+def test_tiles_from_a_shared_counter_equal_plain_tiles(case, kept, monkeypatch):
+    # The persistent gate/up and dSwiGLU launches that pull rows take their tiles from a counter
+    # the programs share (DYNAMIC, mok.ops.experts._tile_counter). Forced here on one device:
+    # bitwise what a program per tile gives, and the counter has handed out every tile.
+    from mok.ops import experts
+
+    base = tiles_for_tests(case.block) or ops.default_tiles(DEVICE)
+    plain = dataclasses.replace(base, use_tuned=False)
+    config = F.MoKConfig(recompute_gate_up=not kept)
+    y, grads, schedule, _ = run_layer(case.inputs(), config=config, swiglu_limit=case.limit,
+                                      tiles=plain)
+    counters = []
+
+    def shared_counter(tiles, pull, routing):
+        assert pull is None and tiles.persistent
+        counters.append((torch.zeros(1, dtype=torch.int32, device=DEVICE), tiles, routing))
+        return counters[-1][0], True
+
+    monkeypatch.setattr(experts, "_tile_counter", shared_counter)
+    y_dynamic, grads_dynamic, schedule, _ = run_layer(
+        case.inputs(), config=config, swiglu_limit=case.limit,
+        tiles=with_row_tiles(plain, persistent=True))
+    assert len(counters) == (4 if case.shared else 2)  # gate/up and dSwiGLU, routed and shared
+    for counter, tiles, routing in counters:
+        # every program took tiles until one past the end: the end plus one per program
+        n = case.intermediate if routing is schedule.routing else case.shared
+        num_tiles = int(routing.used_rows) // tiles.block_m * -(-n // tiles.block_n)
+        assert num_tiles < int(counter) <= num_tiles + experts._num_programs(DEVICE)
+    assert torch.equal(y, y_dynamic)
+    for name, a, b in zip(GRAD_NAMES, grads, grads_dynamic, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    check_against_reference(case, y_dynamic, grads_dynamic)
+
+
 @pytest.mark.parametrize("variant", [with_tma_rows, _tma_weights, _persistent_tma],
                          ids=["tma_rows", "tma_weights", "persistent_tma"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=lambda c: c.name)

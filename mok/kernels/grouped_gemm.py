@@ -28,6 +28,11 @@ PERSISTENT (the row GEMMs; the weight gradients have their own): a program per S
 per tile, each striding over the tiles of the rows in use (the schedule's expert_offsets[E], read
 on the device), so no program starts on a tile without an expert and a program's next tile
 starts without a launch. A tile is computed the same either way: the results are bitwise equal.
+DYNAMIC (with PERSISTENT, in the launches that pull): a program takes its next tile from a
+counter the launch's programs share (tile_counter, zero at launch) instead of striding, so a
+program that starts late, its SM held by a pulling program, takes fewer tiles rather than
+holding up the launch with its fixed share. Which program computes a tile does not change the
+tile's result.
 
 Expert parallelism adds two switches. PULL: the launch's first programs pull the token rows the
 GEMM reads from their ranks (mok.kernels.comm.pull_tokens: the group's tokens, a row each, that
@@ -68,6 +73,15 @@ def _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks, num_n_blocks
         return pid, num_used_m * num_n_blocks, tl.num_programs(0) - num_pull_programs, num_used_m
     pid_m, _ = _tile_coords(pid, num_m_blocks, num_n_blocks, GROUP_M)
     return pid, pid + (pid_m < num_used_m).to(tl.int32), 1, num_m_blocks
+
+
+@triton.jit
+def _next_tile(tile, step, tile_counter_ptr, DYNAMIC: tl.constexpr):
+    """A program's next tile after `tile`: tile + step, or with DYNAMIC the next one no
+    program of the launch has taken (first call: tile_counter's value at launch, 0)."""
+    if DYNAMIC:
+        return tl.atomic_add(tile_counter_ptr, 1, sem="relaxed")
+    return tile + step
 
 
 @triton.jit
@@ -213,14 +227,14 @@ def gate_up_swiglu_kernel(
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
-    flag_delta_ptr, error_ptr, used_rows_ptr, num_m_blocks, N, K, topk,
+    flag_delta_ptr, error_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-    SPLIT: tl.constexpr,
+    DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -250,7 +264,9 @@ def gate_up_swiglu_kernel(
             return
     first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
                                           tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
-    for tile in tl.range(first, end, step):
+    tile = _next_tile(first - step, step, tile_counter_ptr, DYNAMIC)
+    while tile < end:
+        next_tile = _next_tile(tile, step, tile_counter_ptr, DYNAMIC)  # taken ahead: no wait
         pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
         _gate_up_tile(
             x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
@@ -259,6 +275,7 @@ def gate_up_swiglu_kernel(
             swiglu_limit,
             HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
             PULL, MINIBATCH, HAS_TIMER, UPCAST)
+        tile = next_tile
 
 
 @triton.jit
@@ -416,7 +433,7 @@ def down_bwd_dswiglu_kernel(
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
-    flag_delta_ptr, error_ptr, used_rows_ptr, num_m_blocks, N, K, topk,
+    flag_delta_ptr, error_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
@@ -424,7 +441,7 @@ def down_bwd_dswiglu_kernel(
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
-    WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
+    WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr, DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -460,7 +477,9 @@ def down_bwd_dswiglu_kernel(
             return
     first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
                                           tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
-    for tile in tl.range(first, end, step):
+    tile = _next_tile(first - step, step, tile_counter_ptr, DYNAMIC)
+    while tile < end:
+        next_tile = _next_tile(tile, step, tile_counter_ptr, DYNAMIC)  # taken ahead: no wait
         pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
         _down_bwd_tile(
             d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
@@ -471,6 +490,7 @@ def down_bwd_dswiglu_kernel(
             stride_pm, swiglu_limit,
             HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA, BLOCK_M,
             BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
+        tile = next_tile
 
 
 @triton.jit

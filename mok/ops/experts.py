@@ -5,7 +5,6 @@ Legend: T tokens, H hidden, I intermediate, E local experts, C schedule rows (Ro
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -124,16 +123,17 @@ def _row_grid(routing: Routing, tiles: GemmTiles, n: int) -> tuple[int, int]:
     return num_m_blocks, num_tiles
 
 
-def _pulling_tiles(tiles: GemmTiles, pull: Pull | None) -> GemmTiles:
-    """The tiles of a launch whose first programs pull rows from other ranks: a program per tile
-    there, never persistent. A persistent program that finds its SM held by a pulling program
-    (a 128 x 128 dSwiGLU tile at 8 warps takes all 64K registers of an SM) could start its
-    fixed share of the tiles only once the pulls end, the rest of the launch waiting on it
-    (the recomputing dSwiGLU under EP=2 at qwen3: 4.66 ms, 2.87 alone); per-tile programs are
-    handed to SMs as they free up."""
+def _tile_counter(tiles: GemmTiles, pull: Pull | None, routing: Routing) -> tuple:
+    """(tile_counter, DYNAMIC) of a row GEMM launch. A launch that pulls rows from other ranks
+    and runs persistent programs hands its tiles out from a counter (zeroed here, on the
+    device's stream: no sync) rather than in fixed shares: a persistent program that finds its
+    SM held by a pulling program (a 128 x 128 dSwiGLU tile at 8 warps takes all 64K registers of
+    an SM) starts only once the pulls end, and with a fixed share the rest of the launch would
+    wait on it (the recomputing dSwiGLU under EP=2 at qwen3 with fixed shares: 4.66 ms, 2.87
+    alone)."""
     if pull is None or not tiles.persistent:
-        return tiles
-    return dataclasses.replace(tiles, persistent=False)
+        return routing.used_rows, False
+    return torch.zeros(1, dtype=torch.int32, device=routing.used_rows.device), True
 
 
 def _limit_args(swiglu_limit: float | None) -> tuple[float, bool]:
@@ -158,7 +158,7 @@ def gate_up_swiglu(
     swiglu limit, a value the limit clamps is stored as +-inf.
     """
     intermediate, hidden = w_gate.shape[1:]
-    tiles = _pulling_tiles(tiles, pull)
+    tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
     if gate_up is not None:
         _check_gate_up(gate_up, routing, intermediate)
@@ -173,11 +173,13 @@ def gate_up_swiglu(
     gemm_kernels.gate_up_swiglu_kernel[(grid + pull_scalars[0],)](
         x, gate, up, h_out, gate_up_out[0] if gate_up_out else h_out, routing.row_route,
         routing.block_expert, *pull_ptrs,
-        routing.used_rows, num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
-        x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
+        routing.used_rows, tile_counter, num_m_blocks, intermediate, hidden, routing.topk,
+        *pull_scalars, x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
+        h.stride(0),
         gate_up.stride(0) if gate_up is not None else 0,
         limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=tma,
-        SAVE_GATE_UP=gate_up is not None, ROWS_TMA=rows_tma, **pull_meta, **_gemm_meta(tiles),
+        SAVE_GATE_UP=gate_up is not None, ROWS_TMA=rows_tma, DYNAMIC=dynamic, **pull_meta,
+        **_gemm_meta(tiles),
     )
     return h
 
@@ -277,7 +279,7 @@ def down_bwd_dswiglu(
     pull: d_out's rows come from the other ranks, pulled by this launch's first programs.
     """
     intermediate, hidden = w_gate.shape[1:]
-    tiles = _pulling_tiles(tiles, pull)
+    tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     rows = routing.capacity_rows
     d_gate_up = torch.empty(rows, 2 * intermediate, dtype=x.dtype, device=x.device)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
@@ -304,14 +306,15 @@ def down_bwd_dswiglu(
         router_weights if router_weights is not None else h,
         d_gate_up_arg, partial if partial is not None else d_gate_up,
         routing.row_route, routing.block_expert, *pull_ptrs,
-        routing.used_rows, num_m_blocks, intermediate, hidden, routing.topk, *pull_scalars,
-        d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2),
+        routing.used_rows, tile_counter, num_m_blocks, intermediate, hidden, routing.topk,
+        *pull_scalars, d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1),
+        w_down.stride(2),
         w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
         gate_up.stride(0) if gate_up is not None else 0, d_gate_up.stride(0),
         partial.stride(0) if partial is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
         W_TMA=tma, SAVED_GATE_UP=gate_up is not None, H_OUT=h_out, ROWS_TMA=rows_tma,
-        WK_TMA=wk_tma, **pull_meta, **_gemm_meta(tiles),
+        WK_TMA=wk_tma, DYNAMIC=dynamic, **pull_meta, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 
