@@ -383,8 +383,9 @@ def print_timeline(step, group, rank, min_us=3.0):
     share the host's clock), the host kept ahead (the GPU sleeps until the step is queued), so
     the gaps are the kernels' own: who waits on whom, and for how long. Kernels shorter than
     min_us are left out."""
-    from benchmarks.layer import HOST_AHEAD_S
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.layer import HOST_AHEAD_S
 
     cycles = int(HOST_AHEAD_S * torch.cuda.get_device_properties(
         torch.cuda.current_device()).clock_rate * 1e3)

@@ -203,17 +203,27 @@ class ExpertParallel:
 
     def backward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, d_output: torch.Tensor,
                       x: torch.Tensor, *, minibatch: int, num_programs: int,
-                      ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
+                      defer_x: bool = False,
+                      ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull, comm.Pull | None]:
         """The backward's exchange up to its first GEMM: publish d_output and x; the pull of
         both for the tokens of the local experts' routes. Returns (d_output and x of the
-        group's tokens, pull)."""
+        group's tokens, the pull, None). defer_x: the first GEMM pulls d_output's rows only, and
+        x's come in a second pull (returned last) for a later launch that reads neither: a
+        backward with kept pre-activations needs x for the weight gradients alone, and its first
+        GEMM, a third of the recomputing one, would otherwise wait on twice the bytes."""
         tokens = x.shape[0]
         self.publish(peer, Phase.BACKWARD, [(self.dy_pub(d_output.dtype)[:tokens], d_output),
                                             (self.x_pub(x.dtype)[:tokens], x)])
         dy_group, _, x_group, pull = self.pull(
             peer, Phase.BACKWARD, plan, src=self.dy_pub(d_output.dtype), weights=None,
-            minibatch=minibatch, num_programs=num_programs, second_src=self.x_pub(x.dtype))
-        return dy_group, x_group, pull
+            minibatch=minibatch, num_programs=num_programs,
+            second_src=None if defer_x else self.x_pub(x.dtype))
+        x_pull = None
+        if defer_x:
+            x_group, _, _, x_pull = self.pull(
+                peer, Phase.BACKWARD, plan, src=self.x_pub(x.dtype), weights=None,
+                minibatch=minibatch, num_programs=num_programs)
+        return dy_group, x_group, pull, x_pull
 
     def pulled(self, peer: comm.PeerFlags, phase: Phase) -> None:
         """After the GEMM that pulled: tell every rank its published rows may be overwritten."""

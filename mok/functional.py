@@ -781,8 +781,9 @@ def backward(
 def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared_rows, w_gate,
                               w_up, w_down, swiglu_limit):
     """The routed experts' backward when the token rows live on their tokens' ranks: pull d_output
-    and x of the group's tokens in the first GEMM's launch, send d_x rows and router-weight
-    gradients back, keep the weight gradients."""
+    and x of the group's tokens in the first GEMM's launch (x in d_x's launch when the forward
+    kept the pre-activations: only the weight gradients read it then), send d_x rows and
+    router-weight gradients back, keep the weight gradients."""
     workspace, plan = schedule.workspace, schedule.exchange
     ep = workspace.ep
     peer = ep.peer_flags(workspace.error_flags)
@@ -790,21 +791,23 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     hidden, intermediate = d_output.shape[1], w_gate.shape[1]
     pick = schedule.tiles.pick
     routing = schedule.routing
-    dy_group, x_group, pull = ep.backward_pull(peer, plan, d_output, x,
-                                               minibatch=config.minibatch_size,
-                                               num_programs=config.bwd_num_comm_sms)
+    kept = context.gate_up is not None  # x is read by the weight gradients alone
+    dy_group, x_group, pull, x_pull = ep.backward_pull(
+        peer, plan, d_output, x, minibatch=config.minibatch_size,
+        num_programs=config.bwd_num_comm_sms, defer_x=kept)
     h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
     d_gate_up, partial = ops.down_bwd_dswiglu(
         dy_group, x_group, w_down, w_gate, w_up, h, routing,
         pick(_down_bwd_kind(context.gate_up), intermediate, hidden), context.weights_group,
         swiglu_limit, pull=pull, gate_up=context.gate_up, h_out=h_out)
-    ep.pulled(peer, Phase.BACKWARD)
     # Router-weight gradients by route of the group, each sent to its token's rank.
     by_route = ops.router_grad(partial, routing)
     ops.scatter_route_values(by_route.reshape(-1), routing.route_row, ep.d_weights,
                              ep.buffer.deltas(torch.float32), plan.routes_per_rank)
     ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate),
-                 scatter=ep.scatter_rows(plan, dtype))
+                 scatter=ep.scatter_rows(plan, dtype), pull=x_pull,
+                 pulled=x_group if kept else None)
+    ep.pulled(peer, Phase.BACKWARD)  # after every pull of the phase
     ep.clear_dropped(peer, plan, rows_dtype=dtype, values=True)
     ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
     # The weight gradients as on one GPU, over the pulled tokens of the group.

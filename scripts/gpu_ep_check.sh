@@ -2,7 +2,8 @@
 # One call on a machine with several GPUs: the expert-parallel tests (functional, nn, Hugging
 # Face, example), then the EP benchmark with mok's per-kernel times.
 # Writes under $OUT (default ./gpu-out). EP_SIZE (default 2) ranks; EP_TESTS=0 / EP_BENCH=0 skip
-# a step; *_TIMEOUT seconds; EP_BENCH_ARGS extra benchmark arguments. NVLink multicast stays off.
+# a step; *_TIMEOUT seconds; EP_TESTS_K the tests' pytest -k expression; EP_BENCH_ARGS extra
+# benchmark arguments. NVLink multicast stays off.
 # With 4 or 8 GPUs the tests' main cases run with 4 and 8 ranks too: give EP_TESTS_TIMEOUT room
 # (with 2 GPUs on a fresh machine, compiling included, they took over 300 s).
 set -uo pipefail
@@ -18,7 +19,7 @@ if [ "${EP_TESTS:-1}" = 1 ]; then
   echo "== ep tests (limit ${EP_TESTS_TIMEOUT:-420}s)"
   timeout -s KILL "${EP_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider \
     tests/test_expert_parallel.py tests/test_examples.py tests/test_nn.py \
-    tests/test_huggingface.py -k "expert_parallel or test_ep_" ${EP_TESTS_ARGS:-} \
+    tests/test_huggingface.py -k "${EP_TESTS_K:-expert_parallel or test_ep_}" ${EP_TESTS_ARGS:-} \
     > "$OUT/ep_tests.log" 2>&1
   echo "== ep tests exit: $?"; tail -n 40 "$OUT/ep_tests.log"
 fi

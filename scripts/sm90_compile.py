@@ -205,16 +205,17 @@ def main(argv=None) -> None:
                           torch.empty(4, **i32), 0, 2, 10**9)
     x_group = torch.empty(2 * tokens, hid, **bf16)
 
-    def pull(second):
-        return comm.Pull(peer, x, torch.empty(2, **i64), None if second else rw.view(-1),
-                         None if second else torch.empty(2, **i64),
-                         None if second else torch.empty(2 * tokens * k, dtype=torch.float32),
+    def pull(second, weights=None):
+        weights = not second if weights is None else weights
+        return comm.Pull(peer, x, torch.empty(2, **i64), rw.view(-1) if weights else None,
+                         torch.empty(2, **i64) if weights else None,
+                         torch.empty(2 * tokens * k, dtype=torch.float32) if weights else None,
                          torch.empty(2 * tokens, **i32), torch.empty(2 * tokens, **i32),
                          torch.empty(1, **i32), torch.empty(16, **i64), 1, 1, tokens // 2, k,
                          64, 128, x if second else None)
 
     ep_tiles = {kind: r(tiles(kind, inter, hid), tma=True)
-                for kind in ("gate_up", "gate_up_saved", "down_bwd", "down_bwd_saved")}
+                for kind in ("gate_up", "gate_up_saved", "down_bwd", "down_bwd_saved", "d_x")}
     runs.append(("gate_up EP pull tma", ep_tiles["gate_up"], lambda tt: ops.gate_up_swiglu(
         x_group, w_g, w_u, routing, tt, None, pull=pull(False))))
     runs.append(("gate_up saving EP pull tma", ep_tiles["gate_up_saved"],
@@ -227,6 +228,10 @@ def main(argv=None) -> None:
                  lambda tt: ops.down_bwd_dswiglu(d_out, x_group, w_d, w_g, w_u, h, routing, tt,
                                                  rw, None, pull=pull(True), gate_up=dgu,
                                                  h_out=True)))
+    runs.append(("d_x EP pull x", ep_tiles["d_x"],  # x for the weight gradients, kept gate/up
+                 lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt, scatter=comm.ScatterRows(
+                     torch.empty(rows, hid, **bf16), torch.empty(2, **i64), routing.row_route,
+                     tokens * k), pull=pull(False, weights=False), pulled=x_group)))
     if not args.json:
         print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
     rows_out = []

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import mok.functional as F
 from mok import ops
-from mok.errors import MoKDataError, MoKInputError
+from mok.errors import NUM_ERROR_FLAGS, MoKDataError, MoKInputError
 from mok.ops import small_tiles
 from mok.testing import (
     GRAD_NAMES,
@@ -268,6 +268,31 @@ def _dispatch_body(rank, world_size):
                                                                        device=order.device))
     used = -(-moving // config.minibatch_size)
     assert (pull.ready[:used] == pull.ready[0]).all() and int(pull.ready[0]) > 0
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_gather_peers_takes_blocks_in_turn(rank, world_size):
+    # The schedule's gather of every rank's top-k, with more blocks per rank than programs
+    # (ops.comm._GATHER_PROGRAMS_PER_RANK): each program takes several, the last one partial.
+    from mok.expert_parallel import ExpertParallel, Phase
+    from mok.ops import comm
+
+    device = _device(rank)
+    block = 4096
+    numel = (comm._GATHER_PROGRAMS_PER_RANK * 2 + 1) * block + 5
+    ep = ExpertParallel(dist.group.WORLD, device, num_tokens=numel, hidden_size=1, topk=1,
+                        timeout_s=300.0)
+    peer = ep.peer_flags(torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device))
+    values = torch.randint(-2**30, 2**30, (world_size, numel), dtype=torch.int32,
+                           generator=torch.Generator().manual_seed(5)).to(device)
+    ep.publish(peer, Phase.SCHEDULE, [(ep.topk_pub, values[rank])])
+    gathered = torch.full((world_size * numel,), -7, dtype=torch.int32, device=device)
+    comm.gather_peers(peer, ep.topk_pub, gathered, ep.buffer.deltas(torch.int32),
+                      Phase.SCHEDULE, ep.slots.pub(Phase.SCHEDULE))
+    comm.signal_peers(peer, Phase.SCHEDULE, ep.slots.ack(Phase.SCHEDULE))
+    assert torch.equal(gathered.view(world_size, numel), values)
+    comm.wait_peers(peer, Phase.SCHEDULE, ep.slots.ack(Phase.SCHEDULE))  # none reads any more
+    dist.barrier()
 
 
 @distributed_test(world_sizes=(2,))

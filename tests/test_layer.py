@@ -147,9 +147,9 @@ def test_tile_variants_equal_plain_tiles(case, variant):
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[8]], ids=lambda c: c.name)
 def test_tiles_from_a_shared_counter_equal_plain_tiles(case, kept, monkeypatch):
-    # The persistent gate/up and dSwiGLU launches that pull rows take their tiles from a counter
-    # the programs share (DYNAMIC, mok.ops.experts._tile_counter). Forced here on one device:
-    # bitwise what a program per tile gives, and the counter has handed out every tile.
+    # The persistent gate/up, dSwiGLU and d_x launches that pull rows take their tiles from a
+    # counter the programs share (DYNAMIC, mok.ops.experts._tile_counter). Forced here on one
+    # device: bitwise what a program per tile gives, and the counter has handed out every tile.
     from mok.ops import experts
 
     base = tiles_for_tests(case.block) or ops.default_tiles(DEVICE)
@@ -168,12 +168,16 @@ def test_tiles_from_a_shared_counter_equal_plain_tiles(case, kept, monkeypatch):
     y_dynamic, grads_dynamic, schedule, _ = run_layer(
         case.inputs(), config=config, swiglu_limit=case.limit,
         tiles=with_row_tiles(plain, persistent=True))
-    assert len(counters) == (4 if case.shared else 2)  # gate/up and dSwiGLU, routed and shared
+    # gate/up, dSwiGLU and d_x, of the routed experts and of the shared one
+    assert len(counters) == (6 if case.shared else 3)
     for counter, tiles, routing in counters:
-        # every program took tiles until one past the end: the end plus one per program
-        n = case.intermediate if routing is schedule.routing else case.shared
-        num_tiles = int(routing.used_rows) // tiles.block_m * -(-n // tiles.block_n)
-        assert num_tiles < int(counter) <= num_tiles + experts._num_programs(DEVICE)
+        # every program took tiles until one past the end: the end plus one per program (N is
+        # I or H, which launch this was is not known here)
+        ns = (case.intermediate if routing is schedule.routing else case.shared, case.hidden)
+        num_tiles = [int(routing.used_rows) // tiles.block_m * -(-n // tiles.block_n)
+                     for n in ns]
+        assert any(count < int(counter) <= count + experts._num_programs(DEVICE)
+                   for count in num_tiles)
     assert torch.equal(y, y_dynamic)
     for name, a, b in zip(GRAD_NAMES, grads, grads_dynamic, strict=True):
         assert (a is None and b is None) or torch.equal(a, b), name

@@ -646,40 +646,75 @@ def _dswiglu_slice(
 @triton.jit
 def d_x_rows_kernel(
     d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr,
-    dest_route_ptr, out_delta_ptr,
-    used_rows_ptr, num_m_blocks, N, K, routes_per_rank,
+    dest_route_ptr, out_delta_ptr, pulled_ptr, stride_pulled,
+    pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
+    pull_src2_ptr,
+    pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
+    flag_delta_ptr, error_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks, N, K,
+    routes_per_rank, num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
+    world_size, timeout, stride_pull_src,
     stride_gm, stride_we, stride_wk, stride_wn, stride_om,
     ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-    SPLIT: tl.constexpr,
+    DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
+    SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
+    MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
+    PULL_K_PAD: tl.constexpr, PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """out[row] = d_gate[row] @ w_gate[e] + d_up[row] @ w_up[e]; N = H, K = I, w [E, K, N].
 
     ROWS_TMA (not with SCATTER): d_gate_up_ptr and out_ptr are TMA descriptors of d_gate_up and
     out, with [BLOCK_M, BLOCK_K] (BLOCK_K divides K) and [BLOCK_M, BLOCK_N // SPLIT] boxes. WK_TMA:
     w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * K, N] (module docstring).
+    PULL: the launch's first programs pull token rows of width N into pulled_ptr for a later
+    kernel (the weight gradients' x when the backward reads kept pre-activations); no tile
+    reads them, so none waits.
     """
-    first, end, step, grid_m = _tile_span(tl.program_id(0), 0, used_rows_ptr, num_m_blocks,
+    pid = tl.program_id(0)
+    if PULL:
+        pid = _pull_programs(
+            pulled_ptr, stride_pulled, pulled_ptr, stride_pulled, N, pull_src_ptr,
+            pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr,
+            pull_order_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr,
+            error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
+            world_size, timeout, stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH,
+            PULL_BLOCK_R, PULL_BLOCK_W, PULL_K_PAD, PULL_ROW_ALIGN, HAS_TIMER)
+        if pid < 0:
+            return
+    first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
                                           tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
-    for tile in tl.range(first, end, step):
-        pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-        _d_x_tile(d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr, dest_route_ptr,
-                  out_delta_ptr, pid_m, pid_n, N, K, routes_per_rank, stride_gm, stride_we,
-                  stride_wk, stride_wn, stride_om, ALIGN, ROWS_TMA, WK_TMA, BLOCK_M, BLOCK_N,
-                  BLOCK_K, SPLIT, SCATTER, ROW_ALIGN, UPCAST)
+    if DYNAMIC:
+        tile = _next_tile(first - step, step, tile_counter_ptr, DYNAMIC)
+        while tile < end:
+            next_tile = _next_tile(tile, step, tile_counter_ptr, DYNAMIC)  # taken ahead
+            _d_x_tile(d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr,
+                      dest_route_ptr, out_delta_ptr, tile, grid_m, N, K, routes_per_rank,
+                      stride_gm, stride_we, stride_wk, stride_wn, stride_om, ALIGN, ROWS_TMA,
+                      WK_TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, SCATTER, ROW_ALIGN,
+                      UPCAST)
+            tile = next_tile
+    else:  # a for loop: with the while loop, the TMA-row tiles' stores compile differently
+        for tile in tl.range(first, end, step):
+            _d_x_tile(d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr,
+                      dest_route_ptr, out_delta_ptr, tile, grid_m, N, K, routes_per_rank,
+                      stride_gm, stride_we, stride_wk, stride_wn, stride_om, ALIGN, ROWS_TMA,
+                      WK_TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, SCATTER, ROW_ALIGN,
+                      UPCAST)
 
 
 @triton.jit
 def _d_x_tile(
     d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr, dest_route_ptr,
-    out_delta_ptr, pid_m, pid_n, N, K, routes_per_rank,
+    out_delta_ptr, tile, grid_m, N, K, routes_per_rank,
     stride_gm, stride_we, stride_wk, stride_wn, stride_om,
     ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr, SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of d_x_rows_kernel (an expert's rows)."""
+    """Tile `tile` [BLOCK_M, BLOCK_N] of d_x_rows_kernel (an expert's rows)."""
+    pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

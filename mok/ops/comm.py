@@ -25,6 +25,8 @@ HAS_TIMER = not _env.INTERPRET
 # core (measured: 7-8K); a busy machine spins slower, so the wait only lasts longer.
 INTERPRETER_SPINS_PER_S = 8000
 _ALIGN_BYTES = 256
+# gather_peers: programs per rank gathered from, each waiting on that rank's flag once.
+_GATHER_PROGRAMS_PER_RANK = 16
 # Rows move between ranks in 16-byte vectors where their offsets allow (see row_align).
 _ROW_BYTES = 16
 
@@ -163,11 +165,12 @@ def gather_peers(peer: PeerFlags, src: torch.Tensor, dst: torch.Tensor, src_delt
                  phase: int, publish_slot: int) -> None:
     """dst [P, *src.shape] = every rank's src, each once that rank published `phase`."""
     numel = src.numel()
-    block = min(1024, triton.next_power_of_2(max(numel, 16)))
-    kernels.gather_peers_kernel[(peer.world_size, triton.cdiv(numel, block))](
+    block = min(4096, triton.next_power_of_2(max(numel, 16)))
+    programs = min(triton.cdiv(numel, block), _GATHER_PROGRAMS_PER_RANK)
+    kernels.gather_peers_kernel[(peer.world_size, programs)](
         src, src_deltas, dst, peer.flags, peer.flag_deltas, peer.seq, peer.errors,
         phase, publish_slot, numel, peer.world_size, peer.timeout,
-        BLOCK=block, HAS_TIMER=HAS_TIMER)
+        BLOCK=block, HAS_TIMER=HAS_TIMER, num_warps=8)
 
 
 def pull_tokens(

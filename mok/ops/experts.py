@@ -326,32 +326,42 @@ def d_x_rows(
     routing: Routing,
     tiles: GemmTiles,
     scatter: ScatterRows | None = None,
+    pull: Pull | None = None,
+    pulled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rows [C, H] = d_gate @ w_gate[e] + d_up @ w_up[e]; w [E, I, H].
 
     scatter: write each row into its token's rank's combine buffer instead (returns that buffer).
+    pull: this launch's first programs also pull token rows [P * T, H] into `pulled`, for a
+    later kernel (no tile here reads them).
     """
     intermediate, hidden = w_gate.shape[1:]
+    if (pull is None) != (pulled is None):
+        raise ValueError("d_x_rows takes pull and pulled together")
     if scatter is None:
         out = torch.empty(routing.capacity_rows, hidden, dtype=d_gate_up.dtype,
                           device=d_gate_up.device)
     else:
         out = scatter.out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
+    tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
+    pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, out, tiles.num_warps)
     (d_gate_up_in, out_arg), rows_tma = _rows_operands(
         tiles, _a_spec(d_gate_up, intermediate, tiles), _out_spec(out, hidden, tiles),
         wanted=scatter is None)
     gate, gate_tma = _weights_k_rows_operand(w_gate, tiles)
     up, up_tma = _weights_k_rows_operand(w_up, tiles)
     wk_tma = gate_tma and up_tma
-    gemm_kernels.d_x_rows_kernel[(grid,)](
+    pulled = out if pulled is None else pulled
+    gemm_kernels.d_x_rows_kernel[(grid + pull_scalars[0],)](
         d_gate_up_in, gate if wk_tma else w_gate, up if wk_tma else w_up, out_arg,
-        routing.block_expert, *scatter_ptrs,
-        routing.used_rows, num_m_blocks, hidden, intermediate, routes_per_rank,
-        d_gate_up.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), out.stride(0),
-        ALIGN=routing.align, ROWS_TMA=rows_tma, WK_TMA=wk_tma, **scatter_meta,
-        **_gemm_meta(tiles),
+        routing.block_expert, *scatter_ptrs, pulled, pulled.stride(0), *pull_ptrs,
+        routing.used_rows, tile_counter, num_m_blocks, hidden, intermediate, routes_per_rank,
+        *pull_scalars, d_gate_up.stride(0), w_gate.stride(0), w_gate.stride(1),
+        w_gate.stride(2), out.stride(0),
+        ALIGN=routing.align, ROWS_TMA=rows_tma, WK_TMA=wk_tma, DYNAMIC=dynamic, **scatter_meta,
+        **pull_meta, **_gemm_meta(tiles),
     )
     return out
 
