@@ -193,7 +193,7 @@ def timed(fn, iters, warmup, group, calls=4, host_ahead=False):
     so host time shows only where it exceeds GPU time. host_ahead (GPU only): the GPU sleeps
     before each sample until the host has queued all its calls, so the kernels alone are timed
     (benchmarks.layer.HOST_AHEAD_S)."""
-    from benchmarks.layer import HOST_AHEAD_S
+    from benchmarks.layer import HOST_AHEAD_S, hold_device
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -203,17 +203,13 @@ def timed(fn, iters, warmup, group, calls=4, host_ahead=False):
     _sync()
     if group is not None:
         dist.barrier(group)
-    sleep_cycles = 0
-    if cuda and host_ahead:
-        sleep_cycles = int(HOST_AHEAD_S * calls * torch.cuda.get_device_properties(
-            torch.cuda.current_device()).clock_rate * 1e3)
     times = []
     for _ in range(iters):
         if cuda:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
-            if sleep_cycles:
-                torch.cuda._sleep(sleep_cycles)
+            if host_ahead:
+                hold_device(HOST_AHEAD_S * calls)
             start.record()
             for _ in range(calls):
                 fn()
@@ -385,16 +381,14 @@ def print_timeline(step, group, rank, min_us=3.0):
     min_us are left out."""
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.layer import HOST_AHEAD_S
+    from benchmarks.layer import hold_device
 
-    cycles = int(HOST_AHEAD_S * torch.cuda.get_device_properties(
-        torch.cuda.current_device()).clock_rate * 1e3)
     torch.cuda.synchronize()
     dist.barrier(group)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         dist.barrier(group)
         torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
+        hold_device()
         step()
         torch.cuda.synchronize()
     dist.barrier(group)
@@ -441,9 +435,11 @@ def print_host_profile(fn, group, quiet=False, top=14):
     import cProfile
     import pstats
 
+    from benchmarks.layer import hold_device
+
     torch.cuda.synchronize()
     dist.barrier(group)
-    torch.cuda._sleep(50_000_000)  # tens of ms: the device stays behind the host
+    hold_device()
     profiler = cProfile.Profile()
     profiler.enable()
     fn()

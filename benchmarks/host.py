@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 
 import mok.functional as F
-from benchmarks.layer import BENCH_SHAPES, TINY
+from benchmarks.layer import BENCH_SHAPES, TINY, hold_device
 from mok import ops
 from mok.testing import make_shape_inputs
 
@@ -78,7 +78,7 @@ def host_times(shape, *, kept: bool, repeats: int, device: torch.device,
         for _ in range(repeats):
             if device.type == "cuda":
                 torch.cuda.synchronize()
-                torch.cuda._sleep(50_000_000)  # tens of ms: the device stays behind the host
+                hold_device()
             totals.clear()
             if profiler is not None:
                 profiler.enable()

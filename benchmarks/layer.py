@@ -122,6 +122,13 @@ def check(impl: Implementation, inputs: MoEInputs, reference: tuple, trains: boo
 HOST_AHEAD_S = 0.05
 
 
+def hold_device(seconds: float = HOST_AHEAD_S) -> None:
+    """Queue a kernel that keeps the current GPU busy for `seconds`: what the host queues after
+    it starts only then, so the host gets that far ahead of the device."""
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    torch.cuda._sleep(int(seconds * properties.clock_rate * 1e3))  # clock_rate in kHz
+
+
 def measure(prepare: Callable[[int], Callable[[], object]], repeats: int, warmup: int,
             device: torch.device, host_ahead: bool = False) -> tuple[float, float | None, float]:
     """(median ms, peak GiB, median host ms) of the calls prepare(i) returns, i = 0, 1, ...;
@@ -135,8 +142,6 @@ def measure(prepare: Callable[[int], Callable[[], object]], repeats: int, warmup
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        sleep_cycles = int(HOST_AHEAD_S * torch.cuda.get_device_properties(device).clock_rate
-                           * 1e3)
     times, host_times, peak = [], [], 0
     for i in range(warmup, warmup + repeats):
         call = prepare(i)
@@ -146,7 +151,7 @@ def measure(prepare: Callable[[int], Callable[[], object]], repeats: int, warmup
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             if host_ahead:
-                torch.cuda._sleep(sleep_cycles)
+                hold_device()
             start.record()
             start_s = time.perf_counter()
             call()
