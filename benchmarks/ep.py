@@ -288,15 +288,16 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
         solo_layer = MoKLayer(solo, None, config)
         if cuda:  # else the peak of the shape before (or the inputs' setup) is reported
             torch.cuda.reset_peak_memory_stats(device)
-        compute = {"forward": timed(solo_layer.forward, iters, warmup, group),
-                   "forward+backward": timed(solo_layer.step, iters, warmup, group)}
+        def time_modes(layer, ahead=False):
+            """{mode: ms} of a layer's forward and forward+backward (ahead: the host ahead)."""
+            return {mode: timed(fn, iters, 1 if ahead else warmup, group, host_ahead=ahead)
+                    for mode, fn in (("forward", layer.forward), ("forward+backward", layer.step))}
+
+        compute = time_modes(solo_layer)
         for mode, ms in compute.items():
             row(shape, f"compute_only{kept}", mode, ms, mode_flops[mode])
         if host_ahead and cuda:
-            compute_ahead = {"forward": timed(solo_layer.forward, iters, 1, group,
-                                              host_ahead=True),
-                             "forward+backward": timed(solo_layer.step, iters, 1, group,
-                                                       host_ahead=True)}
+            compute_ahead = time_modes(solo_layer, ahead=True)
             for mode, ms in compute_ahead.items():
                 row(shape, f"compute_only{kept}@ahead", mode, ms, mode_flops[mode])
         del solo_layer, solo
@@ -322,16 +323,13 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
             del y, grads
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            for mode, fn in (("forward", impl.forward), ("forward+backward", impl.step)):
-                ms = timed(fn, iters, warmup, group)
+            for mode, ms in time_modes(impl).items():
                 row(shape, impl_name + (kept if impl_name == "mok" else ""), mode, ms,
                     mode_flops[mode], compute[mode], err=err)
             if impl_name == "mok" and host_ahead and cuda:
-                for mode, fn in (("forward", impl.forward), ("forward+backward", impl.step)):
-                    ms = timed(fn, iters, 1, group, host_ahead=True)
-                    row(shape, f"mok{kept}@ahead", mode, ms,
-                        mode_flops[mode], compute_ahead[mode],
-                        err=err)
+                for mode, ms in time_modes(impl, ahead=True).items():
+                    row(shape, f"mok{kept}@ahead", mode, ms, mode_flops[mode],
+                        compute_ahead[mode], err=err)
             if impl_name == "mok":
                 ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)
                 row(shape, f"mok{kept}", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)

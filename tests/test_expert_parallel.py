@@ -181,7 +181,6 @@ def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
                             pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES, tiles=tiles)
 
 
-
 def test_persistent_pulling_launches_share_a_tile_counter():
     # A persistent launch whose first programs pull rows hands its tiles out from a counter
     # zeroed for it; any other launch strides over fixed shares (no counter).

@@ -103,9 +103,8 @@ def gather_peers_kernel(src_ptr, delta_ptr, dst_ptr, flags_ptr, flag_delta_ptr, 
                         error_ptr, phase, publish_slot, numel, world_size, timeout,
                         BLOCK: tl.constexpr, HAS_TIMER: tl.constexpr):
     """dst[p * numel + i] = rank p's src[i], once rank p has published the phase (grid: P, n;
-    the n programs of rank p take its blocks in turn). Each program waits on the flag once: a
-    few programs per rank, as a flag polled by hundreds of programs (system-scope atomics on one
-    address, most of them over NVLink) took 0.2 ms to read at qwen3-30b-a3b's 128K routes."""
+    the n programs of rank p take its blocks in turn, each waiting on rank p's flag once, so a
+    few programs poll a flag rather than one per block)."""
     peer = tl.program_id(0)
     target = tl.load(seq_ptr + phase)
     wait_at_least(flags_ptr + tl.load(flag_delta_ptr + peer) + publish_slot, target, peer,

@@ -130,7 +130,7 @@ def _tile_counter(tiles: GemmTiles, pull: Pull | None, routing: Routing) -> tupl
     SM held by a pulling program (a 128 x 128 dSwiGLU tile at 8 warps takes all 64K registers of
     an SM) starts only once the pulls end, and with a fixed share the rest of the launch would
     wait on it (the recomputing dSwiGLU under EP=2 at qwen3 with fixed shares: 4.66 ms, 2.87
-    alone)."""
+    alone; from the counter: 2.92-2.96 ms)."""
     if pull is None or not tiles.persistent:
         return routing.used_rows, False
     return torch.zeros(1, dtype=torch.int32, device=routing.used_rows.device), True
