@@ -372,11 +372,12 @@ def print_kernel_times(step, group, quiet=False):
         print(f"      {ms:8.3f} ms  {calls:3d}x  {name}")
 
 
-def print_timeline(step, group, rank, min_us=3.0):
-    """Every rank's kernels of one forward+backward on one time line (torch.profiler; the ranks
-    share the host's clock), the host kept ahead (the GPU sleeps until the step is queued), so
-    the gaps are the kernels' own: who waits on whom, and for how long. Kernels shorter than
-    min_us are left out."""
+def print_timeline(step, group, rank, min_us=3.0, steps=2):
+    """Every rank's kernels of a forward+backward on one time line (torch.profiler; the ranks
+    share the host's clock), the host kept ahead (the GPU sleeps until the steps are queued), so
+    the gaps are the kernels' own: who waits on whom, and for how long. `steps` run back to
+    back and the last is shown: the first follows the GPU's sleep, whose idle spell the first
+    step's exchanges may pay for. Kernels shorter than min_us are left out."""
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.layer import hold_device
@@ -387,13 +388,15 @@ def print_timeline(step, group, rank, min_us=3.0):
         dist.barrier(group)
         torch.cuda.synchronize()
         hold_device()
-        step()
+        for _ in range(steps):
+            step()
         torch.cuda.synchronize()
     dist.barrier(group)
-    mine = [(event.start_ns(), event.duration_ns(), event.name())
-            for event in prof.profiler.kineto_results.events()
-            if event.device_type() == torch.autograd.DeviceType.CUDA
-            and "sleep" not in event.name()]
+    mine = sorted((event.start_ns(), event.duration_ns(), event.name())
+                  for event in prof.profiler.kineto_results.events()
+                  if event.device_type() == torch.autograd.DeviceType.CUDA
+                  and "sleep" not in event.name() and "nccl" not in event.name().lower())
+    mine = mine[len(mine) - len(mine) // steps:]  # every step launches the same kernels
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     if rank != 0:
@@ -401,8 +404,8 @@ def print_timeline(step, group, rank, min_us=3.0):
     events = sorted((start, duration, peer, name)
                     for peer, events in enumerate(everyone) for start, duration, name in events)
     t0 = events[0][0] if events else 0
-    print("    time line of one forward+backward, host ahead (us from the first kernel; "
-          "rank, duration, kernel):")
+    print(f"    time line of forward+backward {steps} of {steps} back to back, host ahead (us "
+          "from the first kernel; rank, duration, kernel):")
     for start, duration, peer, name in events:
         if duration >= min_us * 1e3:
             print(f"      {(start - t0) / 1e3:9.1f}  r{peer} {duration / 1e3:8.1f}  {name[:60]}")
