@@ -90,7 +90,11 @@ CANDIDATES: dict[str, list[GemmTiles]] = {
                        T(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True, epilogue_split=2),
                        # each gathered d_out row tile feeding 256 columns; 128 x 64 two to an SM
                        T(64, 256, 64, 8, 8, 3, tma=True, tma_rows=True),
-                       T(128, 64, 64, 8, 4, 4, tma=True, tma_rows=True)],
+                       T(128, 64, 64, 8, 4, 4, tma=True, tma_rows=True),
+                       # 128 x 128 at 4 warps: half the weight-tile traffic from L2 of 64 x 128
+                       # (512 KB a 64-row tile at qwen3, K = 2048), one warpgroup
+                       T(128, 128, 64, 8, 4, 3, tma=True, tma_rows=True),
+                       T(128, 128, 64, 8, 4, 3, tma=True, tma_rows=True, epilogue_split=2)],
     "d_x": [T(128, 128, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 2), T(128, 128, 32, 8, 8, 4),
             T(128, 128, 64, 8, 4, 3), T(64, 256, 32, 8, 8, 3),
             T(128, 128, 64, 8, 8, 3, tma_rows=True), T(128, 256, 64, 8, 8, 2, tma_rows=True),

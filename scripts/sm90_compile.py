@@ -174,7 +174,11 @@ def main(argv=None) -> None:
                  ("64x256x64 w8 s3", dict(block_m=64, block_n=256, block_k=64, num_warps=8,
                                           num_stages=3)),
                  ("128x64x64 w4 s4", dict(block_m=128, block_n=64, block_k=64, num_warps=4,
-                                          num_stages=4)))]
+                                          num_stages=4)),
+                 ("128x128x64 w4 s3", dict(block_m=128, block_n=128, block_k=64, num_warps=4,
+                                           num_stages=3)),
+                 ("128x128x64 w4 s3 split", dict(block_m=128, block_n=128, block_k=64,
+                                                 num_warps=4, num_stages=3, epilogue_split=2)))]
     def wgrad_gate_up(tt):
         return ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True, out_dtype=x.dtype)
 
