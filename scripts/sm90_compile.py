@@ -232,7 +232,7 @@ def main(argv=None) -> None:
                  lambda tt: ops.down_bwd_dswiglu(d_out, x_group, w_d, w_g, w_u, h, routing, tt,
                                                  rw, None, pull=pull(True), gate_up=dgu,
                                                  h_out=True)))
-    runs.append(("d_x EP pull x", ep_tiles["d_x"],  # x for the weight gradients, kept gate/up
+    runs.append(("d_x EP pull x tma", ep_tiles["d_x"],  # x for the weight gradients, kept h
                  lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt, scatter=comm.ScatterRows(
                      torch.empty(rows, hid, **bf16), torch.empty(2, **i64), routing.row_route,
                      tokens * k), pull=pull(False, weights=False), pulled=x_group)))
