@@ -87,6 +87,7 @@ def main(argv=None) -> None:
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--dump-ttgir", metavar="DIR", help="also write each kernel's TTGIR here")
     parser.add_argument("--json", action="store_true", help="one JSON list instead of the table")
+    parser.add_argument("--match", default="", help="compile only the runs whose label has this")
     args = parser.parse_args(argv)
     global DUMP_DIR
     if args.dump_ttgir:
@@ -250,7 +251,7 @@ def main(argv=None) -> None:
     if not args.json:
         print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
     rows_out = []
-    for label, tt, run in runs:
+    for label, tt, run in [run for run in runs if args.match in run[0]]:
         RESULTS.clear()
         run(tt)
         rows_out += [dict(label=label, block_m=tt.block_m, block_n=tt.block_n,

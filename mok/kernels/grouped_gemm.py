@@ -569,9 +569,12 @@ def _down_bwd_tile(
             acc_gate = mma(a_x, b_gate, acc_gate, UPCAST)
             acc_up = mma(a_x, b_up, acc_up, UPCAST)
             if X_ROWS:
-                if (k0 // BLOCK_K) % num_n_blocks == pid_n:
-                    tl.store(x_rows_ptr + rows[:, None] * stride_xrm + (k0 + ks)[None, :], a_x,
-                             mask=k_mask[None, :])
+                # A load of its own, masked to this tile's K blocks: storing a_x itself gives
+                # the x operand a register user, which sm_90 compiled to wrong products.
+                mine = (k0 // BLOCK_K) % num_n_blocks == pid_n
+                x_copy = tl.load(x_ptrs, mask=a_mask & mine, other=0.0)
+                tl.store(x_rows_ptr + rows[:, None] * stride_xrm + (k0 + ks)[None, :], x_copy,
+                         mask=k_mask[None, :] & mine)
             d_out_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             wd_offsets += BLOCK_K * stride_wd_k
