@@ -66,10 +66,6 @@ def breakdown(shape) -> None:
     dxr = ops.d_x_rows(dgu, w_g, w_u, routing, t_d_x)
     gate_up = ops.gate_up_buffer(x, w_g, routing)
     h_kept = torch.empty_like(h)  # written by the kept-gate/up backward
-    # The recomputing dSwiGLU writing the x rows the gate/up weight gradients then read
-    # (what the layer does when those run by torch._grouped_mm, see ops.wgrad_copies_x).
-    x_rows = torch.empty(routing.capacity_rows, hid, dtype=x.dtype, device=x.device)
-    fuse_x_rows = ops.wgrad_copies_x(t_wgrad_gu, x, inter)
     stages = [
         ("schedule", lambda: F.build_schedule(workspace, config, inputs.topk_experts,
                                               num_local_experts=shape.num_experts), 0, 0),
@@ -93,12 +89,6 @@ def breakdown(shape) -> None:
         ("wgrad_gate_up", lambda: ops.grouped_wgrad_gate_up(dgu, x, routing, t_wgrad_gu,
                                                            gather_x=True, out_dtype=x.dtype),
          2 * gemm, 0),
-        ("down_bwd_x_rows", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing,
-                                                         t_down_bwd, rw, None, x_rows=x_rows),
-         3 * gemm, 0),
-        ("wgrad_gate_up_x_rows", lambda: ops.grouped_wgrad_gate_up(
-            dgu, x, routing, t_wgrad_gu, gather_x=True, out_dtype=x.dtype, x_rows=x_rows),
-         2 * gemm, 0),
         ("wgrad_down", lambda: ops.grouped_wgrad(d_out, h, routing,
                                                  t_wgrad_down, gather_a=True,
                                                  gather_b=False, router_weights=rw,
@@ -106,8 +96,6 @@ def breakdown(shape) -> None:
     ]
     print(f"== {shape.name}: rows {routing.capacity_rows}, routes {routes}")
     times = {}
-    if not fuse_x_rows:
-        stages = [stage for stage in stages if not stage[0].endswith("_x_rows")]
     for name, fn, flops, nbytes in stages:
         ms = times[name] = median_ms(fn)
         rate = f"{flops / ms / 1e9:7.1f} TFLOP/s" if flops else " " * 15
@@ -115,15 +103,9 @@ def breakdown(shape) -> None:
         print(f"  {name:18s} {ms:8.3f} ms {rate} {bw}", flush=True)
     # The two *_saving/_saved stages replace gate_up_swiglu and down_bwd_dswiglu when the
     # pre-activations are kept (MoKConfig(recompute_gate_up=False)).
-    # With x rows written by the dSwiGLU, the recomputing layer runs the two *_x_rows stages
-    # instead of down_bwd_dswiglu and wgrad_gate_up (the kept one has no x to write).
     kept = {"gate_up_swiglu": "gate_up_saving", "down_bwd_dswiglu": "down_bwd_saved"}
-    fused = {"down_bwd_dswiglu": "down_bwd_x_rows", "wgrad_gate_up": "wgrad_gate_up_x_rows"}
-    total_kept = sum(ms for name, ms in times.items()
-                     if name not in kept.values() and name not in fused.values())
-    total_kept += sum(times[new] - times[old] for old, new in kept.items())
-    total = sum(times[fused.get(name, name) if fuse_x_rows else name]
-                for name in times if name not in kept.values() and name not in fused.values())
+    total = sum(ms for name, ms in times.items() if name not in kept.values())
+    total_kept = total + sum(times[new] - times[old] for old, new in kept.items())
     for label, ms in (("sum", total), ("sum, gate/up kept", total_kept)):
         print(f"  {label} {ms:.3f} ms; fwd+bwd {shape.flops() / ms / 1e9:.1f} TFLOP/s")
 

@@ -666,26 +666,13 @@ def _expert_input_grads(tiles, routing, d_output, x, h, router_weights, w_gate, 
     hidden, intermediate = x.shape[1], w_gate.shape[1]
     pick = tiles.pick
     h, h_out = _h_for_backward(h, gate_up, routing, intermediate)
-    x_rows = _x_rows_for_wgrad(tiles, routing, x, intermediate, gate_up)
     d_gate_up, partial = ops.down_bwd_dswiglu(
         d_output, x, w_down, w_gate, w_up, h, routing,
         pick(_down_bwd_kind(gate_up), intermediate, hidden), router_weights, swiglu_limit,
-        gate_up=gate_up, h_out=h_out, x_rows=x_rows)
+        gate_up=gate_up, h_out=h_out)
     d_router_weights = ops.router_grad(partial, routing) if partial is not None else None
     d_x_rows = ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate))
-    return d_x_rows, d_router_weights, [d_gate_up, h, x_rows]
-
-
-def _x_rows_for_wgrad(tiles, routing, x, intermediate, gate_up) -> torch.Tensor | None:
-    """[C, H] for the recomputing dSwiGLU to write x's rows into as it loads them, when the
-    gate/up weight gradients read them copied (torch._grouped_mm): that replaces their copy
-    (mok.ops.copy_rows). None when the pre-activations are kept (x is not loaded then) or the
-    weight gradients gather x themselves. Allocated before the d_x rows, it is live when they
-    are; it was live next to the weight gradients already, which take more."""
-    wgrad = tiles.pick("wgrad_gate_up", intermediate, x.shape[1])
-    if gate_up is not None or not ops.wgrad_copies_x(wgrad, x, intermediate):
-        return None
-    return torch.empty(routing.capacity_rows, x.shape[1], dtype=x.dtype, device=x.device)
+    return d_x_rows, d_router_weights, [d_gate_up, h]
 
 
 def _expert_weight_grads(tiles, routing, d_output, x, saved, router_weights, w_gate, w_down):
@@ -693,12 +680,12 @@ def _expert_weight_grads(tiles, routing, d_output, x, saved, router_weights, w_g
     (emptied: d_gate_up [C, 2I] is freed before d_w_down is allocated)."""
     hidden, intermediate = x.shape[1], w_gate.shape[1]
     pick = tiles.pick
-    d_gate_up, h, x_rows = saved
+    d_gate_up, h = saved
     saved.clear()
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
         d_gate_up, x, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=True,
-        out_dtype=w_gate.dtype, x_rows=x_rows)
-    del d_gate_up, x_rows
+        out_dtype=w_gate.dtype)
+    del d_gate_up
     d_w_down = ops.grouped_wgrad(d_output, h, routing, pick("wgrad_down", hidden, intermediate),
                                  gather_a=True, gather_b=False, router_weights=router_weights,
                                  out_dtype=w_down.dtype)
@@ -809,11 +796,10 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
         peer, plan, d_output, x, minibatch=config.minibatch_size,
         num_programs=config.bwd_num_comm_sms, defer_x=kept)
     h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
-    x_rows = _x_rows_for_wgrad(schedule.tiles, routing, x_group, intermediate, context.gate_up)
     d_gate_up, partial = ops.down_bwd_dswiglu(
         dy_group, x_group, w_down, w_gate, w_up, h, routing,
         pick(_down_bwd_kind(context.gate_up), intermediate, hidden), context.weights_group,
-        swiglu_limit, pull=pull, gate_up=context.gate_up, h_out=h_out, x_rows=x_rows)
+        swiglu_limit, pull=pull, gate_up=context.gate_up, h_out=h_out)
     # Router-weight gradients by route of the group, each sent to its token's rank.
     by_route = ops.router_grad(partial, routing)
     ops.scatter_route_values(by_route.reshape(-1), routing.route_row, ep.d_weights,
@@ -825,8 +811,8 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     ep.clear_dropped(peer, plan, rows_dtype=dtype, values=True)
     ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
     # The weight gradients as on one GPU, over the pulled tokens of the group.
-    saved = [d_gate_up, h, x_rows]
-    del d_gate_up, x_rows  # freed inside, before d_w_down is allocated
+    saved = [d_gate_up, h]
+    del d_gate_up  # freed inside, before d_w_down is allocated
     d_routed = _expert_weight_grads(schedule.tiles, routing, dy_group, x_group, saved,
                                     context.weights_group, w_gate, w_down)
     del dy_group, x_group

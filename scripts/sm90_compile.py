@@ -180,17 +180,6 @@ def main(argv=None) -> None:
                                            num_stages=3)),
                  ("128x128x64 w4 s3 split", dict(block_m=128, block_n=128, block_k=64,
                                                  num_warps=4, num_stages=3, epilogue_split=2)))]
-    # The table's recomputing dSwiGLU tile, and the same writing the x rows its K loop loads
-    # (for the weight gradients by torch._grouped_mm).
-    x_rows = torch.empty(rows, hid, **bf16)
-    down_bwd_tuned = tiles("down_bwd", inter, hid)
-    tuned_label = "down_bwd tuned" + (" tma" if down_bwd_tuned.tma or down_bwd_tuned.tma_rows
-                                      else "")
-    runs.append((tuned_label, down_bwd_tuned, lambda tt: ops.down_bwd_dswiglu(
-        d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None)))
-    runs.append((f"{tuned_label} x rows", down_bwd_tuned, lambda tt: ops.down_bwd_dswiglu(
-        d_out, x, w_d, w_g, w_u, h, routing, tt, rw, None, x_rows=x_rows)))
-
     def wgrad_gate_up(tt):
         return ops.grouped_wgrad_gate_up(dgu, x, routing, tt, gather_x=True, out_dtype=x.dtype)
 

@@ -174,8 +174,7 @@ def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
     # tiles from a shared counter) while rows are pulled and scattered, epilogues in halves
     # (GemmTiles.epilogue_split), gate/up recomputed in the backward; the weight gradients of the
     # pulled rows by torch._grouped_mm (GemmTiles.grouped_mm: the rows copied with their padding
-    # zeroed, d_out's scaled by the pulled router weights; x's written by the dSwiGLU launch
-    # that pulls them, as its tiles load them).
+    # zeroed, d_out's scaled by the pulled router weights).
     tiles = with_row_tiles(small_tiles(16), persistent=True, epilogue_split=2)
     tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, grouped_mm=True))
     _matches_reference_body(rank, world_size, shared=16, limit=0.8,

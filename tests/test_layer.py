@@ -295,40 +295,6 @@ def test_copy_rows_gathers_scales_and_zeroes_padding():
     assert torch.equal(by_row[:used], rows[:used])
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "persistent"])
-@pytest.mark.parametrize("hidden", [40, 136], ids=["fewer_k_blocks", "more_k_blocks"])
-def test_dswiglu_writes_the_x_rows_copy_rows_gathers(hidden, persistent):
-    # The recomputing dSwiGLU writes the x rows its K loop loads, each K block by one column
-    # block's tile: with 40 columns (3 K blocks of 16) fewer K blocks than the 4 column blocks of
-    # I = 56, with 136 more; the rows equal copy_rows' and nothing else changes.
-    case = Case("x_rows", 37, hidden, 56, 5, 3, routing=RoutingPattern.SKEWED, seed=15)
-    inputs = case.inputs()
-    config = F.MoKConfig()
-    workspace = F.create_workspace(config, None, device=DEVICE, num_local_tokens=case.tokens,
-                                   hidden_size=case.hidden, topk=case.topk)
-    tiles = tiles_for_tests(16)
-    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                num_local_experts=case.experts, tiles=tiles)
-    routing = schedule.routing
-    w_g, w_u, w_d = inputs.routed_weights
-    rw = inputs.router_weights.reshape(-1).float()
-    h = ops.gate_up_swiglu(inputs.x, w_g, w_u, routing, tiles.gate_up, None)
-    down_bwd = dataclasses.replace(tiles.down_bwd, persistent=persistent)
-    expected = ops.down_bwd_dswiglu(inputs.d_output, inputs.x, w_d, w_g, w_u, h, routing,
-                                    down_bwd, rw, None)
-    x_rows = torch.full((routing.capacity_rows, case.hidden), float("nan"), dtype=case.dtype,
-                        device=DEVICE)
-    got = ops.down_bwd_dswiglu(inputs.d_output, inputs.x, w_d, w_g, w_u, h, routing, down_bwd,
-                               rw, None, x_rows=x_rows)
-    used = int(routing.expert_offsets[-1])
-    assert torch.equal(x_rows[:used], ops.copy_rows(inputs.x, routing, gather=True)[:used])
-    for a, b in zip(got, expected, strict=True):  # rows past the used ones are not written
-        assert torch.equal(a[:used], b[:used])
-    with pytest.raises(ValueError, match="x_rows"):
-        ops.down_bwd_dswiglu(inputs.d_output, inputs.x, w_d, w_g, w_u, h, routing, down_bwd,
-                             rw, None, x_rows=x_rows[:, :-8])
-
-
 def test_recompute_forward_context_equals_forward_context():
     case = Case("recompute", 30, 32, 16, 4, 2, shared=16, limit=2.0, seed=13)
     inputs = case.inputs()

@@ -429,7 +429,7 @@ def _down_tile(
 @triton.jit
 def down_bwd_dswiglu_kernel(
     d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, router_weights_ptr,
-    d_gate_up_ptr, d_weight_partial_ptr, x_rows_ptr, row_route_ptr, block_expert_ptr,
+    d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
@@ -437,12 +437,11 @@ def down_bwd_dswiglu_kernel(
     num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
-    stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm, stride_xrm,
+    stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
-    WK_TMA: tl.constexpr, X_ROWS: tl.constexpr, PERSISTENT: tl.constexpr,
-    DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
+    WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr, DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -462,11 +461,7 @@ def down_bwd_dswiglu_kernel(
     K loop is dh0's alone and x, w_gate, w_up are not read. H_OUT (with SAVED_GATE_UP): h is
     written, swiglu of the kept pre-activations, rather than read. ROWS_TMA: h_ptr, gate_up_ptr
     and d_gate_up_ptr are TMA descriptors of h, gate_up and d_gate_up with
-    [BLOCK_M, BLOCK_N // SPLIT] boxes (BLOCK_N divides N). X_ROWS (recomputing): the x rows the
-    K loop loads are also written to x_rows[row] (x[token], 0 on padding rows: what
-    mok.ops.copy_rows gathers for the weight gradients), each K block by the tile of the row
-    block whose column block is the K block's index modulo the column blocks, so the writes are
-    spread over every tile.
+    [BLOCK_M, BLOCK_N // SPLIT] boxes (BLOCK_N divides N).
     """
     pid = tl.program_id(0)
     if PULL:
@@ -488,28 +483,27 @@ def down_bwd_dswiglu_kernel(
         pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
         _down_bwd_tile(
             d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
-            router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, x_rows_ptr, row_route_ptr,
+            router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
             block_expert_ptr, ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout,
             pid_m, pid_n, N, K, topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k,
             stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm,
-            stride_pm, stride_xrm, swiglu_limit,
-            HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA, X_ROWS,
-            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
+            stride_pm, swiglu_limit,
+            HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA, BLOCK_M,
+            BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
         tile = next_tile
 
 
 @triton.jit
 def _down_bwd_tile(
     d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, router_weights_ptr,
-    d_gate_up_ptr, d_weight_partial_ptr, x_rows_ptr, row_route_ptr, block_expert_ptr,
+    d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
     ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
-    stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm, stride_xrm,
+    stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
-    WK_TMA: tl.constexpr, X_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    WK_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, PULL: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -548,7 +542,6 @@ def _down_bwd_tile(
     else:
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        num_n_blocks = tl.cdiv(N, BLOCK_N)
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + ks) < K
             a_mask = valid[:, None] & k_mask[None, :]
@@ -568,13 +561,6 @@ def _down_bwd_tile(
             acc_dh = mma(a_dy, b_down, acc_dh, UPCAST)
             acc_gate = mma(a_x, b_gate, acc_gate, UPCAST)
             acc_up = mma(a_x, b_up, acc_up, UPCAST)
-            if X_ROWS:
-                # A load of its own, masked to this tile's K blocks: storing a_x itself gives
-                # the x operand a register user, which sm_90 compiled to wrong products.
-                mine = (k0 // BLOCK_K) % num_n_blocks == pid_n
-                x_copy = tl.load(x_ptrs, mask=a_mask & mine, other=0.0)
-                tl.store(x_rows_ptr + rows[:, None] * stride_xrm + (k0 + ks)[None, :], x_copy,
-                         mask=k_mask[None, :] & mine)
             d_out_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             wd_offsets += BLOCK_K * stride_wd_k

@@ -20,7 +20,6 @@ from mok.ops.experts import (
     grouped_wgrad,
     grouped_wgrad_gate_up,
     router_grad,
-    wgrad_copies_x,
 )
 from mok.ops.routing import Routing, build_routing, capacity_rows, dense_routing
 from mok.ops.tuning import GemmTiles, TileConfig, default_tiles, small_tiles
@@ -51,5 +50,4 @@ __all__ = [
     "signal_peers",
     "small_tiles",
     "wait_peers",
-    "wgrad_copies_x",
 ]

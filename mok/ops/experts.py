@@ -268,7 +268,6 @@ def down_bwd_dswiglu(
     pull: Pull | None = None,
     gate_up: torch.Tensor | None = None,
     h_out: bool = False,
-    x_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients at the gate/up outputs, gate/up recomputed in the same pass (or read from
     gate_up [C, 2I], the forward's pre-activations: then x, w_gate and w_up are not read, except
@@ -278,8 +277,6 @@ def down_bwd_dswiglu(
     Returns d_gate_up [C, 2I] (d_gate in [:, :I], d_up in [:, I:]) and, with router weights, the
     partial router-weight gradients [C, cdiv(I, block_n)] fp32 (summed by `router_grad`).
     pull: d_out's rows come from the other ranks, pulled by this launch's first programs.
-    x_rows [C, H] (recomputing only): receives x's rows in schedule order as the K loop loads
-    them, what copy_rows(x, routing, gather=True) returns, for the weight gradients.
     """
     intermediate, hidden = w_gate.shape[1:]
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
@@ -299,10 +296,6 @@ def down_bwd_dswiglu(
         gate, up, tma = w_gate, w_up, False
     if h_out and gate_up is None:
         raise ValueError("h_out needs the kept pre-activations (gate_up)")
-    if x_rows is not None and (gate_up is not None or x_rows.shape != (rows, hidden)
-                               or x_rows.dtype != x.dtype or x_rows.stride(1) != 1):
-        raise ValueError(f"x_rows must be [{rows}, {hidden}] {x.dtype} with unit column "
-                         "stride, and the pre-activations recomputed (no gate_up)")
     down_weights, wk_tma = _weights_k_rows_operand(w_down, tiles)
     specs = [_out_spec(d_gate_up, intermediate, tiles), _out_spec(h, intermediate, tiles)]
     if gate_up is not None:
@@ -312,18 +305,16 @@ def down_bwd_dswiglu(
         d_out, x, down_weights, gate, up, h_arg, gate_up_arg[0] if gate_up_arg else h_arg,
         router_weights if router_weights is not None else h,
         d_gate_up_arg, partial if partial is not None else d_gate_up,
-        x_rows if x_rows is not None else d_gate_up, routing.row_route, routing.block_expert,
-        *pull_ptrs,
+        routing.row_route, routing.block_expert, *pull_ptrs,
         routing.used_rows, tile_counter, num_m_blocks, intermediate, hidden, routing.topk,
         *pull_scalars, d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1),
         w_down.stride(2),
         w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
         gate_up.stride(0) if gate_up is not None else 0, d_gate_up.stride(0),
         partial.stride(0) if partial is not None else 0,
-        x_rows.stride(0) if x_rows is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
         W_TMA=tma, SAVED_GATE_UP=gate_up is not None, H_OUT=h_out, ROWS_TMA=rows_tma,
-        WK_TMA=wk_tma, X_ROWS=x_rows is not None, DYNAMIC=dynamic, **pull_meta, **_gemm_meta(tiles),
+        WK_TMA=wk_tma, DYNAMIC=dynamic, **pull_meta, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 
@@ -412,18 +403,15 @@ def grouped_wgrad_gate_up(
     *,
     gather_x: bool,
     out_dtype: torch.dtype,
-    x_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_w_gate, d_w_up) [E, I, H] from d_gate_up [C, 2I] (d_gate, then d_up) and x (by token
     with gather_x, else by row). With tiles.pair one launch computes both, loading each tile of
     x once; otherwise two launches. Either way each output tile is summed in the same order.
-    With tiles.grouped_mm x's rows are copied into schedule order (copy_rows), unless x_rows
-    holds them already (see wgrad_copies_x and down_bwd_dswiglu's x_rows)."""
+    With tiles.grouped_mm x's rows are copied into schedule order (copy_rows)."""
     intermediate = d_gate_up.shape[1] // 2
     d_gate, d_up = d_gate_up[:, :intermediate], d_gate_up[:, intermediate:]
     if _use_grouped_mm(tiles, d_gate_up, x):
-        if x_rows is None:
-            x_rows = copy_rows(x, routing, gather=gather_x)
+        x_rows = copy_rows(x, routing, gather=gather_x)
         ends = _group_ends(routing)
         return (_grouped_mm_wgrad(d_gate, x_rows, ends, out_dtype),
                 _grouped_mm_wgrad(d_up, x_rows, ends, out_dtype))
@@ -438,13 +426,6 @@ def grouped_wgrad_gate_up(
             _launch_wgrad(a, None, x, out, None, routing, tiles, gather_a=False,
                           gather_b=gather_x, router_weights=None)
     return d_w_gate, d_w_up
-
-
-def wgrad_copies_x(tiles: GemmTiles, x: torch.Tensor, intermediate: int) -> bool:
-    """Whether grouped_wgrad_gate_up with these tiles reads x's rows copied into schedule order
-    (torch._grouped_mm), rows that down_bwd_dswiglu can write as it loads them (its x_rows)."""
-    return _grouped_mm_takes(tiles, x.device, (x.dtype, x.dtype),
-                             (2 * intermediate * x.element_size(), x.shape[1] * x.element_size()))
 
 
 def copy_rows(
@@ -479,16 +460,10 @@ def _grouped_mm_device(device: torch.device) -> bool:
 def _use_grouped_mm(tiles: GemmTiles, a: torch.Tensor, b: torch.Tensor) -> bool:
     """tiles.grouped_mm where torch._grouped_mm takes the operands: bf16 on a Hopper or newer
     GPU (any dtype on CPU), rows 16-byte aligned."""
-    return _grouped_mm_takes(tiles, a.device, (a.dtype, b.dtype),
-                             (a.shape[1] * a.element_size(), b.shape[1] * b.element_size()))
-
-
-def _grouped_mm_takes(tiles: GemmTiles, device: torch.device, dtypes: tuple,
-                      row_bytes: tuple) -> bool:
-    if not (tiles.grouped_mm and _grouped_mm_device(device)):
+    if not (tiles.grouped_mm and _grouped_mm_device(a.device)):
         return False
-    dtype_ok = device.type == "cpu" or all(dtype == torch.bfloat16 for dtype in dtypes)
-    return dtype_ok and all(width % 16 == 0 for width in row_bytes)
+    dtype_ok = a.device.type == "cpu" or a.dtype == b.dtype == torch.bfloat16
+    return dtype_ok and all((t.shape[1] * t.element_size()) % 16 == 0 for t in (a, b))
 
 
 def _group_ends(routing: Routing) -> torch.Tensor:
