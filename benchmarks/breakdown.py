@@ -17,9 +17,15 @@ from mok import ops
 from mok.testing import SHAPES, SHAPES_BY_NAME, make_shape_inputs
 
 
-def median_ms(fn, repeats=20, warmup=3):
+def median_ms(fn, repeats=20, warmup=3, profile=False):
+    """Median ms of `repeats` calls of fn after `warmup` untimed ones; profile: only the timed
+    calls run between cudaProfilerStart and Stop (a profiler started with
+    `--profile-from-start off`, as scripts/gpu_ncu.sh runs Nsight Compute, sees those)."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
+    if profile:
+        torch.cuda.profiler.start()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -28,6 +34,8 @@ def median_ms(fn, repeats=20, warmup=3):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    if profile:
+        torch.cuda.profiler.stop()
     return statistics.median(times)
 
 
@@ -43,7 +51,11 @@ def shape_setup(shape, seed: int):
     return inputs, config, workspace, schedule
 
 
-def breakdown(shape) -> None:
+def breakdown(shape, stages_wanted=(), repeats: int = 20, warmup: int = 3,
+              profile: bool = False) -> None:
+    """Time every stage (or those named in stages_wanted) at `shape`: the median of `repeats`
+    calls after `warmup` (1 and 1 under a profiler such as ncu, which replays each launch);
+    profile: see median_ms."""
     inputs, config, workspace, schedule = shape_setup(shape, seed=5)
     routing, tiles = schedule.routing, schedule.tiles
     x, rw, d_out = inputs.x, inputs.router_weights, inputs.d_output
@@ -95,12 +107,19 @@ def breakdown(shape) -> None:
                                                  out_dtype=x.dtype), gemm, 0),
     ]
     print(f"== {shape.name}: rows {routing.capacity_rows}, routes {routes}")
+    unknown = set(stages_wanted) - {stage[0] for stage in stages}
+    if unknown:
+        raise SystemExit(f"unknown stages {sorted(unknown)}; stages: {[s[0] for s in stages]}")
+    if stages_wanted:
+        stages = [stage for stage in stages if stage[0] in stages_wanted]
     times = {}
     for name, fn, flops, nbytes in stages:
-        ms = times[name] = median_ms(fn)
+        ms = times[name] = median_ms(fn, repeats, warmup, profile)
         rate = f"{flops / ms / 1e9:7.1f} TFLOP/s" if flops else " " * 15
         bw = f"{nbytes / ms / 1e6:7.1f} GB/s" if nbytes else ""
         print(f"  {name:18s} {ms:8.3f} ms {rate} {bw}", flush=True)
+    if stages_wanted:  # no sums of a part
+        return
     # The two *_saving/_saved stages replace gate_up_swiglu and down_bwd_dswiglu when the
     # pre-activations are kept (MoKConfig(recompute_gate_up=False)).
     kept = {"gate_up_swiglu": "gate_up_saving", "down_bwd_dswiglu": "down_bwd_saved"}
@@ -111,11 +130,18 @@ def breakdown(shape) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="*", default=[s.name for s in SHAPES])
+    parser.add_argument("--stages", nargs="+", default=[], metavar="STAGE",
+                        help="time only these stages (default: all)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profiler-range", action="store_true",
+                        help="run each stage's timed calls between cudaProfilerStart and Stop")
     args = parser.parse_args(argv)
     for name in args.shapes:
-        breakdown(SHAPES_BY_NAME[name])
+        breakdown(SHAPES_BY_NAME[name], args.stages, args.repeats, args.warmup,
+                  args.profiler_range)
 
 
 if __name__ == "__main__":

@@ -230,3 +230,47 @@ def test_host_times_cover_every_launcher_of_a_step(capsys):
     out = capsys.readouterr().out
     assert "kept gate/up" in out and "outside launchers" in out
     assert "cProfile of 1 steps" in out and "tottime" in out
+
+
+def test_ncu_summary_reads_ncu_details_csv():
+    # ncu --csv --page details, after ncu's own messages (scripts/gpu_ncu.sh's --log-file):
+    # a row per launch, the units converted to microseconds, a missing metric shown as "-".
+    from benchmarks.ncu_summary import METRICS, read_launches, summary
+
+    fields = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+              '"Block Size","Grid Size","Device","CC","Section Name","Metric Name",'
+              '"Metric Unit","Metric Value"')
+
+    def row(launch, kernel, section, name, unit, value):
+        return (f'"{launch}","1","python3","h","{kernel}","1","7","(256, 1, 1)","(132, 1, 1)",'
+                f'"0","9.0","{section}","{name}","{unit}","{value}"')
+
+    text = "\n".join([
+        "==PROF== Connected to process 1",
+        fields,
+        row(0, "gate_up_swiglu_kernel", "GPU Speed Of Light Throughput", "Duration", "msecond",
+            "1.62"),
+        row(0, "gate_up_swiglu_kernel", "GPU Speed Of Light Throughput",
+            "Compute (SM) Throughput", "%", "71.25"),
+        row(0, "gate_up_swiglu_kernel", "Occupancy", "Achieved Occupancy", "%", "12.4"),
+        row(1, "down_bwd_dswiglu_kernel", "GPU Speed Of Light Throughput", "Duration",
+            "usecond", "2,912.5"),
+        row(1, "down_bwd_dswiglu_kernel", "Memory Workload Analysis", "L2 Hit Rate", "%",
+            "88.0"),
+    ])
+    launches = read_launches(text)
+    assert [(launch, kernel) for launch, kernel, _ in launches] == [
+        ("0", "gate_up_swiglu_kernel"), ("1", "down_bwd_dswiglu_kernel")]
+    table = summary(text).splitlines()
+    assert len(table) == 3 and table[0].split()[:2] == ["id", "kernel"]
+    titles = [title for title, _ in METRICS]
+    cells = {line.split()[1]: dict(zip(titles, line.split()[2:], strict=True))
+             for line in table[1:]}
+    assert cells["gate_up_swiglu_kernel"]["us"] == "1620.0"
+    assert cells["gate_up_swiglu_kernel"]["SM %"] == "71.2"
+    assert cells["gate_up_swiglu_kernel"]["occ %"] == "12.4"
+    assert cells["gate_up_swiglu_kernel"]["L2 hit %"] == "-"
+    assert cells["down_bwd_dswiglu_kernel"]["us"] == "2912.5"
+    assert cells["down_bwd_dswiglu_kernel"]["L2 hit %"] == "88.0"
+    with pytest.raises(SystemExit, match="no ncu CSV header"):
+        summary("==PROF== nothing profiled")
