@@ -54,8 +54,8 @@ def shape_setup(shape, seed: int):
 def breakdown(shape, stages_wanted=(), repeats: int = 20, warmup: int = 3,
               profile: bool = False) -> None:
     """Time every stage (or those named in stages_wanted) at `shape`: the median of `repeats`
-    calls after `warmup` (1 and 1 under a profiler such as ncu, which replays each launch);
-    profile: see median_ms."""
+    calls after `warmup` (one of each under a profiler such as ncu, which replays every launch
+    it profiles); profile: see median_ms."""
     inputs, config, workspace, schedule = shape_setup(shape, seed=5)
     routing, tiles = schedule.routing, schedule.tiles
     x, rw, d_out = inputs.x, inputs.router_weights, inputs.d_output

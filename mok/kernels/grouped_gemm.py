@@ -829,8 +829,7 @@ def grouped_wgrad_kernel(
 
     GATHER_A / GATHER_B: that operand is token-indexed (row -> route // topk) rather than
     row-indexed. SCALE_A: scale A's rows by router_weights[route], rounded to A's dtype, as a
-    weighted copy would be. The rows are summed in
-    order, so the result is deterministic.
+    weighted copy would be. The rows are summed in order, so the result is deterministic.
     PERSISTENT: each program takes tiles num_programs apart. The loop asks the compiler to
     flatten the nest so it could pipeline across tiles; with a row loop whose bounds change from
     tile to tile, Triton 3.6 does not (scripts/sm90_compile.py --dump-ttgir shows the two
