@@ -78,6 +78,14 @@ def breakdown(shape, stages_wanted=(), repeats: int = 20, warmup: int = 3,
     dxr = ops.d_x_rows(dgu, w_g, w_u, routing, t_d_x)
     gate_up = ops.gate_up_buffer(x, w_g, routing)
     h_kept = torch.empty_like(h)  # written by the kept-gate/up backward
+    dense = {}  # cuBLAS GEMMs of gate/up's and down's sizes, made on first use
+
+    def dense_mm(m: int, k: int, n: int) -> torch.Tensor:
+        if (m, k, n) not in dense:
+            dense[m, k, n] = (torch.randn(m, k, device=x.device, dtype=x.dtype),
+                              torch.randn(k, n, device=x.device, dtype=x.dtype))
+        return torch.mm(*dense[m, k, n])
+
     stages = [
         ("schedule", lambda: F.build_schedule(workspace, config, inputs.topk_experts,
                                               num_local_experts=shape.num_experts), 0, 0),
@@ -101,6 +109,9 @@ def breakdown(shape, stages_wanted=(), repeats: int = 20, warmup: int = 3,
         ("wgrad_gate_up", lambda: ops.grouped_wgrad_gate_up(dgu, x, routing, t_wgrad_gu,
                                                            gather_x=True, out_dtype=x.dtype),
          2 * gemm, 0),
+        # For scale (not part of the layer, not summed): dense cuBLAS GEMMs of the same sizes.
+        ("dense_gate_up", lambda: dense_mm(routes, hid, 2 * inter), 2 * gemm, 0),
+        ("dense_down", lambda: dense_mm(routes, inter, hid), gemm, 0),
         ("wgrad_down", lambda: ops.grouped_wgrad(d_out, h, routing,
                                                  t_wgrad_down, gather_a=True,
                                                  gather_b=False, router_weights=rw,
@@ -123,7 +134,8 @@ def breakdown(shape, stages_wanted=(), repeats: int = 20, warmup: int = 3,
     # The two *_saving/_saved stages replace gate_up_swiglu and down_bwd_dswiglu when the
     # pre-activations are kept (MoKConfig(recompute_gate_up=False)).
     kept = {"gate_up_swiglu": "gate_up_saving", "down_bwd_dswiglu": "down_bwd_saved"}
-    total = sum(ms for name, ms in times.items() if name not in kept.values())
+    total = sum(ms for name, ms in times.items()
+                if name not in kept.values() and not name.startswith("dense_"))
     total_kept = total + sum(times[new] - times[old] for old, new in kept.items())
     for label, ms in (("sum", total), ("sum, gate/up kept", total_kept)):
         print(f"  {label} {ms:.3f} ms; fwd+bwd {shape.flops() / ms / 1e9:.1f} TFLOP/s")

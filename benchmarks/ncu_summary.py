@@ -31,6 +31,11 @@ METRICS = [
     ("regs", "Registers Per Thread"),
 ]
 
+# Raw metrics (ncu --metrics, scripts/gpu_ncu.sh's second pass) listed per launch after the
+# table, largest first: the tensor pipe's share of active cycles, and the warp stall reasons
+# (warps stalled for that reason per issued instruction, so they add up to cyc/inst).
+RAW_PREFIXES = ("sm__pipe_tensor", "smsp__average_warps_issue_stalled_")
+
 
 def read_launches(text: str) -> list[tuple[str, str, dict[str, tuple[str, str]]]]:
     """[(launch id, kernel name, {metric name: (value, unit)})] in the order of the report."""
@@ -74,12 +79,38 @@ def summary(text: str, name_width: int = 32) -> str:
     return "\n".join(out)
 
 
+def raw_metrics(text: str, top: int = 8) -> str:
+    """Per launch, the RAW_PREFIXES metrics of `text`, the `top` largest of each prefix."""
+    out = []
+    for launch, kernel, metrics in read_launches(text):
+        parts = []
+        for prefix in RAW_PREFIXES:
+            found = []
+            for name, (value, _) in metrics.items():
+                try:
+                    found.append((float(value.replace(",", "")), name))
+                except ValueError:
+                    continue
+            found = sorted(((v, n) for v, n in found if n.startswith(prefix)), reverse=True)
+            for value, name in found[:top]:
+                short = name.removeprefix(prefix).split(".")[0].removesuffix("_per_issue_active")
+                parts.append(f"{short}={value:.2f}")
+        if parts:
+            out.append(f"{launch:>4s} {kernel[:32]:32s} " + " ".join(parts))
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("csv", type=Path, help="ncu --csv --page details output")
+    parser.add_argument("raw", type=Path, nargs="?",
+                        help="ncu --csv --page details output of a --metrics pass (optional)")
     args = parser.parse_args(argv)
     print(summary(args.csv.read_text(errors="replace")))
+    if args.raw is not None and args.raw.exists():
+        print("\ntensor pipe % of active cycles; warp stalls per issued instruction:")
+        print(raw_metrics(args.raw.read_text(errors="replace")))
 
 
 if __name__ == "__main__":

@@ -235,7 +235,7 @@ def test_host_times_cover_every_launcher_of_a_step(capsys):
 def test_ncu_summary_reads_ncu_details_csv():
     # ncu --csv --page details, after ncu's own messages (scripts/gpu_ncu.sh's --log-file):
     # a row per launch, the units converted to microseconds, a missing metric shown as "-".
-    from benchmarks.ncu_summary import METRICS, read_launches, summary
+    from benchmarks.ncu_summary import METRICS, raw_metrics, read_launches, summary
 
     fields = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
               '"Block Size","Grid Size","Device","CC","Section Name","Metric Name",'
@@ -274,3 +274,18 @@ def test_ncu_summary_reads_ncu_details_csv():
     assert cells["down_bwd_dswiglu_kernel"]["L2 hit %"] == "88.0"
     with pytest.raises(SystemExit, match="no ncu CSV header"):
         summary("==PROF== nothing profiled")
+    # The --metrics pass: tensor pipe share and stall reasons, largest first, names shortened.
+    raw = "\n".join([
+        fields,
+        row(0, "gate_up_swiglu_kernel", "Command line profiler metrics",
+            "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", "%",
+            "71.5"),
+        row(0, "gate_up_swiglu_kernel", "Command line profiler metrics",
+            "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio", "", "0.5"),
+        row(0, "gate_up_swiglu_kernel", "Command line profiler metrics",
+            "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio", "",
+            "2.25"),
+    ])
+    assert raw_metrics(raw).split()[1:] == [
+        "gate_up_swiglu_kernel", "_op_gmma_cycles_active=71.50", "long_scoreboard=2.25",
+        "barrier=0.50"]
