@@ -31,24 +31,38 @@ METRICS = [
     ("regs", "Registers Per Thread"),
 ]
 
-# Raw metrics (ncu --metrics, scripts/gpu_ncu.sh's second pass) listed per launch after the
-# table, largest first: the tensor pipe's share of active cycles, and the warp stall reasons
-# (warps stalled for that reason per issued instruction, so they add up to cyc/inst).
-RAW_PREFIXES = ("sm__pipe_tensor", "smsp__average_warps_issue_stalled_")
+# Raw metrics (scripts/gpu_ncu.sh's second pass, --page raw) listed per launch after the table,
+# largest first: (title, what the metric name contains, what it ends with).
+RAW_GROUPS = [
+    ("pipes, % of active cycles", "__pipe_", "cycles_active.avg.pct_of_peak_sustained_active"),
+    ("warp stalls per issued instruction", "issue_stalled_", "_per_issue_active.ratio"),
+]
 
 
 def read_launches(text: str) -> list[tuple[str, str, dict[str, tuple[str, str]]]]:
-    """[(launch id, kernel name, {metric name: (value, unit)})] in the order of the report."""
+    """[(launch id, kernel name, {metric name: (value, unit)})] in the order of the report, from
+    `--page details` (a row per metric; where two sections name a metric alike, as "Memory
+    Throughput" in % and in byte/s, the first is kept) or `--page raw` (a row per launch, a
+    column per metric, the units in the row after the header)."""
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if start is None:
         raise SystemExit("no ncu CSV header (a line starting with \"ID\") in the input")
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
     launches: dict[str, tuple[str, dict]] = {}
-    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+    if rows and "Metric Name" not in rows[0]:  # --page raw
+        units = rows[0] if not rows[0].get("ID") else {}
+        for row in rows:
+            if row.get("ID"):
+                launches[row["ID"]] = (row.get("Kernel Name", "?"), {
+                    name: (value, units.get(name, "")) for name, value in row.items()})
+        return [(launch, name, metrics) for launch, (name, metrics) in launches.items()]
+    for row in rows:
         if not row.get("ID") or row.get("Metric Name") is None:
             continue
         _, metrics = launches.setdefault(row["ID"], (row.get("Kernel Name", "?"), {}))
-        metrics[row["Metric Name"]] = (row.get("Metric Value", ""), row.get("Metric Unit", ""))
+        metrics.setdefault(row["Metric Name"], (row.get("Metric Value", ""),
+                                                row.get("Metric Unit", "")))
     return [(launch, name, metrics) for launch, (name, metrics) in launches.items()]
 
 
@@ -80,23 +94,23 @@ def summary(text: str, name_width: int = 32) -> str:
 
 
 def raw_metrics(text: str, top: int = 8) -> str:
-    """Per launch, the RAW_PREFIXES metrics of `text`, the `top` largest of each prefix."""
+    """Per launch of `text`, the `top` largest metrics of each RAW_GROUPS group."""
     out = []
     for launch, kernel, metrics in read_launches(text):
-        parts = []
-        for prefix in RAW_PREFIXES:
+        out.append(f"{launch:>4s} {kernel[:60]}")
+        for title, part, end in RAW_GROUPS:
             found = []
             for name, (value, _) in metrics.items():
+                if part not in name or not name.endswith(end):
+                    continue
                 try:
                     found.append((float(value.replace(",", "")), name))
                 except ValueError:
                     continue
-            found = sorted(((v, n) for v, n in found if n.startswith(prefix)), reverse=True)
-            for value, name in found[:top]:
-                short = name.removeprefix(prefix).split(".")[0].removesuffix("_per_issue_active")
-                parts.append(f"{short}={value:.2f}")
-        if parts:
-            out.append(f"{launch:>4s} {kernel[:32]:32s} " + " ".join(parts))
+            found.sort(reverse=True)
+            cells = [f"{name.split(part)[1].removesuffix(end).strip('_.')}={value:.2f}"
+                     for value, name in found[:top]]
+            out.append(f"     {title}: " + (" ".join(cells) or "-"))
     return "\n".join(out)
 
 
@@ -109,7 +123,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     print(summary(args.csv.read_text(errors="replace")))
     if args.raw is not None and args.raw.exists():
-        print("\ntensor pipe % of active cycles; warp stalls per issued instruction:")
+        print()
         print(raw_metrics(args.raw.read_text(errors="replace")))
 
 

@@ -4,7 +4,8 @@
 # (default qwen3-30b-a3b) for NCU_STAGES (breakdown stage names; default the three largest row
 # GEMMs), each stage's one timed call between cudaProfilerStart and Stop, so the warmup and the
 # setup's launches are not profiled. Writes $OUT/ncu.csv (ncu --csv --page details, its messages
-# included), $OUT/ncu_metrics.csv (a second pass: tensor pipe and stall-reason metrics),
+# included), $OUT/ncu_metrics.csv (a second pass, --page raw:
+# stall reasons and pipe shares),
 # $OUT/ncu_summary.txt (benchmarks.ncu_summary) and $OUT/ncu_run.log; NCU_TIMEOUT
 # seconds (default 300), NCU_ARGS extra ncu arguments.
 set -uo pipefail
@@ -20,14 +21,13 @@ timeout -s KILL "${NCU_TIMEOUT:-300}" ncu --clock-control none --profile-from-st
   python3 -m benchmarks.breakdown --shapes "${NCU_SHAPE:-qwen3-30b-a3b}" --stages $stages \
   --repeats 1 --warmup 1 --profiler-range >> "$OUT/ncu_run.log" 2>&1
 echo "ncu exit: $?" >> "$OUT/ncu_run.log"
-# Second pass, raw metrics (a name ncu does not know would have failed the first): the tensor
-# pipe's share of active cycles and the warp stall reasons.
+# Second pass, every metric the warp-state and compute sections gather (--page raw: one row per
+# launch): the warp stall reasons and the pipes' shares of active cycles.
 timeout -s KILL "${NCU_TIMEOUT:-300}" ncu --clock-control none --profile-from-start off \
-  --metrics 'regex:^sm__pipe_tensor.*cycles_active\.avg\.pct_of_peak_sustained_active$' \
-  --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' \
-  --csv --page details --log-file "$OUT/ncu_metrics.csv" ${NCU_ARGS:-} \
+  --section WarpStateStats --section ComputeWorkloadAnalysis \
+  --csv --page raw --log-file "$OUT/ncu_metrics.csv" ${NCU_ARGS:-} \
   python3 -m benchmarks.breakdown --shapes "${NCU_SHAPE:-qwen3-30b-a3b}" --stages $stages \
-  --repeats 1 --warmup 1 --profiler-range > /dev/null 2>> "$OUT/ncu_run.log"
+  --repeats 1 --warmup 1 --profiler-range >> "$OUT/ncu_run.log" 2>&1
 echo "ncu metrics pass exit: $?" >> "$OUT/ncu_run.log"
 python3 -m benchmarks.ncu_summary "$OUT/ncu.csv" "$OUT/ncu_metrics.csv" \
   > "$OUT/ncu_summary.txt" 2>&1

@@ -274,18 +274,18 @@ def test_ncu_summary_reads_ncu_details_csv():
     assert cells["down_bwd_dswiglu_kernel"]["L2 hit %"] == "88.0"
     with pytest.raises(SystemExit, match="no ncu CSV header"):
         summary("==PROF== nothing profiled")
-    # The --metrics pass: tensor pipe share and stall reasons, largest first, names shortened.
+    # The raw page (the second pass): a column per metric, units in the row after the header;
+    # the pipes' shares and the stall reasons, largest first, names shortened.
+    tensor = "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
     raw = "\n".join([
-        fields,
-        row(0, "gate_up_swiglu_kernel", "Command line profiler metrics",
-            "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", "%",
-            "71.5"),
-        row(0, "gate_up_swiglu_kernel", "Command line profiler metrics",
-            "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio", "", "0.5"),
-        row(0, "gate_up_swiglu_kernel", "Command line profiler metrics",
-            "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio", "",
-            "2.25"),
+        "==PROF== Disconnected",
+        f'"ID","Kernel Name","{tensor}","{stall.format("barrier")}",'
+        f'"{stall.format("long_scoreboard")}"',
+        '"","","%","ratio","ratio"',
+        '"0","gate_up_swiglu_kernel","71.5","0.5","2.25"',
     ])
-    assert raw_metrics(raw).split()[1:] == [
-        "gate_up_swiglu_kernel", "_op_gmma_cycles_active=71.50", "long_scoreboard=2.25",
-        "barrier=0.50"]
+    lines = raw_metrics(raw).splitlines()
+    assert lines[0].split() == ["0", "gate_up_swiglu_kernel"]
+    assert lines[1].split(": ")[1] == "tensor_op_gmma=71.50"
+    assert lines[2].split(": ")[1] == "long_scoreboard=2.25 barrier=0.50"
