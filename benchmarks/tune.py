@@ -126,6 +126,11 @@ CANDIDATES["gate_up_saved"] = [
     T(128, 128, 64, 8, 8, 3, tma=True, tma_rows=True, epilogue_split=2),
     *_persistent(T(128, 128, 64, 8, 8, 4), split=2)]
 
+# Every persistent row-GEMM candidate also with its tile and K loops flattened (GemmTiles.flatten).
+for _kind in ("gate_up", "gate_up_saved", "down", "down_bwd", "down_bwd_saved", "d_x"):
+    CANDIDATES[_kind] += [dataclasses.replace(t, flatten=True) for t in CANDIDATES[_kind]
+                          if t.persistent]
+
 
 def gemm_runners(x, w_g, w_u, w_d, routing, rw, d_out, setup=HOPPER_TILES) -> dict:
     """{kind: ((n, k), run(tiles))}: each GEMM of one group of experts on `routing` (rw: the

@@ -167,6 +167,12 @@ def main(argv=None) -> None:
                                           block_m=128, block_n=256, block_k=64, num_warps=8,
                                           num_stages=wide[label]), run)
              for label, tt, run in runs if label in wide]
+    # Persistent tiles with the tile and K loops flattened into one (GemmTiles.flatten).
+    runs += [(f"{label} flatten", r(tt, flatten=True), run) for label, tt, run in runs
+             if label in ("gate_up tma rows persistent", "down tma rows split 128x256",
+                          "down_bwd tma rows split 128x256", "d_x tma rows split 128x256",
+                          "down_bwd saved tma rows persistent", "down_bwd tma rows persistent",
+                          "gate_up saving tma rows persistent", "d_x tma rows persistent")]
     # Other shapes of the kept dSwiGLU tile (its 64 x 128 runs two to an SM at 290 TFLOP/s).
     saved = next(run for label, _, run in runs if label == "down_bwd saved tma rows")
     runs += [(f"down_bwd saved tma rows {label}", r(t["down_bwd_saved"], tma=True, tma_rows=True,

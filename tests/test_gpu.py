@@ -71,6 +71,25 @@ def _persistent_grouped_mm(tiles):
     return dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, grouped_mm=True))
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+def test_flattened_tile_loops_equal_persistent_tiles(kept):
+    # GemmTiles.flatten compiles each program's tile loop and K loop into one pipelined loop
+    # (the interpreter runs them as written): the same sums in the same order, so bitwise what
+    # the persistent tiles give, on several tiles per program.
+    inputs = make_inputs(8192, 1024, 768, 32, 4, shared_intermediate_size=512, device="cuda",
+                         seed=5)
+    config = F.MoKConfig(recompute_gate_up=not kept)
+    tiles = with_row_tiles(ops.default_tiles(torch.device("cuda")), persistent=True, tma=True,
+                           tma_rows=True)
+    tiles = dataclasses.replace(tiles, use_tuned=False)
+    y, grads, _, _ = run_layer(inputs, config=config, swiglu_limit=7.0, tiles=tiles)
+    y_flat, grads_flat, _, _ = run_layer(inputs, config=config, swiglu_limit=7.0,
+                                         tiles=with_row_tiles(tiles, flatten=True))
+    assert torch.equal(y, y_flat)
+    for name, a, b in zip(GRAD_NAMES, grads, grads_flat, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
 @pytest.mark.parametrize(("recompute_gate_up", "variant"),
                          [(True, None), (False, None), (False, _persistent_grouped_mm)],
                          ids=["recompute", "kept_gate_up", "kept_persistent_grouped_mm"])

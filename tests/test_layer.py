@@ -123,11 +123,19 @@ def _persistent_tma(tiles):
     return with_row_tiles(tiles, persistent=True, tma=True, tma_rows=True)
 
 
+def _flattened(tiles):
+    # (The interpreter runs the flattened loop nest as written: this checks the plumbing; the
+    # compiled loop is compared on the GPU, tests/test_gpu.py.)
+    return with_row_tiles(tiles, persistent=True, tma=True, tma_rows=True, flatten=True)
+
+
 @pytest.mark.parametrize("variant",
                          [_persistent_wgrad, _tma_weights, with_tma_rows, _paired_wgrad,
-                          _paired_persistent_wgrad, _persistent_rows, _persistent_tma],
+                          _paired_persistent_wgrad, _persistent_rows, _persistent_tma,
+                          _flattened],
                          ids=["persistent_wgrad", "tma_weights", "tma_rows", "paired_wgrad",
-                              "paired_persistent_wgrad", "persistent_rows", "persistent_tma"])
+                              "paired_persistent_wgrad", "persistent_rows", "persistent_tma",
+                              "flattened"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[8]], ids=lambda c: c.name)
 def test_tile_variants_equal_plain_tiles(case, variant):
     # The same tiles summed in the same order, only loaded or scheduled differently: bitwise
@@ -184,8 +192,8 @@ def test_tiles_from_a_shared_counter_equal_plain_tiles(case, kept, monkeypatch):
     check_against_reference(case, y_dynamic, grads_dynamic)
 
 
-@pytest.mark.parametrize("variant", [with_tma_rows, _tma_weights, _persistent_tma],
-                         ids=["tma_rows", "tma_weights", "persistent_tma"])
+@pytest.mark.parametrize("variant", [with_tma_rows, _tma_weights, _persistent_tma, _flattened],
+                         ids=["tma_rows", "tma_weights", "persistent_tma", "flattened"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=lambda c: c.name)
 def test_tma_variants_equal_plain_tiles_with_kept_gate_up(case, variant):
     # The kept pre-activations read and h written through TMA in the backward, and written so

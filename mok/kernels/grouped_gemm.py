@@ -33,6 +33,11 @@ counter the launch's programs share (tile_counter, zero at launch) instead of st
 program that starts late, its SM held by a pulling program, takes fewer tiles rather than
 holding up the launch with its fixed share. Which program computes a tile does not change the
 tile's result.
+FLATTEN (with PERSISTENT, not DYNAMIC): the tile loop and each tile's K loop are flattened into
+one loop (tl.range(flatten=True), Triton's fuse-nested-loops pass), so the software pipeline
+loads the next tile's first K blocks while the current tile's last ones multiply and its
+epilogue runs, instead of starting each tile on an empty pipeline. The same sums in the same
+order: bitwise the same results.
 
 Expert parallelism adds two switches. PULL: the launch's first programs pull the token rows the
 GEMM reads from their ranks (mok.kernels.comm.pull_tokens: the group's tokens, a row each, that
@@ -234,7 +239,7 @@ def gate_up_swiglu_kernel(
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-    DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
+    FLATTEN: tl.constexpr, DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -264,18 +269,29 @@ def gate_up_swiglu_kernel(
             return
     first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
                                           tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
-    tile = _next_tile(first - step, step, tile_counter_ptr, DYNAMIC)
-    while tile < end:
-        next_tile = _next_tile(tile, step, tile_counter_ptr, DYNAMIC)  # taken ahead: no wait
-        pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-        _gate_up_tile(
-            x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
-            ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N,
-            K, topk, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
-            swiglu_limit,
-            HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-            PULL, MINIBATCH, HAS_TIMER, UPCAST)
-        tile = next_tile
+    if DYNAMIC:
+        tile = _next_tile(first - step, step, tile_counter_ptr, DYNAMIC)
+        while tile < end:
+            next_tile = _next_tile(tile, step, tile_counter_ptr, DYNAMIC)  # taken ahead
+            pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+            _gate_up_tile(
+                x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
+                ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N,
+                K, topk, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
+                swiglu_limit,
+                HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
+                PULL, MINIBATCH, HAS_TIMER, UPCAST)
+            tile = next_tile
+    else:
+        for tile in tl.range(first, end, step, flatten=FLATTEN):
+            pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+            _gate_up_tile(
+                x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
+                ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N,
+                K, topk, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
+                swiglu_limit,
+                HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
+                PULL, MINIBATCH, HAS_TIMER, UPCAST)
 
 
 @triton.jit
@@ -363,7 +379,7 @@ def down_proj_kernel(
     used_rows_ptr, num_m_blocks, N, K, routes_per_rank,
     stride_hm, stride_we, stride_wn, stride_wk, stride_om,
     HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr, ROWS_TMA: tl.constexpr,
-    PERSISTENT: tl.constexpr, SPLIT: tl.constexpr,
+    PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -375,7 +391,7 @@ def down_proj_kernel(
     """
     first, end, step, grid_m = _tile_span(tl.program_id(0), 0, used_rows_ptr, num_m_blocks,
                                           tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
-    for tile in tl.range(first, end, step):
+    for tile in tl.range(first, end, step, flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
         _down_tile(h_ptr, w_down_ptr, out_ptr, router_weights_ptr, row_route_ptr,
                    block_expert_ptr, dest_route_ptr, out_delta_ptr, pid_m, pid_n, N, K,
@@ -441,7 +457,8 @@ def down_bwd_dswiglu_kernel(
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
-    WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr, DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
+    WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+    DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
@@ -477,20 +494,33 @@ def down_bwd_dswiglu_kernel(
             return
     first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
                                           tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
-    tile = _next_tile(first - step, step, tile_counter_ptr, DYNAMIC)
-    while tile < end:
-        next_tile = _next_tile(tile, step, tile_counter_ptr, DYNAMIC)  # taken ahead: no wait
-        pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-        _down_bwd_tile(
-            d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
-            router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
-            block_expert_ptr, ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout,
-            pid_m, pid_n, N, K, topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k,
-            stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm,
-            stride_pm, swiglu_limit,
-            HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA, BLOCK_M,
-            BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
-        tile = next_tile
+    if DYNAMIC:
+        tile = _next_tile(first - step, step, tile_counter_ptr, DYNAMIC)
+        while tile < end:
+            next_tile = _next_tile(tile, step, tile_counter_ptr, DYNAMIC)  # taken ahead
+            pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+            _down_bwd_tile(
+                d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
+                router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
+                block_expert_ptr, ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout,
+                pid_m, pid_n, N, K, topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k,
+                stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm,
+                stride_pm, swiglu_limit,
+                HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA,
+                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
+            tile = next_tile
+    else:
+        for tile in tl.range(first, end, step, flatten=FLATTEN):
+            pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+            _down_bwd_tile(
+                d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
+                router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
+                block_expert_ptr, ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout,
+                pid_m, pid_n, N, K, topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k,
+                stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm,
+                stride_pm, swiglu_limit,
+                HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA,
+                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
 
 
 @triton.jit
@@ -655,7 +685,7 @@ def d_x_rows_kernel(
     world_size, timeout, stride_pull_src,
     stride_gm, stride_we, stride_wk, stride_wn, stride_om,
     ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
-    DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
+    FLATTEN: tl.constexpr, DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr,
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
@@ -696,7 +726,7 @@ def d_x_rows_kernel(
                       UPCAST)
             tile = next_tile
     else:  # a for loop: with the while loop, the TMA-row tiles' stores compile differently
-        for tile in tl.range(first, end, step):
+        for tile in tl.range(first, end, step, flatten=FLATTEN):
             _d_x_tile(d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr,
                       dest_route_ptr, out_delta_ptr, tile, grid_m, N, K, routes_per_rank,
                       stride_gm, stride_we, stride_wk, stride_wn, stride_om, ALIGN, ROWS_TMA,

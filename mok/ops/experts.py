@@ -107,7 +107,8 @@ def _out_spec(t: torch.Tensor, part: int, tiles: GemmTiles) -> tuple:
 def _gemm_meta(tiles: GemmTiles) -> dict:
     return dict(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m, PERSISTENT=tiles.persistent, SPLIT=tiles.epilogue_split,
+        GROUP_M=tiles.group_m, PERSISTENT=tiles.persistent, FLATTEN=tiles.flatten,
+        SPLIT=tiles.epilogue_split,
         UPCAST=UPCAST,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

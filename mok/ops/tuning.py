@@ -55,6 +55,14 @@ class GemmTiles:
     # gate_up, down, down_bwd(_saved), d_x: the epilogue takes the output tile in this many
     # column slices (1 or 2), one after the other: fewer live registers, half-width TMA boxes.
     epilogue_split: int = 1
+    # gate_up, down, down_bwd(_saved), d_x with persistent: the tile loop and the K loop
+    # flattened into one, so the next tile's loads start during this tile's last K blocks and
+    # epilogue (a launch that pulls rows takes its tiles from a counter and ignores it).
+    flatten: bool = False
+
+    def __post_init__(self) -> None:
+        if self.flatten and not self.persistent:
+            raise ValueError("GemmTiles(flatten=True) needs persistent=True")
 
 
 @dataclass(frozen=True)
