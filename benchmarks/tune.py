@@ -126,6 +126,12 @@ CANDIDATES["gate_up_saved"] = [
     T(128, 128, 64, 8, 8, 3, tma=True, tma_rows=True, epilogue_split=2),
     *_persistent(T(128, 128, 64, 8, 8, 4), split=2)]
 
+# gate/up by the warp-specialized Gluon kernel (GemmTiles.gluon; one program per SM, num_warps
+# unused: block_m // 16 MMA warps and 4 loader warps). 128 x 128 x 64 at 4 stages takes 224 KB.
+GLUON = [T(128, 128, 64, 8, 8, 4, gluon=True), T(128, 128, 64, 8, 8, 3, gluon=True),
+         T(128, 128, 64, 4, 8, 4, gluon=True), T(64, 128, 64, 8, 4, 5, gluon=True)]
+CANDIDATES["gate_up"] += GLUON
+CANDIDATES["gate_up_saved"] += GLUON
 # Every persistent row-GEMM candidate also with its tile and K loops flattened (GemmTiles.flatten).
 for _kind in ("gate_up", "gate_up_saved", "down", "down_bwd", "down_bwd_saved", "d_x"):
     CANDIDATES[_kind] += [dataclasses.replace(t, flatten=True) for t in CANDIDATES[_kind]

@@ -28,6 +28,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 import torch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -42,8 +43,9 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
     options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args,
                                                             specialization, options)
     name = self.__name__
+    source = GluonASTSource if self.is_gluon() else ASTSource
     try:
-        kernel = compile(ASTSource(self, signature, constexprs, attrs), target=TARGET,
+        kernel = compile(source(self, signature, constexprs, attrs), target=TARGET,
                          options=options.__dict__)
     except Exception as exc:  # report and go on: the point is to see which tiles fail
         RESULTS.append(dict(kernel=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
@@ -78,6 +80,7 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
 
 def main(argv=None) -> None:
     from mok import ops
+    from mok.ops import experts as experts_ops
     from mok.ops.tuning import HOPPER_TILES, tuned_table
     from mok.testing import SHAPES_BY_NAME
 
@@ -173,6 +176,20 @@ def main(argv=None) -> None:
                           "down_bwd tma rows split 128x256", "d_x tma rows split 128x256",
                           "down_bwd saved tma rows persistent", "down_bwd tma rows persistent",
                           "gate_up saving tma rows persistent", "d_x tma rows persistent")]
+    # gate/up by the warp-specialized Gluon kernel (GemmTiles.gluon; its weights and outputs
+    # always through TMA), as an sm_90 GPU would run it.
+    experts_ops._is_sm90 = lambda device: True
+    gluon = r(t["gate_up"], block_m=128, block_n=128, block_k=64, num_stages=4, gluon=True)
+    runs += [
+        ("gate_up gluon tma", gluon,
+         lambda tt: ops.gate_up_swiglu(x, w_g, w_u, routing, tt, None)),
+        ("gate_up gluon tma s3 limit", r(gluon, num_stages=3),
+         lambda tt: ops.gate_up_swiglu(x, w_g, w_u, routing, tt, 7.0)),
+        ("gate_up saving gluon tma limit", gluon,
+         lambda tt: ops.gate_up_swiglu(x, w_g, w_u, routing, tt, 7.0, gate_up=dgu)),
+        ("gate_up gluon tma 64x128 s5", r(gluon, block_m=64, num_stages=5),
+         lambda tt: ops.gate_up_swiglu(x, w_g, w_u, routing, tt, None)),
+    ]
     # Other shapes of the kept dSwiGLU tile (its 64 x 128 runs two to an SM at 290 TFLOP/s).
     saved = next(run for label, _, run in runs if label == "down_bwd saved tma rows")
     runs += [(f"down_bwd saved tma rows {label}", r(t["down_bwd_saved"], tma=True, tma_rows=True,

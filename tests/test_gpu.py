@@ -7,6 +7,7 @@ import torch
 
 import mok.functional as F
 from mok import ops
+from mok.ops.tuning import GemmTiles
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
@@ -71,6 +72,50 @@ def _persistent_grouped_mm(tiles):
     return dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, grouped_mm=True))
 
 
+def _gluon_gate_up(tiles):
+    """gate/up (and gate/up storing its pre-activations) by the Gluon kernel."""
+    return dataclasses.replace(tiles, use_tuned=False, gate_up=GemmTiles(
+        128, 128, 64, group_m=8, num_warps=8, num_stages=4, gluon=True))
+
+
+@pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+def test_gluon_gate_up_matches_reference_and_is_deterministic(kept, limit):
+    # The warp-specialized Gluon gate/up kernel (GemmTiles.gluon) inside the layer: against the
+    # reference, the Triton kernel's results, and itself run to run; experts of uneven sizes,
+    # one without rows, N not a multiple of the tile (I = 320).
+    from mok.ops import experts
+
+    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    inputs = make_inputs(6000, 1024, 320, 16, 4, shared_intermediate_size=256, device="cuda",
+                         seed=6, routing=RoutingPattern.SKEWED)
+    config = F.MoKConfig(recompute_gate_up=not kept)
+    base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
+    y, grads, _, context = run_layer(inputs, config=config, swiglu_limit=limit,
+                                     tiles=_gluon_gate_up(base))
+    y2, grads2, _, _ = run_layer(inputs, config=config, swiglu_limit=limit,
+                                 tiles=_gluon_gate_up(base))
+    assert torch.equal(y, y2)
+    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    y_ref, grads_ref = moe_reference_grads(inputs, swiglu_limit=limit,
+                                           compute_dtype=torch.float32)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name)
+    y_triton, _, schedule, context_triton = run_layer(inputs, config=config,
+                                                      swiglu_limit=limit, tiles=base)
+    assert_close(y, y_triton, dtype=torch.bfloat16, name="y against the Triton kernel")
+    if kept:  # the pre-activations, clamped ones as +-inf, as the Triton kernel keeps them
+        used = int(schedule.routing.expert_offsets[-1])  # rows past it are never written
+        mine, theirs = context.gate_up[:used], context_triton.gate_up[:used]
+        assert torch.equal(mine.isinf(), theirs.isinf())
+        finite = mine.isfinite()
+        assert_close(mine[finite].float(), theirs[finite].float(), dtype=torch.bfloat16,
+                     name="gate_up")
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_flattened_tile_loops_equal_persistent_tiles(kept):
     # GemmTiles.flatten compiles each program's tile loop and K loop into one pipelined loop
@@ -91,8 +136,10 @@ def test_flattened_tile_loops_equal_persistent_tiles(kept):
 
 
 @pytest.mark.parametrize(("recompute_gate_up", "variant"),
-                         [(True, None), (False, None), (False, _persistent_grouped_mm)],
-                         ids=["recompute", "kept_gate_up", "kept_persistent_grouped_mm"])
+                         [(True, None), (False, None), (False, _persistent_grouped_mm),
+                          (True, _gluon_gate_up), (False, _gluon_gate_up)],
+                         ids=["recompute", "kept_gate_up", "kept_persistent_grouped_mm",
+                              "gluon_gate_up", "kept_gluon_gate_up"])
 def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up, variant):
     inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=3)

@@ -152,6 +152,37 @@ def test_tile_variants_equal_plain_tiles(case, variant):
     check_against_reference(case, y_variant, grads_variant)
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on an sm_90 GPU the Gluon kernel runs: "
+                    "tests/test_gpu.py")
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+def test_gluon_tiles_run_the_triton_kernel_off_sm90(kept):
+    # GemmTiles.gluon asks for the warp-specialized Gluon gate/up kernel, which only an sm_90
+    # GPU runs (compiled for sm_90 by tests/test_sm90_compile.py, checked on the GPU by
+    # tests/test_gpu.py); elsewhere the Triton kernel runs the same tile: the same layer.
+    case = CASES[1]
+    plain = dataclasses.replace(ops.small_tiles(16, 64), gate_up=ops.GemmTiles(
+        64, 64, 32, group_m=4, num_warps=4, num_stages=1))
+    gluon = dataclasses.replace(plain, gate_up=dataclasses.replace(plain.gate_up, gluon=True))
+    config = F.MoKConfig(recompute_gate_up=not kept)
+    y, grads, _, _ = run_layer(case.inputs(), config=config, swiglu_limit=case.limit,
+                               tiles=plain)
+    y_gluon, grads_gluon, _, _ = run_layer(case.inputs(), config=config,
+                                           swiglu_limit=case.limit, tiles=gluon)
+    assert torch.equal(y, y_gluon)
+    for name, a, b in zip(GRAD_NAMES, grads, grads_gluon, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    check_against_reference(case, y_gluon, grads_gluon)
+
+
+def test_tile_options_are_checked():
+    with pytest.raises(ValueError, match="flatten=True"):
+        ops.GemmTiles(128, 128, 64, flatten=True)
+    for block in ((32, 64, 64), (128, 256, 64), (128, 128, 128)):
+        with pytest.raises(ValueError, match="gluon=True"):
+            ops.GemmTiles(*block, gluon=True)
+    ops.GemmTiles(64, 128, 32, gluon=True)  # a tile the Gluon kernel takes
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[8]], ids=lambda c: c.name)
 def test_tiles_from_a_shared_counter_equal_plain_tiles(case, kept, monkeypatch):

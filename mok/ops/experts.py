@@ -9,10 +9,13 @@ import functools
 
 import torch
 import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok import _env
 from mok.kernels import combine as combine_kernels
+from mok.kernels import gluon_gate_up
 from mok.kernels import grouped_gemm as gemm_kernels
 from mok.ops import comm
 from mok.ops.comm import Pull, ScatterRows
@@ -159,10 +162,13 @@ def gate_up_swiglu(
     swiglu limit, a value the limit clamps is stored as +-inf.
     """
     intermediate, hidden = w_gate.shape[1:]
-    tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
     if gate_up is not None:
         _check_gate_up(gate_up, routing, intermediate)
+    if tiles.gluon and pull is None and h.shape[0] > 0 and _gluon_runs(x, w_gate, w_up, tiles):
+        _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up)
+        return h
+    tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     limit, has_limit = _limit_args(swiglu_limit)
     pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, h, tiles.num_warps)
@@ -183,6 +189,60 @@ def gate_up_swiglu(
         **_gemm_meta(tiles),
     )
     return h
+
+
+# The Gluon gate/up kernel's loader partition: warps and registers per thread (its cp.async
+# gather of a 128 x 64 x tile is eight 16-byte copies a thread at 4 warps).
+_GLUON_LOAD_WARPS = 4
+_GLUON_LOAD_REGS = 40
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return (device.type == "cuda" and not UPCAST
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def _gluon_runs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                tiles: GemmTiles) -> bool:
+    """Whether the Gluon gate/up kernel can take this launch (GemmTiles.gluon): an sm_90 GPU,
+    16-bit weights laid out as TMA wants them, x rows 16-byte aligned, K a multiple of block_k."""
+    intermediate, hidden = w_gate.shape[1:]
+    return (_is_sm90(x.device) and x.dtype in _GLUON_DTYPES and w_gate.dtype == x.dtype
+            and w_up.dtype == x.dtype and w_gate.is_contiguous() and w_up.is_contiguous()
+            and x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0
+            and x.data_ptr() % 16 == 0 and hidden % tiles.block_k == 0
+            and intermediate % 8 == 0 and w_gate.shape[0] > 0)
+
+
+def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   routing: Routing, tiles: GemmTiles, swiglu_limit: float | None,
+                   h: torch.Tensor, gate_up: torch.Tensor | None) -> None:
+    """gate_up_swiglu by the warp-specialized Gluon kernel (mok.kernels.gluon_gate_up)."""
+    experts, intermediate, hidden = w_gate.shape
+    dtype = _GLUON_DTYPES[x.dtype]
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+
+    def descriptor(t: torch.Tensor, box: list[int]) -> GluonDescriptor:
+        return GluonDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+
+    w_gate_desc = descriptor(w_gate.view(experts * intermediate, hidden), [bn, bk])
+    w_up_desc = descriptor(w_up.view(experts * intermediate, hidden), [bn, bk])
+    h_desc = gate_desc = up_desc = descriptor(h, [bm, bn])
+    if gate_up is not None:
+        gate_desc = descriptor(gate_up[:, :intermediate], [bm, bn])
+        up_desc = descriptor(gate_up[:, intermediate:], [bm, bn])
+    limit, has_limit = _limit_args(swiglu_limit)
+    gluon_gate_up.gate_up_swiglu_ws_kernel[(_num_programs(x.device),)](
+        x, w_gate_desc, w_up_desc, h_desc, gate_desc, up_desc, routing.row_route,
+        routing.block_expert, routing.used_rows, intermediate, hidden, routing.topk,
+        x.stride(0), limit,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
+        NUM_STAGES=tiles.num_stages, LOAD_WARPS=_GLUON_LOAD_WARPS, LOAD_REGS=_GLUON_LOAD_REGS,
+        HAS_LIMIT=has_limit, SAVE_GATE_UP=gate_up is not None,
+        A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], dtype), num_warps=bm // 16,
+    )
 
 
 def gate_up_buffer(x: torch.Tensor, w_gate: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -59,10 +59,22 @@ class GemmTiles:
     # flattened into one, so the next tile's loads start during this tile's last K blocks and
     # epilogue (a launch that pulls rows takes its tiles from a counter and ignores it).
     flatten: bool = False
+    # gate_up and gate_up_saved on an sm_90 GPU: the warp-specialized Gluon kernel
+    # (mok.kernels.gluon_gate_up: a loader partition gathering x rows by cp.async and weight
+    # tiles by TMA, wgmma and the epilogue in the other, one program per SM) with this tile's
+    # block_m (64 or 128), block_n (at most 128), block_k, num_stages and group_m (num_warps
+    # unused: block_m // 16 warps multiply, 4 more load; persistent implied). Elsewhere (no
+    # sm_90 GPU, a launch that pulls rows, operands TMA cannot take) the Triton kernel runs
+    # these tiles.
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         if self.flatten and not self.persistent:
             raise ValueError("GemmTiles(flatten=True) needs persistent=True")
+        if self.gluon and (self.block_m not in (64, 128) or self.block_n > 128
+                           or self.block_k not in (32, 64)):
+            raise ValueError(f"GemmTiles(gluon=True): block_m 64 or 128, block_n <= 128, block_k "
+                             f"32 or 64; got {self.block_m}x{self.block_n}x{self.block_k}")
 
 
 @dataclass(frozen=True)
