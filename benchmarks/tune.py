@@ -128,8 +128,10 @@ CANDIDATES["gate_up_saved"] = [
 
 # gate/up by the warp-specialized Gluon kernel (GemmTiles.gluon; one program per SM, num_warps
 # unused: block_m // 16 MMA warps and 4 loader warps). 128 x 128 x 64 at 4 stages takes 224 KB.
-GLUON = [T(128, 128, 64, 8, 8, 4, gluon=True), T(128, 128, 64, 8, 8, 3, gluon=True),
-         T(128, 128, 64, 4, 8, 4, gluon=True), T(64, 128, 64, 8, 4, 5, gluon=True)]
+# Where the Triton kernel runs these tiles instead (a launch that pulls rows from other ranks)
+# its weight tiles come through TMA.
+GLUON = [T(128, 128, 64, g, 8, s, tma=True, gluon=True) for g, s in ((8, 4), (8, 3), (4, 4))]
+GLUON.append(T(64, 128, 64, 8, 4, 5, tma=True, gluon=True))
 CANDIDATES["gate_up"] += GLUON
 CANDIDATES["gate_up_saved"] += GLUON
 # Every persistent row-GEMM candidate also with its tile and K loops flattened (GemmTiles.flatten).
