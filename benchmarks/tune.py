@@ -134,10 +134,26 @@ GLUON = [T(128, 128, 64, g, 8, s, tma=True, gluon=True) for g, s in ((8, 4), (8,
 GLUON.append(T(64, 128, 64, 8, 4, 5, tma=True, gluon=True))
 CANDIDATES["gate_up"] += GLUON
 CANDIDATES["gate_up_saved"] += GLUON
+# down and d_x by the warp-specialized Gluon row kernels (every tile through TMA, one loader
+# warp; down at 128 x 256 x 64 takes 208 KB at 3 stages, 224 at 4 with its epilogue in halves).
+# A d_x stage holds a K step's gate and up tiles (two ring stages), as the Triton kernel's
+# stages do: 224 KB at 128 x 256 x 64, 2 stages, and 128 x 128 x 64, 3 stages. Where the Triton
+# kernel runs these tiles instead (a launch that scatters rows to other ranks, or d_x pulling
+# them) it keeps TMA rows and persistent programs; the 128 x 256 tiles at 192 KB of stages
+# have their epilogues in halves, which the Triton kernels need there.
+def _gluon_rows(*shapes: tuple[int, int, int, int]) -> list[GemmTiles]:
+    return [T(128, n, 64, g, 8, s, persistent=True, tma=True, tma_rows=True, epilogue_split=split,
+              gluon=True) for n, s, g, split in shapes]
+
+
+CANDIDATES["down"] += _gluon_rows((256, 3, 8, 1), (256, 4, 8, 2), (256, 3, 4, 1), (256, 4, 4, 2),
+                                  (128, 4, 8, 1), (128, 4, 4, 1))
+CANDIDATES["d_x"] += _gluon_rows((256, 2, 8, 2), (256, 2, 4, 2), (128, 3, 8, 1), (128, 3, 4, 1),
+                                 (128, 2, 8, 1))
 # Every persistent row-GEMM candidate also with its tile and K loops flattened (GemmTiles.flatten).
 for _kind in ("gate_up", "gate_up_saved", "down", "down_bwd", "down_bwd_saved", "d_x"):
     CANDIDATES[_kind] += [dataclasses.replace(t, flatten=True) for t in CANDIDATES[_kind]
-                          if t.persistent]
+                          if t.persistent and not t.gluon]
 
 
 def gemm_runners(x, w_g, w_u, w_d, routing, rw, d_out, setup=HOPPER_TILES) -> dict:

@@ -125,8 +125,9 @@ def main(argv=None) -> None:
 
     # The table's tiles with pointer loads (the " tma" runs add TMA for the weights, " tma rows"
     # for the whole row tiles); the weight-gradient variants change the fallback tile
-    # (128x128x64, 3 stages), the table's own runs as " tuned".
-    plain = dict(tma=False, tma_rows=False, grouped_mm=False, epilogue_split=1)
+    # (128x128x64, 3 stages), the table's own runs as " tuned". Always the Triton kernels: the
+    # Gluon ones (GemmTiles.gluon) have runs of their own.
+    plain = dict(tma=False, tma_rows=False, grouped_mm=False, epilogue_split=1, gluon=False)
     t = {kind: dataclasses.replace(tiles(kind, *key), **plain) for kind, key in (
         ("gate_up", (inter, hid)), ("gate_up_saved", (inter, hid)), ("down", (hid, inter)),
         ("down_bwd", (inter, hid)), ("down_bwd_saved", (inter, hid)), ("d_x", (hid, inter)),
@@ -189,6 +190,29 @@ def main(argv=None) -> None:
          lambda tt: ops.gate_up_swiglu(x, w_g, w_u, routing, tt, 7.0, gate_up=dgu)),
         ("gate_up gluon tma 64x128 s5", r(gluon, block_m=64, num_stages=5),
          lambda tt: ops.gate_up_swiglu(x, w_g, w_u, routing, tt, None)),
+    ]
+    # down and d_x by the warp-specialized Gluon row kernels (every tile through TMA; 128 x 256
+    # x 64 stores its epilogue in two column halves where a whole tile's buffer does not fit).
+    # A d_x stage holds a K step's gate and up tiles, as in the Triton kernel: two ring stages.
+    wide_gluon = r(t["down"], block_m=128, block_n=256, block_k=64, num_stages=3, gluon=True)
+    runs += [
+        ("down gluon tma", wide_gluon, lambda tt: ops.down_proj(h, w_d, routing, tt, rw)),
+        ("down gluon tma s4", r(wide_gluon, num_stages=4),
+         lambda tt: ops.down_proj(h, w_d, routing, tt, rw)),
+        ("down gluon tma 128x128", r(wide_gluon, block_n=128, num_stages=4),
+         lambda tt: ops.down_proj(h, w_d, routing, tt, rw)),
+        ("down shared gluon tma", wide_gluon,
+         lambda tt: ops.down_proj(h, w_d, routing, tt, None)),
+        ("down gluon tma 64x128 s5", r(wide_gluon, block_m=64, block_n=128, num_stages=5),
+         lambda tt: ops.down_proj(h, w_d, routing, tt, rw)),
+        ("d_x gluon tma", r(wide_gluon, num_stages=2),
+         lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
+        ("d_x gluon tma 128x128", r(wide_gluon, block_n=128, num_stages=3),
+         lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
+        ("d_x gluon tma 128x128 s2", r(wide_gluon, block_n=128, num_stages=2),
+         lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
+        ("d_x gluon tma 64x128 s4", r(wide_gluon, block_m=64, block_n=128, num_stages=4),
+         lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
     ]
     # Other shapes of the kept dSwiGLU tile (its 64 x 128 runs two to an SM at 290 TFLOP/s).
     saved = next(run for label, _, run in runs if label == "down_bwd saved tma rows")

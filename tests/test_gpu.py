@@ -78,6 +78,20 @@ def _gluon_gate_up(tiles):
         128, 128, 64, group_m=8, num_warps=8, num_stages=4, gluon=True))
 
 
+def _gluon_rows(tiles, wide=True):
+    """gate/up, down and d_x by the Gluon kernels: down and d_x at 128 x 256 x 64 (down at 4
+    stages, d_x at 2, each a K step's gate and up tiles; epilogues in halves, as the Triton
+    kernels need them at these tiles) or, not wide, 128 x 128 x 64."""
+    def gluon(block_n, stages, split=1):
+        return GemmTiles(128, block_n, 64, group_m=8, num_warps=8, num_stages=stages,
+                         persistent=True, tma=True, tma_rows=True, epilogue_split=split,
+                         gluon=True)
+
+    down, d_x = ((gluon(256, 4, 2), gluon(256, 2, 2)) if wide
+                 else (gluon(128, 4), gluon(128, 3)))
+    return dataclasses.replace(_gluon_gate_up(tiles), down=down, d_x=d_x)
+
+
 @pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_gluon_gate_up_matches_reference_and_is_deterministic(kept, limit):
@@ -116,6 +130,52 @@ def test_gluon_gate_up_matches_reference_and_is_deterministic(kept, limit):
                      name="gate_up")
 
 
+@pytest.mark.parametrize("wide", [True, False], ids=["128x256", "128x128"])
+def test_gluon_rows_match_reference_and_are_deterministic(wide, monkeypatch):
+    # The warp-specialized Gluon down and d_x kernels inside the layer: against the reference,
+    # the Triton kernels' results at the same tiles, and themselves run to run. H = 1344 is no
+    # multiple of the tiles (the stores clip); the shared expert's I = 288 is no multiple of
+    # block_k: its down projection reads TMA's zero fill past K, its d_x runs the Triton kernel.
+    from mok.ops import experts
+
+    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    launches = []
+
+    def counted(name):
+        launch = getattr(experts, name)
+
+        def run(*args):
+            launches.append(name)
+            return launch(*args)
+        return run
+
+    for name in ("_down_gluon", "_d_x_gluon"):
+        monkeypatch.setattr(experts, name, counted(name))
+    inputs = make_inputs(6000, 1344, 320, 16, 4, shared_intermediate_size=288, device="cuda",
+                         seed=7, routing=RoutingPattern.SKEWED)
+    base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
+    tiles = _gluon_rows(base, wide)
+    y, grads, _, _ = run_layer(inputs, swiglu_limit=7.0, tiles=tiles)
+    # routed down, shared down, routed d_x (the shared one's I is no multiple of block_k)
+    assert sorted(launches) == ["_d_x_gluon", "_down_gluon", "_down_gluon"]
+    y2, grads2, _, _ = run_layer(inputs, swiglu_limit=7.0, tiles=tiles)
+    assert torch.equal(y, y2)
+    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    y_ref, grads_ref = moe_reference_grads(inputs, swiglu_limit=7.0, compute_dtype=torch.float32)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name)
+    triton_tiles = with_row_tiles(tiles, gluon=False)
+    y_triton, grads_triton, _, _ = run_layer(inputs, swiglu_limit=7.0, tiles=triton_tiles)
+    assert_close(y, y_triton, dtype=torch.bfloat16, name="y against the Triton kernels")
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_triton, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16,
+                         name=f"{name} against the Triton kernels")
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_flattened_tile_loops_equal_persistent_tiles(kept):
     # GemmTiles.flatten compiles each program's tile loop and K loop into one pipelined loop
@@ -137,9 +197,11 @@ def test_flattened_tile_loops_equal_persistent_tiles(kept):
 
 @pytest.mark.parametrize(("recompute_gate_up", "variant"),
                          [(True, None), (False, None), (False, _persistent_grouped_mm),
-                          (True, _gluon_gate_up), (False, _gluon_gate_up)],
+                          (True, _gluon_gate_up), (False, _gluon_gate_up),
+                          (True, _gluon_rows), (False, _gluon_rows)],
                          ids=["recompute", "kept_gate_up", "kept_persistent_grouped_mm",
-                              "gluon_gate_up", "kept_gluon_gate_up"])
+                              "gluon_gate_up", "kept_gluon_gate_up", "gluon_rows",
+                              "kept_gluon_rows"])
 def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up, variant):
     inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=3)

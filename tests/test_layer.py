@@ -156,13 +156,15 @@ def test_tile_variants_equal_plain_tiles(case, variant):
                     "tests/test_gpu.py")
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_gluon_tiles_run_the_triton_kernel_off_sm90(kept):
-    # GemmTiles.gluon asks for the warp-specialized Gluon gate/up kernel, which only an sm_90
-    # GPU runs (compiled for sm_90 by tests/test_sm90_compile.py, checked on the GPU by
-    # tests/test_gpu.py); elsewhere the Triton kernel runs the same tile: the same layer.
+    # GemmTiles.gluon asks for the warp-specialized Gluon kernels of gate/up, down and d_x,
+    # which only an sm_90 GPU runs (compiled for sm_90 by tests/test_sm90_compile.py, checked on
+    # the GPU by tests/test_gpu.py); elsewhere the Triton kernels run the same tiles: the same
+    # layer, the shared expert's GEMMs included.
     case = CASES[1]
-    plain = dataclasses.replace(ops.small_tiles(16, 64), gate_up=ops.GemmTiles(
-        64, 64, 32, group_m=4, num_warps=4, num_stages=1))
-    gluon = dataclasses.replace(plain, gate_up=dataclasses.replace(plain.gate_up, gluon=True))
+    tile = ops.GemmTiles(64, 64, 32, group_m=4, num_warps=4, num_stages=1)
+    plain = dataclasses.replace(ops.small_tiles(16, 64), gate_up=tile, down=tile, d_x=tile)
+    gluon = dataclasses.replace(plain, **{
+        name: dataclasses.replace(tile, gluon=True) for name in ("gate_up", "down", "d_x")})
     config = F.MoKConfig(recompute_gate_up=not kept)
     y, grads, _, _ = run_layer(case.inputs(), config=config, swiglu_limit=case.limit,
                                tiles=plain)
@@ -174,13 +176,21 @@ def test_gluon_tiles_run_the_triton_kernel_off_sm90(kept):
     check_against_reference(case, y_gluon, grads_gluon)
 
 
-def test_tile_options_are_checked():
+def test_tile_options_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="flatten=True"):
         ops.GemmTiles(128, 128, 64, flatten=True)
-    for block in ((32, 64, 64), (128, 256, 64), (128, 128, 128)):
+    for block in ((32, 64, 64), (128, 512, 64), (128, 128, 128)):
         with pytest.raises(ValueError, match="gluon=True"):
             ops.GemmTiles(*block, gluon=True)
-    ops.GemmTiles(64, 128, 32, gluon=True)  # a tile the Gluon kernel takes
+    ops.GemmTiles(64, 128, 32, gluon=True)  # a tile the Gluon kernels take
+    # block_n 256 is for down and d_x: the gate/up launcher leaves it to the Triton kernel
+    from mok.ops import experts
+
+    monkeypatch.setattr(experts, "_is_sm90", lambda device: True)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+    assert experts._gluon_runs(x, w, w, ops.GemmTiles(128, 128, 64, gluon=True))
+    assert not experts._gluon_runs(x, w, w, ops.GemmTiles(128, 256, 64, gluon=True))
 
 
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])

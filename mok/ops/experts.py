@@ -15,7 +15,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok import _env
 from mok.kernels import combine as combine_kernels
-from mok.kernels import gluon_gate_up
+from mok.kernels import gluon_gate_up, gluon_rows
 from mok.kernels import grouped_gemm as gemm_kernels
 from mok.ops import comm
 from mok.ops.comm import Pull, ScatterRows
@@ -207,13 +207,25 @@ def _is_sm90(device: torch.device) -> bool:
 def _gluon_runs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 tiles: GemmTiles) -> bool:
     """Whether the Gluon gate/up kernel can take this launch (GemmTiles.gluon): an sm_90 GPU,
-    16-bit weights laid out as TMA wants them, x rows 16-byte aligned, K a multiple of block_k."""
+    16-bit weights laid out as TMA wants them, x rows 16-byte aligned, K a multiple of block_k,
+    block_n at most 128 (gate and up share one wgmma of 2 * block_n columns)."""
     intermediate, hidden = w_gate.shape[1:]
-    return (_is_sm90(x.device) and x.dtype in _GLUON_DTYPES and w_gate.dtype == x.dtype
-            and w_up.dtype == x.dtype and w_gate.is_contiguous() and w_up.is_contiguous()
-            and x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0
-            and x.data_ptr() % 16 == 0 and hidden % tiles.block_k == 0
-            and intermediate % 8 == 0 and w_gate.shape[0] > 0)
+    return (_gluon_operands(x, w_gate, w_up) and hidden % tiles.block_k == 0
+            and intermediate % 8 == 0 and tiles.block_n <= 128)
+
+
+def _gluon_operands(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """An sm_90 GPU, rows of a 16-bit dtype with 16-byte aligned rows (read by TMA or
+    cp.async), weights of that dtype, contiguous (TMA over [E * R, C]), experts present."""
+    return (_is_sm90(rows.device) and rows.dtype in _GLUON_DTYPES and rows.stride(1) == 1
+            and (rows.stride(0) * rows.element_size()) % 16 == 0 and rows.data_ptr() % 16 == 0
+            and all(w.dtype == rows.dtype and w.is_contiguous() and w.shape[0] > 0
+                    for w in weights))
+
+
+def _gluon_descriptor(t: torch.Tensor, box: list[int], dtype) -> GluonDescriptor:
+    """A Gluon TMA descriptor of t with `box`, in the default NVMMA shared layout for it."""
+    return GluonDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
 
 
 def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -225,7 +237,7 @@ def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
 
     def descriptor(t: torch.Tensor, box: list[int]) -> GluonDescriptor:
-        return GluonDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+        return _gluon_descriptor(t, box, dtype)
 
     w_gate_desc = descriptor(w_gate.view(experts * intermediate, hidden), [bn, bk])
     w_up_desc = descriptor(w_up.view(experts * intermediate, hidden), [bn, bk])
@@ -242,6 +254,73 @@ def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         NUM_STAGES=tiles.num_stages, LOAD_WARPS=_GLUON_LOAD_WARPS, LOAD_REGS=_GLUON_LOAD_REGS,
         HAS_LIMIT=has_limit, SAVE_GATE_UP=gate_up is not None,
         A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], dtype), num_warps=bm // 16,
+    )
+
+
+# The Gluon row GEMMs' loader partition (one warp issuing TMA copies): registers per thread.
+_GLUON_ROWS_LOAD_REGS = 24
+# Shared memory one sm_90 CTA may hold.
+_SM90_SMEM = 227 * 1024
+
+
+def _gluon_rows_split(tiles: GemmTiles, stages: int, size: int) -> int:
+    """The Gluon row GEMMs' epilogue slices: tiles.epilogue_split, or 2 where a ring of `stages`
+    stages and a whole-tile epilogue buffer would not fit in shared memory."""
+    ring = stages * (tiles.block_m + tiles.block_n) * tiles.block_k * size
+    if ring + tiles.block_m * tiles.block_n * size > _SM90_SMEM - 1024:
+        return 2
+    return tiles.epilogue_split
+
+
+def _gluon_rows_runs(rows: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                     widths: tuple[int, ...]) -> bool:
+    """Whether a Gluon row GEMM (down, d_x) can take this launch (GemmTiles.gluon):
+    _gluon_operands, and rows of `widths` elements (the output's, the weights' last dimension)
+    16-byte aligned for TMA."""
+    size = rows.element_size()
+    return _gluon_operands(rows, *weights) and all((w * size) % 16 == 0 for w in widths)
+
+
+def _down_gluon(h: torch.Tensor, w_down: torch.Tensor, routing: Routing, tiles: GemmTiles,
+                router_weights: torch.Tensor | None, out: torch.Tensor) -> None:
+    """down_proj by the warp-specialized Gluon kernel (mok.kernels.gluon_rows)."""
+    experts, hidden, intermediate = w_down.shape
+    dtype = _GLUON_DTYPES[h.dtype]
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    split = _gluon_rows_split(tiles, tiles.num_stages, h.element_size())
+    gluon_rows.down_proj_ws_kernel[(_num_programs(h.device),)](
+        _gluon_descriptor(h, [bm, bk], dtype),
+        _gluon_descriptor(w_down.view(experts * hidden, intermediate), [bn, bk], dtype),
+        _gluon_descriptor(out, [bm, bn // split], dtype),
+        router_weights if router_weights is not None else h, routing.row_route,
+        routing.block_expert, routing.used_rows, hidden, intermediate,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
+        NUM_STAGES=tiles.num_stages, EPI_SPLIT=split, LOAD_REGS=_GLUON_ROWS_LOAD_REGS,
+        HAS_WEIGHT=router_weights is not None, num_warps=bm // 16,
+    )
+
+
+def _d_x_gluon(d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+               routing: Routing, tiles: GemmTiles, out: torch.Tensor) -> None:
+    """d_x_rows by the warp-specialized Gluon kernel (mok.kernels.gluon_rows). Each of the
+    tile's num_stages holds a K step's gate and up tiles, as in the Triton kernel (so a tile
+    fits both kernels' shared memory alike): two stages of the Gluon kernel's ring."""
+    experts, intermediate, hidden = w_gate.shape
+    dtype = _GLUON_DTYPES[d_gate_up.dtype]
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    stages = 2 * tiles.num_stages
+    split = _gluon_rows_split(tiles, stages, d_gate_up.element_size())
+
+    def weights(w: torch.Tensor) -> GluonDescriptor:
+        return _gluon_descriptor(w.view(experts * intermediate, hidden), [bk, bn], dtype)
+
+    gluon_rows.d_x_rows_ws_kernel[(_num_programs(out.device),)](
+        _gluon_descriptor(d_gate_up, [bm, bk], dtype), weights(w_gate), weights(w_up),
+        _gluon_descriptor(out, [bm, bn // split], dtype), routing.block_expert,
+        routing.used_rows, hidden, intermediate,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
+        NUM_STAGES=stages, EPI_SPLIT=split, LOAD_REGS=_GLUON_ROWS_LOAD_REGS,
+        num_warps=bm // 16,
     )
 
 
@@ -275,6 +354,10 @@ def down_proj(
         out = torch.empty(routing.capacity_rows, hidden, dtype=h.dtype, device=h.device)
     else:
         out = scatter.out
+    if (tiles.gluon and scatter is None and out.shape[0] > 0
+            and _gluon_rows_runs(h, (w_down,), (hidden, intermediate))):
+        _down_gluon(h, w_down, routing, tiles, router_weights, out)
+        return out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
     weights, tma = _weights_operand(w_down, tiles)
@@ -404,6 +487,11 @@ def d_x_rows(
                           device=d_gate_up.device)
     else:
         out = scatter.out
+    if (tiles.gluon and scatter is None and pull is None and out.shape[0] > 0
+            and intermediate % tiles.block_k == 0
+            and _gluon_rows_runs(d_gate_up, (w_gate, w_up), (hidden,))):
+        _d_x_gluon(d_gate_up, w_gate, w_up, routing, tiles, out)
+        return out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)

@@ -59,21 +59,25 @@ class GemmTiles:
     # flattened into one, so the next tile's loads start during this tile's last K blocks and
     # epilogue (a launch that pulls rows takes its tiles from a counter and ignores it).
     flatten: bool = False
-    # gate_up and gate_up_saved on an sm_90 GPU: the warp-specialized Gluon kernel
-    # (mok.kernels.gluon_gate_up: a loader partition gathering x rows by cp.async and weight
-    # tiles by TMA, wgmma and the epilogue in the other, one program per SM) with this tile's
-    # block_m (64 or 128), block_n (at most 128), block_k, num_stages and group_m (num_warps
-    # unused: block_m // 16 warps multiply, 4 more load; persistent implied). Elsewhere (no
-    # sm_90 GPU, a launch that pulls rows, operands TMA cannot take) the Triton kernel runs
-    # these tiles.
+    # gate_up, gate_up_saved, down and d_x on an sm_90 GPU: a warp-specialized Gluon kernel (one
+    # program per SM, a loader partition filling a ring of num_stages stages, wgmma and the
+    # epilogue in the other; mok.kernels.gluon_gate_up: x rows gathered by cp.async, weight
+    # tiles by TMA; mok.kernels.gluon_rows: every tile by TMA) with this tile's block_m (64 or
+    # 128), block_n (at most 128 for gate/up, whose wgmma takes gate and up at once, else 256),
+    # block_k, num_stages (d_x: K steps of both products, two ring stages each, as its Triton
+    # kernel's stages hold both), group_m and (down, d_x) epilogue_split, 2 where a whole-tile
+    # epilogue buffer would not fit (num_warps unused: block_m // 16 warps multiply, the loader
+    # has its own; persistent implied). Elsewhere (no sm_90 GPU, a launch that pulls or scatters
+    # rows, operands TMA cannot take, gate/up at block_n > 128) the Triton kernel runs these
+    # tiles.
     gluon: bool = False
 
     def __post_init__(self) -> None:
         if self.flatten and not self.persistent:
             raise ValueError("GemmTiles(flatten=True) needs persistent=True")
-        if self.gluon and (self.block_m not in (64, 128) or self.block_n > 128
+        if self.gluon and (self.block_m not in (64, 128) or self.block_n > 256
                            or self.block_k not in (32, 64)):
-            raise ValueError(f"GemmTiles(gluon=True): block_m 64 or 128, block_n <= 128, block_k "
+            raise ValueError(f"GemmTiles(gluon=True): block_m 64 or 128, block_n <= 256, block_k "
                              f"32 or 64; got {self.block_m}x{self.block_n}x{self.block_k}")
 
 
