@@ -60,6 +60,14 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _tile_grid(used_rows_ptr, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(row blocks, column blocks, tiles) of the used rows, their count read on the device."""
+    num_pid_m = gl.load(used_rows_ptr) // BLOCK_M
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    return num_pid_m, num_pid_n, num_pid_m * num_pid_n
+
+
+@gluon.jit
 def _load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
                     used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K, topk, stride_xm,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -74,9 +82,7 @@ def _load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_p
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
     w_bytes: gl.constexpr = 2 * w_gate_desc.block_type.nbytes
 
-    num_pid_m = gl.load(used_rows_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
+    num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     k_steps = K // BLOCK_K
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -129,9 +135,7 @@ def _mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars, empty
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
 
-    num_pid_m = gl.load(used_rows_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
+    num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     k_steps = K // BLOCK_K
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):

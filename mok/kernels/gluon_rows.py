@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mok.kernels.gluon_gate_up import _put, _tile_coords
+from mok.kernels.gluon_gate_up import _put, _tile_coords, _tile_grid
 
 
 @gluon.jit
@@ -69,9 +69,7 @@ def _load_partition(a_desc, b_desc, b2_desc, block_expert_ptr, used_rows_ptr, a_
                     GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
                     D_X: gl.constexpr):
     """Fills the ring, A and weight tiles by TMA (D_X: a gate step, then an up step per k0)."""
-    num_pid_m = gl.load(used_rows_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
+    num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -111,9 +109,7 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, rou
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HALF, 16])
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
 
-    num_pid_m = gl.load(used_rows_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
+    num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     if D_X:
         k_steps = 2 * (K // BLOCK_K)
     else:

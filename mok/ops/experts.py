@@ -236,15 +236,12 @@ def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     dtype = _GLUON_DTYPES[x.dtype]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
 
-    def descriptor(t: torch.Tensor, box: list[int]) -> GluonDescriptor:
-        return _gluon_descriptor(t, box, dtype)
-
-    w_gate_desc = descriptor(w_gate.view(experts * intermediate, hidden), [bn, bk])
-    w_up_desc = descriptor(w_up.view(experts * intermediate, hidden), [bn, bk])
-    h_desc = gate_desc = up_desc = descriptor(h, [bm, bn])
+    w_gate_desc = _gluon_descriptor(w_gate.view(experts * intermediate, hidden), [bn, bk], dtype)
+    w_up_desc = _gluon_descriptor(w_up.view(experts * intermediate, hidden), [bn, bk], dtype)
+    h_desc = gate_desc = up_desc = _gluon_descriptor(h, [bm, bn], dtype)
     if gate_up is not None:
-        gate_desc = descriptor(gate_up[:, :intermediate], [bm, bn])
-        up_desc = descriptor(gate_up[:, intermediate:], [bm, bn])
+        gate_desc = _gluon_descriptor(gate_up[:, :intermediate], [bm, bn], dtype)
+        up_desc = _gluon_descriptor(gate_up[:, intermediate:], [bm, bn], dtype)
     limit, has_limit = _limit_args(swiglu_limit)
     gluon_gate_up.gate_up_swiglu_ws_kernel[(_num_programs(x.device),)](
         x, w_gate_desc, w_up_desc, h_desc, gate_desc, up_desc, routing.row_route,
