@@ -150,6 +150,22 @@ CANDIDATES["down"] += _gluon_rows((256, 3, 8, 1), (256, 4, 8, 2), (256, 3, 4, 1)
                                   (128, 4, 8, 1), (128, 4, 4, 1))
 CANDIDATES["d_x"] += _gluon_rows((256, 2, 8, 2), (256, 2, 4, 2), (128, 3, 8, 1), (128, 3, 4, 1),
                                  (128, 2, 8, 1))
+# dSwiGLU by the warp-specialized Gluon kernel (d_out's rows, and x's recomputing, gathered by
+# cp.async in 4 loader warps). Kept: 128 x 128 x 64 takes 208 KB at 4 stages (its epilogue in
+# column halves: whole, it would spill registers); recomputing: three accumulators hold block_n
+# to 64, 128 x 64 x 64 takes 200 KB at 3 stages, 128 x 64 x 32 as much at 6. Where the Triton
+# kernel runs these tiles instead (a launch that pulls rows) it keeps persistent programs and
+# TMA.
+def _gluon_dswiglu(*shapes: tuple[int, int, int, int, int]) -> list[GemmTiles]:
+    return [T(m, n, k, g, m // 16, s, persistent=True, tma=True, tma_rows=True, gluon=True)
+            for m, n, k, s, g in shapes]
+
+
+CANDIDATES["down_bwd_saved"] += _gluon_dswiglu((128, 128, 64, 4, 8), (128, 128, 64, 3, 8),
+                                               (128, 128, 64, 4, 4), (64, 128, 64, 5, 8),
+                                               (128, 64, 64, 6, 8))
+CANDIDATES["down_bwd"] += _gluon_dswiglu((128, 64, 64, 3, 8), (128, 64, 64, 3, 4),
+                                         (128, 64, 32, 6, 8), (64, 64, 64, 4, 8))
 # Every persistent row-GEMM candidate also with its tile and K loops flattened (GemmTiles.flatten).
 for _kind in ("gate_up", "gate_up_saved", "down", "down_bwd", "down_bwd_saved", "d_x"):
     CANDIDATES[_kind] += [dataclasses.replace(t, flatten=True) for t in CANDIDATES[_kind]

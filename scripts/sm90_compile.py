@@ -51,20 +51,23 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
         RESULTS.append(dict(kernel=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
         return None
     ttgir = kernel.asm.get("ttgir", "")
-    regs, local = _resource_usage(kernel.asm["cubin"])
+    regs, local, stack = _resource_usage(kernel.asm["cubin"])
     if DUMP_DIR is not None:
         path = os.path.join(DUMP_DIR, f"{len(os.listdir(DUMP_DIR)):02d}-{name}.ttgir")
         with open(path, "w") as handle:
             handle.write(ttgir)
     RESULTS.append(dict(
-        kernel=name, regs=regs, spills=local, shared_kb=round(kernel.metadata.shared / 1024, 1),
+        kernel=name, regs=regs, spills=local, stack=stack,
+        shared_kb=round(kernel.metadata.shared / 1024, 1),
         warps=options.num_warps, stages=options.num_stages, wgmma="warp_group_dot" in ttgir,
         tma=bool(re.search(r"async_tma_copy|tma_load|descriptor_load", ttgir))))
     return None
 
 
-def _resource_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers per thread, local memory bytes per thread: spills) from cuobjdump."""
+def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
+    """(registers per thread, local memory bytes per thread: spills, stack frame bytes per
+    thread: where ptxas puts spills too, a kernel without calls having no other use for it)
+    from cuobjdump."""
     from triton.backends.nvidia import compiler as nvidia
 
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
@@ -73,9 +76,9 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
         handle.flush()
         text = subprocess.run([tool, "--dump-resource-usage", handle.name], check=True,
                               capture_output=True, text=True).stdout
-    regs = re.search(r"REG:(\d+)", text)
-    local = re.search(r"LOCAL:(\d+)", text)
-    return int(regs.group(1)) if regs else -1, int(local.group(1)) if local else -1
+    return tuple(int(found.group(1)) if found else -1
+                 for found in (re.search(rf"{key}:(\d+)", text)
+                               for key in ("REG", "LOCAL", "STACK")))
 
 
 def main(argv=None) -> None:
@@ -214,6 +217,40 @@ def main(argv=None) -> None:
         ("d_x gluon tma 64x128 s4", r(wide_gluon, block_m=64, block_n=128, num_stages=4),
          lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt)),
     ]
+    # dSwiGLU by the warp-specialized Gluon kernel: kept (gate_up read, h written; at block_n
+    # 128 its epilogue in column halves) and recomputing (three accumulators: block_n 64), the
+    # shared expert's without router weights.
+    kept_gluon = r(t["down_bwd_saved"], block_m=128, block_n=128, block_k=64, num_stages=4,
+                   epilogue_split=1, gluon=True)
+    recompute_gluon = r(t["down_bwd"], block_m=128, block_n=64, block_k=64, num_stages=3,
+                        epilogue_split=1, gluon=True)
+
+    def kept_bwd(limit, weights=rw):
+        return lambda tt: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, tt, weights,
+                                               limit, gate_up=dgu, h_out=True)
+
+    def recompute_bwd(limit, weights=rw):
+        return lambda tt: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, tt, weights,
+                                               limit)
+
+    runs += [
+        ("down_bwd saved gluon tma", kept_gluon, kept_bwd(None)),
+        ("down_bwd saved gluon tma limit", kept_gluon, kept_bwd(7.0)),
+        ("down_bwd saved gluon tma 128x64 s6", r(kept_gluon, block_n=64, num_stages=6),
+         kept_bwd(7.0)),
+        ("down_bwd saved gluon tma s3", r(kept_gluon, num_stages=3), kept_bwd(7.0)),
+        ("down_bwd saved shared gluon tma", kept_gluon, kept_bwd(None, None)),
+        ("down_bwd saved gluon tma 64x128 s5", r(kept_gluon, block_m=64, num_stages=5),
+         kept_bwd(7.0)),
+        ("down_bwd gluon tma", recompute_gluon, recompute_bwd(None)),
+        ("down_bwd gluon tma limit", recompute_gluon, recompute_bwd(7.0)),
+        ("down_bwd shared gluon tma", recompute_gluon, recompute_bwd(7.0, None)),
+        ("down_bwd gluon tma split", r(recompute_gluon, epilogue_split=2), recompute_bwd(7.0)),
+        ("down_bwd gluon tma 128x64x32 s6", r(recompute_gluon, block_k=32, num_stages=6),
+         recompute_bwd(7.0)),
+        ("down_bwd gluon tma 64x64 s4", r(recompute_gluon, block_m=64, num_stages=4),
+         recompute_bwd(7.0)),
+    ]
     # Other shapes of the kept dSwiGLU tile (its 64 x 128 runs two to an SM at 290 TFLOP/s).
     saved = next(run for label, _, run in runs if label == "down_bwd saved tma rows")
     runs += [(f"down_bwd saved tma rows {label}", r(t["down_bwd_saved"], tma=True, tma_rows=True,
@@ -298,7 +335,8 @@ def main(argv=None) -> None:
                 print(f"  {label:28s} {tile:20s} FAILED {res['error']}")
             else:
                 print(f"  {label:28s} {tile:20s} regs {res['regs']:3d}  local "
-                      f"{res['spills']:4d} B  smem {res['shared_kb']:6.1f} KB  wgmma "
+                      f"{res['spills']:4d} B  stack {res['stack']:4d} B  smem "
+                      f"{res['shared_kb']:6.1f} KB  wgmma "
                       f"{'yes' if res['wgmma'] else 'no '}  tma {'yes' if res['tma'] else 'no'}",
                       flush=True)
     if args.json:

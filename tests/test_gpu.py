@@ -92,6 +92,16 @@ def _gluon_rows(tiles, wide=True):
     return dataclasses.replace(_gluon_gate_up(tiles), down=down, d_x=d_x)
 
 
+def _gluon_dswiglu(tiles):
+    """The dSwiGLU backward by the Gluon kernel: recomputing at 128 x 64 x 64 (3 stages), kept
+    at down's tiles, 128 x 128 x 64 (4 stages; down by its Gluon kernel too)."""
+    def gluon(block_n, stages):
+        return GemmTiles(128, block_n, 64, group_m=8, num_warps=8, num_stages=stages,
+                         persistent=True, tma=True, tma_rows=True, gluon=True)
+
+    return dataclasses.replace(tiles, use_tuned=False, down_bwd=gluon(64, 3), down=gluon(128, 4))
+
+
 @pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_gluon_gate_up_matches_reference_and_is_deterministic(kept, limit):
@@ -176,6 +186,76 @@ def test_gluon_rows_match_reference_and_are_deterministic(wide, monkeypatch):
                          name=f"{name} against the Triton kernels")
 
 
+@pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, monkeypatch):
+    # The warp-specialized Gluon dSwiGLU kernel (recomputing, or reading the kept
+    # pre-activations and writing h) inside the layer, the shared expert's launch included:
+    # against the reference, itself run to run, and the Triton kernel at the same tiles (the
+    # router-weight gradients among the layer's, then the routed experts' d_gate_up, partial
+    # sums and kept h directly). I = 352 and the shared expert's 288 are no multiples of
+    # block_n (the stores clip, TMA zero-fills the weight and pre-activation tiles past I).
+    from mok.ops import experts
+
+    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    launches = []
+    launch = experts._down_bwd_gluon
+
+    def counted(*args):
+        launches.append(args[0].shape)
+        return launch(*args)
+
+    monkeypatch.setattr(experts, "_down_bwd_gluon", counted)
+    inputs = make_inputs(6000, 1344, 352, 16, 4, shared_intermediate_size=288, device="cuda",
+                         seed=8, routing=RoutingPattern.SKEWED)
+    config = F.MoKConfig(recompute_gate_up=not kept)
+    base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
+    tiles = _gluon_dswiglu(base)
+    y, grads, schedule, context = run_layer(inputs, config=config, swiglu_limit=limit,
+                                            tiles=tiles)
+    assert len(launches) == 2  # routed and shared experts
+    y2, grads2, _, _ = run_layer(inputs, config=config, swiglu_limit=limit, tiles=tiles)
+    assert torch.equal(y, y2)
+    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    y_ref, grads_ref = moe_reference_grads(inputs, swiglu_limit=limit,
+                                           compute_dtype=torch.float32)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name)
+    triton_tiles = with_row_tiles(tiles, gluon=False)
+    _, grads_triton, _, _ = run_layer(inputs, config=config, swiglu_limit=limit,
+                                      tiles=triton_tiles)
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_triton, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16,
+                         name=f"{name} against the Triton kernel")
+
+    routing = schedule.routing
+    used = int(routing.expert_offsets[-1])  # rows past it are never written
+    w_gate, w_up, w_down = inputs.routed_weights
+    kind = "down_bwd_saved" if kept else "down_bwd"
+
+    def backward(tile_config):
+        h = context.h
+        if kept:  # written by the kernel
+            h = torch.zeros(routing.capacity_rows, 352, dtype=torch.bfloat16, device="cuda")
+        d_gate_up, partial = ops.down_bwd_dswiglu(
+            inputs.d_output, inputs.x, w_down, w_gate, w_up, h, routing,
+            tile_config.pick(kind, 352, 1344), inputs.router_weights, limit,
+            gate_up=context.gate_up, h_out=kept)
+        return d_gate_up[:used], partial[:used], h[:used]
+
+    mine, theirs = backward(tiles), backward(triton_tiles)
+    assert len(launches) == 5  # the two layers' four, then this one
+    names = ("d_gate_up", "partial sums", "h") if kept else ("d_gate_up", "partial sums")
+    for name, a, b in zip(names, mine, theirs, strict=False):  # h: the kept form's output
+        assert torch.isfinite(a).all(), name
+        assert_close(a.float(), b.float(), dtype=torch.bfloat16,
+                     name=f"{name} against the Triton kernel")
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_flattened_tile_loops_equal_persistent_tiles(kept):
     # GemmTiles.flatten compiles each program's tile loop and K loop into one pipelined loop
@@ -198,10 +278,11 @@ def test_flattened_tile_loops_equal_persistent_tiles(kept):
 @pytest.mark.parametrize(("recompute_gate_up", "variant"),
                          [(True, None), (False, None), (False, _persistent_grouped_mm),
                           (True, _gluon_gate_up), (False, _gluon_gate_up),
-                          (True, _gluon_rows), (False, _gluon_rows)],
+                          (True, _gluon_rows), (False, _gluon_rows),
+                          (True, _gluon_dswiglu), (False, _gluon_dswiglu)],
                          ids=["recompute", "kept_gate_up", "kept_persistent_grouped_mm",
                               "gluon_gate_up", "kept_gluon_gate_up", "gluon_rows",
-                              "kept_gluon_rows"])
+                              "kept_gluon_rows", "gluon_dswiglu", "kept_gluon_dswiglu"])
 def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up, variant):
     inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=3)

@@ -156,15 +156,17 @@ def test_tile_variants_equal_plain_tiles(case, variant):
                     "tests/test_gpu.py")
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_gluon_tiles_run_the_triton_kernel_off_sm90(kept):
-    # GemmTiles.gluon asks for the warp-specialized Gluon kernels of gate/up, down and d_x,
-    # which only an sm_90 GPU runs (compiled for sm_90 by tests/test_sm90_compile.py, checked on
-    # the GPU by tests/test_gpu.py); elsewhere the Triton kernels run the same tiles: the same
-    # layer, the shared expert's GEMMs included.
+    # GemmTiles.gluon asks for the warp-specialized Gluon kernels of gate/up, down, the
+    # dSwiGLU backward (recomputing, or kept: down's tiles) and d_x, which only an sm_90 GPU runs
+    # (compiled for sm_90 by tests/test_sm90_compile.py, checked on the GPU by
+    # tests/test_gpu.py); elsewhere the Triton kernels run the same tiles: the same layer, the
+    # shared expert's GEMMs included.
     case = CASES[1]
     tile = ops.GemmTiles(64, 64, 32, group_m=4, num_warps=4, num_stages=1)
-    plain = dataclasses.replace(ops.small_tiles(16, 64), gate_up=tile, down=tile, d_x=tile)
+    names = ("gate_up", "down", "down_bwd", "d_x")
+    plain = dataclasses.replace(ops.small_tiles(16, 64), **{name: tile for name in names})
     gluon = dataclasses.replace(plain, **{
-        name: dataclasses.replace(tile, gluon=True) for name in ("gate_up", "down", "d_x")})
+        name: dataclasses.replace(tile, gluon=True) for name in names})
     config = F.MoKConfig(recompute_gate_up=not kept)
     y, grads, _, _ = run_layer(case.inputs(), config=config, swiglu_limit=case.limit,
                                tiles=plain)
@@ -191,6 +193,19 @@ def test_tile_options_are_checked(monkeypatch):
     w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
     assert experts._gluon_runs(x, w, w, ops.GemmTiles(128, 128, 64, gluon=True))
     assert not experts._gluon_runs(x, w, w, ops.GemmTiles(128, 256, 64, gluon=True))
+    # the dSwiGLU backward: block_n up to 128 kept (writing h), 64 recomputing
+    w_down = torch.zeros(2, 64, 32, dtype=torch.bfloat16)
+    rows = torch.zeros(128, 32, dtype=torch.bfloat16)
+    gate_up = torch.zeros(128, 64, dtype=torch.bfloat16)
+
+    def dswiglu_runs(block_n, kept, h_out=True):
+        return experts._gluon_dswiglu_runs(x, x, w_down, w, w, rows, gate_up,
+                                           ops.GemmTiles(128, block_n, 64, gluon=True),
+                                           gate_up if kept else None, h_out and kept)
+
+    assert dswiglu_runs(128, kept=True) and dswiglu_runs(64, kept=False)
+    assert not dswiglu_runs(256, kept=True) and not dswiglu_runs(128, kept=False)
+    assert not dswiglu_runs(128, kept=True, h_out=False)
 
 
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])

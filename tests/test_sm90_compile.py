@@ -33,6 +33,8 @@ def test_every_variant_compiles_to_wgmma_without_spills(compiled):
         assert "error" not in row, (name, row.get("error"))
         assert row["wgmma"], name
         assert row["spills"] == 0, name
+        if " gluon" in name:  # spills to the stack frame too (some Triton tiles have a few)
+            assert row["stack"] == 0, name
         assert row["shared_kb"] <= 227, name  # what one H100/H200 CTA may hold
 
 

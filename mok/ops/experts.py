@@ -15,7 +15,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok import _env
 from mok.kernels import combine as combine_kernels
-from mok.kernels import gluon_gate_up, gluon_rows
+from mok.kernels import gluon_dswiglu, gluon_gate_up, gluon_rows
 from mok.kernels import grouped_gemm as gemm_kernels
 from mok.ops import comm
 from mok.ops.comm import Pull, ScatterRows
@@ -420,23 +420,27 @@ def down_bwd_dswiglu(
     pull: d_out's rows come from the other ranks, pulled by this launch's first programs.
     """
     intermediate, hidden = w_gate.shape[1:]
-    tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     rows = routing.capacity_rows
     d_gate_up = torch.empty(rows, 2 * intermediate, dtype=x.dtype, device=x.device)
-    num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     partial = None
     if router_weights is not None:
         partial = torch.empty(rows, triton.cdiv(intermediate, tiles.block_n),
                               dtype=torch.float32, device=x.device)
+    _check_gate_up_args(gate_up, h_out, routing, intermediate)
+    if (tiles.gluon and pull is None and rows > 0
+            and _gluon_dswiglu_runs(d_out, x, w_down, w_gate, w_up, h, d_gate_up, tiles,
+                                    gate_up, h_out)):
+        _down_bwd_gluon(d_out, x, w_down, w_gate, w_up, h, routing, tiles, router_weights,
+                        swiglu_limit, gate_up, d_gate_up, partial)
+        return d_gate_up, partial
+    tile_counter, dynamic = _tile_counter(tiles, pull, routing)
+    num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     limit, has_limit = _limit_args(swiglu_limit)
     pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, d_gate_up, tiles.num_warps)
     if gate_up is None:
         gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
     else:
-        _check_gate_up(gate_up, routing, intermediate)
         gate, up, tma = w_gate, w_up, False
-    if h_out and gate_up is None:
-        raise ValueError("h_out needs the kept pre-activations (gate_up)")
     down_weights, wk_tma = _weights_k_rows_operand(w_down, tiles)
     specs = [_out_spec(d_gate_up, intermediate, tiles), _out_spec(h, intermediate, tiles)]
     if gate_up is not None:
@@ -458,6 +462,94 @@ def down_bwd_dswiglu(
         WK_TMA=wk_tma, DYNAMIC=dynamic, **pull_meta, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
+
+
+def _check_gate_up_args(gate_up: torch.Tensor | None, h_out: bool, routing: Routing,
+                        intermediate: int) -> None:
+    if gate_up is not None:
+        _check_gate_up(gate_up, routing, intermediate)
+    elif h_out:
+        raise ValueError("h_out needs the kept pre-activations (gate_up)")
+
+
+# The Gluon dSwiGLU kernel's loader partition: warps, and registers per thread kept and
+# recomputing (the cp.async gathers of d_out's rows; recomputing also x's, twice the addresses).
+_GLUON_DSWIGLU_LOAD_WARPS = 4
+_GLUON_DSWIGLU_LOAD_REGS = {True: 48, False: 56}
+
+
+def _gluon_dswiglu_runs(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
+                        w_gate: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor,
+                        d_gate_up: torch.Tensor, tiles: GemmTiles, gate_up: torch.Tensor | None,
+                        h_out: bool) -> bool:
+    """Whether the Gluon dSwiGLU kernel can take this launch (GemmTiles.gluon): _gluon_rows_runs
+    of d_out, h, d_gate_up (and gate_up kept, x recomputing) with w_down (and w_gate, w_up
+    recomputing), I elements a row 16-byte aligned, H a multiple of block_k, block_n at most 128
+    kept and 64 recomputing (three accumulators), and the kept form writing h (h_out: it reads
+    no h)."""
+    intermediate, hidden = w_gate.shape[1:]
+    widths = (intermediate,)
+    if gate_up is None:
+        rows, weights, widest = (d_out, x, h, d_gate_up), (w_down, w_gate, w_up), 64
+    else:
+        rows, weights, widest = (d_out, gate_up, h, d_gate_up), (w_down,), 128
+    return ((h_out or gate_up is None) and tiles.block_n <= widest
+            and hidden % tiles.block_k == 0
+            and all(_gluon_rows_runs(t, weights, widths) for t in rows))
+
+
+def _gluon_dswiglu_split(tiles: GemmTiles, kept: bool, weighted: bool, size: int) -> int:
+    """The Gluon dSwiGLU epilogue's column slices: tiles.epilogue_split, or 2 where slices of
+    128 columns would spill registers (a thread holds 64 of dh0 and 64 of each of gate, up and
+    what they make) or the ring, the epilogue's input boxes (the kept gate and up, or h) and a
+    whole-tile output buffer would not fit in shared memory."""
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    stage = (bm + bn) * bk if kept else (2 * bm + 3 * bn) * bk
+    inputs = 2 if kept else int(weighted)
+    if bn > 64 or (tiles.num_stages * stage + (inputs + 1) * bm * bn) * size > _SM90_SMEM - 1024:
+        return 2
+    return tiles.epilogue_split
+
+
+def _down_bwd_gluon(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
+                    w_gate: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, routing: Routing,
+                    tiles: GemmTiles, router_weights: torch.Tensor | None,
+                    swiglu_limit: float | None, gate_up: torch.Tensor | None,
+                    d_gate_up: torch.Tensor, partial: torch.Tensor | None) -> None:
+    """down_bwd_dswiglu by the warp-specialized Gluon kernel (mok.kernels.gluon_dswiglu): kept
+    (gate_up, h written) or recomputing (h read)."""
+    experts, intermediate, hidden = w_gate.shape
+    dtype = _GLUON_DTYPES[d_out.dtype]
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    kept = gate_up is not None
+    split = _gluon_dswiglu_split(tiles, kept, router_weights is not None, d_out.element_size())
+
+    def rows(t: torch.Tensor) -> GluonDescriptor:
+        return _gluon_descriptor(t, [bm, bn // split], dtype)
+
+    w_down_desc = _gluon_descriptor(w_down.view(experts * hidden, intermediate), [bk, bn], dtype)
+    w_gate_desc = w_up_desc = w_down_desc
+    h_desc = gate_desc = up_desc = rows(h)
+    if kept:
+        gate_desc, up_desc = rows(gate_up[:, :intermediate]), rows(gate_up[:, intermediate:])
+    else:
+        w_gate_desc, w_up_desc = (
+            _gluon_descriptor(w.view(experts * intermediate, hidden), [bn, bk], dtype)
+            for w in (w_gate, w_up))
+    limit, has_limit = _limit_args(swiglu_limit)
+    gluon_dswiglu.down_bwd_dswiglu_ws_kernel[(_num_programs(d_out.device),)](
+        d_out, x, w_down_desc, w_gate_desc, w_up_desc, h_desc, gate_desc, up_desc,
+        rows(d_gate_up[:, :intermediate]), rows(d_gate_up[:, intermediate:]),
+        router_weights if router_weights is not None else d_gate_up,
+        partial if partial is not None else d_gate_up, routing.row_route, routing.block_expert,
+        routing.used_rows, intermediate, hidden, routing.topk, d_out.stride(0), x.stride(0),
+        partial.stride(0) if partial is not None else 0, limit,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
+        NUM_STAGES=tiles.num_stages, EPI_SPLIT=split, LOAD_WARPS=_GLUON_DSWIGLU_LOAD_WARPS,
+        LOAD_REGS=_GLUON_DSWIGLU_LOAD_REGS[kept], HAS_LIMIT=has_limit,
+        HAS_WEIGHT=router_weights is not None, SAVED_GATE_UP=kept,
+        A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], dtype), num_warps=bm // 16,
+    )
 
 
 def d_x_rows(

@@ -59,17 +59,20 @@ class GemmTiles:
     # flattened into one, so the next tile's loads start during this tile's last K blocks and
     # epilogue (a launch that pulls rows takes its tiles from a counter and ignores it).
     flatten: bool = False
-    # gate_up, gate_up_saved, down and d_x on an sm_90 GPU: a warp-specialized Gluon kernel (one
-    # program per SM, a loader partition filling a ring of num_stages stages, wgmma and the
-    # epilogue in the other; mok.kernels.gluon_gate_up: x rows gathered by cp.async, weight
-    # tiles by TMA; mok.kernels.gluon_rows: every tile by TMA) with this tile's block_m (64 or
-    # 128), block_n (at most 128 for gate/up, whose wgmma takes gate and up at once, else 256),
-    # block_k, num_stages (d_x: K steps of both products, two ring stages each, as its Triton
-    # kernel's stages hold both), group_m and (down, d_x) epilogue_split, 2 where a whole-tile
-    # epilogue buffer would not fit (num_warps unused: block_m // 16 warps multiply, the loader
-    # has its own; persistent implied). Elsewhere (no sm_90 GPU, a launch that pulls or scatters
-    # rows, operands TMA cannot take, gate/up at block_n > 128) the Triton kernel runs these
-    # tiles.
+    # gate_up, gate_up_saved, down, down_bwd, down_bwd_saved and d_x on an sm_90 GPU: a
+    # warp-specialized Gluon kernel (one program per SM, a loader partition filling a ring of
+    # num_stages stages, wgmma and the epilogue in the other; mok.kernels.gluon_gate_up and
+    # mok.kernels.gluon_dswiglu: token rows gathered by cp.async, weight tiles by TMA;
+    # mok.kernels.gluon_rows: every tile by TMA) with this tile's block_m (64 or 128), block_n
+    # (at most 128 for gate/up, whose wgmma takes gate and up at once, and for down_bwd_saved;
+    # 64 for down_bwd, whose three accumulators must fit the registers; else 256), block_k,
+    # num_stages (d_x: K steps of both products, two ring stages each, as its Triton kernel's
+    # stages hold both), group_m and (down, down_bwd(_saved), d_x) epilogue_split, 2 where a
+    # whole-tile epilogue buffer would not fit (and for down_bwd_saved at block_n 128, whose
+    # whole-tile epilogue would spill registers) (num_warps unused: block_m // 16 warps
+    # multiply, the loader has its own; persistent implied). Elsewhere (no sm_90 GPU, a launch
+    # that pulls or scatters rows, operands TMA cannot take, block_n above those limits,
+    # down_bwd_saved reading h rather than writing it) the Triton kernel runs these tiles.
     gluon: bool = False
 
     def __post_init__(self) -> None:
