@@ -5,6 +5,7 @@ Legend: T tokens, H hidden, I intermediate, E local experts, C schedule rows (Ro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -367,7 +368,9 @@ def down_proj(
         routing.used_rows, num_m_blocks, hidden, intermediate, routes_per_rank,
         h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0),
         HAS_WEIGHT=router_weights is not None, ALIGN=routing.align, W_TMA=tma,
-        ROWS_TMA=rows_tma, **scatter_meta, **_gemm_meta(tiles),
+        ROWS_TMA=rows_tma, **scatter_meta,
+        # (GemmTiles.flatten stays off where rows go to other ranks: not yet run on two GPUs.)
+        **_gemm_meta(tiles if scatter is None else dataclasses.replace(tiles, flatten=False)),
     )
     return out
 
