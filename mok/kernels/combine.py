@@ -10,14 +10,15 @@ from mok.kernels.common import cast_to
 @triton.jit
 def combine_kernel(
     rows_ptr, route_row_ptr, shared_ptr, out_ptr,
-    num_tokens, N, topk,
+    num_tokens, N,
     stride_rm, stride_sm, stride_om,
-    HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
+    TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """out[t] = shared[t] + sum_{j < topk} rows[route_row[t * topk + j]], in fp32, in that order.
+    """out[t] = shared[t] + sum_{j < TOPK} rows[route_row[t * TOPK + j]], in fp32, in that order.
 
-    Routes whose row is -1 (not scheduled) add nothing.
+    Routes whose row is -1 (not scheduled) add nothing. TOPK is a compile-time constant so the
+    slot loop unrolls and the TOPK gathered loads of a token are in flight together.
     """
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -29,8 +30,8 @@ def combine_kernel(
     if HAS_SHARED:
         acc += tl.load(shared_ptr + tokens64[:, None] * stride_sm + cols[None, :], mask=mask,
                        other=0.0).to(tl.float32)
-    for slot in range(0, topk):
-        row = tl.load(route_row_ptr + tokens64 * topk + slot, mask=token_mask, other=-1)
+    for slot in tl.static_range(TOPK):
+        row = tl.load(route_row_ptr + tokens64 * TOPK + slot, mask=token_mask, other=-1)
         row_mask = (row >= 0)[:, None] & col_mask[None, :]
         acc += tl.load(rows_ptr + row.to(tl.int64)[:, None] * stride_rm + cols[None, :],
                        mask=row_mask, other=0.0).to(tl.float32)

@@ -390,9 +390,10 @@ def combine(
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_n))
     combine_kernels.combine_kernel[grid](
         rows, routing.route_row, shared_rows if shared_rows is not None else rows, out,
-        num_tokens, width, routing.topk,
+        num_tokens, width,
         rows.stride(0), shared_rows.stride(0) if shared_rows is not None else 0, out.stride(0),
-        HAS_SHARED=shared_rows is not None, BLOCK_T=block_t, BLOCK_N=block_n, UPCAST=UPCAST,
+        TOPK=routing.topk, HAS_SHARED=shared_rows is not None, BLOCK_T=block_t,
+        BLOCK_N=block_n, UPCAST=UPCAST,
         num_warps=4,
     )
     return out
