@@ -102,6 +102,24 @@ def _gluon_dswiglu(tiles):
     return dataclasses.replace(tiles, use_tuned=False, down_bwd=gluon(64, 3), down=gluon(128, 4))
 
 
+def _repeatable_and_close_to_reference(inputs, config, limit, tiles):
+    """The layer with `tiles`, twice: bitwise the same both times and within bf16 tolerance of
+    the reference. Returns the first run's (y, grads, schedule, context)."""
+    first = run_layer(inputs, config=config, swiglu_limit=limit, tiles=tiles)
+    y, grads = first[:2]
+    y2, grads2, _, _ = run_layer(inputs, config=config, swiglu_limit=limit, tiles=tiles)
+    assert torch.equal(y, y2)
+    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    y_ref, grads_ref = moe_reference_grads(inputs, swiglu_limit=limit,
+                                           compute_dtype=torch.float32)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name)
+    return first
+
+
 @pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_gluon_gate_up_matches_reference_and_is_deterministic(kept, limit):
@@ -115,19 +133,8 @@ def test_gluon_gate_up_matches_reference_and_is_deterministic(kept, limit):
                          seed=6, routing=RoutingPattern.SKEWED)
     config = F.MoKConfig(recompute_gate_up=not kept)
     base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
-    y, grads, _, context = run_layer(inputs, config=config, swiglu_limit=limit,
-                                     tiles=_gluon_gate_up(base))
-    y2, grads2, _, _ = run_layer(inputs, config=config, swiglu_limit=limit,
-                                 tiles=_gluon_gate_up(base))
-    assert torch.equal(y, y2)
-    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
-        assert (a is None and b is None) or torch.equal(a, b), name
-    y_ref, grads_ref = moe_reference_grads(inputs, swiglu_limit=limit,
-                                           compute_dtype=torch.float32)
-    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
-    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
-        if expected is not None:
-            assert_close(actual, expected, dtype=torch.bfloat16, name=name)
+    y, _, _, context = _repeatable_and_close_to_reference(inputs, config, limit,
+                                                          _gluon_gate_up(base))
     y_triton, _, schedule, context_triton = run_layer(inputs, config=config,
                                                       swiglu_limit=limit, tiles=base)
     assert_close(y, y_triton, dtype=torch.bfloat16, name="y against the Triton kernel")
@@ -165,18 +172,10 @@ def test_gluon_rows_match_reference_and_are_deterministic(wide, monkeypatch):
                          seed=7, routing=RoutingPattern.SKEWED)
     base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
     tiles = _gluon_rows(base, wide)
-    y, grads, _, _ = run_layer(inputs, swiglu_limit=7.0, tiles=tiles)
-    # routed down, shared down, routed d_x (the shared one's I is no multiple of block_k)
-    assert sorted(launches) == ["_d_x_gluon", "_down_gluon", "_down_gluon"]
-    y2, grads2, _, _ = run_layer(inputs, swiglu_limit=7.0, tiles=tiles)
-    assert torch.equal(y, y2)
-    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
-        assert (a is None and b is None) or torch.equal(a, b), name
-    y_ref, grads_ref = moe_reference_grads(inputs, swiglu_limit=7.0, compute_dtype=torch.float32)
-    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
-    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
-        if expected is not None:
-            assert_close(actual, expected, dtype=torch.bfloat16, name=name)
+    y, grads, _, _ = _repeatable_and_close_to_reference(inputs, None, 7.0, tiles)
+    # routed down, shared down, routed d_x (the shared one's I is no multiple of block_k), in
+    # each of the two runs
+    assert sorted(launches) == 2 * ["_d_x_gluon"] + 4 * ["_down_gluon"]
     triton_tiles = with_row_tiles(tiles, gluon=False)
     y_triton, grads_triton, _, _ = run_layer(inputs, swiglu_limit=7.0, tiles=triton_tiles)
     assert_close(y, y_triton, dtype=torch.bfloat16, name="y against the Triton kernels")
@@ -211,19 +210,9 @@ def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, monke
     config = F.MoKConfig(recompute_gate_up=not kept)
     base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
     tiles = _gluon_dswiglu(base)
-    y, grads, schedule, context = run_layer(inputs, config=config, swiglu_limit=limit,
-                                            tiles=tiles)
-    assert len(launches) == 2  # routed and shared experts
-    y2, grads2, _, _ = run_layer(inputs, config=config, swiglu_limit=limit, tiles=tiles)
-    assert torch.equal(y, y2)
-    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
-        assert (a is None and b is None) or torch.equal(a, b), name
-    y_ref, grads_ref = moe_reference_grads(inputs, swiglu_limit=limit,
-                                           compute_dtype=torch.float32)
-    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
-    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
-        if expected is not None:
-            assert_close(actual, expected, dtype=torch.bfloat16, name=name)
+    y, grads, schedule, context = _repeatable_and_close_to_reference(inputs, config, limit,
+                                                                     tiles)
+    assert len(launches) == 4  # routed and shared experts, in each of the two runs
     triton_tiles = with_row_tiles(tiles, gluon=False)
     _, grads_triton, _, _ = run_layer(inputs, config=config, swiglu_limit=limit,
                                       tiles=triton_tiles)
