@@ -66,24 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mok.kernels.gluon_gate_up import _put, _tile_coords, _tile_grid
-
-
-@gluon.jit
-def _tile_tokens(row_route_ptr, r0, topk, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                 LOAD_WARPS: gl.constexpr):
-    """(token [BLOCK_M, 1] int64 of a tile's rows, 0 on padding, whether each row is a route
-    [BLOCK_M, 1], columns [1, BLOCK_K]) in the gathers' layout: 16-byte pieces, BLOCK_K // 8
-    threads to a row, the warps stacking rows."""
-    TPW_K: gl.constexpr = BLOCK_K // 8
-    gather: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K], [LOAD_WARPS, 1],
-                                            [1, 0])
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
-    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
-    route = gl.load(row_route_ptr + r0 + rows)
-    valid = route >= 0
-    token = gl.where(valid, route // topk, 0)
-    return token.to(gl.int64)[:, None], valid[:, None], cols[None, :]
+from mok.kernels.gluon_gate_up import _put, _tile_coords, _tile_grid, _tile_tokens
 
 
 @gluon.jit

@@ -68,18 +68,29 @@ def _tile_grid(used_rows_ptr, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _tile_tokens(row_route_ptr, r0, topk, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                 LOAD_WARPS: gl.constexpr):
+    """(token [BLOCK_M, 1] int64 of a tile's rows, 0 on padding, whether each row is a route
+    [BLOCK_M, 1], columns [1, BLOCK_K]) in the gathers' layout: 16-byte pieces, BLOCK_K // 8
+    threads to a row, the warps stacking rows."""
+    TPW_K: gl.constexpr = BLOCK_K // 8
+    gather: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K], [LOAD_WARPS, 1],
+                                            [1, 0])
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
+    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
+    route = gl.load(row_route_ptr + r0 + rows)
+    valid = route >= 0
+    token = gl.where(valid, route // topk, 0)
+    return token.to(gl.int64)[:, None], valid[:, None], cols[None, :]
+
+
+@gluon.jit
 def _load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
                     used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K, topk, stride_xm,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
                     LOAD_WARPS: gl.constexpr):
     """Fills the ring: weight tiles by TMA, gathered x rows by cp.async."""
-    # 16-byte pieces: BLOCK_K // 8 threads span a row, the warps stack rows.
-    TPW_K: gl.constexpr = BLOCK_K // 8
-    gather: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K], [LOAD_WARPS, 1],
-                                            [1, 0])
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
-    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
     w_bytes: gl.constexpr = 2 * w_gate_desc.block_type.nbytes
 
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
@@ -89,11 +100,9 @@ def _load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_p
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         r0 = pid_m * BLOCK_M
         expert = gl.load(block_expert_ptr + r0 // ALIGN)
-        route = gl.load(row_route_ptr + r0 + rows)
-        valid = route >= 0
-        token = gl.where(valid, route // topk, 0)
-        a_ptrs = x_ptr + token.to(gl.int64)[:, None] * stride_xm + cols[None, :]
-        a_mask = valid[:, None]
+        token, a_mask, cols = _tile_tokens(row_route_ptr, r0, topk, BLOCK_M, BLOCK_K,
+                                           LOAD_WARPS)
+        a_ptrs = x_ptr + token * stride_xm + cols
         w_row = expert * N + pid_n * BLOCK_N  # rows of w viewed [E * N, K]
         for kk in range(k_steps):
             s = i % NUM_STAGES
