@@ -460,7 +460,6 @@ def print_host_profile(fn, group, quiet=False, top=14):
 def dispatch_only(layer, inputs, iters, warmup, group):
     """Time the forward's publish + pull alone; bytes that crossed NVLink into this rank."""
     from mok.expert_parallel import Phase
-    from mok.ops import comm
 
     workspace, config = layer.workspace, layer.config
     ep = workspace.ep
@@ -470,16 +469,10 @@ def dispatch_only(layer, inputs, iters, warmup, group):
 
     def run():
         peer = ep.peer_flags(workspace.error_flags)
-        dst, dst_weights, pull = ep.forward_pull(
+        dst, _, pull = ep.forward_pull(
             peer, schedule.exchange, x, weights, minibatch=config.minibatch_size,
             num_programs=config.fwd_num_comm_sms)
-        comm.pull_tokens(peer, src=pull.src, dst=dst, weights=pull.weights,
-                         dst_weights=dst_weights, order=pull.order, moving=pull.moving,
-                         ready=pull.ready,
-                         phase=pull.phase, publish_slot=pull.publish_slot,
-                         tokens_per_rank=pull.tokens_per_rank, topk=pull.topk,
-                         num_programs=pull.num_programs, minibatch=pull.minibatch,
-                         src_deltas=pull.src_deltas, weights_deltas=pull.weights_deltas)
+        pull.run_apart(dst)
         ep.pulled(peer, Phase.FORWARD)
 
     ms = timed(run, iters, warmup, group)

@@ -181,6 +181,45 @@ def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
                             pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES, tiles=tiles)
 
 
+
+@distributed_test(world_sizes=(2,))
+def test_ep_gluon_gate_up_pulls_apart(rank, world_size):
+    # Where the Gluon gate/up kernel takes a launch that pulls rows (GemmTiles.gluon on an sm_90
+    # GPU), the rows land first, in a pull of its own over every SM (Pull.run_apart), and the
+    # kernel then reads them without pulling. The Triton kernel stands in for the Gluon one
+    # here (run without a pull): the layer is bitwise the one whose gate/up pulls in its own
+    # launch, and matches the reference.
+    from mok.ops import experts
+
+    tile = ops.GemmTiles(64, 64, 32, group_m=4, num_warps=4, num_stages=1)
+    plain = dataclasses.replace(small_tiles(16, 64), gate_up=tile)
+    gluon = dataclasses.replace(plain, gate_up=dataclasses.replace(tile, gluon=True))
+    inputs = _rank_inputs(rank, world_size, shared=16, seed=4)
+    workspace = F.create_workspace(SMALL_MINIBATCHES, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=MAX_TOKENS, hidden_size=inputs.x.shape[1],
+                                   topk=inputs.topk_experts.shape[1])
+    y, grads, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8, tiles=plain)
+    launches = []
+
+    def triton_stand_in(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up):
+        launches.append(tuple(w_gate.shape))
+        h.copy_(experts.gate_up_swiglu(x, w_gate, w_up, routing,
+                                       dataclasses.replace(tiles, gluon=False), swiglu_limit,
+                                       gate_up=gate_up))
+
+    saved = experts._gluon_runs, experts._gate_up_gluon
+    experts._gluon_runs, experts._gate_up_gluon = (lambda *args: True), triton_stand_in
+    try:
+        y_apart, grads_apart, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8,
+                                       tiles=gluon)
+    finally:
+        experts._gluon_runs, experts._gate_up_gluon = saved
+    F.check_errors(workspace)
+    assert launches == [(1, 16, 32), tuple(inputs.w_routed_gate.shape)]  # shared, then routed
+    assert torch.equal(y, y_apart)
+    _assert_equal_grads(grads, grads_apart)
+    _check_against_reference(inputs, y_apart, grads_apart, 0.8)
+
 def test_persistent_pulling_launches_share_a_tile_counter():
     # A persistent launch whose first programs pull rows hands its tiles out from a counter
     # zeroed for it; any other launch strides over fixed shares (no counter).

@@ -307,6 +307,19 @@ class Pull:
     minibatch: int
     second_src: torch.Tensor | None = None
 
+    def run_apart(self, dst: torch.Tensor, num_programs: int | None = None) -> None:
+        """This pull in a launch of its own (pull_tokens) into dst, the A operand, over
+        num_programs programs (default: the pull's own), for a GEMM that does not pull: it reads
+        dst after this launch, in stream order. Pulls of one token-row buffer only."""
+        if self.second_src is not None:
+            raise ValueError("Pull.run_apart pulls one token-row buffer (second_src is set)")
+        pull_tokens(self.peer, src=self.src, dst=dst, weights=self.weights,
+                    dst_weights=self.dst_weights, order=self.order, moving=self.moving,
+                    ready=self.ready, phase=self.phase, publish_slot=self.publish_slot,
+                    tokens_per_rank=self.tokens_per_rank, topk=self.topk,
+                    num_programs=num_programs or self.num_programs, minibatch=self.minibatch,
+                    src_deltas=self.src_deltas, weights_deltas=self.weights_deltas)
+
     @staticmethod
     def kernel_args(pull: Pull | None, fallback: torch.Tensor,
                     num_warps: int) -> tuple[tuple, tuple, dict]:

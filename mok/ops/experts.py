@@ -157,7 +157,9 @@ def gate_up_swiglu(
 ) -> torch.Tensor:
     """h [C, I] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, H], w [E, I, H].
 
-    pull: x's rows come from the other ranks, pulled by this launch's first programs.
+    pull: x's rows come from the other ranks, pulled by this launch's first programs; where
+    the Gluon kernel takes the launch (GemmTiles.gluon), by a launch of their own just before it
+    over every SM (the Gluon kernel does not pull: it trades the overlap for its speed).
     gate_up [C, 2I] (x's dtype): also receives the pre-activations [gate, up] of every row
     (see `gate_up_buffer`), for a backward that reads them instead of recomputing them; with a
     swiglu limit, a value the limit clamps is stored as +-inf.
@@ -166,7 +168,9 @@ def gate_up_swiglu(
     h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
     if gate_up is not None:
         _check_gate_up(gate_up, routing, intermediate)
-    if tiles.gluon and pull is None and h.shape[0] > 0 and _gluon_runs(x, w_gate, w_up, tiles):
+    if tiles.gluon and h.shape[0] > 0 and _gluon_runs(x, w_gate, w_up, tiles):
+        if pull is not None:
+            pull.run_apart(x, _num_programs(x.device))
         _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up)
         return h
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
