@@ -6,7 +6,9 @@ For each shape, expert group (the routed experts on the shape's real routing; th
 one expert over every token, where the shape has one) and GEMM kind (mok.ops.tuning.KINDS), each
 candidate is compiled, run and timed (CUDA events, median); candidates that do not compile (shared
 memory, registers) are skipped. The fallback tiles are always among the candidates, so the table
-never picks a slower tile than the fallback as measured. The table is keyed by (kind, n, k) and
+never picks a slower tile than the fallback as measured. Where Gluon tiles win, the best Triton
+tiles are kept too (kind + mok.ops.tuning.TRITON), for the launches the Gluon kernels cannot
+take. The table is keyed by (kind, n, k) and
 read by TileConfig.pick; a fixed table keeps results reproducible across processes.
 """
 
@@ -20,7 +22,7 @@ import torch
 
 from benchmarks.breakdown import median_ms, shape_setup
 from mok import ops
-from mok.ops.tuning import HOPPER_TILES, GemmTiles, table_to_json, tuned_table
+from mok.ops.tuning import HOPPER_TILES, TRITON, GemmTiles, table_to_json, tuned_table
 from mok.testing import SHAPES, SHAPES_BY_NAME
 
 T = GemmTiles
@@ -225,15 +227,17 @@ OPTIONS = {f.name: f.default for f in dataclasses.fields(GemmTiles)
                              "num_stages")}
 
 
-def candidates(kind: str, current: GemmTiles | None, only: tuple[str, ...] = ()) -> list:
+def candidates(kind: str, current: GemmTiles | None, only: tuple[str, ...] = (),
+               current_triton: GemmTiles | None = None) -> list:
     """The fallback tiles first, then those of CANDIDATES[kind] with every option of `only`
-    set (not its default), then the table's current entry (so tuning a subset never loses a
-    faster earlier pick)."""
+    set (not its default), then the table's current entries, its best and its best Triton
+    tiles (so tuning a subset never loses a faster earlier pick)."""
     fallback, *others = CANDIDATES[kind]
     chosen = [fallback] + [t for t in others
                            if all(getattr(t, name) != OPTIONS[name] for name in only)]
-    if current is not None and current not in chosen:
-        chosen.append(current)
+    for tiles in (current, current_triton):
+        if tiles is not None and tiles not in chosen:
+            chosen.append(tiles)
     return chosen
 
 
@@ -250,7 +254,8 @@ def tune(shapes, table: dict | None = None, out: Path | None = None,
             if kind not in kinds:
                 continue
             results = []
-            for tiles in candidates(kind, table.get((kind, n, k)), only):
+            for tiles in candidates(kind, table.get((kind, n, k)), only,
+                                    table.get((kind + TRITON, n, k))):
                 try:
                     results.append((median_ms(lambda t=tiles, run=run: run(t)), tiles))
                 except Exception as exc:  # a tile that does not fit this GPU: skip it
@@ -261,6 +266,11 @@ def tune(shapes, table: dict | None = None, out: Path | None = None,
             for ms, tiles in (results if verbose else []):
                 print(f"     {ms:7.3f} ms {ms / best_ms:5.2f}x best  {tiles}", flush=True)
             table[(kind, n, k)] = best
+            # Gluon tiles win: keep the best Triton ones for the launches Gluon cannot take.
+            triton = min((r for r in results if not r[1].gluon), key=lambda r: r[0])[1]
+            table.pop((kind + TRITON, n, k), None)
+            if best.gluon:
+                table[(kind + TRITON, n, k)] = triton
             print(f"   {group:6s} {kind:14s} n={n:6d} k={k:6d} fallback {fallback:7.3f} ms -> best "
                   f"{best_ms:7.3f} ms ({fallback / best_ms:4.2f}x) {best}", flush=True)
         if out is not None:

@@ -571,8 +571,9 @@ def forward(
                        w_routed_gate, w_routed_up, swiglu_limit)
     pick = schedule.tiles.pick
     hidden = x.shape[1]
-    down_tiles = pick("down", hidden, w_routed_down.shape[2])
     ep = workspace.ep
+    # a launch that scatters its rows runs the Triton kernel: the table's Triton tiles
+    down_tiles = pick("down", hidden, w_routed_down.shape[2], triton=ep is not None)
     if ep is None:
         rows = ops.down_proj(context.h, w_routed_down, schedule.routing, down_tiles,
                              router_weights)
@@ -796,15 +797,18 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
         peer, plan, d_output, x, minibatch=config.minibatch_size,
         num_programs=config.bwd_num_comm_sms, defer_x=kept)
     h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
+    # These launches pull or scatter rows: the Triton kernels run them, on the table's Triton
+    # tiles.
     d_gate_up, partial = ops.down_bwd_dswiglu(
         dy_group, x_group, w_down, w_gate, w_up, h, routing,
-        pick(_down_bwd_kind(context.gate_up), intermediate, hidden), context.weights_group,
-        swiglu_limit, pull=pull, gate_up=context.gate_up, h_out=h_out)
+        pick(_down_bwd_kind(context.gate_up), intermediate, hidden, triton=True),
+        context.weights_group, swiglu_limit, pull=pull, gate_up=context.gate_up, h_out=h_out)
     # Router-weight gradients by route of the group, each sent to its token's rank.
     by_route = ops.router_grad(partial, routing)
     ops.scatter_route_values(by_route.reshape(-1), routing.route_row, ep.d_weights,
                              ep.buffer.deltas(torch.float32), plan.routes_per_rank)
-    ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate),
+    ops.d_x_rows(d_gate_up, w_gate, w_up, routing,
+                 pick("d_x", hidden, intermediate, triton=True),
                  scatter=ep.scatter_rows(plan, dtype), pull=x_pull,
                  pulled=x_group if kept else None)
     ep.pulled(peer, Phase.BACKWARD)  # after every pull of the phase

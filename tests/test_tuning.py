@@ -12,6 +12,7 @@ from mok.ops.tuning import (
     _FALLBACK_KINDS,
     HOPPER_TILES,
     KINDS,
+    TRITON,
     TUNED_TILES_PATH,
     GemmTiles,
     small_tiles,
@@ -97,3 +98,49 @@ def test_tuner_runs_every_kind_for_routed_and_shared_experts():
             if first.shape[0] == routing.capacity_rows:
                 first = first[:used]
             assert bool(torch.isfinite(first.float()).all()) and first.abs().max() > 0, kind
+
+
+def test_triton_tiles_stand_beside_gluon_ones():
+    # Where the table's tiles are Gluon ones (GemmTiles.gluon), it keeps the best Triton tiles
+    # too, for the launches the Gluon kernels cannot take (expert parallelism's pulls and
+    # scatters ask for them: TileConfig.pick(triton=True)); elsewhere triton changes nothing.
+    table = committed()
+    with_triton = [key for key in table if key[0].endswith(TRITON)]
+    assert with_triton
+    for kind, n, k in with_triton:
+        base = kind.removesuffix(TRITON)
+        assert base in KINDS and table[(base, n, k)].gluon, (kind, n, k)
+        assert not table[(kind, n, k)].gluon, (kind, n, k)
+    for (kind, n, k), tiles in table.items():
+        if kind in KINDS and not _env.TILES_FILE:
+            expected = table.get((kind + TRITON, n, k), tiles)
+            assert HOPPER_TILES.pick(kind, n, k, triton=True) == expected, (kind, n, k)
+            assert (kind + TRITON, n, k) in table or not tiles.gluon, (kind, n, k)
+
+
+def test_tuner_keeps_the_best_triton_tiles_where_gluon_ones_win(monkeypatch, capsys):
+    # benchmarks.tune on made-up timings: Gluon tiles fastest for d_x, a Triton tile for down;
+    # the table keeps d_x's fastest Triton tiles beside its Gluon ones and drops down's stale
+    # Triton entry.
+    import benchmarks.tune as tune
+
+    def timing(run):  # run() is (kind, tiles)
+        kind, tiles = run()
+        triton = 2.0 + tiles.num_stages / 10 + tiles.block_n / 1000
+        if kind == "d_x":
+            return 1.0 if tiles.gluon else triton
+        return 9.0 if tiles.gluon else triton
+
+    monkeypatch.setattr(tune, "stage_runners", lambda shape: [
+        ("routed", kind, (7, 9), lambda tiles, kind=kind: (kind, tiles))
+        for kind in ("d_x", "down")])
+    monkeypatch.setattr(tune, "median_ms", timing)
+    stale = GemmTiles(64, 64, 32)
+    table = tune.tune([SHAPES[0]], {("down" + TRITON, 7, 9): stale}, kinds=("d_x", "down"))
+    capsys.readouterr()
+    d_x = [t for t in tune.CANDIDATES["d_x"] if not t.gluon]
+    assert table[("d_x", 7, 9)].gluon
+    assert table[("d_x" + TRITON, 7, 9)] == min(
+        d_x, key=lambda t: t.num_stages / 10 + t.block_n / 1000)
+    assert not table[("down", 7, 9)].gluon
+    assert ("down" + TRITON, 7, 9) not in table

@@ -72,7 +72,9 @@ class GemmTiles:
     # whole-tile epilogue would spill registers) (num_warps unused: block_m // 16 warps
     # multiply, the loader has its own; persistent implied). Elsewhere (no sm_90 GPU, a launch
     # that pulls or scatters rows, operands TMA cannot take, block_n above those limits,
-    # down_bwd_saved reading h rather than writing it) the Triton kernel runs these tiles.
+    # down_bwd_saved reading h rather than writing it) the Triton kernel runs these tiles;
+    # launches that pull or scatter rows ask the table for its Triton tiles (TileConfig.pick's
+    # triton), except gate/up's, whose rows a launch of their own pulls before the Gluon kernel.
     gluon: bool = False
 
     def __post_init__(self) -> None:
@@ -107,16 +109,26 @@ class TileConfig:
         for name in ("gate_up", "down", "down_bwd", "d_x", "wgrad"):
             _check_dot_tiles(name, getattr(self, name))
 
-    def pick(self, kind: str, n: int, k: int) -> GemmTiles:
-        """Tiles for GEMM `kind` (see KINDS) at problem size (n, k)."""
+    def pick(self, kind: str, n: int, k: int, triton: bool = False) -> GemmTiles:
+        """Tiles for GEMM `kind` (see KINDS) at problem size (n, k). triton: for a launch the
+        Gluon kernels cannot take (it scatters rows to other ranks, or pulls them in its own
+        programs): where the table's tiles are Gluon ones, its best Triton tiles (TRITON)."""
         if self.use_tuned:
-            tuned = tuned_table().get((kind, n, k))
+            table = tuned_table()
+            tuned = table.get((kind, n, k))
+            if triton and tuned is not None and tuned.gluon:
+                tuned = table.get((kind + TRITON, n, k), tuned)
             if tuned is not None and (kind.startswith("wgrad") or self.align % tuned.block_m == 0):
                 return tuned
         if kind.startswith("wgrad"):
             return self.wgrad
         return getattr(self, _FALLBACK_KINDS.get(kind, kind))
 
+
+# The table's key suffix of a kind's best Triton tiles, kept where its best are Gluon ones
+# (GemmTiles.gluon): the Triton kernel runs the launches the Gluon kernels cannot take, and the
+# Gluon tiles need not suit it.
+TRITON = "@triton"
 
 # Kinds without tiles of their own in a TileConfig: down_bwd reading saved gate/up
 # pre-activations is one accumulator over K = H, like the down projection; gate/up also storing
