@@ -480,7 +480,7 @@ def test_ep_peer_timeout_names_the_rank(rank, world_size):
     _timeout_body(rank, world_size)
 
 
-def _graph_body(rank, world_size):
+def _graph_body(rank, world_size, tiles=None):
     """GPU: no host sync in the EP step, and a CUDA graph of it replays bitwise like eager."""
     config = F.MoKConfig()
     inputs = _rank_inputs(rank, world_size, tokens=1024, hidden=256, intermediate=128,
@@ -489,10 +489,12 @@ def _graph_body(rank, world_size):
                                    num_local_tokens=1024, hidden_size=256, topk=4)
 
     def step():
-        y, grads, _ = _run(workspace, config, inputs, swiglu_limit=7.0)
+        y, grads, _ = _run(workspace, config, inputs, swiglu_limit=7.0, tiles=tiles)
         return (y, *grads)
 
     eager, graph, captured = eager_and_captured(step, before_capture=dist.barrier)
+    if tiles is not None:
+        _check_against_reference(inputs, eager[0], eager[1:], 7.0)
     for _ in range(2):  # every replay is one more round of each phase on every rank
         graph.replay()
     torch.cuda.synchronize()
@@ -506,6 +508,22 @@ def _graph_body(rank, world_size):
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_no_host_sync_and_cuda_graph(rank, world_size):
     _graph_body(rank, world_size)
+
+
+@pytest.mark.gpu
+@distributed_test(world_sizes=(2,))
+def test_ep_gluon_no_host_sync_and_cuda_graph(rank, world_size):
+    # The same with the Gluon kernels' tiles (GemmTiles.gluon) for every row GEMM: on an sm_90
+    # GPU gate/up's rows are pulled by a launch of their own before the Gluon kernel
+    # (Pull.run_apart), the launches that scatter or pull run the Triton kernel on these tiles,
+    # and the local ones (the shared expert's) run by Gluon; against the reference too.
+    gluon = ops.GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True,
+                          tma=True, tma_rows=True, gluon=True)
+    tiles = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False,
+                                gate_up=gluon, down=gluon,
+                                d_x=dataclasses.replace(gluon, num_stages=3),
+                                down_bwd=dataclasses.replace(gluon, block_n=64, num_stages=3))
+    _graph_body(rank, world_size, tiles=tiles)
 
 
 def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES):
