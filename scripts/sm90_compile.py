@@ -84,7 +84,7 @@ def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
 def main(argv=None) -> None:
     from mok import ops
     from mok.ops import experts as experts_ops
-    from mok.ops.tuning import HOPPER_TILES, tuned_table
+    from mok.ops.tuning import HOPPER_TILES
     from mok.testing import SHAPES_BY_NAME
 
     parser = argparse.ArgumentParser(description=__doc__,
@@ -121,15 +121,13 @@ def main(argv=None) -> None:
     dgu = torch.empty(rows, 2 * inter, **bf16)
     d_out = torch.empty(tokens, hid, **bf16)
 
-    table = tuned_table()
+    def tiles(kind, n, kk):  # the Triton kernels' tiles: the table's Triton ones (TRITON)
+        return HOPPER_TILES.pick(kind, n, kk, triton=True)
 
-    def tiles(kind, n, kk):
-        return table.get((kind, n, kk), HOPPER_TILES.pick(kind, n, kk))
-
-    # The table's tiles with pointer loads (the " tma" runs add TMA for the weights, " tma rows"
-    # for the whole row tiles); the weight-gradient variants change the fallback tile
-    # (128x128x64, 3 stages), the table's own runs as " tuned". Always the Triton kernels: the
-    # Gluon ones (GemmTiles.gluon) have runs of their own.
+    # The table's Triton tiles with pointer loads (the " tma" runs add TMA for the weights,
+    # " tma rows" for the whole row tiles); the weight-gradient variants change the fallback
+    # tile (128x128x64, 3 stages), the table's own runs as " tuned". Always the Triton kernels:
+    # the Gluon ones (GemmTiles.gluon) have runs of their own.
     plain = dict(tma=False, tma_rows=False, grouped_mm=False, epilogue_split=1, gluon=False)
     t = {kind: dataclasses.replace(tiles(kind, *key), **plain) for kind, key in (
         ("gate_up", (inter, hid)), ("gate_up_saved", (inter, hid)), ("down", (hid, inter)),
