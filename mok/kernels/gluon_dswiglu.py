@@ -66,7 +66,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mok.kernels.gluon_gate_up import _put, _tile_coords, _tile_grid, _tile_tokens
+from mok.kernels.gluon_gate_up import (
+    _put,
+    _tile_coords,
+    _tile_corner,
+    _tile_grid,
+    _tile_tokens,
+)
 
 
 @gluon.jit
@@ -86,9 +92,7 @@ def _load_partition(d_out_ptr, x_ptr, w_down_desc, w_gate_desc, w_up_desc, row_r
     k_steps = K // BLOCK_K
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        r0 = pid_m * BLOCK_M
-        c0 = pid_n * BLOCK_N
+        r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
         expert = gl.load(block_expert_ptr + r0 // ALIGN)
         token, a_mask, cols = _tile_tokens(row_route_ptr, r0, topk, BLOCK_M, BLOCK_K,
                                            LOAD_WARPS)

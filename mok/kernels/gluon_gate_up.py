@@ -60,6 +60,14 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 GROUP_M: gl.constexpr):
+    """Tile index -> its first row and column (see _tile_coords)."""
+    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@gluon.jit
 def _tile_grid(used_rows_ptr, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """(row blocks, column blocks, tiles) of the used rows, their count read on the device."""
     num_pid_m = gl.load(used_rows_ptr) // BLOCK_M

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mok.kernels.gluon_gate_up import _put, _tile_coords, _tile_grid
+from mok.kernels.gluon_gate_up import _put, _tile_corner, _tile_grid
 
 
 @gluon.jit
@@ -72,9 +72,7 @@ def _load_partition(a_desc, b_desc, b2_desc, block_expert_ptr, used_rows_ptr, a_
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        r0 = pid_m * BLOCK_M
-        c0 = pid_n * BLOCK_N
+        r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
         expert = gl.load(block_expert_ptr + r0 // ALIGN)
         if D_X:
             # w viewed [E * K, N]: BLOCK_K divides K, so a box stays in its expert's rows
@@ -116,9 +114,7 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, rou
         k_steps = gl.cdiv(K, BLOCK_K)
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        r0 = pid_m * BLOCK_M
-        c0 = pid_n * BLOCK_N
+        r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
         if HAS_WEIGHT:  # loaded now, used after the K loop
             route = gl.load(row_route_ptr + r0 + rows)
             weight = gl.load(router_weights_ptr + route, mask=route >= 0, other=0.0)
