@@ -168,6 +168,12 @@ CANDIDATES["down_bwd_saved"] += _gluon_dswiglu((128, 128, 64, 4, 8), (128, 128, 
                                                (128, 64, 64, 6, 8))
 CANDIDATES["down_bwd"] += _gluon_dswiglu((128, 64, 64, 3, 8), (128, 64, 64, 3, 4),
                                          (128, 64, 32, 6, 8), (64, 64, 64, 4, 8))
+# 64-row tiles with two MMA partitions taking turns (GemmTiles.pingpong; each its own epilogue
+# buffers: 200 KB kept at 64 x 128 x 64, 5 stages; 192 KB recomputing at 64 x 64 x 64, 4).
+CANDIDATES["down_bwd_saved"] += [dataclasses.replace(t, pingpong=True) for t in _gluon_dswiglu(
+    (64, 128, 64, 5, 8), (64, 128, 64, 4, 8), (64, 128, 64, 5, 4), (64, 64, 64, 6, 8))]
+CANDIDATES["down_bwd"] += [dataclasses.replace(t, pingpong=True) for t in _gluon_dswiglu(
+    (64, 64, 64, 4, 8), (64, 64, 64, 3, 8), (64, 64, 32, 6, 8))]
 # Every persistent row-GEMM candidate also with its tile and K loops flattened (GemmTiles.flatten).
 for _kind in ("gate_up", "gate_up_saved", "down", "down_bwd", "down_bwd_saved", "d_x"):
     CANDIDATES[_kind] += [dataclasses.replace(t, flatten=True) for t in CANDIDATES[_kind]

@@ -240,6 +240,10 @@ def main(argv=None) -> None:
         ("down_bwd saved shared gluon tma", kept_gluon, kept_bwd(None, None)),
         ("down_bwd saved gluon tma 64x128 s5", r(kept_gluon, block_m=64, num_stages=5),
          kept_bwd(7.0)),
+        ("down_bwd saved gluon tma 64x128 s5 pingpong",
+         r(kept_gluon, block_m=64, num_stages=5, pingpong=True), kept_bwd(7.0)),
+        ("down_bwd saved gluon tma 64x128 s4 pingpong",
+         r(kept_gluon, block_m=64, num_stages=4, pingpong=True), kept_bwd(None)),
         ("down_bwd gluon tma", recompute_gluon, recompute_bwd(None)),
         ("down_bwd gluon tma limit", recompute_gluon, recompute_bwd(7.0)),
         ("down_bwd shared gluon tma", recompute_gluon, recompute_bwd(7.0, None)),
@@ -248,6 +252,8 @@ def main(argv=None) -> None:
          recompute_bwd(7.0)),
         ("down_bwd gluon tma 64x64 s4", r(recompute_gluon, block_m=64, num_stages=4),
          recompute_bwd(7.0)),
+        ("down_bwd gluon tma 64x64 s4 pingpong",
+         r(recompute_gluon, block_m=64, num_stages=4, pingpong=True), recompute_bwd(7.0)),
     ]
     # Other shapes of the kept dSwiGLU tile (its 64 x 128 runs two to an SM at 290 TFLOP/s).
     saved = next(run for label, _, run in runs if label == "down_bwd saved tma rows")

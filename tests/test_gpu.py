@@ -92,14 +92,24 @@ def _gluon_rows(tiles, wide=True):
     return dataclasses.replace(_gluon_gate_up(tiles), down=down, d_x=d_x)
 
 
-def _gluon_dswiglu(tiles):
+def _gluon_dswiglu(tiles, pingpong=False):
     """The dSwiGLU backward by the Gluon kernel: recomputing at 128 x 64 x 64 (3 stages), kept
-    at down's tiles, 128 x 128 x 64 (4 stages; down by its Gluon kernel too)."""
+    at down's tiles, 128 x 128 x 64 (4 stages; down by its Gluon kernel too). pingpong: 64-row
+    tiles, two MMA partitions taking turns (GemmTiles.pingpong): recomputing 64 x 64 x 64 (4
+    stages), kept 64 x 128 x 64 (5 stages)."""
     def gluon(block_n, stages):
-        return GemmTiles(128, block_n, 64, group_m=8, num_warps=8, num_stages=stages,
-                         persistent=True, tma=True, tma_rows=True, gluon=True)
+        return GemmTiles(64 if pingpong else 128, block_n, 64, group_m=8,
+                         num_warps=4 if pingpong else 8, num_stages=stages, persistent=True,
+                         tma=True, tma_rows=True, gluon=True, pingpong=pingpong)
 
+    if pingpong:
+        return dataclasses.replace(tiles, use_tuned=False, down_bwd=gluon(64, 4),
+                                   down=gluon(128, 5))
     return dataclasses.replace(tiles, use_tuned=False, down_bwd=gluon(64, 3), down=gluon(128, 4))
+
+
+def _gluon_dswiglu_pingpong(tiles):
+    return _gluon_dswiglu(tiles, pingpong=True)
 
 
 def _repeatable_and_close_to_reference(inputs, config, limit, tiles):
@@ -185,15 +195,18 @@ def test_gluon_rows_match_reference_and_are_deterministic(wide, monkeypatch):
                          name=f"{name} against the Triton kernels")
 
 
+@pytest.mark.parametrize("pingpong", [False, True], ids=["one_mma", "pingpong"])
 @pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
-def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, monkeypatch):
+def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, pingpong,
+                                                              monkeypatch):
     # The warp-specialized Gluon dSwiGLU kernel (recomputing, or reading the kept
     # pre-activations and writing h) inside the layer, the shared expert's launch included:
     # against the reference, itself run to run, and the Triton kernel at the same tiles (the
     # router-weight gradients among the layer's, then the routed experts' d_gate_up, partial
     # sums and kept h directly). I = 352 and the shared expert's 288 are no multiples of
     # block_n (the stores clip, TMA zero-fills the weight and pre-activation tiles past I).
+    # pingpong: two MMA partitions take every other tile of a CTA, each CTA several.
     from mok.ops import experts
 
     assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
@@ -209,7 +222,7 @@ def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, monke
                          seed=8, routing=RoutingPattern.SKEWED)
     config = F.MoKConfig(recompute_gate_up=not kept)
     base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
-    tiles = _gluon_dswiglu(base)
+    tiles = _gluon_dswiglu(base, pingpong)
     y, grads, schedule, context = _repeatable_and_close_to_reference(inputs, config, limit,
                                                                      tiles)
     assert len(launches) == 4  # routed and shared experts, in each of the two runs
@@ -268,10 +281,12 @@ def test_flattened_tile_loops_equal_persistent_tiles(kept):
                          [(True, None), (False, None), (False, _persistent_grouped_mm),
                           (True, _gluon_gate_up), (False, _gluon_gate_up),
                           (True, _gluon_rows), (False, _gluon_rows),
-                          (True, _gluon_dswiglu), (False, _gluon_dswiglu)],
+                          (True, _gluon_dswiglu), (False, _gluon_dswiglu),
+                          (False, _gluon_dswiglu_pingpong)],
                          ids=["recompute", "kept_gate_up", "kept_persistent_grouped_mm",
                               "gluon_gate_up", "kept_gluon_gate_up", "gluon_rows",
-                              "kept_gluon_rows", "gluon_dswiglu", "kept_gluon_dswiglu"])
+                              "kept_gluon_rows", "gluon_dswiglu", "kept_gluon_dswiglu",
+                              "kept_gluon_dswiglu_pingpong"])
 def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up, variant):
     inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=3)

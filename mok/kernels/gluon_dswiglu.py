@@ -178,15 +178,17 @@ def _dswiglu_slice(dh0, gate, up, weight, in_smem, j, r0, c0, h_desc, d_gate_des
 
 @gluon.jit
 def _mma_partition(h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs, x_bufs, bd_bufs,
-                   bgu_bufs, in_smem, c_smem, ready_bars, empty_bars, epi_bar,
+                   bgu_bufs, in_smem, c_smem, ready_bars, empty_bars, epi_bar, turn_bars,
                    router_weights_ptr, d_weight_partial_ptr, row_route_ptr, used_rows_ptr, N, K,
                    stride_pm, swiglu_limit,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
                    HAS_LIMIT: gl.constexpr, HAS_WEIGHT: gl.constexpr,
-                   SAVED_GATE_UP: gl.constexpr):
-    """wgmma over the ring, then the dSwiGLU epilogue, the TMA stores and the partial sums."""
-    num_warps: gl.constexpr = gl.num_warps()
+                   SAVED_GATE_UP: gl.constexpr, CONSUMER: gl.constexpr,
+                   NUM_CONSUMERS: gl.constexpr):
+    """wgmma over the ring, then the dSwiGLU epilogue, the TMA stores and the partial sums, for
+    the CTA's tiles CONSUMER, CONSUMER + NUM_CONSUMERS, ... (its own epilogue buffers)."""
+    num_warps: gl.constexpr = BLOCK_M // 16  # a warpgroup per 64 rows
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
     # gate and up: one [BLOCK_M, 2 * BLOCK_N] accumulator, one wgmma a step (gate/up's)
@@ -207,9 +209,10 @@ def _mma_partition(h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs, x
 
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     k_steps = K // BLOCK_K
-    i = 0
+    i = CONSUMER * k_steps  # ring steps of the CTA's earlier tiles, every consumer's
     t = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    first = gl.program_id(0) + CONSUMER * gl.num_programs(0)
+    for tile in range(first, num_tiles, NUM_CONSUMERS * gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         r0 = pid_m * BLOCK_M
         c0 = pid_n * BLOCK_N
@@ -230,6 +233,9 @@ def _mma_partition(h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs, x
         else:
             weight = rows.to(gl.float32)  # unused
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        if NUM_CONSUMERS > 1:  # the other consumer's K loop (of the CTA's previous tile) is done
+            mbarrier.wait(turn_bars.index(CONSUMER), (t - 1 + CONSUMER) & 1,
+                          pred=(CONSUMER > 0) | (t > 0))
         if SAVED_GATE_UP:
             for kk in range(k_steps):
                 s = i % NUM_STAGES
@@ -261,6 +267,9 @@ def _mma_partition(h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs, x
                 i += 1
             acc, gu = warpgroup_mma_wait(num_outstanding=0, deps=(acc, gu))
         mbarrier.arrive(empty_bars.index((i + NUM_STAGES - 1) % NUM_STAGES))
+        if NUM_CONSUMERS > 1:  # the next consumer's turn; skip its steps
+            mbarrier.arrive(turn_bars.index((CONSUMER + 1) % NUM_CONSUMERS))
+            i += (NUM_CONSUMERS - 1) * k_steps
 
         if SAVED_GATE_UP:
             gate = acc  # placeholders: read in the slices
@@ -304,6 +313,7 @@ def down_bwd_dswiglu_ws_kernel(
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, HAS_LIMIT: gl.constexpr,
     HAS_WEIGHT: gl.constexpr, SAVED_GATE_UP: gl.constexpr, A_LAYOUT: gl.constexpr,
+    PINGPONG: gl.constexpr = False, MMA_REGS: gl.constexpr = 232,
 ):
     """Launched with one program per SM and num_warps = BLOCK_M // 16 (a warpgroup per 64 rows)
     in the default partition, LOAD_WARPS more for the loader (LOAD_REGS registers each).
@@ -312,7 +322,10 @@ def down_bwd_dswiglu_ws_kernel(
     otherwise, unused); h [R, N], gate_up's halves (SAVED_GATE_UP; h_desc otherwise, unused) and
     d_gate_up's halves [R, N] (row strides 2N) with [BLOCK_M, BLOCK_N // EPI_SPLIT] boxes.
     router_weights_ptr: fp32 [T * topk] by route, d_weight_partial_ptr: fp32 [R, cdiv(N,
-    BLOCK_N)] (both unused without HAS_WEIGHT). x_ptr is read only recomputing."""
+    BLOCK_N)] (both unused without HAS_WEIGHT). x_ptr is read only recomputing.
+    PINGPONG: a second MMA partition (a worker of BLOCK_M // 16 warps, MMA_REGS registers each)
+    with epilogue buffers of its own takes every other tile of the CTA; the two take turns at
+    their K loops (turn barriers), so one's epilogue runs during the other's K loop."""
     dtype: gl.constexpr = w_down_desc.dtype
     WIDTH: gl.constexpr = BLOCK_N // EPI_SPLIT
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
@@ -336,21 +349,61 @@ def down_bwd_dswiglu_ws_kernel(
     ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     epi_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if PINGPONG:
+        NUM_CONSUMERS: gl.constexpr = 2
+    else:
+        NUM_CONSUMERS: gl.constexpr = 1
+    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready_bars.index(s), count=LOAD_WARPS * 32 + 1)
         mbarrier.init(empty_bars.index(s), count=1)
     mbarrier.init(epi_bar, count=1)
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(turn_bars.index(c), count=1)
 
-    gl.warp_specialize([
-        (_mma_partition, (h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs, x_bufs,
-                          bd_bufs, bgu_bufs, in_smem, c_smem, ready_bars, empty_bars, epi_bar,
-                          router_weights_ptr, d_weight_partial_ptr, row_route_ptr,
-                          used_rows_ptr, N, K, stride_pm, swiglu_limit, BLOCK_M, BLOCK_N,
-                          BLOCK_K, GROUP_M, NUM_STAGES, EPI_SPLIT, HAS_LIMIT, HAS_WEIGHT,
-                          SAVED_GATE_UP)),
-        (_load_partition, (d_out_ptr, x_ptr, w_down_desc, w_gate_desc, w_up_desc,
-                           row_route_ptr, block_expert_ptr, used_rows_ptr, a_bufs, x_bufs,
-                           bd_bufs, bgu_bufs, ready_bars, empty_bars, N, K, topk, stride_dm,
-                           stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                           LOAD_WARPS, SAVED_GATE_UP)),
-    ], [LOAD_WARPS], [LOAD_REGS])
+    # (The partitions' arguments stay literal tuples: a tuple held in a variable loses its
+    # constexprs.)
+    if PINGPONG:  # the second consumer's epilogue buffers
+        if SAVED_GATE_UP or HAS_WEIGHT:
+            in_smem2 = gl.allocate_shared_memory(dtype, in_smem.shape, in_smem.layout)
+        else:
+            in_smem2 = in_smem  # placeholder, never used
+        c_smem2 = gl.allocate_shared_memory(dtype, [BLOCK_M, WIDTH], h_desc.layout)
+        epi_bar2 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(epi_bar2, count=1)
+        gl.warp_specialize([
+            (_mma_partition, (h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs,
+                              x_bufs, bd_bufs, bgu_bufs, in_smem, c_smem, ready_bars,
+                              empty_bars, epi_bar, turn_bars, router_weights_ptr,
+                              d_weight_partial_ptr, row_route_ptr, used_rows_ptr, N, K,
+                              stride_pm, swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                              NUM_STAGES, EPI_SPLIT, HAS_LIMIT, HAS_WEIGHT, SAVED_GATE_UP, 0,
+                              NUM_CONSUMERS)),
+            (_mma_partition, (h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs,
+                              x_bufs, bd_bufs, bgu_bufs, in_smem2, c_smem2, ready_bars,
+                              empty_bars, epi_bar2, turn_bars, router_weights_ptr,
+                              d_weight_partial_ptr, row_route_ptr, used_rows_ptr, N, K,
+                              stride_pm, swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                              NUM_STAGES, EPI_SPLIT, HAS_LIMIT, HAS_WEIGHT, SAVED_GATE_UP, 1,
+                              NUM_CONSUMERS)),
+            (_load_partition, (d_out_ptr, x_ptr, w_down_desc, w_gate_desc, w_up_desc,
+                               row_route_ptr, block_expert_ptr, used_rows_ptr, a_bufs, x_bufs,
+                               bd_bufs, bgu_bufs, ready_bars, empty_bars, N, K, topk,
+                               stride_dm, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
+                               NUM_STAGES, LOAD_WARPS, SAVED_GATE_UP)),
+        ], [BLOCK_M // 16, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs,
+                              x_bufs, bd_bufs, bgu_bufs, in_smem, c_smem, ready_bars,
+                              empty_bars, epi_bar, turn_bars, router_weights_ptr,
+                              d_weight_partial_ptr, row_route_ptr, used_rows_ptr, N, K,
+                              stride_pm, swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                              NUM_STAGES, EPI_SPLIT, HAS_LIMIT, HAS_WEIGHT, SAVED_GATE_UP, 0,
+                              NUM_CONSUMERS)),
+            (_load_partition, (d_out_ptr, x_ptr, w_down_desc, w_gate_desc, w_up_desc,
+                               row_route_ptr, block_expert_ptr, used_rows_ptr, a_bufs, x_bufs,
+                               bd_bufs, bgu_bufs, ready_bars, empty_bars, N, K, topk,
+                               stride_dm, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
+                               NUM_STAGES, LOAD_WARPS, SAVED_GATE_UP)),
+        ], [LOAD_WARPS], [LOAD_REGS])

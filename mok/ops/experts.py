@@ -510,11 +510,14 @@ def _gluon_dswiglu_split(tiles: GemmTiles, kept: bool, weighted: bool, size: int
     """The Gluon dSwiGLU epilogue's column slices: tiles.epilogue_split, or 2 where slices of
     128 columns would spill registers (a thread holds 64 of dh0 and 64 of each of gate, up and
     what they make) or the ring, the epilogue's input boxes (the kept gate and up, or h) and a
-    whole-tile output buffer would not fit in shared memory."""
+    whole-tile output buffer (per MMA partition: two with tiles.pingpong) would not fit in
+    shared memory."""
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     stage = (bm + bn) * bk if kept else (2 * bm + 3 * bn) * bk
-    inputs = 2 if kept else int(weighted)
-    if bn > 64 or (tiles.num_stages * stage + (inputs + 1) * bm * bn) * size > _SM90_SMEM - 1024:
+    epilogue = (2 if kept else int(weighted)) + 1  # input boxes and the output buffer
+    consumers = 2 if tiles.pingpong else 1  # each with epilogue buffers of its own
+    if bn > 64 or (tiles.num_stages * stage + consumers * epilogue * bm * bn) * size > (
+            _SM90_SMEM - 1024):
         return 2
     return tiles.epilogue_split
 
@@ -556,8 +559,19 @@ def _down_bwd_gluon(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
         NUM_STAGES=tiles.num_stages, EPI_SPLIT=split, LOAD_WARPS=_GLUON_DSWIGLU_LOAD_WARPS,
         LOAD_REGS=_GLUON_DSWIGLU_LOAD_REGS[kept], HAS_LIMIT=has_limit,
         HAS_WEIGHT=router_weights is not None, SAVED_GATE_UP=kept,
-        A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], dtype), num_warps=bm // 16,
+        A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], dtype),
+        PINGPONG=tiles.pingpong, MMA_REGS=_gluon_mma_regs(bm, 2, _GLUON_DSWIGLU_LOAD_WARPS,
+                                                          _GLUON_DSWIGLU_LOAD_REGS[kept]),
+        num_warps=bm // 16,
     )
+
+
+def _gluon_mma_regs(block_m: int, consumers: int, load_warps: int, load_regs: int) -> int:
+    """Registers per thread for each of `consumers` MMA partitions of block_m // 16 warps once
+    the loader's warps hold load_regs: an SM's 64K shared out, in multiples of 8, at most 256."""
+    mma_threads = consumers * block_m // 16 * 32
+    free = 65536 - load_warps * 32 * load_regs
+    return min(256, free // mma_threads // 8 * 8)
 
 
 def d_x_rows(

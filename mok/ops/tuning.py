@@ -76,6 +76,11 @@ class GemmTiles:
     # launches that pull or scatter rows ask the table for its Triton tiles (TileConfig.pick's
     # triton), except gate/up's, whose rows a launch of their own pulls before the Gluon kernel.
     gluon: bool = False
+    # down_bwd and down_bwd_saved with gluon, block_m 64: two MMA partitions (a warpgroup each,
+    # epilogue buffers of their own) take the CTA's tiles in turn, one's epilogue running during
+    # the other's K loop (mok.kernels.gluon_dswiglu's PINGPONG). Where the Triton kernel runs
+    # these tiles it is ignored.
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         if self.flatten and not self.persistent:
@@ -84,6 +89,8 @@ class GemmTiles:
                            or self.block_k not in (32, 64)):
             raise ValueError(f"GemmTiles(gluon=True): block_m 64 or 128, block_n <= 256, block_k "
                              f"32 or 64; got {self.block_m}x{self.block_n}x{self.block_k}")
+        if self.pingpong and self.block_m != 64:
+            raise ValueError(f"GemmTiles(pingpong=True) needs block_m 64, got {self.block_m}")
 
 
 @dataclass(frozen=True)
