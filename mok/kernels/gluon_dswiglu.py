@@ -349,17 +349,18 @@ def down_bwd_dswiglu_ws_kernel(
     ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     epi_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    if PINGPONG:
-        NUM_CONSUMERS: gl.constexpr = 2
-    else:
-        NUM_CONSUMERS: gl.constexpr = 1
-    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready_bars.index(s), count=LOAD_WARPS * 32 + 1)
         mbarrier.init(empty_bars.index(s), count=1)
     mbarrier.init(epi_bar, count=1)
-    for c in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(turn_bars.index(c), count=1)
+    if PINGPONG:
+        NUM_CONSUMERS: gl.constexpr = 2
+        turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(turn_bars.index(c), count=1)
+    else:
+        NUM_CONSUMERS: gl.constexpr = 1
+        turn_bars = epi_bar  # placeholder, never used
 
     # (The partitions' arguments stay literal tuples: a tuple held in a variable loses its
     # constexprs.)
