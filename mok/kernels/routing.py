@@ -5,7 +5,8 @@ of each local expert by route id (so by token, then slot), pads every expert's r
 of ALIGN and records, per block of ALIGN rows, which expert owns it. Three launches, no atomics on
 data, no host sync:
 
-1. histogram: per chunk of routes, the count of each expert and each route's rank in its chunk;
+1. histogram: per chunk of routes, the count of each expert and each route's rank in its chunk
+   (and a share of the rows set to -1, padding until the scatter places a route there);
 2. offsets (one program): per-chunk bases, expert counts, padded expert offsets, block owners;
 3. scatter: row_route[row] = route and route_row[route] = row.
 """
@@ -42,15 +43,24 @@ def route_histogram_kernel(
     topk_experts_ptr,
     chunk_counts_ptr,
     route_rank_ptr,
+    row_route_ptr,
     error_flags_ptr,
     num_routes,
     num_experts_total,
     first_local_expert,
     num_local_experts,
+    capacity_rows,
+    fill_rows,
     CHUNK: tl.constexpr,
     E_PAD: tl.constexpr,
 ):
     chunk = tl.program_id(0)
+    # Every row starts as padding (-1), fill_rows (a multiple of CHUNK) a program; the scatter,
+    # a later launch, places the routes.
+    fill_end = tl.minimum((chunk + 1) * fill_rows, capacity_rows)
+    for start in range(chunk * fill_rows, (chunk + 1) * fill_rows, CHUNK):
+        rows = start + tl.arange(0, CHUNK)
+        tl.store(row_route_ptr + rows, -1, mask=rows < fill_end)
     routes = chunk * CHUNK + tl.arange(0, CHUNK)
     local_expert, is_local, bad = _local_experts(
         topk_experts_ptr, routes, num_routes, num_experts_total, first_local_expert,

@@ -230,7 +230,14 @@ def _gluon_operands(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def _gluon_descriptor(t: torch.Tensor, box: list[int], dtype) -> GluonDescriptor:
     """A Gluon TMA descriptor of t with `box`, in the default NVMMA shared layout for it."""
-    return GluonDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+    return GluonDescriptor.from_tensor(t, box, _nvmma_layout(tuple(box), dtype))
+
+
+@functools.cache
+def _nvmma_layout(box: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
+    """The default NVMMA shared layout of a `box` tile of dtype, made once (about 10 us of host
+    time each, several a launch)."""
+    return gl.NVMMASharedLayout.get_default_for(list(box), dtype)
 
 
 def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -255,7 +262,7 @@ def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=tiles.num_stages, LOAD_WARPS=_GLUON_LOAD_WARPS, LOAD_REGS=_GLUON_LOAD_REGS,
         HAS_LIMIT=has_limit, SAVE_GATE_UP=gate_up is not None,
-        A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], dtype), num_warps=bm // 16,
+        A_LAYOUT=_nvmma_layout((bm, bk), dtype), num_warps=bm // 16,
     )
 
 
@@ -559,7 +566,7 @@ def _down_bwd_gluon(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
         NUM_STAGES=tiles.num_stages, EPI_SPLIT=split, LOAD_WARPS=_GLUON_DSWIGLU_LOAD_WARPS,
         LOAD_REGS=_GLUON_DSWIGLU_LOAD_REGS[kept], HAS_LIMIT=has_limit,
         HAS_WEIGHT=router_weights is not None, SAVED_GATE_UP=kept,
-        A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bm, bk], dtype),
+        A_LAYOUT=_nvmma_layout((bm, bk), dtype),
         PINGPONG=tiles.pingpong, MMA_REGS=_gluon_mma_regs(bm, 2, _GLUON_DSWIGLU_LOAD_WARPS,
                                                           _GLUON_DSWIGLU_LOAD_REGS[kept]),
         num_warps=bm // 16,
