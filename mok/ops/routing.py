@@ -85,16 +85,17 @@ def build_routing(
     if not flat.is_contiguous():
         flat = flat.contiguous()
 
-    # One allocation for every buffer (the host's time per allocation adds up before the first
-    # GEMM can start), each at a 16-byte aligned offset; row_route's -1s are the histogram's.
-    sizes = (num_chunks * e_pad, num_chunks * e_pad, max(num_routes, 1), rows, num_routes,
-             rows // align, num_local_experts, num_local_experts + 1)
-    padded = [triton.cdiv(size, 4) * 4 for size in sizes]
-    parts = torch.empty(sum(padded), dtype=torch.int32, device=device).split(padded)
-    (chunk_counts, chunk_base, route_rank, row_route, route_row, block_expert, expert_counts,
-     expert_offsets) = (part[:size] for part, size in zip(parts, sizes, strict=True))
-    chunk_counts, chunk_base = chunk_counts.view(num_chunks, e_pad), chunk_base.view(num_chunks,
-                                                                                     e_pad)
+    # Separate allocations: the routing tensors leave custom ops (mok.nn), whose outputs may not
+    # alias one another. row_route's -1s are written by the histogram kernel.
+    i32 = dict(dtype=torch.int32, device=device)
+    chunk_counts = torch.empty(num_chunks, e_pad, **i32)
+    chunk_base = torch.empty(num_chunks, e_pad, **i32)
+    route_rank = torch.empty(max(num_routes, 1), **i32)
+    row_route = torch.empty(rows, **i32)
+    route_row = torch.empty(num_routes, **i32)
+    block_expert = torch.empty(rows // align, **i32)
+    expert_counts = torch.empty(num_local_experts, **i32)
+    expert_offsets = torch.empty(num_local_experts + 1, **i32)
 
     scalars = (num_routes, num_experts, first_local_expert, num_local_experts)
     fill_rows = triton.cdiv(triton.cdiv(rows, num_chunks), chunk) * chunk
