@@ -313,7 +313,7 @@ def down_bwd_dswiglu_ws_kernel(
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, HAS_LIMIT: gl.constexpr,
     HAS_WEIGHT: gl.constexpr, SAVED_GATE_UP: gl.constexpr, A_LAYOUT: gl.constexpr,
-    PINGPONG: gl.constexpr = False, MMA_REGS: gl.constexpr = 232,
+    PINGPONG: gl.constexpr, MMA_REGS: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = BLOCK_M // 16 (a warpgroup per 64 rows)
     in the default partition, LOAD_WARPS more for the loader (LOAD_REGS registers each).
