@@ -240,7 +240,8 @@ def max_error(y, grads, inputs, group):
 
 
 def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, peer_timeout_s,
-               profile=False, keep_gate_up=False, host_ahead=False):
+               profile=False, keep_gate_up=False, host_ahead=False, gluon_pull=False,
+               minibatch=None):
     import mok.functional as F
     from benchmarks.layer import BENCH_SHAPES
     from mok.testing import make_inputs
@@ -250,8 +251,12 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     config = F.MoKConfig(fwd_num_comm_sms=comm_sms, bwd_num_comm_sms=comm_sms,
-                         peer_timeout_s=peer_timeout_s, recompute_gate_up=not keep_gate_up)
+                         peer_timeout_s=peer_timeout_s, recompute_gate_up=not keep_gate_up,
+                         fwd_pull_in_gluon=gluon_pull,
+                         minibatch_size=minibatch or F.MoKConfig().minibatch_size)
     kept = "_kept" if keep_gate_up else ""  # mok's rows: mok_kept, compute_only_kept
+    # and mok_gpull, mok_kept_gpull with --gluon-pull, +mbN with --minibatch N
+    mine = kept + ("_gpull" if gluon_pull else "") + (f"+mb{minibatch}" if minibatch else "")
     rows = []
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)"
     date = datetime.datetime.now().isoformat(timespec="seconds")
@@ -324,20 +329,20 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             for mode, ms in time_modes(impl).items():
-                row(shape, impl_name + (kept if impl_name == "mok" else ""), mode, ms,
+                row(shape, impl_name + (mine if impl_name == "mok" else ""), mode, ms,
                     mode_flops[mode], compute[mode], err=err)
             if impl_name == "mok" and host_ahead and cuda:
                 for mode, ms in time_modes(impl, ahead=True).items():
-                    row(shape, f"mok{kept}@ahead", mode, ms, mode_flops[mode],
+                    row(shape, f"mok{mine}@ahead", mode, ms, mode_flops[mode],
                         compute_ahead[mode], err=err)
             if impl_name == "mok":
                 ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)
-                row(shape, f"mok{kept}", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
+                row(shape, f"mok{mine}", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
                 scatter_ms, local_ms, nbytes = down_scatter_and_local(impl, inputs, iters,
                                                                       warmup, group)
-                row(shape, f"mok{kept}", "down_scatter", scatter_ms, 0,
+                row(shape, f"mok{mine}", "down_scatter", scatter_ms, 0,
                     gb_s=nbytes / scatter_ms / 1e6)
-                row(shape, f"mok{kept}", "down_local", local_ms, 0)
+                row(shape, f"mok{mine}", "down_local", local_ms, 0)
                 if profile and cuda:
                     print_kernel_times(impl.step, group, quiet=rank != 0)
                     print_timeline(impl.step, group, rank)
@@ -604,6 +609,11 @@ def main(argv=None) -> None:
                         help="also time mok and compute_only with the host ahead of the GPU "
                              "(the GPU sleeps until a sample's calls are queued): the kernels "
                              "alone; rows IMPL@ahead")
+    parser.add_argument("--gluon-pull", action="store_true",
+                        help="MoKConfig(fwd_pull_in_gluon=True): the Gluon gate/up pulls its "
+                             "rows itself; rows named mok_gpull")
+    parser.add_argument("--minibatch", type=int, default=None,
+                        help="MoKConfig.minibatch_size; mok's rows get +mbN")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--redraw", action="store_true",
                         help="measure nothing: chart the newest GPU rows already in the CSV")
@@ -639,7 +649,7 @@ def main(argv=None) -> None:
         os.environ.setdefault(key, value)  # never NVLink multicast
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
                               args.comm_sms, args.peer_timeout, args.profile, args.keep_gate_up,
-                              args.host_ahead,
+                              args.host_ahead, args.gluon_pull, args.minibatch,
                               backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
     rows = results[0]
     append_rows(args.csv, CSV_FIELDS, rows)

@@ -167,7 +167,7 @@ class ExpertParallel:
 
     def pull(self, peer: comm.PeerFlags, phase: Phase, plan: ExchangePlan, *,
              src: torch.Tensor, weights: torch.Tensor | None, minibatch: int,
-             num_programs: int, second_src: torch.Tensor | None = None,
+             num_programs: int, second_src: torch.Tensor | None = None, in_gluon: bool = False,
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, comm.Pull]:
         """The buffers the group's tokens with a route to this rank's experts ([P * T_max, H];
         their router weights [P * T_max * k], and the rows of second_src) are pulled into, and
@@ -183,22 +183,23 @@ class ExpertParallel:
             self.buffer.deltas(torch.float32) if weights is not None else None, dst_weights,
             plan.pull_order, plan.pull_position, plan.pull_moving, self.ready(phase, minibatch),
             int(phase), self.slots.pub(phase), self.num_tokens, self.topk,
-            max(1, int(num_programs)), int(minibatch), second_src)
+            max(1, int(num_programs)), int(minibatch), second_src, in_gluon)
         return dst, dst_weights, dst2, pull
 
     def forward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, x: torch.Tensor,
                      router_weights: torch.Tensor, *, minibatch: int, num_programs: int,
-                     ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
+                     in_gluon: bool = False) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
         """The forward's exchange up to its GEMM: publish x and the router weights, and the pull
-        of the tokens of the local experts' routes and their weights (see `pull`). Returns
-        (x of the group's tokens, router weights of the group's routes, pull)."""
+        of the tokens of the local experts' routes and their weights (see `pull`; in_gluon: see
+        mok.ops.comm.Pull). Returns (x of the group's tokens, router weights of the group's
+        routes, pull)."""
         tokens = x.shape[0]
         self.publish(peer, Phase.FORWARD, [
             (self.x_pub(x.dtype)[:tokens], x),
             (self.weights_pub[:tokens * self.topk], router_weights.reshape(-1))])
         x_group, weights_group, _, pull = self.pull(
             peer, Phase.FORWARD, plan, src=self.x_pub(x.dtype), weights=self.weights_pub,
-            minibatch=minibatch, num_programs=num_programs)
+            minibatch=minibatch, num_programs=num_programs, in_gluon=in_gluon)
         return x_group, weights_group, pull
 
     def backward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, d_output: torch.Tensor,
@@ -299,13 +300,19 @@ class ExpertParallel:
             row_route=empty, route_row=source_route_row, block_expert=empty,
             expert_counts=empty, expert_offsets=empty, num_tokens=topk_experts.shape[0],
             topk=self.topk, num_local_experts=num_local_experts, align=align)
-        # The pulls' order: each group token by its first row here (int32 max: none).
-        first_row = group_routing.route_row.view(-1, self.topk)
-        first_row = torch.where(first_row >= 0, first_row, torch.iinfo(torch.int32).max)
-        first_row = first_row.amin(dim=1)
-        order = torch.sort(first_row, stable=True).indices.to(torch.int32)
-        position = torch.empty_like(order).scatter_(0, order.long(),
-                                                    torch.arange(order.shape[0], **i32))
-        moving = (first_row < torch.iinfo(torch.int32).max).sum(dtype=torch.int32).view(1)
+        order, position, moving = pull_order(group_routing)
         return ExchangePlan(group_routing, source_routing, routes, group_topk,
                             num_local_experts * self.rank, order, position, moving)
+
+
+def pull_order(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, position, moving) of a pull of the tokens the rows of `routing` read (see
+    ExchangePlan): each token by its first row (int32 max: none), on the device."""
+    none = torch.iinfo(torch.int32).max
+    first_row = routing.route_row.view(-1, routing.topk)
+    first_row = torch.where(first_row >= 0, first_row, none).amin(dim=1)
+    order = torch.sort(first_row, stable=True).indices.to(torch.int32)
+    position = torch.empty_like(order).scatter_(
+        0, order.long(), torch.arange(order.shape[0], dtype=torch.int32, device=order.device))
+    moving = (first_row < none).sum(dtype=torch.int32).view(1)
+    return order, position, moving

@@ -71,6 +71,13 @@ class MoKConfig:
         context keeps h only). False keeps the pre-activations [C, 2I] instead, twice h's bytes,
         and the backward's first kernel does one GEMM instead of three (4 of the 22 GEMM FLOPs
         per route that a forward+backward runs) and rebuilds h from them.
+    fwd_pull_in_gluon: where the Gluon gate/up kernel takes the forward's routed GEMM under
+        expert parallelism, it pulls its rows in a partition of two warps in each of its programs
+        while its tiles run (mok.kernels.gluon_comm) instead of after a launch of its own that
+        pulls them over every SM. Off by default: on one H200, a rank pulling its own tokens from
+        its own memory (benchmarks/pull_local.py), it cost the GEMM more than the separate
+        launch at qwen3-30b-a3b and kimi-ep64-slice (less at olmoe-1b-7b); its tiles wait on
+        their rows' minibatches, so pair it with a small minibatch_size (16 to 32).
     """
 
     fwd_num_comm_sms: int = 32
@@ -80,6 +87,7 @@ class MoKConfig:
     schedule_capacity_multiplier: float = 2.0
     peer_timeout_s: float = 60.0
     recompute_gate_up: bool = True
+    fwd_pull_in_gluon: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
@@ -526,7 +534,7 @@ def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_
     peer = ep.peer_flags(schedule.workspace.error_flags)
     x_group, weights_group, pull = ep.forward_pull(
         peer, schedule.exchange, x, router_weights, minibatch=config.minibatch_size,
-        num_programs=config.fwd_num_comm_sms)
+        num_programs=config.fwd_num_comm_sms, in_gluon=config.fwd_pull_in_gluon)
     h = ops.gate_up_swiglu(x_group, w_routed_gate, w_routed_up, schedule.routing,
                            pick(intermediate), swiglu_limit, pull=pull,
                            gate_up=gate_up)

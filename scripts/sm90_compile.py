@@ -325,6 +325,15 @@ def main(argv=None) -> None:
                  lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt, scatter=comm.ScatterRows(
                      torch.empty(rows, hid, **bf16), torch.empty(2, **i64), routing.row_route,
                      tokens * k), pull=pull(False, weights=False), pulled=x_group)))
+    # The Gluon gate/up pulling in a partition of its own (expert parallelism).
+    in_gluon = dataclasses.replace(pull(False), in_gluon=True)
+    runs.append(("gate_up EP pull gluon tma", gluon, lambda tt: ops.gate_up_swiglu(
+        x_group, w_g, w_u, routing, tt, None, pull=in_gluon)))
+    runs.append(("gate_up saving EP pull gluon tma limit", gluon, lambda tt: ops.gate_up_swiglu(
+        x_group, w_g, w_u, routing, tt, 7.0, pull=in_gluon, gate_up=dgu)))
+    runs.append(("gate_up EP pull gluon tma 64x128 s5", r(gluon, block_m=64, num_stages=5),
+                 lambda tt: ops.gate_up_swiglu(x_group, w_g, w_u, routing, tt, None,
+                                               pull=in_gluon)))
     if not args.json:
         print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
     rows_out = []

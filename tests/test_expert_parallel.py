@@ -201,7 +201,8 @@ def test_ep_gluon_gate_up_pulls_apart(rank, world_size):
     y, grads, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8, tiles=plain)
     launches = []
 
-    def triton_stand_in(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up):
+    def triton_stand_in(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up, pull):
+        assert pull is None  # pulled already, by Pull.run_apart
         launches.append(tuple(w_gate.shape))
         h.copy_(experts.gate_up_swiglu(x, w_gate, w_up, routing,
                                        dataclasses.replace(tiles, gluon=False), swiglu_limit,
@@ -480,9 +481,9 @@ def test_ep_peer_timeout_names_the_rank(rank, world_size):
     _timeout_body(rank, world_size)
 
 
-def _graph_body(rank, world_size, tiles=None):
+def _graph_body(rank, world_size, tiles=None, config=None):
     """GPU: no host sync in the EP step, and a CUDA graph of it replays bitwise like eager."""
-    config = F.MoKConfig()
+    config = config or F.MoKConfig()
     inputs = _rank_inputs(rank, world_size, tokens=1024, hidden=256, intermediate=128,
                           num_local=4, topk=4, shared=128, seed=4)
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
@@ -524,6 +525,19 @@ def test_ep_gluon_no_host_sync_and_cuda_graph(rank, world_size):
                                 d_x=dataclasses.replace(gluon, num_stages=3),
                                 down_bwd=dataclasses.replace(gluon, block_n=64, num_stages=3))
     _graph_body(rank, world_size, tiles=tiles)
+
+
+@pytest.mark.gpu
+@distributed_test(world_sizes=(2,))
+def test_ep_gluon_pulling_no_host_sync_and_cuda_graph(rank, world_size):
+    # The same with MoKConfig.fwd_pull_in_gluon: the Gluon gate/up pulls its rows in a
+    # partition of each program (mok.kernels.gluon_comm) while its tiles wait on them.
+    gluon = ops.GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True,
+                          tma=True, tma_rows=True, gluon=True)
+    tiles = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False,
+                                gate_up=gluon)
+    _graph_body(rank, world_size, tiles=tiles,
+                config=F.MoKConfig(fwd_pull_in_gluon=True, minibatch_size=16))
 
 
 def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES):

@@ -157,6 +157,50 @@ def test_gluon_gate_up_matches_reference_and_is_deterministic(kept, limit):
                      name="gate_up")
 
 
+@pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+def test_gluon_gate_up_pulling_its_rows(kept, limit):
+    # The Gluon gate/up pulling x's rows and router weights in a partition of its own (expert
+    # parallelism), here a rank's own tokens from its own memory (mok.testing.pull): the rows
+    # and weights land as they are at the source, and h (with the kept pre-activations) is
+    # bitwise the kernel's reading x directly, in a second round too (new flags to wait on).
+    # Experts of uneven sizes, one without rows, N not a multiple of the tile (I = 320).
+    from mok.ops import experts
+    from mok.testing.pull import local_pull
+
+    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    inputs = make_inputs(6000, 1024, 320, 16, 4, device="cuda", seed=8,
+                         routing=RoutingPattern.SKEWED)
+    tiles = _gluon_gate_up(dataclasses.replace(ops.default_tiles(torch.device("cuda")),
+                                               use_tuned=False))
+    _, _, schedule, _ = run_layer(inputs, tiles=tiles)
+    routing = schedule.routing
+    x, w_gate, w_up = inputs.x, inputs.w_routed_gate, inputs.w_routed_up
+
+    def gate_up(rows, pull=None):
+        kept_rows = ops.gate_up_buffer(rows, w_gate, routing) if kept else None
+        h = ops.gate_up_swiglu(rows, w_gate, w_up, routing, tiles.gate_up, limit, pull=pull,
+                               gate_up=kept_rows)
+        return h, kept_rows
+
+    h, kept_rows = gate_up(x)
+    used = int(routing.expert_offsets[-1])  # rows past it are never written
+    pulled = local_pull(x, routing, inputs.router_weights)
+    for round_ in range(2):
+        if round_:
+            pulled.rows.zero_()
+            pulled.weights.zero_()
+            pulled.next_round()
+        h_pulled, kept_pulled = gate_up(pulled.rows, pulled.pull)
+        torch.cuda.synchronize()
+        assert int(pulled.pull.peer.errors.abs().sum()) == 0
+        assert torch.equal(pulled.rows, x)  # every token has a route here
+        assert torch.equal(pulled.weights, inputs.router_weights.reshape(-1))
+        assert torch.equal(h_pulled[:used], h[:used]), round_
+        if kept:
+            assert torch.equal(kept_pulled[:used], kept_rows[:used]), round_
+
+
 @pytest.mark.parametrize("wide", [True, False], ids=["128x256", "128x128"])
 def test_gluon_rows_match_reference_and_are_deterministic(wide, monkeypatch):
     # The warp-specialized Gluon down and d_x kernels inside the layer: against the reference,

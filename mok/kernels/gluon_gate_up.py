@@ -45,6 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mok.kernels.gluon_comm import pull_partition, wait_rows_ready
+
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -95,10 +97,12 @@ def _tile_tokens(row_route_ptr, r0, topk, BLOCK_M: gl.constexpr, BLOCK_K: gl.con
 @gluon.jit
 def _load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
                     used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K, topk, stride_xm,
+                    position_ptr, ready_ptr, seq_ptr, phase, timeout, error_ptr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    LOAD_WARPS: gl.constexpr):
-    """Fills the ring: weight tiles by TMA, gathered x rows by cp.async."""
+                    LOAD_WARPS: gl.constexpr, PULL: gl.constexpr, MINIBATCH: gl.constexpr):
+    """Fills the ring: weight tiles by TMA, gathered x rows by cp.async (with PULL once the
+    tile's tokens have landed, see mok.kernels.gluon_comm)."""
     w_bytes: gl.constexpr = 2 * w_gate_desc.block_type.nbytes
 
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
@@ -112,6 +116,9 @@ def _load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_p
                                            LOAD_WARPS)
         a_ptrs = x_ptr + token * stride_xm + cols
         w_row = expert * N + pid_n * BLOCK_N  # rows of w viewed [E * N, K]
+        if PULL:
+            wait_rows_ready(row_route_ptr, r0, topk, position_ptr, ready_ptr, seq_ptr, phase,
+                            timeout, error_ptr, BLOCK_M, MINIBATCH, LOAD_WARPS)
         for kk in range(k_steps):
             s = i % NUM_STAGES
             mbarrier.wait(empty_bars.index(s), ((i // NUM_STAGES) & 1) ^ 1)
@@ -203,17 +210,29 @@ def _mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars, empty
 def gate_up_swiglu_ws_kernel(
     x_ptr, w_gate_desc, w_up_desc, h_desc, gate_desc, up_desc, row_route_ptr, block_expert_ptr,
     used_rows_ptr, N, K, topk, stride_xm, swiglu_limit,
+    pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
+    pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
+    flag_delta_ptr, error_ptr, phase, publish_slot, tokens_per_rank, world_size, timeout,
+    stride_pull_src,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr, HAS_LIMIT: gl.constexpr, SAVE_GATE_UP: gl.constexpr,
-    A_LAYOUT: gl.constexpr,
+    A_LAYOUT: gl.constexpr, PULL: gl.constexpr, PULL_WEIGHTS: gl.constexpr,
+    MINIBATCH: gl.constexpr, PULL_BLOCK_R: gl.constexpr, PULL_BLOCK_W: gl.constexpr,
+    PULL_K_PAD: gl.constexpr, PULL_ROW_ALIGN: gl.constexpr, PULL_WARPS: gl.constexpr,
+    PULL_REGS: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = BLOCK_M // 16 (a warpgroup per 64 rows)
     in the default partition, LOAD_WARPS more for the loader (LOAD_REGS registers each). The
     descriptors: w viewed [E * N, K] with [BLOCK_N, BLOCK_K] boxes (a box's rows past its
     expert's N read the next expert's and reach only columns >= N, which the stores clip);
     h [R, N] and, with SAVE_GATE_UP, gate_up's halves [R, N] (row stride 2N), [BLOCK_M,
-    BLOCK_N] boxes (gate_desc and up_desc are h_desc otherwise, unused)."""
+    BLOCK_N] boxes (gate_desc and up_desc are h_desc otherwise, unused).
+
+    PULL (expert parallelism): x is the group's token rows [P * T, K], pulled from their ranks
+    while the tiles run by a third partition of PULL_WARPS warps (PULL_REGS registers) in every
+    program (mok.kernels.gluon_comm.pull_partition; the pull_* arguments as the Triton
+    kernels' pull, mok.ops.comm.Pull), the loader gathering a tile's rows once they landed."""
     dtype: gl.constexpr = w_gate_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K],
@@ -225,12 +244,33 @@ def gate_up_swiglu_ws_kernel(
         mbarrier.init(ready_bars.index(s), count=LOAD_WARPS * 32 + 1)
         mbarrier.init(empty_bars.index(s), count=1)
 
-    gl.warp_specialize([
-        (_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars, empty_bars,
-                          c_smem, used_rows_ptr, N, K, swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K,
-                          GROUP_M, NUM_STAGES, HAS_LIMIT, SAVE_GATE_UP)),
-        (_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
-                           used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K, topk,
-                           stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                           LOAD_WARPS)),
-    ], [LOAD_WARPS], [LOAD_REGS])
+    # The partitions' argument tuples are written out in each call: a tuple held in a variable
+    # loses its constexprs.
+    if PULL:
+        gl.warp_specialize([
+            (_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,
+                              empty_bars, c_smem, used_rows_ptr, N, K, swiglu_limit, BLOCK_M,
+                              BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, HAS_LIMIT, SAVE_GATE_UP)),
+            (_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
+                               used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
+                               topk, stride_xm, pull_position_ptr, ready_ptr, seq_ptr, phase,
+                               timeout, error_ptr, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
+                               NUM_STAGES, LOAD_WARPS, True, MINIBATCH)),
+            (pull_partition, (pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr,
+                              x_ptr, pull_dst_w_ptr, pull_order_ptr, pull_moving_ptr,
+                              ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr, phase,
+                              publish_slot, tokens_per_rank, topk, K, world_size, timeout,
+                              stride_pull_src, stride_xm, PULL_WEIGHTS, MINIBATCH, PULL_BLOCK_R,
+                              PULL_BLOCK_W, PULL_K_PAD, PULL_ROW_ALIGN, PULL_WARPS)),
+        ], [LOAD_WARPS, PULL_WARPS], [LOAD_REGS, PULL_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,
+                              empty_bars, c_smem, used_rows_ptr, N, K, swiglu_limit, BLOCK_M,
+                              BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, HAS_LIMIT, SAVE_GATE_UP)),
+            (_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
+                               used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
+                               topk, stride_xm, pull_position_ptr, ready_ptr, seq_ptr, phase,
+                               timeout, error_ptr, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
+                               NUM_STAGES, LOAD_WARPS, False, MINIBATCH)),
+        ], [LOAD_WARPS], [LOAD_REGS])

@@ -270,6 +270,13 @@ def collect_reported_errors(peer: PeerFlags, report_slot: int) -> None:
 PULL_BYTES_PER_THREAD = 256
 
 
+# A Gluon GEMM's pulling partition (mok.kernels.gluon_comm): two warps in every program (one per
+# SM) at PULL_BYTES_PER_THREAD a step, 2 MB in flight over 132 SMs (as the Triton launches' 32
+# pulling programs of 8 warps), and its registers a thread (no spills at 128).
+GLUON_PULL_WARPS = 2
+GLUON_PULL_REGS = 128
+
+
 def _pull_blocks(width: int, minibatch: int, itemsize: int, num_warps: int) -> tuple[int, int]:
     """(rows, columns) of a pulling program's step: PULL_BYTES_PER_THREAD a thread, at most a
     minibatch of rows and 512 columns."""
@@ -287,7 +294,8 @@ class Pull:
     mok.expert_parallel.ExchangePlan); the GEMM gathers them by route as on one GPU. With weights,
     dst_weights[g] = route g's router weight for those tokens' routes; with second_src (a buffer
     of the same symmetric allocation and row layout as src), the GEMM's second token-row operand
-    likewise."""
+    likewise. in_gluon: a Gluon GEMM pulls in a partition of each of its programs rather than
+    in a launch of its own before it (MoKConfig.fwd_pull_in_gluon)."""
 
     peer: PeerFlags
     src: torch.Tensor
@@ -306,6 +314,7 @@ class Pull:
     num_programs: int
     minibatch: int
     second_src: torch.Tensor | None = None
+    in_gluon: bool = False
 
     def run_apart(self, dst: torch.Tensor, num_programs: int | None = None) -> None:
         """This pull in a launch of its own (pull_tokens) into dst, the A operand, over
@@ -348,6 +357,36 @@ class Pull:
             PULL_K_PAD=_k_pad(pull.topk),
             PULL_ROW_ALIGN=row_align(pull.src.element_size(), pull.src.stride(0)),
             HAS_TIMER=HAS_TIMER)
+
+
+    @staticmethod
+    def gluon_args(pull: Pull | None, fallback: torch.Tensor) -> tuple[tuple, tuple, dict]:
+        """(pointers, scalars, constexprs) of a warp-specialized Gluon GEMM's pull (its pulling
+        partition, mok.kernels.gluon_comm), in the kernels' order; dummies without a pull."""
+        if pull is None:
+            return ((fallback,) * 13, (0,) * 6, dict(
+                PULL=False, PULL_WEIGHTS=False, MINIBATCH=1, PULL_BLOCK_R=1, PULL_BLOCK_W=8,
+                PULL_K_PAD=1, PULL_ROW_ALIGN=1, PULL_WARPS=GLUON_PULL_WARPS,
+                PULL_REGS=GLUON_PULL_REGS))
+        if pull.second_src is not None:
+            raise ValueError("a Gluon GEMM's pull moves one token-row buffer (second_src is set)")
+        peer = pull.peer
+        has_weights = pull.weights is not None
+        block_r, block_w = _pull_blocks(pull.src.shape[1], pull.minibatch,
+                                        pull.src.element_size(), GLUON_PULL_WARPS)
+        pointers = (pull.src, pull.src_deltas,
+                    pull.weights if has_weights else pull.src,
+                    pull.weights_deltas if has_weights else pull.src_deltas,
+                    pull.dst_weights if has_weights else pull.src,
+                    pull.order, pull.position, pull.moving, pull.ready, peer.seq,
+                    peer.flags, peer.flag_deltas, peer.errors)
+        scalars = (pull.phase, pull.publish_slot, pull.tokens_per_rank, peer.world_size,
+                   peer.timeout, pull.src.stride(0))
+        return pointers, scalars, dict(
+            PULL=True, PULL_WEIGHTS=has_weights, MINIBATCH=pull.minibatch,
+            PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w, PULL_K_PAD=_k_pad(pull.topk),
+            PULL_ROW_ALIGN=row_align(pull.src.element_size(), pull.src.stride(0)),
+            PULL_WARPS=GLUON_PULL_WARPS, PULL_REGS=GLUON_PULL_REGS)
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,8 @@ def gate_up_swiglu(
 
     pull: x's rows come from the other ranks, pulled by this launch's first programs; where
     the Gluon kernel takes the launch (GemmTiles.gluon), by a launch of their own just before it
-    over every SM (the Gluon kernel does not pull: it trades the overlap for its speed).
+    over every SM or, with pull.in_gluon, by a partition of each of its programs while the tiles
+    run (mok.kernels.gluon_comm).
     gate_up [C, 2I] (x's dtype): also receives the pre-activations [gate, up] of every row
     (see `gate_up_buffer`), for a backward that reads them instead of recomputing them; with a
     swiglu limit, a value the limit clamps is stored as +-inf.
@@ -169,9 +170,10 @@ def gate_up_swiglu(
     if gate_up is not None:
         _check_gate_up(gate_up, routing, intermediate)
     if tiles.gluon and h.shape[0] > 0 and _gluon_runs(x, w_gate, w_up, tiles):
-        if pull is not None:
+        if pull is not None and not pull.in_gluon:
             pull.run_apart(x, _num_programs(x.device))
-        _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up)
+            pull = None
+        _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up, pull)
         return h
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
@@ -200,6 +202,11 @@ def gate_up_swiglu(
 # gather of a 128 x 64 x tile is eight 16-byte copies a thread at 4 warps).
 _GLUON_LOAD_WARPS = 4
 _GLUON_LOAD_REGS = 40
+# Pulling (expert parallelism), the loader gives two of its warps to the pulling partition
+# (mok.ops.comm.GLUON_PULL_WARPS): the launch's warps stay a multiple of four (the compiler pads
+# them so, and 16 warps would leave 128 registers a thread, too few for the wgmma).
+_GLUON_PULL_LOAD_WARPS = 2
+_GLUON_PULL_LOAD_REGS = 48
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -242,8 +249,9 @@ def _nvmma_layout(box: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
 
 def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    routing: Routing, tiles: GemmTiles, swiglu_limit: float | None,
-                   h: torch.Tensor, gate_up: torch.Tensor | None) -> None:
-    """gate_up_swiglu by the warp-specialized Gluon kernel (mok.kernels.gluon_gate_up)."""
+                   h: torch.Tensor, gate_up: torch.Tensor | None, pull: Pull | None) -> None:
+    """gate_up_swiglu by the warp-specialized Gluon kernel (mok.kernels.gluon_gate_up), which
+    pulls x's rows itself with a pull."""
     experts, intermediate, hidden = w_gate.shape
     dtype = _GLUON_DTYPES[x.dtype]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
@@ -255,14 +263,17 @@ def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         gate_desc = _gluon_descriptor(gate_up[:, :intermediate], [bm, bn], dtype)
         up_desc = _gluon_descriptor(gate_up[:, intermediate:], [bm, bn], dtype)
     limit, has_limit = _limit_args(swiglu_limit)
+    pull_ptrs, pull_scalars, pull_meta = Pull.gluon_args(pull, x)
+    load_warps, load_regs = ((_GLUON_LOAD_WARPS, _GLUON_LOAD_REGS) if pull is None
+                             else (_GLUON_PULL_LOAD_WARPS, _GLUON_PULL_LOAD_REGS))
     gluon_gate_up.gate_up_swiglu_ws_kernel[(_num_programs(x.device),)](
         x, w_gate_desc, w_up_desc, h_desc, gate_desc, up_desc, routing.row_route,
         routing.block_expert, routing.used_rows, intermediate, hidden, routing.topk,
-        x.stride(0), limit,
+        x.stride(0), limit, *pull_ptrs, *pull_scalars,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
-        NUM_STAGES=tiles.num_stages, LOAD_WARPS=_GLUON_LOAD_WARPS, LOAD_REGS=_GLUON_LOAD_REGS,
+        NUM_STAGES=tiles.num_stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs,
         HAS_LIMIT=has_limit, SAVE_GATE_UP=gate_up is not None,
-        A_LAYOUT=_nvmma_layout((bm, bk), dtype), num_warps=bm // 16,
+        A_LAYOUT=_nvmma_layout((bm, bk), dtype), num_warps=bm // 16, **pull_meta,
     )
 
 
