@@ -9,6 +9,9 @@ MOK_VALIDATE       "1" makes every schedule check its device-side error flags at
 MOK_COMMIT         the commit recorded in benchmark rows when the tree has no .git (a copy).
 MOK_TILES_FILE     a JSON file of tuned GEMM tiles to use instead of the committed
                    mok/ops/tuned_tiles.json (written by `python -m benchmarks.tune`).
+MOK_RANKS_SHARE_GPU "1": the processes of an expert-parallel group all run on one GPU (tests on
+                   a machine with one GPU; mok.testing.distributed): their symmetric buffers are
+                   mapped by CUDA IPC, since PyTorch's symmetric memory wants a GPU a rank.
 """
 
 from __future__ import annotations
@@ -29,3 +32,4 @@ INTERPRET: bool = _flag("TRITON_INTERPRET")
 VALIDATE: bool = _flag("MOK_VALIDATE")
 TILES_FILE: str | None = os.environ.get("MOK_TILES_FILE") or None
 COMMIT: str = os.environ.get("MOK_COMMIT", "unknown")
+RANKS_SHARE_GPU: bool = _flag("MOK_RANKS_SHARE_GPU")

@@ -8,10 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mok.testing import assert_close, distributed_test
+from mok.testing import assert_close, distributed_test, rank_device
 from mok.testing.tolerance import Tolerance
-
-from .conftest import DEVICE
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "expert_parallel.py"
 STEPS = 4
@@ -31,7 +29,7 @@ def _example():
 
 def _body(rank, world_size):
     example = _example()
-    device = torch.device("cuda", rank) if DEVICE.type == "cuda" else DEVICE
+    device = rank_device(rank)
     # The parameters' updates are compared, not the parameters: an update off by 2x (say the
     # experts' gradients not divided by the ranks) is far outside the tolerance.
     losses, params = example.train(STEPS, ep_group=dist.group.WORLD, device=device)

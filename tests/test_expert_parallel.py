@@ -25,6 +25,7 @@ from mok.testing import (
     eager_and_captured,
     make_inputs,
     moe_reference_grads,
+    rank_device,
 )
 
 from .conftest import DEVICE, tiles_for_tests, with_row_tiles
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _device(rank: int) -> torch.device:
-    return torch.device("cuda", rank) if DEVICE.type == "cuda" else DEVICE
+    return rank_device(rank)
 
 
 def _rank_inputs(rank, world_size, *, tokens=24, hidden=32, intermediate=16, num_local=2, topk=3,

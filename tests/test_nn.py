@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mok.nn import Backend, MoE, Router, RouterConfig, RouterScoring, moe_experts
-from mok.testing import assert_close, distributed_test, make_inputs, moe_reference
+from mok.testing import assert_close, distributed_test, make_inputs, moe_reference, rank_device
 
 from .conftest import DEVICE
 
@@ -174,7 +174,7 @@ def _ep_module_body(rank, world_size):
     same group (all_to_all with autograd), gradients of every parameter included."""
     import torch.distributed as dist
 
-    device = torch.device("cuda", rank) if DEVICE.type == "cuda" else DEVICE
+    device = rank_device(rank)
     torch.manual_seed(0)  # router and shared expert: the same on every rank
     module = MoE(32, 16, 3 * world_size, 2, 16, device=device, ep_group=dist.group.WORLD,
                  ep_max_tokens=24)

@@ -60,7 +60,9 @@ class SymmetricBuffer:
         self.nbytes = nbytes = max(int(nbytes), _ALIGN_BYTES)
         self._offset = 0
         self._peers: list[torch.Tensor] = []
-        if device.type == "cuda":
+        if device.type == "cuda" and _env.RANKS_SHARE_GPU:
+            self.local, addresses = self._map_ipc(nbytes, device)
+        elif device.type == "cuda":
             from torch.distributed import _symmetric_memory as symm_mem
 
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
@@ -83,6 +85,20 @@ class SymmetricBuffer:
                                            dtype=torch.int64).to(device)
                         for size in (1, 2, 4, 8)}
         dist.barrier(group)
+
+    def _map_ipc(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """Ranks sharing one GPU (MOK_RANKS_SHARE_GPU): each allocates its buffer and every rank
+        opens the others' by CUDA IPC handle, exchanged over the group."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        local = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)
+        handles: list = [None] * self.world_size
+        dist.all_gather_object(handles, reduce_tensor(local), group=self.group)
+        mappings = [local if peer == self.rank else rebuild(*args)
+                    for peer, (rebuild, args) in enumerate(handles)]
+        self._peers = mappings
+        return local, [mapping.data_ptr() for mapping in mappings]
 
     def _map_shared_files(self, nbytes: int) -> tuple[torch.Tensor, list[int]]:
         """CPU: each rank creates a file in shared memory; every rank maps all of them."""

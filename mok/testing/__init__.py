@@ -1,6 +1,6 @@
 """Reference, inputs, tolerances and a multi-process launcher for testing mok."""
 
-from mok.testing.distributed import distributed_test, free_port, run_distributed
+from mok.testing.distributed import distributed_test, free_port, rank_device, run_distributed
 from mok.testing.graphs import eager_and_captured
 from mok.testing.inputs import (
     MoEInputs,
@@ -39,6 +39,7 @@ __all__ = [
     "make_topk",
     "moe_reference",
     "moe_reference_grads",
+    "rank_device",
     "run_distributed",
     "swiglu",
 ]

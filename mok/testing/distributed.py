@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mok import _env
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -27,8 +29,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# MOK_RANKS_SHARE_GPU=1 (mok._env): every rank on the one GPU cuda:0, gloo between the processes
+# (NCCL refuses two ranks on one device). A check of the expert-parallel code on a machine with
+# one GPU: the processes' kernels take turns on it (time slices), so it is slow and times nothing.
+RANKS_SHARE_GPU = _env.RANKS_SHARE_GPU
+
+
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if torch.cuda.is_available() and not RANKS_SHARE_GPU else "gloo"
+
+
+def rank_device(rank: int) -> torch.device:
+    """The device of a rank of a multi-process test: its GPU (cuda:rank, or cuda:0 when the
+    ranks share one), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", 0 if RANKS_SHARE_GPU else rank)
 
 
 def _worker(rank, world_size, port, backend, fn, args, queue, env):
@@ -36,8 +52,8 @@ def _worker(rank, world_size, port, backend, fn, args, queue, env):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
+        if torch.cuda.is_available() and (backend == "nccl" or RANKS_SHARE_GPU):
+            torch.cuda.set_device(rank_device(rank))
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
