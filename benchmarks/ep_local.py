@@ -1,17 +1,22 @@
-"""What pulling its rows costs the gate/up GEMM, on one GPU: a rank pulls its own tokens from its
-own memory (mok.testing.pull), through the same kernels, flags and waits as between ranks.
+"""The expert-parallel launches on one GPU: what pulling rows costs the gate/up GEMM and what
+scattering rows costs down and d_x, a rank's own tokens from and to its own memory
+(mok.testing.pull; a ScatterRows with every delta 0), through the same kernels, flags and waits
+as between ranks.
 
-    python -m benchmarks.pull_local [--shapes qwen3-30b-a3b ...] [--csv PATH]
+    python -m benchmarks.ep_local [--shapes qwen3-30b-a3b ...] [--minibatch N] [--csv PATH]
 
 Per shape, the median ms (CUDA events) of:
-- `gluon`: the Gluon gate/up reading x directly (nothing pulled: the floor);
-- `pull apart + gluon`: the pull in a launch of its own over every SM, then the Gluon kernel;
-- `gluon pulling`: the Gluon kernel pulling in a partition of each program (mok.kernels.gluon_comm);
-- `triton pulling`: the Triton kernel at the table's Triton tiles, its first
-  MoKConfig.fwd_num_comm_sms programs pulling.
-Every call also numbers a new round (a small kernel). Local memory answers faster than a peer over
-NVLink, so the pulls here are faster than between GPUs: this measures what pulling inside the
-launch costs the GEMM, not the link. h of each pulling variant is checked bitwise against `gluon`.
+- gate/up `gluon`: the Gluon kernel reading x directly (nothing pulled: the floor);
+  `pull apart + gluon`: the pull in a launch of its own over every SM, then the Gluon kernel;
+  `gluon pulling`: the Gluon kernel pulling in a partition of each program
+  (MoKConfig.fwd_pull_in_gluon); `triton pulling`: the Triton kernel at the table's Triton
+  tiles, its first MoKConfig.fwd_num_comm_sms programs pulling. Every gate/up call also numbers
+  a new round (a small kernel).
+- down and d_x: `gluon` writing rows in schedule order, `gluon scatter` writing each at its
+  route (what goes to the tokens' ranks), `triton scatter` at the table's Triton tiles.
+Local memory answers and takes writes faster than a peer over NVLink: this measures what the
+pull or scatter costs the GEMM, not the link. Each variant is checked against the Gluon kernel's
+own results first (bitwise where the tiles are the same).
 """
 
 from __future__ import annotations
@@ -26,62 +31,95 @@ import torch
 import mok.functional as F
 from benchmarks.breakdown import median_ms, shape_setup
 from mok import ops
+from mok.ops import comm
 from mok.testing import SHAPES, SHAPES_BY_NAME
 from mok.testing.pull import local_pull
 
 CSV_FIELDS = ("gpu", "commit", "date", "shape", "minibatch", "impl", "ms")
 
 
-def measure(shape, repeats: int, warmup: int, minibatch: int,
-            check: bool = True) -> list[tuple[str, float]]:
+def _check(name, actual, expected, bitwise: bool) -> None:
+    if bitwise:
+        if not torch.equal(actual, expected):
+            raise RuntimeError(f"{name}: differs from the Gluon kernel's")
+    else:  # other tiles: another summation order
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def measure(shape, repeats: int, warmup: int, minibatch: int) -> list[tuple[str, float]]:
     inputs, config, _, schedule = shape_setup(shape, seed=5)
     config = dataclasses.replace(config, minibatch_size=minibatch)
     routing = schedule.routing
-    x, w_gate, w_up = inputs.x, inputs.w_routed_gate, inputs.w_routed_up
-    n, k = w_gate.shape[1], w_gate.shape[2]
-    tiles = schedule.tiles.pick("gate_up", n, k)
-    triton_tiles = schedule.tiles.pick("gate_up", n, k, triton=True)
+    x, w_gate, w_up, w_down = (inputs.x, inputs.w_routed_gate, inputs.w_routed_up,
+                               inputs.w_routed_down)
+    inter, hidden = w_gate.shape[1], w_gate.shape[2]
+    pick = schedule.tiles.pick
     pulled = local_pull(x, routing, inputs.router_weights,
                         minibatch=config.minibatch_size, num_programs=config.fwd_num_comm_sms)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    reference = ops.gate_up_swiglu(x, w_gate, w_up, routing, tiles, None)
     used = int(routing.expert_offsets[-1])
+    routes = x.shape[0] * routing.topk
+    order = routing.route_row.long()  # every route is scheduled: one rank, dropless
+    weights = inputs.router_weights.reshape(-1)
+    h = ops.gate_up_swiglu(x, w_gate, w_up, routing, pick("gate_up", inter, hidden), None)
+    d_gate_up = torch.randn(routing.capacity_rows, 2 * inter, device=x.device, dtype=x.dtype)
+    combine = torch.empty(routes, hidden, device=x.device, dtype=x.dtype)
+    scatter = comm.ScatterRows(combine, torch.zeros(1, dtype=torch.int64, device=x.device),
+                               routing.row_route, routes)
 
-    def direct():
-        pulled.next_round()
-        return ops.gate_up_swiglu(x, w_gate, w_up, routing, tiles, None)
+    def gate_up(rows, tiles, pull=None, apart=False):
+        def run():
+            pulled.next_round()
+            if apart:
+                pulled.pull.run_apart(pulled.rows, sms)
+            return ops.gate_up_swiglu(rows, w_gate, w_up, routing, tiles, None, pull=pull)
+        return run
 
-    def apart():
-        pulled.next_round()
-        pulled.pull.run_apart(pulled.rows, sms)
-        return ops.gate_up_swiglu(pulled.rows, w_gate, w_up, routing, tiles, None)
+    def down(tiles, to=None):
+        return lambda: ops.down_proj(h, w_down, routing, tiles, weights, scatter=to)
 
-    def gluon_pulling():
-        pulled.next_round()
-        return ops.gate_up_swiglu(pulled.rows, w_gate, w_up, routing, tiles, None,
-                                  pull=pulled.pull)
+    def d_x(tiles, to=None):
+        return lambda: ops.d_x_rows(d_gate_up, w_gate, w_up, routing, tiles, scatter=to)
 
-    def triton_pulling():
-        pulled.next_round()
-        return ops.gate_up_swiglu(pulled.rows, w_gate, w_up, routing, triton_tiles, None,
-                                  pull=pulled.pull)
-
-    variants = [("gluon", direct, True), ("pull apart + gluon", apart, True),
-                ("gluon pulling", gluon_pulling, True), ("triton pulling", triton_pulling, False)]
+    gate_up_tiles = pick("gate_up", inter, hidden)
+    down_tiles, d_x_tiles = pick("down", hidden, inter), pick("d_x", hidden, inter)
+    # (name, call, rows of its result to compare, whether bitwise)
+    variants = [
+        ("gate/up gluon", gate_up(x, gate_up_tiles), slice(0, used), True),
+        ("gate/up pull apart + gluon", gate_up(pulled.rows, gate_up_tiles, apart=True),
+         slice(0, used), True),
+        ("gate/up gluon pulling", gate_up(pulled.rows, gate_up_tiles, pulled.pull),
+         slice(0, used), True),
+        ("gate/up triton pulling", gate_up(pulled.rows, pick("gate_up", inter, hidden,
+                                                             triton=True), pulled.pull),
+         slice(0, used), False),
+        ("down gluon", down(down_tiles), slice(0, used), True),
+        ("down gluon scatter", down(down_tiles, scatter), order, True),
+        ("down triton scatter", down(pick("down", hidden, inter, triton=True), scatter), order,
+         False),
+        ("d_x gluon", d_x(d_x_tiles), slice(0, used), True),
+        ("d_x gluon scatter", d_x(d_x_tiles, scatter), order, True),
+        ("d_x triton scatter", d_x(pick("d_x", hidden, inter, triton=True), scatter), order,
+         False),
+    ]
+    expected = {}
     results = []
-    for name, fn, bitwise in variants:
+    for name, fn, rows, bitwise in variants:
         pulled.rows.zero_()
-        h = fn()
+        combine.zero_()
+        out = fn()
         torch.cuda.synchronize()
         if int(pulled.pull.peer.errors.abs().sum()) != 0:
-            raise RuntimeError(f"{shape.name} {name}: error flags set {pulled.pull.peer.errors}")
-        if check and bitwise and not torch.equal(h[:used], reference[:used]):
-            raise RuntimeError(f"{shape.name} {name}: h differs from the Gluon kernel's")
-        if check and not bitwise:  # other tiles: another summation order
-            torch.testing.assert_close(h[:used].float(), reference[:used].float(), rtol=2e-2,
-                                       atol=2e-2)
+            raise RuntimeError(f"{shape.name} {name}: error flags {pulled.pull.peer.errors}")
+        gemm = name.split()[0]
+        if gemm not in expected:  # the first of each GEMM: the Gluon kernel in schedule order
+            expected[gemm] = out[rows].clone()
+        else:
+            got = out if out is combine else out[rows]
+            want = expected[gemm] if out is not combine else expected[gemm][order]
+            _check(f"{shape.name} {name}", got, want, bitwise)
         results.append((name, median_ms(fn, repeats, warmup)))
-        print(f"{shape.name:24s} {name:22s} {results[-1][1]:7.3f} ms", flush=True)
+        print(f"{shape.name:24s} {name:28s} {results[-1][1]:7.3f} ms", flush=True)
     return results
 
 
@@ -91,10 +129,9 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", nargs="*", default=[s.name for s in SHAPES])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--csv", type=Path, default=None, help="append a row per measurement")
     parser.add_argument("--minibatch", type=int, default=F.MoKConfig().minibatch_size,
                         help="tokens per ready flag (MoKConfig.minibatch_size)")
-    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--csv", type=Path, default=None, help="append a row per measurement")
     args = parser.parse_args(argv)
     from benchmarks import append_rows, commit_id
 
@@ -104,7 +141,7 @@ def main(argv=None) -> None:
         rows = [dict(gpu=gpu, commit=commit_id(), date=date, shape=name,
                      minibatch=args.minibatch, impl=impl, ms=f"{ms:.4f}")
                 for impl, ms in measure(SHAPES_BY_NAME[name], args.repeats, args.warmup,
-                                       args.minibatch, not args.no_check)]
+                                        args.minibatch)]
         if args.csv is not None:
             append_rows(args.csv, CSV_FIELDS, rows)
 

@@ -75,7 +75,7 @@ class MoKConfig:
         expert parallelism, it pulls its rows in a partition of two warps in each of its programs
         while its tiles run (mok.kernels.gluon_comm) instead of after a launch of its own that
         pulls them over every SM. Off by default: on one H200, a rank pulling its own tokens from
-        its own memory (benchmarks/pull_local.py), it cost the GEMM more than the separate
+        its own memory (benchmarks/ep_local.py), it cost the GEMM more than the separate
         launch at qwen3-30b-a3b and kimi-ep64-slice (less at olmoe-1b-7b); its tiles wait on
         their rows' minibatches, so pair it with a small minibatch_size (16 to 32).
     """
@@ -580,8 +580,8 @@ def forward(
     pick = schedule.tiles.pick
     hidden = x.shape[1]
     ep = workspace.ep
-    # a launch that scatters its rows runs the Triton kernel: the table's Triton tiles
-    down_tiles = pick("down", hidden, w_routed_down.shape[2], triton=ep is not None)
+    # with expert parallelism the Gluon kernel scatters its rows too (mok.kernels.gluon_rows)
+    down_tiles = pick("down", hidden, w_routed_down.shape[2])
     if ep is None:
         rows = ops.down_proj(context.h, w_routed_down, schedule.routing, down_tiles,
                              router_weights)
@@ -805,8 +805,8 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
         peer, plan, d_output, x, minibatch=config.minibatch_size,
         num_programs=config.bwd_num_comm_sms, defer_x=kept)
     h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
-    # These launches pull or scatter rows: the Triton kernels run them, on the table's Triton
-    # tiles.
+    # The launches that pull rows run the Triton kernels, on the table's Triton tiles: the
+    # dSwiGLU, and d_x where it pulls x (kept pre-activations); else the Gluon d_x scatters.
     d_gate_up, partial = ops.down_bwd_dswiglu(
         dy_group, x_group, w_down, w_gate, w_up, h, routing,
         pick(_down_bwd_kind(context.gate_up), intermediate, hidden, triton=True),
@@ -816,7 +816,7 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     ops.scatter_route_values(by_route.reshape(-1), routing.route_row, ep.d_weights,
                              ep.buffer.deltas(torch.float32), plan.routes_per_rank)
     ops.d_x_rows(d_gate_up, w_gate, w_up, routing,
-                 pick("d_x", hidden, intermediate, triton=True),
+                 pick("d_x", hidden, intermediate, triton=kept),
                  scatter=ep.scatter_rows(plan, dtype), pull=x_pull,
                  pulled=x_group if kept else None)
     ep.pulled(peer, Phase.BACKWARD)  # after every pull of the phase

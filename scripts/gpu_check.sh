@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine, in priority order: tests, training comparison, tile sweep, layer
 # benchmark (with the tiles just measured), host time per launcher, per-stage breakdown, the
-# gate/up's pull on one GPU. Each step has its own time limit and writes under $OUT (default
-# ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_TUNE RUN_BENCH RUN_HOST RUN_BREAKDOWN RUN_PULL (1 runs
-# it); *_TIMEOUT seconds; *_ARGS extra arguments.
+# expert-parallel launches' pulls and scatters on one GPU. Each step has its own time limit and
+# writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_TUNE RUN_BENCH RUN_HOST
+# RUN_BREAKDOWN RUN_EP_LOCAL (1 runs it); *_TIMEOUT seconds; *_ARGS extra arguments.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -50,7 +50,7 @@ if [ "${RUN_BREAKDOWN:-0}" = 1 ]; then
   step breakdown "${BREAKDOWN_TIMEOUT:-150}" breakdown.log python3 -m benchmarks.breakdown \
     ${BREAKDOWN_ARGS:-}
 fi
-if [ "${RUN_PULL:-0}" = 1 ]; then
-  step pull "${PULL_TIMEOUT:-150}" pull.log python3 -m benchmarks.pull_local \
-    --csv "$OUT/pull_local.csv" ${PULL_ARGS:-}
+if [ "${RUN_EP_LOCAL:-0}" = 1 ]; then
+  step ep_local "${EP_LOCAL_TIMEOUT:-200}" ep_local.log python3 -m benchmarks.ep_local \
+    --csv "$OUT/ep_local.csv" ${EP_LOCAL_ARGS:-}
 fi

@@ -334,6 +334,17 @@ def main(argv=None) -> None:
     runs.append(("gate_up EP pull gluon tma 64x128 s5", r(gluon, block_m=64, num_stages=5),
                  lambda tt: ops.gate_up_swiglu(x_group, w_g, w_u, routing, tt, None,
                                                pull=in_gluon)))
+    # The Gluon down and d_x scattering their rows to the tokens' ranks (expert parallelism).
+    scatter = comm.ScatterRows(torch.empty(tokens * k, hid, **bf16), torch.empty(2, **i64),
+                               routing.row_route, tokens * k)
+    runs.append(("down EP scatter gluon tma", wide_gluon, lambda tt: ops.down_proj(
+        h, w_d, routing, tt, rw, scatter=scatter)))
+    runs.append(("down EP scatter gluon tma 128x128", r(wide_gluon, block_n=128, num_stages=4),
+                 lambda tt: ops.down_proj(h, w_d, routing, tt, rw, scatter=scatter)))
+    runs.append(("d_x EP scatter gluon tma", r(wide_gluon, num_stages=2),
+                 lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt, scatter=scatter)))
+    runs.append(("d_x EP scatter gluon tma 128x128", r(wide_gluon, block_n=128, num_stages=3),
+                 lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt, scatter=scatter)))
     if not args.json:
         print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
     rows_out = []

@@ -202,6 +202,42 @@ def test_gluon_gate_up_pulling_its_rows(kept, limit):
 
 
 @pytest.mark.parametrize("wide", [True, False], ids=["128x256", "128x128"])
+def test_gluon_rows_scatter_their_rows(wide):
+    # The Gluon down and d_x writing each row into its token's rank's combine buffer (expert
+    # parallelism; here one rank, every delta 0): each route's row lands at the route (out
+    # starts as NaN), bitwise the row the kernel writes in schedule order. H = 1344 is no
+    # multiple of the tiles.
+    from mok.ops import comm, experts
+
+    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    inputs = make_inputs(6000, 1344, 320, 16, 4, device="cuda", seed=9,
+                         routing=RoutingPattern.SKEWED)
+    tiles = _gluon_rows(dataclasses.replace(ops.default_tiles(torch.device("cuda")),
+                                            use_tuned=False), wide)
+    _, _, schedule, context = run_layer(inputs, tiles=tiles)
+    routing = schedule.routing
+    routes = inputs.x.shape[0] * inputs.topk_experts.shape[1]
+    scheduled = routing.route_row >= 0
+    assert scheduled.all()  # one rank, dropless: every route has its row
+    d_gate_up = torch.randn(routing.capacity_rows, 2 * 320, device="cuda",
+                            dtype=torch.bfloat16)
+    weights = inputs.router_weights.reshape(-1)
+    for name, run in (
+        ("down", lambda scatter: ops.down_proj(context.h, inputs.w_routed_down, routing,
+                                               tiles.down, weights, scatter=scatter)),
+        ("d_x", lambda scatter: ops.d_x_rows(d_gate_up, inputs.w_routed_gate,
+                                             inputs.w_routed_up, routing, tiles.d_x,
+                                             scatter=scatter)),
+    ):
+        rows = run(None)
+        out = torch.full((routes, 1344), float("nan"), device="cuda", dtype=torch.bfloat16)
+        scatter = comm.ScatterRows(out, torch.zeros(1, dtype=torch.int64, device="cuda"),
+                                   routing.row_route, routes)
+        assert run(scatter) is out
+        assert torch.equal(out, rows[routing.route_row.long()]), name
+
+
+@pytest.mark.parametrize("wide", [True, False], ids=["128x256", "128x128"])
 def test_gluon_rows_match_reference_and_are_deterministic(wide, monkeypatch):
     # The warp-specialized Gluon down and d_x kernels inside the layer: against the reference,
     # the Triton kernels' results at the same tiles, and themselves run to run. H = 1344 is no

@@ -12,6 +12,12 @@ comes by TMA:
   mok.kernels.grouped_gemm.d_x_rows_kernel without SCATTER or PULL. Its K loop takes, for each
   k0, the gate product and then the up product, as the Triton kernel does: two ring stages.
 
+SCATTER (expert parallelism): each output row goes to its token's rank instead, row
+g % routes_per_rank of that rank's `out` (its combine buffer), g = dest_route[r] (the group's
+route; -1: padding, not written), as the Triton kernels' SCATTER does: the epilogue slice goes
+through shared memory as for TMA, is read back a row's 16-byte pieces to a thread and stored by
+pointer (TMA boxes cannot scatter rows).
+
 Same rows, tiles and K order as the Triton kernels; GPUs only (mok.ops picks these kernels where
 GemmTiles.gluon asks for them and an sm_90 GPU runs them). The structure is that of
 mok.kernels.gluon_gate_up: one CTA per SM strides over the [BLOCK_M, BLOCK_N] output tiles of
@@ -46,6 +52,44 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mok.kernels.gluon_gate_up import _put, _tile_corner, _tile_grid
+
+
+@gluon.jit
+def _scatter_rows(value, r0, c0, c_smem, dest_route_ptr, out_ptr, out_delta_ptr,
+                  routes_per_rank, stride_out, N, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
+                  ROW_ALIGN: gl.constexpr):
+    """value [BLOCK_M, WIDTH] (columns c0 ..) -> row g % routes_per_rank of `out` on rank
+    g // routes_per_rank, g = dest_route[r0 + row] (>= 0), through c_smem."""
+    num_warps: gl.constexpr = gl.num_warps()
+    TPW_N: gl.constexpr = 32 if WIDTH // 8 >= 32 else WIDTH // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
+    gl.thread_barrier()  # every warp has read the previous slice
+    c_smem.store(value.to(c_smem.dtype))
+    gl.thread_barrier()
+    tile = c_smem.load(layout)
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = c0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    route = gl.load(dest_route_ptr + r0 + rows)
+    valid = route >= 0
+    dst_rank = gl.where(valid, route // routes_per_rank, 0)
+    delta = gl.load(out_delta_ptr + dst_rank, mask=valid, other=0)
+    offsets = gl.multiple_of(delta + (route % routes_per_rank).to(gl.int64) * stride_out,
+                             ROW_ALIGN)
+    mask = valid[:, None] & (cols < N)[None, :]
+    gl.store(out_ptr + offsets[:, None] + cols[None, :], tile, mask=mask)
+
+
+@gluon.jit
+def _out_slice(out_desc, value, r0, c0, c_smem, dest_route_ptr, out_ptr, out_delta_ptr,
+               routes_per_rank, stride_out, N, BLOCK_M: gl.constexpr, WIDTH: gl.constexpr,
+               SCATTER: gl.constexpr, ROW_ALIGN: gl.constexpr):
+    """An epilogue slice [BLOCK_M, WIDTH] at (r0, c0): by TMA, or with SCATTER to its rows'
+    ranks (_scatter_rows)."""
+    if SCATTER:
+        _scatter_rows(value, r0, c0, c_smem, dest_route_ptr, out_ptr, out_delta_ptr,
+                      routes_per_rank, stride_out, N, BLOCK_M, WIDTH, ROW_ALIGN)
+    else:
+        _put(out_desc, value, r0, c0, c_smem)  # waited on only before c_smem's next use
 
 
 @gluon.jit
@@ -94,11 +138,13 @@ def _load_partition(a_desc, b_desc, b2_desc, block_expert_ptr, used_rows_ptr, a_
 
 @gluon.jit
 def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, router_weights_ptr,
-                   row_route_ptr, used_rows_ptr, N, K,
+                   row_route_ptr, used_rows_ptr, N, K, out_ptr, out_delta_ptr, routes_per_rank,
+                   stride_out,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
-                   HAS_WEIGHT: gl.constexpr, D_X: gl.constexpr):
-    """wgmma over the ring, then the epilogue and the TMA stores."""
+                   HAS_WEIGHT: gl.constexpr, D_X: gl.constexpr, SCATTER: gl.constexpr,
+                   ROW_ALIGN: gl.constexpr):
+    """wgmma over the ring, then the epilogue and the TMA stores (or SCATTER's)."""
     num_warps: gl.constexpr = gl.num_warps()
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -139,21 +185,27 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, rou
         if HAS_WEIGHT:
             acc = acc * weight[:, None]
         if EPI_SPLIT == 1:
-            _put(out_desc, acc, r0, c0, c_smem)  # waited on only before c_smem's next use
+            _out_slice(out_desc, acc, r0, c0, c_smem, row_route_ptr, out_ptr, out_delta_ptr,
+                       routes_per_rank, stride_out, N, BLOCK_M, BLOCK_N, SCATTER, ROW_ALIGN)
         else:
             first, second = acc.reshape([BLOCK_M, 2, HALF]).permute((0, 2, 1)).split()
-            _put(out_desc, gl.convert_layout(first, half_layout), r0, c0, c_smem)
-            _put(out_desc, gl.convert_layout(second, half_layout), r0, c0 + HALF, c_smem)
+            _out_slice(out_desc, gl.convert_layout(first, half_layout), r0, c0, c_smem,
+                       row_route_ptr, out_ptr, out_delta_ptr, routes_per_rank, stride_out, N,
+                       BLOCK_M, HALF, SCATTER, ROW_ALIGN)
+            _out_slice(out_desc, gl.convert_layout(second, half_layout), r0, c0 + HALF, c_smem,
+                       row_route_ptr, out_ptr, out_delta_ptr, routes_per_rank, stride_out, N,
+                       BLOCK_M, HALF, SCATTER, ROW_ALIGN)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _rows_gemm(a_desc, b_desc, b2_desc, out_desc, router_weights_ptr, row_route_ptr,
-               block_expert_ptr, used_rows_ptr, N, K,
+               block_expert_ptr, used_rows_ptr, N, K, out_ptr, out_delta_ptr, routes_per_rank,
+               stride_out,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
                EPI_SPLIT: gl.constexpr, LOAD_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
-               D_X: gl.constexpr):
+               D_X: gl.constexpr, SCATTER: gl.constexpr, ROW_ALIGN: gl.constexpr):
     """The ring, the epilogue buffer and the barriers; then the two partitions."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -170,8 +222,10 @@ def _rows_gemm(a_desc, b_desc, b2_desc, out_desc, router_weights_ptr, row_route_
 
     gl.warp_specialize([
         (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
-                          router_weights_ptr, row_route_ptr, used_rows_ptr, N, K, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, EPI_SPLIT, HAS_WEIGHT, D_X)),
+                          router_weights_ptr, row_route_ptr, used_rows_ptr, N, K, out_ptr,
+                          out_delta_ptr, routes_per_rank, stride_out, BLOCK_M, BLOCK_N, BLOCK_K,
+                          GROUP_M, NUM_STAGES, EPI_SPLIT, HAS_WEIGHT, D_X, SCATTER,
+                          ROW_ALIGN)),
         (_load_partition, (a_desc, b_desc, b2_desc, block_expert_ptr, used_rows_ptr, a_bufs,
                            b_bufs, ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
                            GROUP_M, ALIGN, NUM_STAGES, D_X)),
@@ -181,31 +235,39 @@ def _rows_gemm(a_desc, b_desc, b2_desc, out_desc, router_weights_ptr, row_route_
 @gluon.jit
 def down_proj_ws_kernel(
     h_desc, w_desc, out_desc, router_weights_ptr, row_route_ptr, block_expert_ptr,
-    used_rows_ptr, N, K,
+    used_rows_ptr, N, K, out_ptr, out_delta_ptr, routes_per_rank, stride_out,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
-    LOAD_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
+    LOAD_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr, SCATTER: gl.constexpr,
+    ROW_ALIGN: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = BLOCK_M // 16. Descriptors: h [R, K]
     with [BLOCK_M, BLOCK_K] boxes, w_down viewed [E * N, K] with [BLOCK_N, BLOCK_K] boxes (TMA
-    zero-fills both past K), out [R, N] with [BLOCK_M, BLOCK_N // EPI_SPLIT] boxes.
-    router_weights_ptr: fp32 [T * topk] by route (unused without HAS_WEIGHT)."""
+    zero-fills both past K), out [R, N] with [BLOCK_M, BLOCK_N // EPI_SPLIT] boxes (with
+    SCATTER a descriptor of the same box over the local `out`, for the epilogue buffer's shape).
+    router_weights_ptr: fp32 [T * topk] by route (unused without HAS_WEIGHT). SCATTER: out_ptr
+    (row stride stride_out), out_delta_ptr, routes_per_rank as the Triton kernels' (the
+    destination routes are row_route's)."""
     _rows_gemm(h_desc, w_desc, w_desc, out_desc, router_weights_ptr, row_route_ptr,
-               block_expert_ptr, used_rows_ptr, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
-               NUM_STAGES, EPI_SPLIT, LOAD_REGS, HAS_WEIGHT, False)
+               block_expert_ptr, used_rows_ptr, N, K, out_ptr, out_delta_ptr, routes_per_rank,
+               stride_out, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES, EPI_SPLIT,
+               LOAD_REGS, HAS_WEIGHT, False, SCATTER, ROW_ALIGN)
 
 
 @gluon.jit
 def d_x_rows_ws_kernel(
     d_gate_up_desc, w_gate_desc, w_up_desc, out_desc, block_expert_ptr, used_rows_ptr, N, K,
+    row_route_ptr, out_ptr, out_delta_ptr, routes_per_rank, stride_out,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
-    LOAD_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr, SCATTER: gl.constexpr, ROW_ALIGN: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = BLOCK_M // 16. Descriptors: d_gate_up
     [R, 2K] with [BLOCK_M, BLOCK_K] boxes, w_gate and w_up viewed [E * K, N] with [BLOCK_K,
     BLOCK_N] boxes (BLOCK_K divides K), out [R, N] with [BLOCK_M, BLOCK_N // EPI_SPLIT] boxes.
-    NUM_STAGES counts ring stages of one product each (a K step takes two)."""
+    NUM_STAGES counts ring stages of one product each (a K step takes two). SCATTER: as
+    down_proj_ws_kernel's, the destination routes row_route's."""
     _rows_gemm(d_gate_up_desc, w_gate_desc, w_up_desc, out_desc, block_expert_ptr,
-               block_expert_ptr, block_expert_ptr, used_rows_ptr, N, K, BLOCK_M, BLOCK_N,
-               BLOCK_K, GROUP_M, ALIGN, NUM_STAGES, EPI_SPLIT, LOAD_REGS, False, True)
+               row_route_ptr, block_expert_ptr, used_rows_ptr, N, K, out_ptr, out_delta_ptr,
+               routes_per_rank, stride_out, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
+               NUM_STAGES, EPI_SPLIT, LOAD_REGS, False, True, SCATTER, ROW_ALIGN)

@@ -301,30 +301,44 @@ def _gluon_rows_runs(rows: torch.Tensor, weights: tuple[torch.Tensor, ...],
     return _gluon_operands(rows, *weights) and all((w * size) % 16 == 0 for w in widths)
 
 
+def _gluon_scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> tuple[tuple, dict]:
+    """(pointers and scalars, constexprs) of a Gluon row GEMM's SCATTER (mok.kernels.gluon_rows)
+    into `out` (scatter.out)."""
+    if scatter is None:
+        return (out, out, 1, 0), dict(SCATTER=False, ROW_ALIGN=1)
+    return ((out, scatter.deltas, scatter.routes_per_rank, out.stride(0)),
+            dict(SCATTER=True, ROW_ALIGN=comm.row_align(out.element_size(), out.stride(0))))
+
+
 def _down_gluon(h: torch.Tensor, w_down: torch.Tensor, routing: Routing, tiles: GemmTiles,
-                router_weights: torch.Tensor | None, out: torch.Tensor) -> None:
-    """down_proj by the warp-specialized Gluon kernel (mok.kernels.gluon_rows)."""
+                router_weights: torch.Tensor | None, out: torch.Tensor,
+                scatter: ScatterRows | None) -> None:
+    """down_proj by the warp-specialized Gluon kernel (mok.kernels.gluon_rows); with scatter,
+    out is scatter.out."""
     experts, hidden, intermediate = w_down.shape
     dtype = _GLUON_DTYPES[h.dtype]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     split = _gluon_rows_split(tiles, tiles.num_stages, h.element_size())
+    scatter_args, scatter_meta = _gluon_scatter_args(scatter, out)
     gluon_rows.down_proj_ws_kernel[(_num_programs(h.device),)](
         _gluon_descriptor(h, [bm, bk], dtype),
         _gluon_descriptor(w_down.view(experts * hidden, intermediate), [bn, bk], dtype),
         _gluon_descriptor(out, [bm, bn // split], dtype),
         router_weights if router_weights is not None else h, routing.row_route,
-        routing.block_expert, routing.used_rows, hidden, intermediate,
+        routing.block_expert, routing.used_rows, hidden, intermediate, *scatter_args,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=tiles.num_stages, EPI_SPLIT=split, LOAD_REGS=_GLUON_ROWS_LOAD_REGS,
-        HAS_WEIGHT=router_weights is not None, num_warps=bm // 16,
+        HAS_WEIGHT=router_weights is not None, num_warps=bm // 16, **scatter_meta,
     )
 
 
 def _d_x_gluon(d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-               routing: Routing, tiles: GemmTiles, out: torch.Tensor) -> None:
-    """d_x_rows by the warp-specialized Gluon kernel (mok.kernels.gluon_rows). Each of the
-    tile's num_stages holds a K step's gate and up tiles, as in the Triton kernel (so a tile
-    fits both kernels' shared memory alike): two stages of the Gluon kernel's ring."""
+               routing: Routing, tiles: GemmTiles, out: torch.Tensor,
+               scatter: ScatterRows | None) -> None:
+    """d_x_rows by the warp-specialized Gluon kernel (mok.kernels.gluon_rows); with scatter,
+    out is scatter.out. Each of the tile's num_stages holds a K step's gate and up tiles, as in
+    the Triton kernel (so a tile fits both kernels' shared memory alike): two stages of the
+    Gluon kernel's ring."""
     experts, intermediate, hidden = w_gate.shape
     dtype = _GLUON_DTYPES[d_gate_up.dtype]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
@@ -334,13 +348,14 @@ def _d_x_gluon(d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     def weights(w: torch.Tensor) -> GluonDescriptor:
         return _gluon_descriptor(w.view(experts * intermediate, hidden), [bk, bn], dtype)
 
+    scatter_args, scatter_meta = _gluon_scatter_args(scatter, out)
     gluon_rows.d_x_rows_ws_kernel[(_num_programs(out.device),)](
         _gluon_descriptor(d_gate_up, [bm, bk], dtype), weights(w_gate), weights(w_up),
         _gluon_descriptor(out, [bm, bn // split], dtype), routing.block_expert,
-        routing.used_rows, hidden, intermediate,
+        routing.used_rows, hidden, intermediate, routing.row_route, *scatter_args,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=stages, EPI_SPLIT=split, LOAD_REGS=_GLUON_ROWS_LOAD_REGS,
-        num_warps=bm // 16,
+        num_warps=bm // 16, **scatter_meta,
     )
 
 
@@ -374,9 +389,9 @@ def down_proj(
         out = torch.empty(routing.capacity_rows, hidden, dtype=h.dtype, device=h.device)
     else:
         out = scatter.out
-    if (tiles.gluon and scatter is None and out.shape[0] > 0
+    if (tiles.gluon and routing.capacity_rows > 0
             and _gluon_rows_runs(h, (w_down,), (hidden, intermediate))):
-        _down_gluon(h, w_down, routing, tiles, router_weights, out)
+        _down_gluon(h, w_down, routing, tiles, router_weights, out, scatter)
         return out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
@@ -616,10 +631,10 @@ def d_x_rows(
                           device=d_gate_up.device)
     else:
         out = scatter.out
-    if (tiles.gluon and scatter is None and pull is None and out.shape[0] > 0
+    if (tiles.gluon and pull is None and routing.capacity_rows > 0
             and intermediate % tiles.block_k == 0
             and _gluon_rows_runs(d_gate_up, (w_gate, w_up), (hidden,))):
-        _d_x_gluon(d_gate_up, w_gate, w_up, routing, tiles, out)
+        _d_x_gluon(d_gate_up, w_gate, w_up, routing, tiles, out, scatter)
         return out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
