@@ -13,7 +13,9 @@ Per shape, the median ms (CUDA events) of:
   tiles, its first MoKConfig.fwd_num_comm_sms programs pulling. Every gate/up call also numbers
   a new round (a small kernel).
 - down and d_x: `gluon` writing rows in schedule order, `gluon scatter` writing each at its
-  route (what goes to the tokens' ranks), `triton scatter` at the table's Triton tiles.
+  route (what goes to the tokens' ranks), `triton scatter` at the table's Triton tiles; d_x
+  also `pulling x` (kept pre-activations: x's rows for the weight gradients, pulled by a
+  partition of each program, or the Triton launch's first programs).
 Local memory answers and takes writes faster than a peer over NVLink: this measures what the
 pull or scatter costs the GEMM, not the link. Each variant is checked against the Gluon kernel's
 own results first (bitwise where the tiles are the same).
@@ -46,7 +48,8 @@ def _check(name, actual, expected, bitwise: bool) -> None:
         torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
-def measure(shape, repeats: int, warmup: int, minibatch: int) -> list[tuple[str, float]]:
+def measure(shape, repeats: int, warmup: int, minibatch: int,
+            only: str = "") -> list[tuple[str, float]]:
     inputs, config, _, schedule = shape_setup(shape, seed=5)
     config = dataclasses.replace(config, minibatch_size=minibatch)
     routing = schedule.routing
@@ -78,8 +81,18 @@ def measure(shape, repeats: int, warmup: int, minibatch: int) -> list[tuple[str,
     def down(tiles, to=None):
         return lambda: ops.down_proj(h, w_down, routing, tiles, weights, scatter=to)
 
-    def d_x(tiles, to=None):
-        return lambda: ops.d_x_rows(d_gate_up, w_gate, w_up, routing, tiles, scatter=to)
+    x_pull = local_pull(x, routing, minibatch=config.minibatch_size,
+                        num_programs=config.bwd_num_comm_sms)
+
+    def d_x(tiles, to=None, pull_x=False):
+        if not pull_x:
+            return lambda: ops.d_x_rows(d_gate_up, w_gate, w_up, routing, tiles, scatter=to)
+
+        def run():
+            x_pull.next_round()
+            return ops.d_x_rows(d_gate_up, w_gate, w_up, routing, tiles, scatter=to,
+                                pull=x_pull.pull, pulled=x_pull.rows)
+        return run
 
     gate_up_tiles = pick("gate_up", inter, hidden)
     down_tiles, d_x_tiles = pick("down", hidden, inter), pick("d_x", hidden, inter)
@@ -101,16 +114,25 @@ def measure(shape, repeats: int, warmup: int, minibatch: int) -> list[tuple[str,
         ("d_x gluon scatter", d_x(d_x_tiles, scatter), order, True),
         ("d_x triton scatter", d_x(pick("d_x", hidden, inter, triton=True), scatter), order,
          False),
+        ("d_x gluon scatter pulling x", d_x(d_x_tiles, scatter, True), order, True),
+        ("d_x triton scatter pulling x", d_x(pick("d_x", hidden, inter, triton=True), scatter,
+                                             True), order, False),
     ]
     expected = {}
     results = []
     for name, fn, rows, bitwise in variants:
+        if only not in name and name.split()[1:] != ["gluon"]:  # each GEMM's first is kept
+            continue
         pulled.rows.zero_()
+        x_pull.rows.zero_()
         combine.zero_()
         out = fn()
         torch.cuda.synchronize()
-        if int(pulled.pull.peer.errors.abs().sum()) != 0:
-            raise RuntimeError(f"{shape.name} {name}: error flags {pulled.pull.peer.errors}")
+        for flags in (pulled.pull.peer.errors, x_pull.pull.peer.errors):
+            if int(flags.abs().sum()) != 0:
+                raise RuntimeError(f"{shape.name} {name}: error flags {flags}")
+        if "pulling x" in name and not torch.equal(x_pull.rows, x):
+            raise RuntimeError(f"{shape.name} {name}: x's rows did not land")
         gemm = name.split()[0]
         if gemm not in expected:  # the first of each GEMM: the Gluon kernel in schedule order
             expected[gemm] = out[rows].clone()
@@ -132,6 +154,8 @@ def main(argv=None) -> None:
     parser.add_argument("--minibatch", type=int, default=F.MoKConfig().minibatch_size,
                         help="tokens per ready flag (MoKConfig.minibatch_size)")
     parser.add_argument("--csv", type=Path, default=None, help="append a row per measurement")
+    parser.add_argument("--only", default="", help="the variants whose name has this (and each "
+                        "GEMM's Gluon kernel, the one the others are checked against)")
     args = parser.parse_args(argv)
     from benchmarks import append_rows, commit_id
 
@@ -141,7 +165,7 @@ def main(argv=None) -> None:
         rows = [dict(gpu=gpu, commit=commit_id(), date=date, shape=name,
                      minibatch=args.minibatch, impl=impl, ms=f"{ms:.4f}")
                 for impl, ms in measure(SHAPES_BY_NAME[name], args.repeats, args.warmup,
-                                        args.minibatch)]
+                                        args.minibatch, args.only)]
         if args.csv is not None:
             append_rows(args.csv, CSV_FIELDS, rows)
 

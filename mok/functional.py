@@ -805,8 +805,9 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
         peer, plan, d_output, x, minibatch=config.minibatch_size,
         num_programs=config.bwd_num_comm_sms, defer_x=kept)
     h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
-    # The launches that pull rows run the Triton kernels, on the table's Triton tiles: the
-    # dSwiGLU, and d_x where it pulls x (kept pre-activations); else the Gluon d_x scatters.
+    # The dSwiGLU pulls rows its tiles wait on: the Triton kernel runs it, on the table's
+    # Triton tiles. d_x scatters its rows (and with kept pre-activations pulls x for the weight
+    # gradients, no tile waiting on it): the Gluon kernel where the table says so.
     d_gate_up, partial = ops.down_bwd_dswiglu(
         dy_group, x_group, w_down, w_gate, w_up, h, routing,
         pick(_down_bwd_kind(context.gate_up), intermediate, hidden, triton=True),
@@ -816,7 +817,7 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     ops.scatter_route_values(by_route.reshape(-1), routing.route_row, ep.d_weights,
                              ep.buffer.deltas(torch.float32), plan.routes_per_rank)
     ops.d_x_rows(d_gate_up, w_gate, w_up, routing,
-                 pick("d_x", hidden, intermediate, triton=kept),
+                 pick("d_x", hidden, intermediate),
                  scatter=ep.scatter_rows(plan, dtype), pull=x_pull,
                  pulled=x_group if kept else None)
     ep.pulled(peer, Phase.BACKWARD)  # after every pull of the phase

@@ -345,6 +345,13 @@ def main(argv=None) -> None:
                  lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt, scatter=scatter)))
     runs.append(("d_x EP scatter gluon tma 128x128", r(wide_gluon, block_n=128, num_stages=3),
                  lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt, scatter=scatter)))
+    runs.append(("d_x EP scatter pull x gluon tma", r(wide_gluon, num_stages=2),
+                 lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt, scatter=scatter,
+                                         pull=pull(False, weights=False), pulled=x_group)))
+    runs.append(("d_x EP scatter pull x gluon tma 128x128", r(wide_gluon, block_n=128,
+                                                               num_stages=3),
+                 lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt, scatter=scatter,
+                                         pull=pull(False, weights=False), pulled=x_group)))
     if not args.json:
         print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
     rows_out = []

@@ -530,6 +530,19 @@ def test_ep_gluon_no_host_sync_and_cuda_graph(rank, world_size):
 
 @pytest.mark.gpu
 @distributed_test(world_sizes=(2,))
+def test_ep_gluon_kept_no_host_sync_and_cuda_graph(rank, world_size):
+    # The same with kept pre-activations: the Gluon d_x scatters its rows and pulls x for the
+    # weight gradients in a partition of each program.
+    gluon = ops.GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True,
+                          tma=True, tma_rows=True, gluon=True)
+    tiles = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False,
+                                gate_up=gluon, down=gluon,
+                                d_x=dataclasses.replace(gluon, num_stages=3))
+    _graph_body(rank, world_size, tiles=tiles, config=F.MoKConfig(recompute_gate_up=False))
+
+
+@pytest.mark.gpu
+@distributed_test(world_sizes=(2,))
 def test_ep_gluon_pulling_no_host_sync_and_cuda_graph(rank, world_size):
     # The same with MoKConfig.fwd_pull_in_gluon: the Gluon gate/up pulls its rows in a
     # partition of each program (mok.kernels.gluon_comm) while its tiles wait on them.

@@ -208,6 +208,7 @@ def test_gluon_rows_scatter_their_rows(wide):
     # starts as NaN), bitwise the row the kernel writes in schedule order. H = 1344 is no
     # multiple of the tiles.
     from mok.ops import comm, experts
+    from mok.testing.pull import local_pull
 
     assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
     inputs = make_inputs(6000, 1344, 320, 16, 4, device="cuda", seed=9,
@@ -235,6 +236,16 @@ def test_gluon_rows_scatter_their_rows(wide):
                                    routing.row_route, routes)
         assert run(scatter) is out
         assert torch.equal(out, rows[routing.route_row.long()]), name
+    # d_x also pulling token rows for a later kernel (x for the weight gradients, with kept
+    # pre-activations) in a partition of its own: they land whole, d_x's rows unchanged.
+    pulled = local_pull(inputs.x, routing)
+    out.fill_(float("nan"))
+    ops.d_x_rows(d_gate_up, inputs.w_routed_gate, inputs.w_routed_up, routing, tiles.d_x,
+                 scatter=scatter, pull=pulled.pull, pulled=pulled.rows)
+    torch.cuda.synchronize()
+    assert int(pulled.pull.peer.errors.abs().sum()) == 0
+    assert torch.equal(pulled.rows, inputs.x)
+    assert torch.equal(out, rows[routing.route_row.long()])
 
 
 @pytest.mark.parametrize("wide", [True, False], ids=["128x256", "128x128"])

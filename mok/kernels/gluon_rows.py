@@ -18,6 +18,10 @@ route; -1: padding, not written), as the Triton kernels' SCATTER does: the epilo
 through shared memory as for TMA, is read back a row's 16-byte pieces to a thread and stored by
 pointer (TMA boxes cannot scatter rows).
 
+PULL (d_x, expert parallelism with kept pre-activations): a third partition of PULL_WARPS warps
+in every program pulls token rows from their ranks for a later kernel (the weight gradients'
+x), mok.kernels.gluon_comm.pull_partition; no tile here waits on them.
+
 Same rows, tiles and K order as the Triton kernels; GPUs only (mok.ops picks these kernels where
 GemmTiles.gluon asks for them and an sm_90 GPU runs them). The structure is that of
 mok.kernels.gluon_gate_up: one CTA per SM strides over the [BLOCK_M, BLOCK_N] output tiles of
@@ -51,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mok.kernels.gluon_comm import pull_partition
 from mok.kernels.gluon_gate_up import _put, _tile_corner, _tile_grid
 
 
@@ -205,7 +210,15 @@ def _rows_gemm(a_desc, b_desc, b2_desc, out_desc, router_weights_ptr, row_route_
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
                EPI_SPLIT: gl.constexpr, LOAD_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
-               D_X: gl.constexpr, SCATTER: gl.constexpr, ROW_ALIGN: gl.constexpr):
+               D_X: gl.constexpr, SCATTER: gl.constexpr, ROW_ALIGN: gl.constexpr,
+               pull_src_ptr=None, pull_src_delta_ptr=None, pulled_ptr=None, stride_pulled=0,
+               pull_order_ptr=None, pull_moving_ptr=None, ready_ptr=None, seq_ptr=None,
+               flags_ptr=None, flag_delta_ptr=None, error_ptr=None, phase=0, publish_slot=0,
+               tokens_per_rank=0, world_size=0, timeout=0, stride_pull_src=0, pull_width=0,
+               PULL: gl.constexpr = False, MINIBATCH: gl.constexpr = 1,
+               PULL_BLOCK_R: gl.constexpr = 1, PULL_BLOCK_W: gl.constexpr = 8,
+               PULL_ROW_ALIGN: gl.constexpr = 1, PULL_WARPS: gl.constexpr = 1,
+               PULL_REGS: gl.constexpr = 24):
     """The ring, the epilogue buffer and the barriers; then the two partitions."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -220,16 +233,37 @@ def _rows_gemm(a_desc, b_desc, b2_desc, out_desc, router_weights_ptr, row_route_
         mbarrier.init(ready_bars.index(s), count=1)
         mbarrier.init(empty_bars.index(s), count=1)
 
-    gl.warp_specialize([
-        (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
-                          router_weights_ptr, row_route_ptr, used_rows_ptr, N, K, out_ptr,
-                          out_delta_ptr, routes_per_rank, stride_out, BLOCK_M, BLOCK_N, BLOCK_K,
-                          GROUP_M, NUM_STAGES, EPI_SPLIT, HAS_WEIGHT, D_X, SCATTER,
-                          ROW_ALIGN)),
-        (_load_partition, (a_desc, b_desc, b2_desc, block_expert_ptr, used_rows_ptr, a_bufs,
-                           b_bufs, ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
-                           GROUP_M, ALIGN, NUM_STAGES, D_X)),
-    ], [1], [LOAD_REGS])
+    # The partitions' argument tuples are written out in each call: a tuple held in a variable
+    # loses its constexprs.
+    if PULL:
+        gl.warp_specialize([
+            (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
+                              router_weights_ptr, row_route_ptr, used_rows_ptr, N, K, out_ptr,
+                              out_delta_ptr, routes_per_rank, stride_out, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M, NUM_STAGES, EPI_SPLIT, HAS_WEIGHT, D_X, SCATTER,
+                              ROW_ALIGN)),
+            (_load_partition, (a_desc, b_desc, b2_desc, block_expert_ptr, used_rows_ptr, a_bufs,
+                               b_bufs, ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                               GROUP_M, ALIGN, NUM_STAGES, D_X)),
+            (pull_partition, (pull_src_ptr, pull_src_delta_ptr, pull_src_ptr,
+                              pull_src_delta_ptr, pulled_ptr, pulled_ptr, pull_order_ptr,
+                              pull_moving_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr,
+                              error_ptr, phase, publish_slot, tokens_per_rank, 1, pull_width,
+                              world_size, timeout, stride_pull_src, stride_pulled, False,
+                              MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W, 1, PULL_ROW_ALIGN,
+                              PULL_WARPS)),
+        ], [1, PULL_WARPS], [LOAD_REGS, PULL_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
+                              router_weights_ptr, row_route_ptr, used_rows_ptr, N, K, out_ptr,
+                              out_delta_ptr, routes_per_rank, stride_out, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M, NUM_STAGES, EPI_SPLIT, HAS_WEIGHT, D_X, SCATTER,
+                              ROW_ALIGN)),
+            (_load_partition, (a_desc, b_desc, b2_desc, block_expert_ptr, used_rows_ptr, a_bufs,
+                               b_bufs, ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                               GROUP_M, ALIGN, NUM_STAGES, D_X)),
+        ], [1], [LOAD_REGS])
 
 
 @gluon.jit
@@ -258,16 +292,29 @@ def down_proj_ws_kernel(
 def d_x_rows_ws_kernel(
     d_gate_up_desc, w_gate_desc, w_up_desc, out_desc, block_expert_ptr, used_rows_ptr, N, K,
     row_route_ptr, out_ptr, out_delta_ptr, routes_per_rank, stride_out,
+    pull_src_ptr, pull_src_delta_ptr, pulled_ptr, stride_pulled, pull_order_ptr,
+    pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr, phase,
+    publish_slot, tokens_per_rank, world_size, timeout, stride_pull_src, pull_width,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
     LOAD_REGS: gl.constexpr, SCATTER: gl.constexpr, ROW_ALIGN: gl.constexpr,
+    PULL: gl.constexpr, MINIBATCH: gl.constexpr, PULL_BLOCK_R: gl.constexpr,
+    PULL_BLOCK_W: gl.constexpr, PULL_ROW_ALIGN: gl.constexpr, PULL_WARPS: gl.constexpr,
+    PULL_REGS: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = BLOCK_M // 16. Descriptors: d_gate_up
     [R, 2K] with [BLOCK_M, BLOCK_K] boxes, w_gate and w_up viewed [E * K, N] with [BLOCK_K,
     BLOCK_N] boxes (BLOCK_K divides K), out [R, N] with [BLOCK_M, BLOCK_N // EPI_SPLIT] boxes.
     NUM_STAGES counts ring stages of one product each (a K step takes two). SCATTER: as
-    down_proj_ws_kernel's, the destination routes row_route's."""
+    down_proj_ws_kernel's, the destination routes row_route's. PULL: the pull_* arguments as
+    the Triton kernels' pull (mok.ops.comm.Pull, no router weights), rows of pull_width
+    elements into pulled_ptr."""
     _rows_gemm(d_gate_up_desc, w_gate_desc, w_up_desc, out_desc, block_expert_ptr,
                row_route_ptr, block_expert_ptr, used_rows_ptr, N, K, out_ptr, out_delta_ptr,
                routes_per_rank, stride_out, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
-               NUM_STAGES, EPI_SPLIT, LOAD_REGS, False, True, SCATTER, ROW_ALIGN)
+               NUM_STAGES, EPI_SPLIT, LOAD_REGS, False, True, SCATTER, ROW_ALIGN,
+               pull_src_ptr, pull_src_delta_ptr, pulled_ptr, stride_pulled, pull_order_ptr,
+               pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr, phase,
+               publish_slot, tokens_per_rank, world_size, timeout, stride_pull_src, pull_width,
+               PULL, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W, PULL_ROW_ALIGN, PULL_WARPS,
+               PULL_REGS)

@@ -213,7 +213,7 @@ def pull_tokens(
     here, by first schedule row); ready[minibatch] is set as minibatches of them land."""
     width = src.shape[1]
     num_warps = 8 if HAS_TIMER else 1
-    block_r, block_w = _pull_blocks(width, minibatch, src.element_size(), num_warps)
+    block_r, block_w = pull_blocks(width, minibatch, src.element_size(), num_warps)
     has_weights = weights is not None
     kernels.pull_tokens_kernel[(num_programs,)](
         src, src_deltas, weights if has_weights else src,
@@ -293,7 +293,7 @@ GLUON_PULL_WARPS = 2
 GLUON_PULL_REGS = 128
 
 
-def _pull_blocks(width: int, minibatch: int, itemsize: int, num_warps: int) -> tuple[int, int]:
+def pull_blocks(width: int, minibatch: int, itemsize: int, num_warps: int) -> tuple[int, int]:
     """(rows, columns) of a pulling program's step: PULL_BYTES_PER_THREAD a thread, at most a
     minibatch of rows and 512 columns."""
     elements = PULL_BYTES_PER_THREAD * 32 * max(1, num_warps) // itemsize
@@ -356,7 +356,7 @@ class Pull:
                 PULL_BLOCK_W=1, PULL_K_PAD=1, PULL_ROW_ALIGN=1, HAS_TIMER=HAS_TIMER))
         peer = pull.peer
         has_weights = pull.weights is not None
-        block_r, block_w = _pull_blocks(pull.src.shape[1], pull.minibatch,
+        block_r, block_w = pull_blocks(pull.src.shape[1], pull.minibatch,
                                         pull.src.element_size(), num_warps)
         pointers = (pull.src, pull.src_deltas,
                     pull.weights if has_weights else pull.src,
@@ -388,7 +388,7 @@ class Pull:
             raise ValueError("a Gluon GEMM's pull moves one token-row buffer (second_src is set)")
         peer = pull.peer
         has_weights = pull.weights is not None
-        block_r, block_w = _pull_blocks(pull.src.shape[1], pull.minibatch,
+        block_r, block_w = pull_blocks(pull.src.shape[1], pull.minibatch,
                                         pull.src.element_size(), GLUON_PULL_WARPS)
         pointers = (pull.src, pull.src_deltas,
                     pull.weights if has_weights else pull.src,

@@ -332,13 +332,38 @@ def _down_gluon(h: torch.Tensor, w_down: torch.Tensor, routing: Routing, tiles: 
     )
 
 
+def _gluon_rows_pull_args(pull: Pull | None, pulled: torch.Tensor | None,
+                          fallback: torch.Tensor) -> tuple[tuple, dict]:
+    """(pointers and scalars, constexprs) of a Gluon row GEMM's pulling partition
+    (mok.kernels.gluon_rows, PULL): token rows into `pulled`, no router weights."""
+    if pull is None:
+        return (fallback,) * 3 + (0,) + (fallback,) * 7 + (0,) * 7, dict(
+            PULL=False, MINIBATCH=1, PULL_BLOCK_R=1, PULL_BLOCK_W=8, PULL_ROW_ALIGN=1,
+            PULL_WARPS=comm.GLUON_PULL_WARPS, PULL_REGS=comm.GLUON_PULL_REGS)
+    if pull.weights is not None or pull.second_src is not None:
+        raise ValueError("a Gluon row GEMM pulls one token-row buffer, without router weights")
+    peer, src = pull.peer, pull.src
+    width = src.shape[1]
+    block_r, block_w = comm.pull_blocks(width, pull.minibatch, src.element_size(),
+                                        comm.GLUON_PULL_WARPS)
+    return (src, pull.src_deltas, pulled, pulled.stride(0), pull.order, pull.moving,
+            pull.ready, peer.seq, peer.flags, peer.flag_deltas, peer.errors, pull.phase,
+            pull.publish_slot, pull.tokens_per_rank, peer.world_size, peer.timeout,
+            src.stride(0), width), dict(
+        PULL=True, MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w,
+        PULL_ROW_ALIGN=comm.row_align(src.element_size(), src.stride(0)),
+        PULL_WARPS=comm.GLUON_PULL_WARPS, PULL_REGS=comm.GLUON_PULL_REGS)
+
+
 def _d_x_gluon(d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                routing: Routing, tiles: GemmTiles, out: torch.Tensor,
-               scatter: ScatterRows | None) -> None:
+               scatter: ScatterRows | None, pull: Pull | None,
+               pulled: torch.Tensor | None) -> None:
     """d_x_rows by the warp-specialized Gluon kernel (mok.kernels.gluon_rows); with scatter,
-    out is scatter.out. Each of the tile's num_stages holds a K step's gate and up tiles, as in
-    the Triton kernel (so a tile fits both kernels' shared memory alike): two stages of the
-    Gluon kernel's ring."""
+    out is scatter.out; with pull, a partition of each program pulls token rows into `pulled`
+    (no tile waits on them: they are a later kernel's). Each of the tile's num_stages holds a K
+    step's gate and up tiles, as in the Triton kernel (so a tile fits both kernels' shared
+    memory alike): two stages of the Gluon kernel's ring."""
     experts, intermediate, hidden = w_gate.shape
     dtype = _GLUON_DTYPES[d_gate_up.dtype]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
@@ -349,13 +374,14 @@ def _d_x_gluon(d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
         return _gluon_descriptor(w.view(experts * intermediate, hidden), [bk, bn], dtype)
 
     scatter_args, scatter_meta = _gluon_scatter_args(scatter, out)
+    pull_args, pull_meta = _gluon_rows_pull_args(pull, pulled, out)
     gluon_rows.d_x_rows_ws_kernel[(_num_programs(out.device),)](
         _gluon_descriptor(d_gate_up, [bm, bk], dtype), weights(w_gate), weights(w_up),
         _gluon_descriptor(out, [bm, bn // split], dtype), routing.block_expert,
-        routing.used_rows, hidden, intermediate, routing.row_route, *scatter_args,
+        routing.used_rows, hidden, intermediate, routing.row_route, *scatter_args, *pull_args,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=stages, EPI_SPLIT=split, LOAD_REGS=_GLUON_ROWS_LOAD_REGS,
-        num_warps=bm // 16, **scatter_meta,
+        num_warps=bm // 16, **scatter_meta, **pull_meta,
     )
 
 
@@ -631,10 +657,9 @@ def d_x_rows(
                           device=d_gate_up.device)
     else:
         out = scatter.out
-    if (tiles.gluon and pull is None and routing.capacity_rows > 0
-            and intermediate % tiles.block_k == 0
+    if (tiles.gluon and routing.capacity_rows > 0 and intermediate % tiles.block_k == 0
             and _gluon_rows_runs(d_gate_up, (w_gate, w_up), (hidden,))):
-        _d_x_gluon(d_gate_up, w_gate, w_up, routing, tiles, out, scatter)
+        _d_x_gluon(d_gate_up, w_gate, w_up, routing, tiles, out, scatter, pull, pulled)
         return out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)

@@ -118,8 +118,9 @@ class TileConfig:
 
     def pick(self, kind: str, n: int, k: int, triton: bool = False) -> GemmTiles:
         """Tiles for GEMM `kind` (see KINDS) at problem size (n, k). triton: for a launch the
-        Gluon kernels cannot take (it scatters rows to other ranks, or pulls them in its own
-        programs): where the table's tiles are Gluon ones, its best Triton tiles (TRITON)."""
+        Gluon kernels cannot take (the expert-parallel dSwiGLU, whose tiles wait on rows its
+        own programs pull): where the table's tiles are Gluon ones, its best Triton tiles
+        (TRITON)."""
         if self.use_tuned:
             table = tuned_table()
             tuned = table.get((kind, n, k))
