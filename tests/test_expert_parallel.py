@@ -512,20 +512,25 @@ def test_ep_no_host_sync_and_cuda_graph(rank, world_size):
     _graph_body(rank, world_size)
 
 
+def _gluon_tiles():
+    """Gluon tiles (GemmTiles.gluon) for every row GEMM."""
+    gluon = ops.GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True,
+                          tma=True, tma_rows=True, gluon=True)
+    return dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False,
+                               gate_up=gluon, down=gluon,
+                               d_x=dataclasses.replace(gluon, num_stages=3),
+                               down_bwd=dataclasses.replace(gluon, block_n=64, num_stages=3))
+
+
 @pytest.mark.gpu
 @distributed_test(world_sizes=(2,))
 def test_ep_gluon_no_host_sync_and_cuda_graph(rank, world_size):
-    # The same with the Gluon kernels' tiles (GemmTiles.gluon) for every row GEMM: on an sm_90
-    # GPU gate/up's rows are pulled by a launch of their own before the Gluon kernel
-    # (Pull.run_apart), the launches that scatter or pull run the Triton kernel on these tiles,
-    # and the local ones (the shared expert's) run by Gluon; against the reference too.
-    gluon = ops.GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True,
-                          tma=True, tma_rows=True, gluon=True)
-    tiles = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False,
-                                gate_up=gluon, down=gluon,
-                                d_x=dataclasses.replace(gluon, num_stages=3),
-                                down_bwd=dataclasses.replace(gluon, block_n=64, num_stages=3))
-    _graph_body(rank, world_size, tiles=tiles)
+    # The same with the Gluon kernels' tiles for every row GEMM: on an sm_90 GPU gate/up's rows
+    # are pulled by a launch of their own before the Gluon kernel (Pull.run_apart), down and
+    # d_x scatter their rows by the Gluon kernels, the dSwiGLU (its tiles wait on the rows it
+    # pulls) runs the Triton kernel on these tiles, and the shared expert's launches by Gluon;
+    # against the reference too.
+    _graph_body(rank, world_size, tiles=_gluon_tiles())
 
 
 @pytest.mark.gpu
@@ -533,12 +538,8 @@ def test_ep_gluon_no_host_sync_and_cuda_graph(rank, world_size):
 def test_ep_gluon_kept_no_host_sync_and_cuda_graph(rank, world_size):
     # The same with kept pre-activations: the Gluon d_x scatters its rows and pulls x for the
     # weight gradients in a partition of each program.
-    gluon = ops.GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True,
-                          tma=True, tma_rows=True, gluon=True)
-    tiles = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False,
-                                gate_up=gluon, down=gluon,
-                                d_x=dataclasses.replace(gluon, num_stages=3))
-    _graph_body(rank, world_size, tiles=tiles, config=F.MoKConfig(recompute_gate_up=False))
+    _graph_body(rank, world_size, tiles=_gluon_tiles(),
+                config=F.MoKConfig(recompute_gate_up=False))
 
 
 @pytest.mark.gpu
@@ -546,11 +547,7 @@ def test_ep_gluon_kept_no_host_sync_and_cuda_graph(rank, world_size):
 def test_ep_gluon_pulling_no_host_sync_and_cuda_graph(rank, world_size):
     # The same with MoKConfig.fwd_pull_in_gluon: the Gluon gate/up pulls its rows in a
     # partition of each program (mok.kernels.gluon_comm) while its tiles wait on them.
-    gluon = ops.GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True,
-                          tma=True, tma_rows=True, gluon=True)
-    tiles = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False,
-                                gate_up=gluon)
-    _graph_body(rank, world_size, tiles=tiles,
+    _graph_body(rank, world_size, tiles=_gluon_tiles(),
                 config=F.MoKConfig(fwd_pull_in_gluon=True, minibatch_size=16))
 
 

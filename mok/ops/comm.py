@@ -357,14 +357,10 @@ class Pull:
         peer = pull.peer
         has_weights = pull.weights is not None
         block_r, block_w = pull_blocks(pull.src.shape[1], pull.minibatch,
-                                        pull.src.element_size(), num_warps)
-        pointers = (pull.src, pull.src_deltas,
-                    pull.weights if has_weights else pull.src,
-                    pull.weights_deltas if has_weights else pull.src_deltas,
-                    pull.dst_weights if has_weights else pull.src,
+                                       pull.src.element_size(), num_warps)
+        pointers = (pull.src, pull.src_deltas, *pull._weight_pointers(),
                     pull.second_src if pull.second_src is not None else pull.src,
-                    pull.order, pull.position, pull.moving, pull.ready, peer.seq,
-                    peer.flags, peer.flag_deltas, peer.errors)
+                    *pull._flag_pointers())
         scalars = (pull.num_programs, pull.phase, pull.publish_slot, pull.tokens_per_rank,
                    pull.topk, peer.world_size, peer.timeout, pull.src.stride(0))
         return pointers, scalars, dict(
@@ -374,6 +370,17 @@ class Pull:
             PULL_ROW_ALIGN=row_align(pull.src.element_size(), pull.src.stride(0)),
             HAS_TIMER=HAS_TIMER)
 
+    def _weight_pointers(self) -> tuple:
+        """(weights, their deltas, dst_weights), or stand-ins without router weights."""
+        if self.weights is None:
+            return (self.src, self.src_deltas, self.src)
+        return (self.weights, self.weights_deltas, self.dst_weights)
+
+    def _flag_pointers(self) -> tuple:
+        """The pull order and the flags, in the kernels' order."""
+        peer = self.peer
+        return (self.order, self.position, self.moving, self.ready, peer.seq, peer.flags,
+                peer.flag_deltas, peer.errors)
 
     @staticmethod
     def gluon_args(pull: Pull | None, fallback: torch.Tensor) -> tuple[tuple, tuple, dict]:
@@ -387,19 +394,13 @@ class Pull:
         if pull.second_src is not None:
             raise ValueError("a Gluon GEMM's pull moves one token-row buffer (second_src is set)")
         peer = pull.peer
-        has_weights = pull.weights is not None
         block_r, block_w = pull_blocks(pull.src.shape[1], pull.minibatch,
-                                        pull.src.element_size(), GLUON_PULL_WARPS)
-        pointers = (pull.src, pull.src_deltas,
-                    pull.weights if has_weights else pull.src,
-                    pull.weights_deltas if has_weights else pull.src_deltas,
-                    pull.dst_weights if has_weights else pull.src,
-                    pull.order, pull.position, pull.moving, pull.ready, peer.seq,
-                    peer.flags, peer.flag_deltas, peer.errors)
+                                       pull.src.element_size(), GLUON_PULL_WARPS)
+        pointers = (pull.src, pull.src_deltas, *pull._weight_pointers(), *pull._flag_pointers())
         scalars = (pull.phase, pull.publish_slot, pull.tokens_per_rank, peer.world_size,
                    peer.timeout, pull.src.stride(0))
         return pointers, scalars, dict(
-            PULL=True, PULL_WEIGHTS=has_weights, MINIBATCH=pull.minibatch,
+            PULL=True, PULL_WEIGHTS=pull.weights is not None, MINIBATCH=pull.minibatch,
             PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w, PULL_K_PAD=_k_pad(pull.topk),
             PULL_ROW_ALIGN=row_align(pull.src.element_size(), pull.src.stride(0)),
             PULL_WARPS=GLUON_PULL_WARPS, PULL_REGS=GLUON_PULL_REGS)
