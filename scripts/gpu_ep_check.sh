@@ -6,12 +6,17 @@
 # benchmark arguments. NVLink multicast stays off.
 # With 4 or 8 GPUs the tests' main cases run with 4 and 8 ranks too: give EP_TESTS_TIMEOUT room
 # (with 2 GPUs on a fresh machine, compiling included, they took over 300 s).
+# EP_SHARE_GPU=1 (a machine with one GPU): the tests' ranks share it (MOK_RANKS_SHARE_GPU, gloo
+# between them; a check of the code, slow, timing nothing) and the benchmark is skipped.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 EP_SIZE=${EP_SIZE:-2}
+if [ "${EP_SHARE_GPU:-0}" = 1 ]; then
+  export MOK_RANKS_SHARE_GPU=1 EP_BENCH=0
+fi
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
 nvidia-smi topo -m | head -n $((EP_SIZE + 2))
 # Output goes to files only (no pipes): a killed run must not leave children holding a pipe.
