@@ -29,8 +29,14 @@ if [ "${EP_TESTS:-1}" = 1 ]; then
   echo "== ep tests exit: $?"; tail -n 40 "$OUT/ep_tests.log"
 fi
 if [ "${EP_BENCH:-1}" = 1 ]; then
-  echo "== ep bench (limit ${EP_BENCH_TIMEOUT:-300}s)"
-  timeout -s KILL "${EP_BENCH_TIMEOUT:-300}" python3 -m mok bench --ep "$EP_SIZE" --profile \
-    --csv "$OUT/ep.csv" ${EP_BENCH_ARGS:-} > "$OUT/ep_bench.log" 2>&1
-  echo "== ep bench exit: $?"; tail -n 60 "$OUT/ep_bench.log"
+  # EP_BENCH_VARIANTS: '|'-separated extra arguments, one benchmark run each (rows of all of
+  # them in $OUT/ep.csv), e.g. "|--keep-gate-up|--gluon-pull --minibatch 16".
+  IFS='|' read -r -a variants <<< "${EP_BENCH_VARIANTS:-}"
+  [ ${#variants[@]} -eq 0 ] && variants=("")
+  for i in "${!variants[@]}"; do
+    echo "== ep bench ${variants[$i]} (limit ${EP_BENCH_TIMEOUT:-300}s)"
+    timeout -s KILL "${EP_BENCH_TIMEOUT:-300}" python3 -m mok bench --ep "$EP_SIZE" --profile \
+      --csv "$OUT/ep.csv" ${EP_BENCH_ARGS:-} ${variants[$i]} > "$OUT/ep_bench.$i.log" 2>&1
+    echo "== ep bench exit: $?"; tail -n 60 "$OUT/ep_bench.$i.log"
+  done
 fi
