@@ -184,6 +184,66 @@ def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
 
 
 @distributed_test(world_sizes=(2,))
+def test_ep_gluon_rows_take_the_scatters(rank, world_size):
+    # Where the Gluon down and d_x kernels take launches (GemmTiles.gluon on an sm_90 GPU), they
+    # also take the expert-parallel ones: the layer hands them the scatter of their rows to the
+    # tokens' ranks and, with kept pre-activations, d_x the pull of x. The Triton kernel stands
+    # in for the Gluon ones here (given the same scatter and pull): the layer is bitwise the
+    # one run by the Triton kernels, and matches the reference.
+    from mok.ops import experts
+
+    tile = ops.GemmTiles(64, 64, 32, group_m=4, num_warps=4, num_stages=1)
+    plain = dataclasses.replace(small_tiles(16, 64), down=tile, d_x=tile)
+    gluon = dataclasses.replace(plain, down=dataclasses.replace(tile, gluon=True),
+                                d_x=dataclasses.replace(tile, gluon=True))
+    inputs = _rank_inputs(rank, world_size, intermediate=32, shared=32, seed=6)
+    launches = []
+
+    def down_stand_in(h, w_down, routing, tiles, router_weights, out, scatter):
+        launches.append(("down", scatter is not None, False))
+        rows = experts.down_proj(h, w_down, routing, dataclasses.replace(tiles, gluon=False),
+                                 router_weights, scatter=scatter)
+        if scatter is None:
+            out.copy_(rows)
+
+    def d_x_stand_in(d_gate_up, w_gate, w_up, routing, tiles, out, scatter, pull, pulled):
+        launches.append(("d_x", scatter is not None, pull is not None))
+        rows = experts.d_x_rows(d_gate_up, w_gate, w_up, routing,
+                                dataclasses.replace(tiles, gluon=False), scatter=scatter,
+                                pull=pull, pulled=pulled)
+        if scatter is None:
+            out.copy_(rows)
+
+    for kept in (False, True):
+        config = dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=not kept)
+        workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                       num_local_tokens=MAX_TOKENS,
+                                       hidden_size=inputs.x.shape[1],
+                                       topk=inputs.topk_experts.shape[1])
+        y, grads, _ = _run(workspace, config, inputs, swiglu_limit=0.8, tiles=plain)
+        saved = (experts._gluon_rows_runs, experts._gluon_dswiglu_runs, experts._down_gluon,
+                 experts._d_x_gluon)
+        (experts._gluon_rows_runs, experts._gluon_dswiglu_runs, experts._down_gluon,
+         experts._d_x_gluon) = (lambda *args: True), (lambda *args: False), down_stand_in, \
+            d_x_stand_in
+        launches.clear()
+        try:
+            y_gluon, grads_gluon, _ = _run(workspace, config, inputs, swiglu_limit=0.8,
+                                           tiles=gluon)
+        finally:
+            (experts._gluon_rows_runs, experts._gluon_dswiglu_runs, experts._down_gluon,
+             experts._d_x_gluon) = saved
+        F.check_errors(workspace)
+        # the routed down (scattered), the shared expert's (local rows); the shared expert's
+        # d_x, the routed one (scattered, pulling x when kept)
+        assert launches == [("down", True, False), ("down", False, False),
+                            ("d_x", False, False), ("d_x", True, kept)], launches
+        assert torch.equal(y, y_gluon)
+        _assert_equal_grads(grads, grads_gluon)
+        _check_against_reference(inputs, y_gluon, grads_gluon, 0.8)
+
+
+@distributed_test(world_sizes=(2,))
 def test_ep_gluon_gate_up_pulls_apart(rank, world_size):
     # Where the Gluon gate/up kernel takes a launch that pulls rows (GemmTiles.gluon on an sm_90
     # GPU), the rows land first, in a pull of its own over every SM (Pull.run_apart), and the
