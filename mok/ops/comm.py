@@ -406,6 +406,31 @@ class Pull:
             PULL_WARPS=GLUON_PULL_WARPS, PULL_REGS=GLUON_PULL_REGS)
 
 
+    @staticmethod
+    def gluon_rows_args(pull: Pull | None, pulled: torch.Tensor | None,
+                        fallback: torch.Tensor) -> tuple[tuple, dict]:
+        """(pointers and scalars, constexprs) of a Gluon row GEMM's pulling partition
+        (mok.kernels.gluon_rows, PULL): token rows into `pulled`, no router weights, no tile
+        waiting on them (so no position); dummies without a pull."""
+        if pull is None:
+            return (fallback,) * 3 + (0,) + (fallback,) * 7 + (0,) * 7, dict(
+                PULL=False, MINIBATCH=1, PULL_BLOCK_R=1, PULL_BLOCK_W=8, PULL_ROW_ALIGN=1,
+                PULL_WARPS=GLUON_PULL_WARPS, PULL_REGS=GLUON_PULL_REGS)
+        if pull.weights is not None or pull.second_src is not None:
+            raise ValueError("a Gluon row GEMM pulls one token-row buffer, without router "
+                             "weights")
+        peer, src = pull.peer, pull.src
+        block_r, block_w = pull_blocks(src.shape[1], pull.minibatch, src.element_size(),
+                                       GLUON_PULL_WARPS)
+        return (src, pull.src_deltas, pulled, pulled.stride(0), pull.order, pull.moving,
+                pull.ready, peer.seq, peer.flags, peer.flag_deltas, peer.errors, pull.phase,
+                pull.publish_slot, pull.tokens_per_rank, peer.world_size, peer.timeout,
+                src.stride(0), src.shape[1]), dict(
+            PULL=True, MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w,
+            PULL_ROW_ALIGN=row_align(src.element_size(), src.stride(0)),
+            PULL_WARPS=GLUON_PULL_WARPS, PULL_REGS=GLUON_PULL_REGS)
+
+
 @dataclass(frozen=True)
 class ScatterRows:
     """Where a GEMM's output rows go: row g % routes_per_rank of `out` on rank

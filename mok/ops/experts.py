@@ -332,29 +332,6 @@ def _down_gluon(h: torch.Tensor, w_down: torch.Tensor, routing: Routing, tiles: 
     )
 
 
-def _gluon_rows_pull_args(pull: Pull | None, pulled: torch.Tensor | None,
-                          fallback: torch.Tensor) -> tuple[tuple, dict]:
-    """(pointers and scalars, constexprs) of a Gluon row GEMM's pulling partition
-    (mok.kernels.gluon_rows, PULL): token rows into `pulled`, no router weights."""
-    if pull is None:
-        return (fallback,) * 3 + (0,) + (fallback,) * 7 + (0,) * 7, dict(
-            PULL=False, MINIBATCH=1, PULL_BLOCK_R=1, PULL_BLOCK_W=8, PULL_ROW_ALIGN=1,
-            PULL_WARPS=comm.GLUON_PULL_WARPS, PULL_REGS=comm.GLUON_PULL_REGS)
-    if pull.weights is not None or pull.second_src is not None:
-        raise ValueError("a Gluon row GEMM pulls one token-row buffer, without router weights")
-    peer, src = pull.peer, pull.src
-    width = src.shape[1]
-    block_r, block_w = comm.pull_blocks(width, pull.minibatch, src.element_size(),
-                                        comm.GLUON_PULL_WARPS)
-    return (src, pull.src_deltas, pulled, pulled.stride(0), pull.order, pull.moving,
-            pull.ready, peer.seq, peer.flags, peer.flag_deltas, peer.errors, pull.phase,
-            pull.publish_slot, pull.tokens_per_rank, peer.world_size, peer.timeout,
-            src.stride(0), width), dict(
-        PULL=True, MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w,
-        PULL_ROW_ALIGN=comm.row_align(src.element_size(), src.stride(0)),
-        PULL_WARPS=comm.GLUON_PULL_WARPS, PULL_REGS=comm.GLUON_PULL_REGS)
-
-
 def _d_x_gluon(d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                routing: Routing, tiles: GemmTiles, out: torch.Tensor,
                scatter: ScatterRows | None, pull: Pull | None,
@@ -374,7 +351,7 @@ def _d_x_gluon(d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
         return _gluon_descriptor(w.view(experts * intermediate, hidden), [bk, bn], dtype)
 
     scatter_args, scatter_meta = _gluon_scatter_args(scatter, out)
-    pull_args, pull_meta = _gluon_rows_pull_args(pull, pulled, out)
+    pull_args, pull_meta = Pull.gluon_rows_args(pull, pulled, out)
     gluon_rows.d_x_rows_ws_kernel[(_num_programs(out.device),)](
         _gluon_descriptor(d_gate_up, [bm, bk], dtype), weights(w_gate), weights(w_up),
         _gluon_descriptor(out, [bm, bn // split], dtype), routing.block_expert,
