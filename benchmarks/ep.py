@@ -241,7 +241,7 @@ def max_error(y, grads, inputs, group):
 
 def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, peer_timeout_s,
                profile=False, keep_gate_up=False, host_ahead=False, gluon_pull=False,
-               minibatch=None):
+               minibatch=None, copy_rows=False):
     import mok.functional as F
     from benchmarks.layer import BENCH_SHAPES
     from mok.testing import make_inputs
@@ -252,11 +252,13 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     config = F.MoKConfig(fwd_num_comm_sms=comm_sms, bwd_num_comm_sms=comm_sms,
                          peer_timeout_s=peer_timeout_s, recompute_gate_up=not keep_gate_up,
-                         fwd_pull_in_gluon=gluon_pull,
+                         fwd_pull_in_gluon=gluon_pull, fwd_copy_rows=copy_rows,
                          minibatch_size=minibatch or F.MoKConfig().minibatch_size)
     kept = "_kept" if keep_gate_up else ""  # mok's rows: mok_kept, compute_only_kept
-    # and mok_gpull, mok_kept_gpull with --gluon-pull, +mbN with --minibatch N
-    mine = kept + ("_gpull" if gluon_pull else "") + (f"+mb{minibatch}" if minibatch else "")
+    # and mok_gpull, mok_kept_gpull with --gluon-pull, _copy with --copy-rows, +mbN with
+    # --minibatch N
+    mine = (kept + ("_gpull" if gluon_pull else "") + ("_copy" if copy_rows else "")
+            + (f"+mb{minibatch}" if minibatch else ""))
     rows = []
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)"
     date = datetime.datetime.now().isoformat(timespec="seconds")
@@ -612,6 +614,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gluon-pull", action="store_true",
                         help="MoKConfig(fwd_pull_in_gluon=True): the Gluon gate/up pulls its "
                              "rows itself; rows named mok_gpull")
+    parser.add_argument("--copy-rows", action="store_true",
+                        help="MoKConfig(fwd_copy_rows=True): the forward's rows move by copies "
+                             "beside the gate/up GEMM; rows named mok_copy")
     parser.add_argument("--minibatch", type=int, default=None,
                         help="MoKConfig.minibatch_size; mok's rows get +mbN")
     parser.add_argument("--timeout", type=float, default=900.0)
@@ -650,7 +655,8 @@ def main(argv=None) -> None:
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
                               args.comm_sms, args.peer_timeout, args.profile, args.keep_gate_up,
                               args.host_ahead, args.gluon_pull, args.minibatch,
-                              backend="nccl" if cuda else "gloo", timeout_s=args.timeout)
+                              args.copy_rows, backend="nccl" if cuda else "gloo",
+                              timeout_s=args.timeout)
     rows = results[0]
     append_rows(args.csv, CSV_FIELDS, rows)
     print(f"{len(rows)} rows appended to {args.csv}")

@@ -35,6 +35,7 @@ acknowledgements of both); buffers written by other ranks are read after their "
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -128,6 +129,13 @@ class ExpertParallel:
         self.seq = torch.zeros(NUM_PHASES, dtype=torch.int64, device=device)
         self._ready: dict[Phase, torch.Tensor] = {}
         self.timeout_s = timeout_s
+        # copy_rows: a flag per rank whose rows landed, the target they reach, position[u] = u,
+        # the side stream of the copies and whether the GEMM must wait for the copies to end.
+        self._landed = torch.zeros(world, dtype=torch.int64, device=device)
+        self._one = torch.ones(1, dtype=torch.int64, device=device)
+        self._identity = torch.arange(world * num_tokens, dtype=torch.int32, device=device)
+        self._copy_stream = (torch.cuda.Stream(device) if device.type == "cuda" else None)
+        self._copies_pending = False
 
     def peer_flags(self, errors: torch.Tensor) -> comm.PeerFlags:
         return comm.PeerFlags(self.flags, self.buffer.deltas(torch.int64), self.seq, errors,
@@ -201,6 +209,81 @@ class ExpertParallel:
             peer, Phase.FORWARD, plan, src=self.x_pub(x.dtype), weights=self.weights_pub,
             minibatch=minibatch, num_programs=num_programs, in_gluon=in_gluon)
         return x_group, weights_group, pull
+
+    def forward_copy(self, peer: comm.PeerFlags, plan: ExchangePlan, x: torch.Tensor,
+                     router_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
+        """forward_pull with the rows moved by copies (MoKConfig.fwd_copy_rows): publish x and
+        the router weights, wait for every rank's, then copy each rank's whole published x and
+        router weights into the group's buffers (the other ranks' on a side stream, on a GPU the
+        copy engines: no SM is taken from the GEMM), raising a flag per rank once its rows
+        landed. The GEMM's tiles wait on the flags of their rows' ranks (the Pull is `copied`);
+        call `copies_joined` after its launch, before `pulled`. Every rank's rows move, T_max of
+        them, where the pull moves only the tokens with a route here (at qwen3-30b-a3b all but
+        a few in a thousand)."""
+        tokens, world, routes = x.shape[0], self.world_size, self.routes_per_rank
+        x_pub = self.x_pub(x.dtype)
+        self.publish(peer, Phase.FORWARD, [
+            (x_pub[:tokens], x),
+            (self.weights_pub[:tokens * self.topk], router_weights.reshape(-1))])
+        comm.wait_peers(peer, Phase.FORWARD, self.slots.pub(Phase.FORWARD), remote=True)
+        x_group = torch.empty(world * self.num_tokens, x.shape[1], dtype=x.dtype,
+                              device=self.device)
+        weights_group = torch.empty(world * routes, dtype=torch.float32, device=self.device)
+        self._landed.zero_()
+        moves = []
+        for step in range(world):
+            p = (self.rank + step) % world
+            rows = x_group[p * self.num_tokens:(p + 1) * self.num_tokens]
+            weights = weights_group[p * routes:(p + 1) * routes]
+            moves.append((p, [(rows, self.buffer.peer_view(x_pub, p)),
+                              (weights, self.buffer.peer_view(self.weights_pub, p))]))
+        self._copy(moves)
+        pull = comm.Pull(
+            dataclasses.replace(peer, seq=self._one), x_pub, self.buffer.deltas(x.dtype),
+            self.weights_pub, self.buffer.deltas(torch.float32), weights_group, plan.pull_order,
+            self._identity, plan.pull_moving, self._landed, 0, self.slots.pub(Phase.FORWARD),
+            self.num_tokens, self.topk, 0, self.num_tokens, copied=True)
+        return x_group, weights_group, pull
+
+    def _copy(self, moves: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+        """For each (rank, copies): the copies (dst <- src), then that rank's landed flag = 1.
+        On a GPU this rank's own copies run on the current stream (a copy within one GPU may run
+        as a kernel, which would need an SM the GEMM's spinning tiles hold) and the other ranks'
+        on the side stream (the copy engines), each flag written by the stream itself
+        (cuStreamWriteValue32: no kernel). Under CUDA-graph capture the flags are memsets and
+        the GEMM waits for the copies to end (copies_joined joins before it)."""
+        stream = self._copy_stream
+        local = [move for move in moves if move[0] == self.rank]
+        for p, copies in (moves if stream is None else local):
+            for dst, src in copies:
+                dst.copy_(src)
+            self._landed[p:p + 1].fill_(1)
+        if stream is None:
+            return
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        capturing = torch.cuda.is_current_stream_capturing()
+        landed = self._landed.view(torch.uint32)  # a flag's low word: little-endian
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for p, copies in moves:
+                if p == self.rank:
+                    continue
+                for dst, src in copies:
+                    dst.copy_(src)
+                if capturing:
+                    _SymmetricMemory.memset32(landed, offset=2 * p, val=1, count=1)
+                else:
+                    _SymmetricMemory.stream_write_value32(landed, 2 * p, 1)
+        self._copies_pending = True
+        if capturing:
+            self.copies_joined()
+
+    def copies_joined(self) -> None:
+        """The current stream waits for the side stream's copies (forward_copy)."""
+        if self._copies_pending:
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            self._copies_pending = False
 
     def backward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, d_output: torch.Tensor,
                       x: torch.Tensor, *, minibatch: int, num_programs: int,

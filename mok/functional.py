@@ -78,6 +78,12 @@ class MoKConfig:
         its own memory (benchmarks/ep_local.py), it cost the GEMM more than the separate
         launch at qwen3-30b-a3b and kimi-ep64-slice (less at olmoe-1b-7b); its tiles wait on
         their rows' minibatches, so pair it with a small minibatch_size (16 to 32).
+    fwd_copy_rows: under expert parallelism the forward's token rows and router weights move by
+        copies of every rank's whole published buffers on a side stream (on a GPU the copy
+        engines, which take no SM from the GEMMs), a flag per rank raised as its rows land,
+        while the gate/up GEMM runs; its tiles wait on their rows' ranks
+        (mok.expert_parallel.ExpertParallel.forward_copy). Moves T_max rows a rank where the
+        pull moves those with a route here.
     """
 
     fwd_num_comm_sms: int = 32
@@ -88,11 +94,15 @@ class MoKConfig:
     peer_timeout_s: float = 60.0
     recompute_gate_up: bool = True
     fwd_pull_in_gluon: bool = False
+    fwd_copy_rows: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"MoKConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.fwd_copy_rows and self.fwd_pull_in_gluon:
+            raise ValueError("MoKConfig.fwd_copy_rows and fwd_pull_in_gluon exclude each "
+                             "other")
         if self.macrobatch_size % self.minibatch_size != 0:
             raise ValueError("MoKConfig.macrobatch_size must be a multiple of minibatch_size")
         if not self.schedule_capacity_multiplier > 0:
@@ -508,8 +518,9 @@ def build_schedule(
 def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_routed_gate,
              w_routed_up, swiglu_limit):
     """The gate/up GEMMs; with expert parallelism the routed one pulls its rows (and router
-    weights) from their ranks in its own launch. The shared expert goes first: it needs no
-    remote rows, and the other ranks have time to publish theirs."""
+    weights) from their ranks in its own launch (fwd_copy_rows: they come by copies beside it).
+    The shared expert goes first: it needs no remote rows, and the other ranks have time to
+    publish theirs."""
     hidden, intermediate = x.shape[1], w_routed_gate.shape[1]
     keep = not config.recompute_gate_up
 
@@ -532,12 +543,17 @@ def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_
                                gate_up=gate_up)
         return ForwardContext(h, h_shared, gate_up=gate_up, gate_up_shared=gate_up_shared)
     peer = ep.peer_flags(schedule.workspace.error_flags)
-    x_group, weights_group, pull = ep.forward_pull(
-        peer, schedule.exchange, x, router_weights, minibatch=config.minibatch_size,
-        num_programs=config.fwd_num_comm_sms, in_gluon=config.fwd_pull_in_gluon)
+    if config.fwd_copy_rows:
+        x_group, weights_group, pull = ep.forward_copy(peer, schedule.exchange, x,
+                                                       router_weights)
+    else:
+        x_group, weights_group, pull = ep.forward_pull(
+            peer, schedule.exchange, x, router_weights, minibatch=config.minibatch_size,
+            num_programs=config.fwd_num_comm_sms, in_gluon=config.fwd_pull_in_gluon)
     h = ops.gate_up_swiglu(x_group, w_routed_gate, w_routed_up, schedule.routing,
                            pick(intermediate), swiglu_limit, pull=pull,
                            gate_up=gate_up)
+    ep.copies_joined()
     ep.pulled(peer, Phase.FORWARD)
     return ForwardContext(h, h_shared, weights_group=weights_group, gate_up=gate_up,
                           gate_up_shared=gate_up_shared)

@@ -334,6 +334,13 @@ def main(argv=None) -> None:
     runs.append(("gate_up EP pull gluon tma 64x128 s5", r(gluon, block_m=64, num_stages=5),
                  lambda tt: ops.gate_up_swiglu(x_group, w_g, w_u, routing, tt, None,
                                                pull=in_gluon)))
+    # The Gluon gate/up waiting on rows copied beside it (MoKConfig.fwd_copy_rows).
+    copied = dataclasses.replace(pull(False), copied=True, num_programs=0, minibatch=tokens)
+    runs.append(("gate_up EP copied gluon tma", gluon, lambda tt: ops.gate_up_swiglu(
+        x_group, w_g, w_u, routing, tt, None, pull=copied)))
+    runs.append(("gate_up saving EP copied gluon tma limit", gluon,
+                 lambda tt: ops.gate_up_swiglu(x_group, w_g, w_u, routing, tt, 7.0, pull=copied,
+                                               gate_up=dgu)))
     # The Gluon down and d_x scattering their rows to the tokens' ranks (expert parallelism).
     scatter = comm.ScatterRows(torch.empty(tokens * k, hid, **bf16), torch.empty(2, **i64),
                                routing.row_route, tokens * k)

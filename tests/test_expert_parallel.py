@@ -157,6 +157,27 @@ def test_ep_kept_gate_up(rank, world_size):
 
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
+def test_ep_copy_rows(rank, world_size):
+    # MoKConfig.fwd_copy_rows: the forward's rows come by copies of every rank's published x and
+    # router weights (on a side stream on a GPU), the gate/up tiles waiting on a flag per rank;
+    # ranks with different token counts (the rows past a rank's count are copied, never read).
+    # Bitwise the forward whose GEMM pulls its rows, and against the reference.
+    inputs = _rank_inputs(rank, world_size, tokens=MAX_TOKENS - 5 * rank, shared=16,
+                          pattern=RoutingPattern.RANDOM, seed=6)
+    workspace = F.create_workspace(SMALL_MINIBATCHES, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=MAX_TOKENS, hidden_size=inputs.x.shape[1],
+                                   topk=inputs.topk_experts.shape[1])
+    tiles = tiles_for_tests()
+    copying = dataclasses.replace(SMALL_MINIBATCHES, fwd_copy_rows=True)
+    y, grads, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8, tiles=tiles)
+    y_copied, grads_copied, _ = _run(workspace, copying, inputs, swiglu_limit=0.8, tiles=tiles)
+    F.check_errors(workspace)
+    assert torch.equal(y, y_copied)
+    _assert_equal_grads(grads, grads_copied)
+    _check_against_reference(inputs, y_copied, grads_copied, 0.8)
+
+
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_kept_gate_up_tile_variants(rank, world_size):
     # The same with the row tiles and the weights through TMA (GemmTiles.tma_rows, tma) while
     # rows are pulled and scattered (h and the pre-activations written so in the forward, read
@@ -609,6 +630,15 @@ def test_ep_gluon_pulling_no_host_sync_and_cuda_graph(rank, world_size):
     # partition of each program (mok.kernels.gluon_comm) while its tiles wait on them.
     _graph_body(rank, world_size, tiles=_gluon_tiles(),
                 config=F.MoKConfig(fwd_pull_in_gluon=True, minibatch_size=16))
+
+
+@pytest.mark.gpu
+@distributed_test(world_sizes=(2,))
+def test_ep_gluon_copy_rows_no_host_sync_and_cuda_graph(rank, world_size):
+    # The same with MoKConfig.fwd_copy_rows: the copies run on a side stream (the copy
+    # engines), their flags raised by the stream (memsets under capture, where the GEMM waits
+    # for the copies), the Gluon gate/up's loader waiting on them.
+    _graph_body(rank, world_size, tiles=_gluon_tiles(), config=F.MoKConfig(fwd_copy_rows=True))
 
 
 def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES):

@@ -144,3 +144,40 @@ def wait_rows_ready(row_route_ptr, r0, topk, position_ptr, ready_ptr, seq_ptr, p
         if gl.max(pending.to(gl.int32), axis=0) > 0:
             _timed_out(error_ptr, -1)
     gl.thread_barrier()
+
+
+@gluon.jit
+def wait_ranks_landed(row_route_ptr, r0, topk, ready_ptr, seq_ptr, phase, timeout, error_ptr,
+                      landed, world_size, BLOCK_M: gl.constexpr, TOKENS_PER_RANK: gl.constexpr,
+                      WARPS: gl.constexpr):
+    """In a loader partition of WARPS warps, before gathering the rows r0 .. r0 + BLOCK_M of
+    rows copied by rank (mok.expert_parallel.ExpertParallel.forward_copy: ready[p] >= seq[phase]
+    once rank p's rows landed, group token u from rank u // TOKENS_PER_RANK): wait on the flags
+    of the ranks of its rows not yet in `landed` (a bit per rank seen landed, carried over the
+    loader's tiles, so each flag is waited on once per program); returns the new bits. Every
+    thread acquires the flags itself (system scope), so its own gathers come after them."""
+    if landed != (1 << world_size) - 1:
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        rows = gl.arange(0, BLOCK_M, layout=layout)
+        route = gl.load(row_route_ptr + r0 + rows)
+        valid = route >= 0
+        src = gl.where(valid, (route // topk) // TOKENS_PER_RANK, 0)
+        lo = gl.min(gl.where(valid, src, world_size), axis=0)
+        hi = gl.max(gl.where(valid, src, -1), axis=0)
+        target = gl.load(seq_ptr + phase)
+        for p in range(lo, hi + 1):
+            if ((landed >> p) & 1) == 0:
+                value = gl.atomic_add(ready_ptr + p, target - target, sem="acquire", scope="sys")
+                if value < target:
+                    start = _now()
+                    elapsed = start - start
+                    if gl.load(error_ptr + FLAG_PEER_TIMEOUT, volatile=True) != 0:
+                        elapsed += timeout + 1
+                    while (value < target) & (elapsed <= timeout):
+                        value = gl.atomic_add(ready_ptr + p, target - target, sem="acquire",
+                                              scope="sys")
+                        elapsed = _now() - start
+                    if value < target:
+                        _timed_out(error_ptr, -1)
+                landed = landed | (1 << p)
+    return landed

@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mok.kernels.gluon_comm import pull_partition, wait_rows_ready
+from mok.kernels.gluon_comm import pull_partition, wait_ranks_landed, wait_rows_ready
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -97,17 +97,20 @@ def _tile_tokens(row_route_ptr, r0, topk, BLOCK_M: gl.constexpr, BLOCK_K: gl.con
 @gluon.jit
 def _load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
                     used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K, topk, stride_xm,
-                    position_ptr, ready_ptr, seq_ptr, phase, timeout, error_ptr,
+                    position_ptr, ready_ptr, seq_ptr, phase, timeout, error_ptr, world_size,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    LOAD_WARPS: gl.constexpr, PULL: gl.constexpr, MINIBATCH: gl.constexpr):
+                    LOAD_WARPS: gl.constexpr, PULL: gl.constexpr, MINIBATCH: gl.constexpr,
+                    WAIT_ROWS: gl.constexpr):
     """Fills the ring: weight tiles by TMA, gathered x rows by cp.async (with PULL once the
-    tile's tokens have landed, see mok.kernels.gluon_comm)."""
+    tile's tokens have landed, with WAIT_ROWS once its rows' ranks' copies have, see
+    mok.kernels.gluon_comm)."""
     w_bytes: gl.constexpr = 2 * w_gate_desc.block_type.nbytes
 
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     k_steps = K // BLOCK_K
     i = 0
+    landed = num_tiles - num_tiles  # WAIT_ROWS: a bit per rank whose rows were seen landed
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         r0 = pid_m * BLOCK_M
@@ -119,6 +122,10 @@ def _load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_p
         if PULL:
             wait_rows_ready(row_route_ptr, r0, topk, position_ptr, ready_ptr, seq_ptr, phase,
                             timeout, error_ptr, BLOCK_M, MINIBATCH, LOAD_WARPS)
+        if WAIT_ROWS:
+            landed = wait_ranks_landed(row_route_ptr, r0, topk, ready_ptr, seq_ptr, phase,
+                                       timeout, error_ptr, landed, world_size, BLOCK_M, MINIBATCH,
+                                       LOAD_WARPS)
         for kk in range(k_steps):
             s = i % NUM_STAGES
             mbarrier.wait(empty_bars.index(s), ((i // NUM_STAGES) & 1) ^ 1)
@@ -220,7 +227,7 @@ def gate_up_swiglu_ws_kernel(
     A_LAYOUT: gl.constexpr, PULL: gl.constexpr, PULL_WEIGHTS: gl.constexpr,
     MINIBATCH: gl.constexpr, PULL_BLOCK_R: gl.constexpr, PULL_BLOCK_W: gl.constexpr,
     PULL_K_PAD: gl.constexpr, PULL_ROW_ALIGN: gl.constexpr, PULL_WARPS: gl.constexpr,
-    PULL_REGS: gl.constexpr,
+    PULL_REGS: gl.constexpr, WAIT_ROWS: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = BLOCK_M // 16 (a warpgroup per 64 rows)
     in the default partition, LOAD_WARPS more for the loader (LOAD_REGS registers each). The
@@ -232,7 +239,10 @@ def gate_up_swiglu_ws_kernel(
     PULL (expert parallelism): x is the group's token rows [P * T, K], pulled from their ranks
     while the tiles run by a third partition of PULL_WARPS warps (PULL_REGS registers) in every
     program (mok.kernels.gluon_comm.pull_partition; the pull_* arguments as the Triton
-    kernels' pull, mok.ops.comm.Pull), the loader gathering a tile's rows once they landed."""
+    kernels' pull, mok.ops.comm.Pull), the loader gathering a tile's rows once they landed.
+    WAIT_ROWS (without PULL): the rows land by copies outside the kernel (copy engines, see
+    mok.expert_parallel.ExpertParallel.forward_copy), a flag per rank, which the loader waits on
+    (mok.kernels.gluon_comm.wait_ranks_landed)."""
     dtype: gl.constexpr = w_gate_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K],
@@ -249,13 +259,15 @@ def gate_up_swiglu_ws_kernel(
     if PULL:
         gl.warp_specialize([
             (_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,
-                              empty_bars, c_smem, used_rows_ptr, N, K, swiglu_limit, BLOCK_M,
-                              BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, HAS_LIMIT, SAVE_GATE_UP)),
+                              empty_bars, c_smem, used_rows_ptr, N, K,
+                              swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES,
+                              HAS_LIMIT, SAVE_GATE_UP)),
             (_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
-                               used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
-                               topk, stride_xm, pull_position_ptr, ready_ptr, seq_ptr, phase,
-                               timeout, error_ptr, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
-                               NUM_STAGES, LOAD_WARPS, True, MINIBATCH)),
+                               used_rows_ptr, a_bufs, b_bufs, ready_bars,
+                               empty_bars, N, K, topk, stride_xm, pull_position_ptr,
+                               ready_ptr, seq_ptr, phase, timeout, error_ptr, world_size,
+                               BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
+                               LOAD_WARPS, True, MINIBATCH, False)),
             (pull_partition, (pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr,
                               x_ptr, pull_dst_w_ptr, pull_order_ptr, pull_moving_ptr,
                               ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr, phase,
@@ -266,11 +278,13 @@ def gate_up_swiglu_ws_kernel(
     else:
         gl.warp_specialize([
             (_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,
-                              empty_bars, c_smem, used_rows_ptr, N, K, swiglu_limit, BLOCK_M,
-                              BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, HAS_LIMIT, SAVE_GATE_UP)),
+                              empty_bars, c_smem, used_rows_ptr, N, K,
+                              swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES,
+                              HAS_LIMIT, SAVE_GATE_UP)),
             (_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
-                               used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
-                               topk, stride_xm, pull_position_ptr, ready_ptr, seq_ptr, phase,
-                               timeout, error_ptr, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
-                               NUM_STAGES, LOAD_WARPS, False, MINIBATCH)),
+                               used_rows_ptr, a_bufs, b_bufs, ready_bars,
+                               empty_bars, N, K, topk, stride_xm, pull_position_ptr,
+                               ready_ptr, seq_ptr, phase, timeout, error_ptr, world_size,
+                               BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
+                               LOAD_WARPS, False, MINIBATCH, WAIT_ROWS)),
         ], [LOAD_WARPS], [LOAD_REGS])

@@ -132,6 +132,18 @@ class SymmetricBuffer:
         self._offset = -(-end // _ALIGN_BYTES) * _ALIGN_BYTES
         return self.local[start:end].view(dtype).view(shape)
 
+    def peer_view(self, view: torch.Tensor, peer: int) -> torch.Tensor:
+        """Rank `peer`'s copy of `view` (a contiguous view into this buffer) as a tensor of this
+        device over the peer's memory, for copies (on the copy engines on a GPU)."""
+        if peer == self.rank:
+            return view
+        offset = view.data_ptr() - self.local.data_ptr()
+        if self._peers:
+            mapping = self._peers[peer][offset:offset + view.numel() * view.element_size()]
+            return mapping.view(view.dtype).view(view.shape)
+        return self._handle.get_buffer(peer, tuple(view.shape), view.dtype,
+                                       offset // view.element_size())
+
     def deltas(self, dtype: torch.dtype) -> torch.Tensor:
         """[world_size] int64 on the device: rank p's mapping of a view = view + deltas[p]."""
         return self._deltas[torch.empty((), dtype=dtype).element_size()]
@@ -311,7 +323,10 @@ class Pull:
     dst_weights[g] = route g's router weight for those tokens' routes; with second_src (a buffer
     of the same symmetric allocation and row layout as src), the GEMM's second token-row operand
     likewise. in_gluon: a Gluon GEMM pulls in a partition of each of its programs rather than
-    in a launch of its own before it (MoKConfig.fwd_pull_in_gluon)."""
+    in a launch of its own before it (MoKConfig.fwd_pull_in_gluon). copied: the rows land by
+    copies outside the GEMM (mok.expert_parallel.ExpertParallel.copy_rows, on the copy engines):
+    the GEMM pulls nothing (num_programs 0) and its tiles only wait on their rows' ready flags,
+    there one per rank (position[u] = u, minibatch = tokens_per_rank)."""
 
     peer: PeerFlags
     src: torch.Tensor
@@ -331,6 +346,7 @@ class Pull:
     minibatch: int
     second_src: torch.Tensor | None = None
     in_gluon: bool = False
+    copied: bool = False
 
     def run_apart(self, dst: torch.Tensor, num_programs: int | None = None) -> None:
         """This pull in a launch of its own (pull_tokens) into dst, the A operand, over
@@ -338,6 +354,8 @@ class Pull:
         dst after this launch, in stream order. Pulls of one token-row buffer only."""
         if self.second_src is not None:
             raise ValueError("Pull.run_apart pulls one token-row buffer (second_src is set)")
+        if self.copied:
+            raise ValueError("Pull.run_apart: a copied pull's rows land by copies")
         pull_tokens(self.peer, src=self.src, dst=dst, weights=self.weights,
                     dst_weights=self.dst_weights, order=self.order, moving=self.moving,
                     ready=self.ready, phase=self.phase, publish_slot=self.publish_slot,
@@ -386,11 +404,18 @@ class Pull:
     def gluon_args(pull: Pull | None, fallback: torch.Tensor) -> tuple[tuple, tuple, dict]:
         """(pointers, scalars, constexprs) of a warp-specialized Gluon GEMM's pull (its pulling
         partition, mok.kernels.gluon_comm), in the kernels' order; dummies without a pull."""
-        if pull is None:
-            return ((fallback,) * 13, (0,) * 6, dict(
+        if pull is None or pull.copied:
+            constexprs = dict(
                 PULL=False, PULL_WEIGHTS=False, MINIBATCH=1, PULL_BLOCK_R=1, PULL_BLOCK_W=8,
                 PULL_K_PAD=1, PULL_ROW_ALIGN=1, PULL_WARPS=GLUON_PULL_WARPS,
-                PULL_REGS=GLUON_PULL_REGS))
+                PULL_REGS=GLUON_PULL_REGS, WAIT_ROWS=False)
+            if pull is None:
+                return (fallback,) * 13, (0,) * 6, constexprs
+            # A copied pull: the loader's waits alone (position, ready, seq, errors; phase,
+            # timeout).
+            scalars = (pull.phase, 0, 0, pull.peer.world_size, pull.peer.timeout, 0)
+            return ((fallback,) * 5 + pull._flag_pointers(), scalars,
+                    constexprs | dict(MINIBATCH=pull.minibatch, WAIT_ROWS=True))
         if pull.second_src is not None:
             raise ValueError("a Gluon GEMM's pull moves one token-row buffer (second_src is set)")
         peer = pull.peer
@@ -403,8 +428,7 @@ class Pull:
             PULL=True, PULL_WEIGHTS=pull.weights is not None, MINIBATCH=pull.minibatch,
             PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w, PULL_K_PAD=_k_pad(pull.topk),
             PULL_ROW_ALIGN=row_align(pull.src.element_size(), pull.src.stride(0)),
-            PULL_WARPS=GLUON_PULL_WARPS, PULL_REGS=GLUON_PULL_REGS)
-
+            PULL_WARPS=GLUON_PULL_WARPS, PULL_REGS=GLUON_PULL_REGS, WAIT_ROWS=False)
 
     @staticmethod
     def gluon_rows_args(pull: Pull | None, pulled: torch.Tensor | None,

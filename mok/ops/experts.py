@@ -160,7 +160,8 @@ def gate_up_swiglu(
     pull: x's rows come from the other ranks, pulled by this launch's first programs; where
     the Gluon kernel takes the launch (GemmTiles.gluon), by a launch of their own just before it
     over every SM or, with pull.in_gluon, by a partition of each of its programs while the tiles
-    run (mok.kernels.gluon_comm).
+    run (mok.kernels.gluon_comm). With pull.copied they land by copies outside the launch, its
+    tiles waiting on them.
     gate_up [C, 2I] (x's dtype): also receives the pre-activations [gate, up] of every row
     (see `gate_up_buffer`), for a backward that reads them instead of recomputing them; with a
     swiglu limit, a value the limit clamps is stored as +-inf.
@@ -170,7 +171,7 @@ def gate_up_swiglu(
     if gate_up is not None:
         _check_gate_up(gate_up, routing, intermediate)
     if tiles.gluon and h.shape[0] > 0 and _gluon_runs(x, w_gate, w_up, tiles):
-        if pull is not None and not pull.in_gluon:
+        if pull is not None and not (pull.in_gluon or pull.copied):
             pull.run_apart(x, _num_programs(x.device))
             pull = None
         _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up, pull)
@@ -251,7 +252,7 @@ def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    routing: Routing, tiles: GemmTiles, swiglu_limit: float | None,
                    h: torch.Tensor, gate_up: torch.Tensor | None, pull: Pull | None) -> None:
     """gate_up_swiglu by the warp-specialized Gluon kernel (mok.kernels.gluon_gate_up), which
-    pulls x's rows itself with a pull."""
+    pulls x's rows itself with a pull (or, copied, waits on them)."""
     experts, intermediate, hidden = w_gate.shape
     dtype = _GLUON_DTYPES[x.dtype]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
@@ -264,7 +265,8 @@ def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         up_desc = _gluon_descriptor(gate_up[:, intermediate:], [bm, bn], dtype)
     limit, has_limit = _limit_args(swiglu_limit)
     pull_ptrs, pull_scalars, pull_meta = Pull.gluon_args(pull, x)
-    load_warps, load_regs = ((_GLUON_LOAD_WARPS, _GLUON_LOAD_REGS) if pull is None
+    load_warps, load_regs = ((_GLUON_LOAD_WARPS, _GLUON_LOAD_REGS)
+                             if pull is None or pull.copied
                              else (_GLUON_PULL_LOAD_WARPS, _GLUON_PULL_LOAD_REGS))
     gluon_gate_up.gate_up_swiglu_ws_kernel[(_num_programs(x.device),)](
         x, w_gate_desc, w_up_desc, h_desc, gate_desc, up_desc, routing.row_route,
