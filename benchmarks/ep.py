@@ -558,8 +558,8 @@ def draw_chart(path: Path, rows: list[dict]) -> None:
     impls = list(dict.fromkeys(row["impl"] for row in rows))
     cells = {(str(row["ep"]), row["shape"], row["impl"], row["mode"]): row for row in rows}
     width = 0.8 / len(impls)
-    figure = Figure(figsize=(max(6.0, 2.2 * len(groups) + 2.0), 0.6 + 3.0 * len(CHART_MODES)),
-                    dpi=110)
+    figure = Figure(figsize=(max(6.0, 2.2 * len(groups) + 2.0, 0.45 * len(impls) * len(groups)),
+                             0.6 + 3.0 * len(CHART_MODES)), dpi=110)
     FigureCanvasAgg(figure)
     for panel, mode in enumerate(CHART_MODES):
         axes = figure.add_subplot(len(CHART_MODES), 1, panel + 1)
@@ -581,7 +581,7 @@ def draw_chart(path: Path, rows: list[dict]) -> None:
     from benchmarks import finish_chart
 
     finish_chart(figure, rows, len(impls), "MoE layer, expert parallelism, {gpu}, commit "
-                 "{commits}: ms, xN = time / compute-only time", path, max_cols=6)
+                 "{commits}: ms, xN = time / compute-only time", path, max_cols=4)
 
 
 def main(argv=None) -> None:
