@@ -211,15 +211,18 @@ class ExpertParallel:
         return x_group, weights_group, pull
 
     def forward_copy(self, peer: comm.PeerFlags, plan: ExchangePlan, x: torch.Tensor,
-                     router_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
+                     router_weights: torch.Tensor, *, block_m: int,
+                     ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
         """forward_pull with the rows moved by copies (MoKConfig.fwd_copy_rows): publish x and
         the router weights, wait for every rank's, then copy each rank's whole published x and
         router weights into the group's buffers (the other ranks' on a side stream, on a GPU the
         copy engines: no SM is taken from the GEMM), raising a flag per rank once its rows
         landed. The GEMM's tiles wait on the flags of their rows' ranks (the Pull is `copied`);
-        call `copies_joined` after its launch, before `pulled`. Every rank's rows move, T_max of
-        them, where the pull moves only the tokens with a route here (at qwen3-30b-a3b all but
-        a few in a thousand)."""
+        call `copies_joined` after its launch, before `pulled`. The GEMM takes its row blocks
+        (of block_m rows) in the order of `local_first` (the Pull's order), so the copies land
+        while the blocks of this rank's rows run. Every rank's rows move, T_max of them, where
+        the pull moves only the tokens with a route here (at qwen3-30b-a3b all but a few in a
+        thousand)."""
         tokens, world, routes = x.shape[0], self.world_size, self.routes_per_rank
         x_pub = self.x_pub(x.dtype)
         self.publish(peer, Phase.FORWARD, [
@@ -240,10 +243,23 @@ class ExpertParallel:
         self._copy(moves)
         pull = comm.Pull(
             dataclasses.replace(peer, seq=self._one), x_pub, self.buffer.deltas(x.dtype),
-            self.weights_pub, self.buffer.deltas(torch.float32), weights_group, plan.pull_order,
+            self.weights_pub, self.buffer.deltas(torch.float32), weights_group,
+            self.local_first(plan.group_routing, block_m),
             self._identity, plan.pull_moving, self._landed, 0, self.slots.pub(Phase.FORWARD),
             self.num_tokens, self.topk, 0, self.num_tokens, copied=True)
         return x_group, weights_group, pull
+
+    def local_first(self, routing: Routing, block_m: int) -> torch.Tensor:
+        """[C // block_m] int32 on the device: the schedule's row blocks, those whose rows all
+        come from this rank first, then those with other ranks' rows, then those past the used
+        rows (the GEMMs take the first used_rows // block_m); in schedule order within each."""
+        blocks = routing.row_route.shape[0] // block_m
+        route = routing.row_route[:blocks * block_m].view(blocks, block_m)
+        remote = ((route >= 0) & (route // self.routes_per_rank != self.rank)).any(dim=1)
+        used = (torch.arange(blocks, dtype=torch.int32, device=self.device)
+                < routing.used_rows // block_m)
+        key = torch.where(used, remote.to(torch.int32), 2)
+        return torch.sort(key, stable=True).indices.to(torch.int32)
 
     def _copy(self, moves: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
         """For each (rank, copies): the copies (dst <- src), then that rank's landed flag = 1.

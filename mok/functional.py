@@ -545,7 +545,8 @@ def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_
     peer = ep.peer_flags(schedule.workspace.error_flags)
     if config.fwd_copy_rows:
         x_group, weights_group, pull = ep.forward_copy(peer, schedule.exchange, x,
-                                                       router_weights)
+                                                       router_weights,
+                                                       block_m=pick(intermediate).block_m)
     else:
         x_group, weights_group, pull = ep.forward_pull(
             peer, schedule.exchange, x, router_weights, minibatch=config.minibatch_size,

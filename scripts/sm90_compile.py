@@ -335,7 +335,9 @@ def main(argv=None) -> None:
                  lambda tt: ops.gate_up_swiglu(x_group, w_g, w_u, routing, tt, None,
                                                pull=in_gluon)))
     # The Gluon gate/up waiting on rows copied beside it (MoKConfig.fwd_copy_rows).
-    copied = dataclasses.replace(pull(False), copied=True, num_programs=0, minibatch=tokens)
+    copied = dataclasses.replace(
+        pull(False), copied=True, num_programs=0, minibatch=tokens,
+        order=torch.zeros(routing.capacity_rows // gluon.block_m, **i32))
     runs.append(("gate_up EP copied gluon tma", gluon, lambda tt: ops.gate_up_swiglu(
         x_group, w_g, w_u, routing, tt, None, pull=copied)))
     runs.append(("gate_up saving EP copied gluon tma limit", gluon,

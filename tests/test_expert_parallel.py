@@ -170,11 +170,27 @@ def test_ep_copy_rows(rank, world_size):
     tiles = tiles_for_tests()
     copying = dataclasses.replace(SMALL_MINIBATCHES, fwd_copy_rows=True)
     y, grads, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8, tiles=tiles)
-    y_copied, grads_copied, _ = _run(workspace, copying, inputs, swiglu_limit=0.8, tiles=tiles)
+    y_copied, grads_copied, schedule = _run(workspace, copying, inputs, swiglu_limit=0.8,
+                                            tiles=tiles)
     F.check_errors(workspace)
     assert torch.equal(y, y_copied)
     _assert_equal_grads(grads, grads_copied)
     _check_against_reference(inputs, y_copied, grads_copied, 0.8)
+    # The gate/up takes its row blocks in ExpertParallel.local_first's order: a permutation,
+    # blocks of this rank's rows only, then those with another rank's rows, then the unused
+    # ones, each in schedule order.
+    routing = schedule.exchange.group_routing
+    block_m = tiles.pick("gate_up", inputs.w_routed_gate.shape[1], inputs.x.shape[1]).block_m
+    order = workspace.ep.local_first(routing, block_m).tolist()
+    blocks = routing.row_route.shape[0] // block_m
+    assert sorted(order) == list(range(blocks))
+    route = routing.row_route[:blocks * block_m].view(blocks, block_m).tolist()
+    used = int(routing.used_rows.reshape(-1)[0]) // block_m
+    routes_per_rank = MAX_TOKENS * inputs.topk_experts.shape[1]
+    keys = [2 if b >= used else int(any(r >= 0 and r // routes_per_rank != rank
+                                        for r in route[b])) for b in range(blocks)]
+    assert [(keys[b], b) for b in order] == sorted((keys[b], b) for b in range(blocks))
+    assert 0 in keys and 1 in keys  # the order is not the schedule's: both kinds present
 
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)

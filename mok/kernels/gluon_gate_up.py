@@ -62,6 +62,16 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _ordered_coords(tile, num_pid_m, num_pid_n, block_order_ptr, GROUP_M: gl.constexpr,
+                    BLOCK_ORDER: gl.constexpr):
+    """_tile_coords, the row blocks taken in block_order's order with BLOCK_ORDER."""
+    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    if BLOCK_ORDER:
+        pid_m = gl.load(block_order_ptr + pid_m)
+    return pid_m, pid_n
+
+
+@gluon.jit
 def _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  GROUP_M: gl.constexpr):
     """Tile index -> its first row and column (see _tile_coords)."""
@@ -96,15 +106,16 @@ def _tile_tokens(row_route_ptr, r0, topk, BLOCK_M: gl.constexpr, BLOCK_K: gl.con
 
 @gluon.jit
 def _load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
-                    used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K, topk, stride_xm,
-                    position_ptr, ready_ptr, seq_ptr, phase, timeout, error_ptr, world_size,
+                    used_rows_ptr, block_order_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
+                    N, K, topk, stride_xm, position_ptr, ready_ptr, seq_ptr, phase, timeout,
+                    error_ptr, world_size,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
                     LOAD_WARPS: gl.constexpr, PULL: gl.constexpr, MINIBATCH: gl.constexpr,
-                    WAIT_ROWS: gl.constexpr):
+                    WAIT_ROWS: gl.constexpr, BLOCK_ORDER: gl.constexpr):
     """Fills the ring: weight tiles by TMA, gathered x rows by cp.async (with PULL once the
     tile's tokens have landed, with WAIT_ROWS once its rows' ranks' copies have, see
-    mok.kernels.gluon_comm)."""
+    mok.kernels.gluon_comm). BLOCK_ORDER: row blocks in block_order's order."""
     w_bytes: gl.constexpr = 2 * w_gate_desc.block_type.nbytes
 
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
@@ -112,7 +123,8 @@ def _load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_p
     i = 0
     landed = num_tiles - num_tiles  # WAIT_ROWS: a bit per rank whose rows were seen landed
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = _ordered_coords(tile, num_pid_m, num_pid_n, block_order_ptr, GROUP_M,
+                                       BLOCK_ORDER)
         r0 = pid_m * BLOCK_M
         expert = gl.load(block_expert_ptr + r0 // ALIGN)
         token, a_mask, cols = _tile_tokens(row_route_ptr, r0, topk, BLOCK_M, BLOCK_K,
@@ -153,10 +165,10 @@ def _put(desc, value, r0, c0, c_smem):
 
 @gluon.jit
 def _mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
-                   used_rows_ptr, N, K, swiglu_limit,
+                   used_rows_ptr, block_order_ptr, N, K, swiglu_limit,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                   SAVE_GATE_UP: gl.constexpr):
+                   SAVE_GATE_UP: gl.constexpr, BLOCK_ORDER: gl.constexpr):
     """wgmma over the ring, then the SwiGLU epilogue and the TMA stores."""
     num_warps: gl.constexpr = gl.num_warps()
     # One [BLOCK_M, 2 * BLOCK_N] accumulator (gate columns, then up): one wgmma of
@@ -170,7 +182,8 @@ def _mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars, empty
     k_steps = K // BLOCK_K
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = _ordered_coords(tile, num_pid_m, num_pid_n, block_order_ptr, GROUP_M,
+                                       BLOCK_ORDER)
         acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, acc_layout)
         for kk in range(k_steps):
             s = i % NUM_STAGES
@@ -242,7 +255,8 @@ def gate_up_swiglu_ws_kernel(
     kernels' pull, mok.ops.comm.Pull), the loader gathering a tile's rows once they landed.
     WAIT_ROWS (without PULL): the rows land by copies outside the kernel (copy engines, see
     mok.expert_parallel.ExpertParallel.forward_copy), a flag per rank, which the loader waits on
-    (mok.kernels.gluon_comm.wait_ranks_landed)."""
+    (mok.kernels.gluon_comm.wait_ranks_landed); the row blocks are taken in the order of
+    pull_order_ptr (those of this rank's rows first, so the copies land while they run)."""
     dtype: gl.constexpr = w_gate_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K],
@@ -259,15 +273,15 @@ def gate_up_swiglu_ws_kernel(
     if PULL:
         gl.warp_specialize([
             (_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,
-                              empty_bars, c_smem, used_rows_ptr, N, K,
+                              empty_bars, c_smem, used_rows_ptr, pull_order_ptr, N, K,
                               swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES,
-                              HAS_LIMIT, SAVE_GATE_UP)),
+                              HAS_LIMIT, SAVE_GATE_UP, False)),
             (_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
-                               used_rows_ptr, a_bufs, b_bufs, ready_bars,
+                               used_rows_ptr, pull_order_ptr, a_bufs, b_bufs, ready_bars,
                                empty_bars, N, K, topk, stride_xm, pull_position_ptr,
                                ready_ptr, seq_ptr, phase, timeout, error_ptr, world_size,
                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                               LOAD_WARPS, True, MINIBATCH, False)),
+                               LOAD_WARPS, True, MINIBATCH, False, False)),
             (pull_partition, (pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr,
                               x_ptr, pull_dst_w_ptr, pull_order_ptr, pull_moving_ptr,
                               ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr, phase,
@@ -278,13 +292,13 @@ def gate_up_swiglu_ws_kernel(
     else:
         gl.warp_specialize([
             (_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,
-                              empty_bars, c_smem, used_rows_ptr, N, K,
+                              empty_bars, c_smem, used_rows_ptr, pull_order_ptr, N, K,
                               swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES,
-                              HAS_LIMIT, SAVE_GATE_UP)),
+                              HAS_LIMIT, SAVE_GATE_UP, WAIT_ROWS)),
             (_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
-                               used_rows_ptr, a_bufs, b_bufs, ready_bars,
+                               used_rows_ptr, pull_order_ptr, a_bufs, b_bufs, ready_bars,
                                empty_bars, N, K, topk, stride_xm, pull_position_ptr,
                                ready_ptr, seq_ptr, phase, timeout, error_ptr, world_size,
                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                               LOAD_WARPS, False, MINIBATCH, WAIT_ROWS)),
+                               LOAD_WARPS, False, MINIBATCH, WAIT_ROWS, WAIT_ROWS)),
         ], [LOAD_WARPS], [LOAD_REGS])

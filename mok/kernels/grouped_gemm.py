@@ -244,11 +244,13 @@ def gate_up_swiglu_kernel(
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
     PULL_K_PAD: tl.constexpr, PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_ORDER: tl.constexpr,
 ):
     """h[row, n] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, K], w [E, N, K].
 
-    With PULL, x's rows are pulled from the other ranks by the launch's first programs. W_TMA:
+    With PULL, x's rows are pulled from the other ranks by the launch's first programs (none
+    when they are copied beside it, mok.ops.comm.Pull.copied). BLOCK_ORDER: the row blocks are
+    taken in the order of pull_order_ptr (a copied pull's: this rank's rows first). W_TMA:
     w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module docstring).
     SAVE_GATE_UP: the pre-activations go to gate_up[row] = [gate, up] too (columns [0, N) and
     [N, 2N)), for a backward that reads them instead of recomputing them. ROWS_TMA: h_ptr and
@@ -274,6 +276,8 @@ def gate_up_swiglu_kernel(
         while tile < end:
             next_tile = _next_tile(tile, step, tile_counter_ptr, DYNAMIC)  # taken ahead
             pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+            if BLOCK_ORDER:
+                pid_m = tl.load(pull_order_ptr + pid_m)
             _gate_up_tile(
                 x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
                 ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N,
@@ -285,6 +289,8 @@ def gate_up_swiglu_kernel(
     else:
         for tile in tl.range(first, end, step, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+            if BLOCK_ORDER:
+                pid_m = tl.load(pull_order_ptr + pid_m)
             _gate_up_tile(
                 x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
                 ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N,

@@ -170,6 +170,9 @@ def gate_up_swiglu(
     h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
     if gate_up is not None:
         _check_gate_up(gate_up, routing, intermediate)
+    if pull is not None and pull.copied and pull.order.shape[0] != h.shape[0] // tiles.block_m:
+        raise ValueError(f"a copied pull's block order has {pull.order.shape[0]} row blocks, the "
+                         f"schedule {h.shape[0] // tiles.block_m} of {tiles.block_m} rows")
     if tiles.gluon and h.shape[0] > 0 and _gluon_runs(x, w_gate, w_up, tiles):
         if pull is not None and not (pull.in_gluon or pull.copied):
             pull.run_apart(x, _num_programs(x.device))
@@ -194,7 +197,7 @@ def gate_up_swiglu(
         gate_up.stride(0) if gate_up is not None else 0,
         limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=tma,
         SAVE_GATE_UP=gate_up is not None, ROWS_TMA=rows_tma, DYNAMIC=dynamic, **pull_meta,
-        **_gemm_meta(tiles),
+        BLOCK_ORDER=pull is not None and pull.copied, **_gemm_meta(tiles),
     )
     return h
 
