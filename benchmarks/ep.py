@@ -241,7 +241,7 @@ def max_error(y, grads, inputs, group):
 
 def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, peer_timeout_s,
                profile=False, keep_gate_up=False, host_ahead=False, gluon_pull=False,
-               minibatch=None, copy_rows=False):
+               minibatch=None, copy_rows=False, copy_bwd_rows=False):
     import mok.functional as F
     from benchmarks.layer import BENCH_SHAPES
     from mok.testing import make_inputs
@@ -253,12 +253,13 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
     config = F.MoKConfig(fwd_num_comm_sms=comm_sms, bwd_num_comm_sms=comm_sms,
                          peer_timeout_s=peer_timeout_s, recompute_gate_up=not keep_gate_up,
                          fwd_pull_in_gluon=gluon_pull, fwd_copy_rows=copy_rows,
+                         bwd_copy_rows=copy_bwd_rows,
                          minibatch_size=minibatch or F.MoKConfig().minibatch_size)
     kept = "_kept" if keep_gate_up else ""  # mok's rows: mok_kept, compute_only_kept
-    # and mok_gpull, mok_kept_gpull with --gluon-pull, _copy with --copy-rows, +mbN with
-    # --minibatch N
+    # and mok_gpull, mok_kept_gpull with --gluon-pull, _copy with --copy-rows, _bcopy with
+    # --copy-bwd-rows, +mbN with --minibatch N
     mine = (kept + ("_gpull" if gluon_pull else "") + ("_copy" if copy_rows else "")
-            + (f"+mb{minibatch}" if minibatch else ""))
+            + ("_bcopy" if copy_bwd_rows else "") + (f"+mb{minibatch}" if minibatch else ""))
     rows = []
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)"
     date = datetime.datetime.now().isoformat(timespec="seconds")
@@ -617,6 +618,9 @@ def main(argv=None) -> None:
     parser.add_argument("--copy-rows", action="store_true",
                         help="MoKConfig(fwd_copy_rows=True): the forward's rows move by copies "
                              "beside the gate/up GEMM; rows named mok_copy")
+    parser.add_argument("--copy-bwd-rows", action="store_true",
+                        help="MoKConfig(bwd_copy_rows=True): the backward's rows move by copies "
+                             "beside the dSwiGLU (the Gluon kernel); rows named mok_bcopy")
     parser.add_argument("--minibatch", type=int, default=None,
                         help="MoKConfig.minibatch_size; mok's rows get +mbN")
     parser.add_argument("--timeout", type=float, default=900.0)
@@ -655,7 +659,8 @@ def main(argv=None) -> None:
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
                               args.comm_sms, args.peer_timeout, args.profile, args.keep_gate_up,
                               args.host_ahead, args.gluon_pull, args.minibatch,
-                              args.copy_rows, backend="nccl" if cuda else "gloo",
+                              args.copy_rows, args.copy_bwd_rows,
+                              backend="nccl" if cuda else "gloo",
                               timeout_s=args.timeout)
     rows = results[0]
     append_rows(args.csv, CSV_FIELDS, rows)

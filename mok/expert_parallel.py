@@ -261,19 +261,25 @@ class ExpertParallel:
         key = torch.where(used, remote.to(torch.int32), 2)
         return torch.sort(key, stable=True).indices.to(torch.int32)
 
-    def _copy(self, moves: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
-        """For each (rank, copies): the copies (dst <- src), then that rank's landed flag = 1.
-        On a GPU this rank's own copies run on the current stream (a copy within one GPU may run
-        as a kernel, which would need an SM the GEMM's spinning tiles hold) and the other ranks'
-        on the side stream (the copy engines), each flag written by the stream itself
+    def _copy(self, moves: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]],
+              unflagged: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = ()) -> None:
+        """For each (rank, copies) of `moves`: the copies (dst <- src), then that rank's landed
+        flag = 1; then the copies of `unflagged` (for launches after copies_joined). On a GPU
+        this rank's own copies run on the current stream (a copy within one GPU may run as a
+        kernel, which would need an SM the GEMM's spinning tiles hold) and the other ranks' on
+        the side stream (the copy engines), each flag written by the stream itself
         (cuStreamWriteValue32: no kernel). Under CUDA-graph capture the flags are memsets and
         the GEMM waits for the copies to end (copies_joined joins before it)."""
         stream = self._copy_stream
-        local = [move for move in moves if move[0] == self.rank]
-        for p, copies in (moves if stream is None else local):
-            for dst, src in copies:
-                dst.copy_(src)
-            self._landed[p:p + 1].fill_(1)
+        for p, copies in moves:
+            if stream is None or p == self.rank:
+                for dst, src in copies:
+                    dst.copy_(src)
+                self._landed[p:p + 1].fill_(1)
+        for p, copies in unflagged:
+            if stream is None or p == self.rank:
+                for dst, src in copies:
+                    dst.copy_(src)
         if stream is None:
             return
         from torch._C._distributed_c10d import _SymmetricMemory
@@ -291,6 +297,10 @@ class ExpertParallel:
                     _SymmetricMemory.memset32(landed, offset=2 * p, val=1, count=1)
                 else:
                     _SymmetricMemory.stream_write_value32(landed, 2 * p, 1)
+            for p, copies in unflagged:
+                if p != self.rank:
+                    for dst, src in copies:
+                        dst.copy_(src)
         self._copies_pending = True
         if capturing:
             self.copies_joined()
@@ -300,6 +310,41 @@ class ExpertParallel:
         if self._copies_pending:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
             self._copies_pending = False
+
+    def backward_copy(self, peer: comm.PeerFlags, plan: ExchangePlan, d_output: torch.Tensor,
+                      x: torch.Tensor, *, block_m: int, kept: bool,
+                      ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull]:
+        """backward_pull with the rows moved by copies (MoKConfig.bwd_copy_rows), as
+        forward_copy: publish d_output and x, wait for every rank's, copy each rank's whole
+        published d_output and x (kept: x after every rank's d_output and unflagged, for the
+        weight gradients alone) into the group's buffers, the flags raised as a rank's rows the
+        first GEMM reads landed. Returns (d_output and x of the group's tokens, the copied pull
+        for the first GEMM, whose row blocks of block_m rows run local first); call
+        `copies_joined` before a launch that reads x when kept, and before `pulled`."""
+        tokens, world, per_rank = x.shape[0], self.world_size, self.num_tokens
+        dy_pub, x_pub = self.dy_pub(d_output.dtype), self.x_pub(x.dtype)
+        self.publish(peer, Phase.BACKWARD, [(dy_pub[:tokens], d_output), (x_pub[:tokens], x)])
+        comm.wait_peers(peer, Phase.BACKWARD, self.slots.pub(Phase.BACKWARD), remote=True)
+        dy_group = torch.empty(world * per_rank, d_output.shape[1], dtype=d_output.dtype,
+                               device=self.device)
+        x_group = torch.empty(world * per_rank, x.shape[1], dtype=x.dtype, device=self.device)
+        self._landed.zero_()
+        moves, unflagged = [], []
+        for step in range(world):
+            p = (self.rank + step) % world
+            rows = slice(p * per_rank, (p + 1) * per_rank)
+            x_copy = (x_group[rows], self.buffer.peer_view(x_pub, p))
+            moves.append((p, [(dy_group[rows], self.buffer.peer_view(dy_pub, p))]
+                          + ([] if kept else [x_copy])))
+            if kept:
+                unflagged.append((p, [x_copy]))
+        self._copy(moves, unflagged)
+        pull = comm.Pull(
+            dataclasses.replace(peer, seq=self._one), dy_pub, self.buffer.deltas(dy_pub.dtype),
+            None, None, None, self.local_first(plan.group_routing, block_m), self._identity,
+            plan.pull_moving, self._landed, 0, self.slots.pub(Phase.BACKWARD), per_rank,
+            self.topk, 0, per_rank, copied=True)
+        return dy_group, x_group, pull
 
     def backward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, d_output: torch.Tensor,
                       x: torch.Tensor, *, minibatch: int, num_programs: int,

@@ -82,8 +82,10 @@ class MoKConfig:
         copies of every rank's whole published buffers on a side stream (on a GPU the copy
         engines, which take no SM from the GEMMs), a flag per rank raised as its rows land,
         while the gate/up GEMM runs; its tiles wait on their rows' ranks
-        (mok.expert_parallel.ExpertParallel.forward_copy). Moves T_max rows a rank where the
-        pull moves those with a route here.
+        (mok.expert_parallel.ExpertParallel.forward_copy), taking the blocks of local rows first.
+        Moves T_max rows a rank where the pull moves those with a route here.
+    bwd_copy_rows: the same for the backward's d_output and x rows (ExpertParallel.
+        backward_copy), which lets the Gluon dSwiGLU kernel take its first GEMM.
     """
 
     fwd_num_comm_sms: int = 32
@@ -95,6 +97,7 @@ class MoKConfig:
     recompute_gate_up: bool = True
     fwd_pull_in_gluon: bool = False
     fwd_copy_rows: bool = False
+    bwd_copy_rows: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
@@ -818,16 +821,26 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     pick = schedule.tiles.pick
     routing = schedule.routing
     kept = context.gate_up is not None  # x is read by the weight gradients alone
-    dy_group, x_group, pull, x_pull = ep.backward_pull(
-        peer, plan, d_output, x, minibatch=config.minibatch_size,
-        num_programs=config.bwd_num_comm_sms, defer_x=kept)
+    down_bwd_kind = _down_bwd_kind(context.gate_up)
+    if config.bwd_copy_rows:
+        # The rows come by copies beside the dSwiGLU, which waits on them: the Gluon kernel
+        # where the table says so.
+        down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden)
+        dy_group, x_group, pull = ep.backward_copy(peer, plan, d_output, x,
+                                                   block_m=down_bwd_tiles.block_m, kept=kept)
+        x_pull = None
+    else:
+        # The dSwiGLU pulls rows its tiles wait on: the Triton kernel runs it, on the table's
+        # Triton tiles.
+        down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden, triton=True)
+        dy_group, x_group, pull, x_pull = ep.backward_pull(
+            peer, plan, d_output, x, minibatch=config.minibatch_size,
+            num_programs=config.bwd_num_comm_sms, defer_x=kept)
     h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
-    # The dSwiGLU pulls rows its tiles wait on: the Triton kernel runs it, on the table's
-    # Triton tiles. d_x scatters its rows (and with kept pre-activations pulls x for the weight
-    # gradients, no tile waiting on it): the Gluon kernel where the table says so.
+    # d_x scatters its rows (and with kept pre-activations, unless they were copied, pulls x for
+    # the weight gradients, no tile waiting on it): the Gluon kernel where the table says so.
     d_gate_up, partial = ops.down_bwd_dswiglu(
-        dy_group, x_group, w_down, w_gate, w_up, h, routing,
-        pick(_down_bwd_kind(context.gate_up), intermediate, hidden, triton=True),
+        dy_group, x_group, w_down, w_gate, w_up, h, routing, down_bwd_tiles,
         context.weights_group, swiglu_limit, pull=pull, gate_up=context.gate_up, h_out=h_out)
     # Router-weight gradients by route of the group, each sent to its token's rank.
     by_route = ops.router_grad(partial, routing)
@@ -836,8 +849,9 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     ops.d_x_rows(d_gate_up, w_gate, w_up, routing,
                  pick("d_x", hidden, intermediate),
                  scatter=ep.scatter_rows(plan, dtype), pull=x_pull,
-                 pulled=x_group if kept else None)
-    ep.pulled(peer, Phase.BACKWARD)  # after every pull of the phase
+                 pulled=x_group if x_pull is not None else None)
+    ep.copies_joined()
+    ep.pulled(peer, Phase.BACKWARD)  # after every pull (or copy) of the phase
     ep.clear_dropped(peer, plan, rows_dtype=dtype, values=True)
     ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
     # The weight gradients as on one GPU, over the pulled tokens of the group.

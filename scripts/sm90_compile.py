@@ -343,6 +343,15 @@ def main(argv=None) -> None:
     runs.append(("gate_up saving EP copied gluon tma limit", gluon,
                  lambda tt: ops.gate_up_swiglu(x_group, w_g, w_u, routing, tt, 7.0, pull=copied,
                                                gate_up=dgu)))
+    # The Gluon dSwiGLU waiting on rows copied beside it (MoKConfig.bwd_copy_rows).
+    for label, tt, kept in (("down_bwd EP copied gluon tma", recompute_gluon, False),
+                            ("down_bwd saved EP copied gluon tma", kept_gluon, True)):
+        copied_bwd = dataclasses.replace(
+            pull(False, weights=False), copied=True, num_programs=0, minibatch=tokens,
+            order=torch.zeros(routing.capacity_rows // tt.block_m, **i32))
+        runs.append((label, tt, lambda tt, kept=kept, pull=copied_bwd: ops.down_bwd_dswiglu(
+            d_out, x_group, w_d, w_g, w_u, h, routing, tt, rw, 7.0, pull=pull,
+            gate_up=dgu if kept else None, h_out=kept)))
     # The Gluon down and d_x scattering their rows to the tokens' ranks (expert parallelism).
     scatter = comm.ScatterRows(torch.empty(tokens * k, hid, **bf16), torch.empty(2, **i64),
                                routing.row_route, tokens * k)

@@ -11,18 +11,21 @@ from mok.testing.tolerance import TOLERANCES
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark")
-@pytest.mark.parametrize(("world_size", "kept"), [(2, ""), (2, "_kept"), (4, ""), (8, "")],
-                         ids=["ep2", "ep2_kept_gate_up", "ep4", "ep8"])
-def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, world_size, kept):
+@pytest.mark.parametrize(("world_size", "kept", "copied"),
+                         [(2, "", ""), (2, "_kept", ""), (2, "", "_copy_bcopy"), (4, "", ""),
+                          (8, "", "")],
+                         ids=["ep2", "ep2_kept_gate_up", "ep2_copied_rows", "ep4", "ep8"])
+def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, world_size, kept, copied):
     # At 4 and 8 ranks the tiny shape has one expert a rank (top-2): its compute-only run takes
     # one route per token over twice the tokens.
     path = tmp_path / "ep.csv"
     ep.main(["--ep", str(world_size), "--csv", str(path), "--iters", "1", "--warmup", "0",
-             *(["--keep-gate-up"] if kept else [])])
+             *(["--keep-gate-up"] if kept else []),
+             *(["--copy-rows", "--copy-bwd-rows"] if copied else [])])
     rows = list(csv.DictReader(path.open()))
     assert set(rows[0]) == set(ep.CSV_FIELDS)
     by_key = {(row["impl"], row["mode"]): row for row in rows}
-    mok_name, compute_name = f"mok{kept}", f"compute_only{kept}"
+    mok_name, compute_name = f"mok{kept}{copied}", f"compute_only{kept}"
     expected = {(compute_name, "forward"), (compute_name, "forward+backward"),
                 (mok_name, "forward"), (mok_name, "forward+backward"), (mok_name, "dispatch"),
                 (mok_name, "down_scatter"), (mok_name, "down_local")}

@@ -156,20 +156,21 @@ def test_ep_kept_gate_up(rank, world_size):
                             pattern=RoutingPattern.RANDOM, config=config)
 
 
-@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
-def test_ep_copy_rows(rank, world_size):
-    # MoKConfig.fwd_copy_rows: the forward's rows come by copies of every rank's published x and
-    # router weights (on a side stream on a GPU), the gate/up tiles waiting on a flag per rank;
-    # ranks with different token counts (the rows past a rank's count are copied, never read).
-    # Bitwise the forward whose GEMM pulls its rows, and against the reference.
+def _copy_rows_body(rank, world_size, *, kept):
+    """MoKConfig.fwd_copy_rows and bwd_copy_rows: the rows come by copies of every rank's
+    published x and router weights, d_output and x (on a side stream on a GPU), the first GEMMs'
+    tiles waiting on a flag per rank, their row blocks local first; ranks with different token
+    counts (the rows past a rank's count are copied, never read). Bitwise the layer whose GEMMs
+    pull their rows, and against the reference."""
     inputs = _rank_inputs(rank, world_size, tokens=MAX_TOKENS - 5 * rank, shared=16,
                           pattern=RoutingPattern.RANDOM, seed=6)
     workspace = F.create_workspace(SMALL_MINIBATCHES, dist.group.WORLD, device=inputs.x.device,
                                    num_local_tokens=MAX_TOKENS, hidden_size=inputs.x.shape[1],
                                    topk=inputs.topk_experts.shape[1])
     tiles = tiles_for_tests()
-    copying = dataclasses.replace(SMALL_MINIBATCHES, fwd_copy_rows=True)
-    y, grads, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8, tiles=tiles)
+    pulling = dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=not kept)
+    copying = dataclasses.replace(pulling, fwd_copy_rows=True, bwd_copy_rows=True)
+    y, grads, _ = _run(workspace, pulling, inputs, swiglu_limit=0.8, tiles=tiles)
     y_copied, grads_copied, schedule = _run(workspace, copying, inputs, swiglu_limit=0.8,
                                             tiles=tiles)
     F.check_errors(workspace)
@@ -191,6 +192,18 @@ def test_ep_copy_rows(rank, world_size):
                                         for r in route[b])) for b in range(blocks)]
     assert [(keys[b], b) for b in order] == sorted((keys[b], b) for b in range(blocks))
     assert 0 in keys and 1 in keys  # the order is not the schedule's: both kinds present
+
+
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
+def test_ep_copy_rows(rank, world_size):
+    _copy_rows_body(rank, world_size, kept=False)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_copy_rows_kept(rank, world_size):
+    # Kept pre-activations: the backward's first GEMM waits on d_output's copies alone, x's
+    # come after them, for the weight gradients.
+    _copy_rows_body(rank, world_size, kept=True)
 
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
@@ -651,10 +664,19 @@ def test_ep_gluon_pulling_no_host_sync_and_cuda_graph(rank, world_size):
 @pytest.mark.gpu
 @distributed_test(world_sizes=(2,))
 def test_ep_gluon_copy_rows_no_host_sync_and_cuda_graph(rank, world_size):
-    # The same with MoKConfig.fwd_copy_rows: the copies run on a side stream (the copy
-    # engines), their flags raised by the stream (memsets under capture, where the GEMM waits
-    # for the copies), the Gluon gate/up's loader waiting on them.
-    _graph_body(rank, world_size, tiles=_gluon_tiles(), config=F.MoKConfig(fwd_copy_rows=True))
+    # The same with MoKConfig.fwd_copy_rows and bwd_copy_rows: the copies run on a side stream
+    # (the copy engines), their flags raised by the stream (memsets under capture, where the
+    # GEMMs wait for the copies), the Gluon gate/up's and dSwiGLU's loaders waiting on them.
+    _graph_body(rank, world_size, tiles=_gluon_tiles(),
+                config=F.MoKConfig(fwd_copy_rows=True, bwd_copy_rows=True))
+
+
+@pytest.mark.gpu
+@distributed_test(world_sizes=(2,))
+def test_ep_gluon_kept_copy_rows_no_host_sync_and_cuda_graph(rank, world_size):
+    _graph_body(rank, world_size, tiles=_gluon_tiles(),
+                config=F.MoKConfig(fwd_copy_rows=True, bwd_copy_rows=True,
+                                   recompute_gate_up=False))
 
 
 def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES):

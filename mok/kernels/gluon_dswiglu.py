@@ -66,10 +66,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mok.kernels.gluon_comm import wait_ranks_landed
 from mok.kernels.gluon_gate_up import (
+    _ordered_coords,
     _put,
-    _tile_coords,
-    _tile_corner,
     _tile_grid,
     _tile_tokens,
 )
@@ -78,11 +78,15 @@ from mok.kernels.gluon_gate_up import (
 @gluon.jit
 def _load_partition(d_out_ptr, x_ptr, w_down_desc, w_gate_desc, w_up_desc, row_route_ptr,
                     block_expert_ptr, used_rows_ptr, a_bufs, x_bufs, bd_bufs, bgu_bufs,
-                    ready_bars, empty_bars, N, K, topk, stride_dm, stride_xm,
+                    ready_bars, empty_bars, N, K, topk, stride_dm, stride_xm, block_order_ptr,
+                    ready_ptr, seq_ptr, phase, timeout, error_ptr, world_size,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    LOAD_WARPS: gl.constexpr, SAVED_GATE_UP: gl.constexpr):
-    """Fills the ring: weight tiles by TMA, gathered d_out (and x) rows by cp.async."""
+                    LOAD_WARPS: gl.constexpr, SAVED_GATE_UP: gl.constexpr,
+                    WAIT_ROWS: gl.constexpr, TOKENS_PER_RANK: gl.constexpr):
+    """Fills the ring: weight tiles by TMA, gathered d_out (and x) rows by cp.async (with
+    WAIT_ROWS once the copies of its rows' ranks have landed, the row blocks in block_order's
+    order: see mok.kernels.gluon_gate_up)."""
     if SAVED_GATE_UP:
         w_bytes: gl.constexpr = w_down_desc.block_type.nbytes
     else:
@@ -91,8 +95,12 @@ def _load_partition(d_out_ptr, x_ptr, w_down_desc, w_gate_desc, w_up_desc, row_r
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     k_steps = K // BLOCK_K
     i = 0
+    landed = num_tiles - num_tiles  # WAIT_ROWS: a bit per rank whose rows were seen landed
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = _ordered_coords(tile, num_pid_m, num_pid_n, block_order_ptr, GROUP_M,
+                                       WAIT_ROWS)
+        r0 = pid_m * BLOCK_M
+        c0 = pid_n * BLOCK_N
         expert = gl.load(block_expert_ptr + r0 // ALIGN)
         token, a_mask, cols = _tile_tokens(row_route_ptr, r0, topk, BLOCK_M, BLOCK_K,
                                            LOAD_WARPS)
@@ -103,6 +111,10 @@ def _load_partition(d_out_ptr, x_ptr, w_down_desc, w_gate_desc, w_up_desc, row_r
         # w_gate and w_up viewed [E * N, K]: rows past the expert's N reach only columns >= N
         wd_row = expert * K
         w_row = expert * N + c0
+        if WAIT_ROWS:
+            landed = wait_ranks_landed(row_route_ptr, r0, topk, ready_ptr, seq_ptr, phase,
+                                       timeout, error_ptr, landed, world_size, BLOCK_M,
+                                       TOKENS_PER_RANK, LOAD_WARPS)
         for kk in range(k_steps):
             s = i % NUM_STAGES
             mbarrier.wait(empty_bars.index(s), ((i // NUM_STAGES) & 1) ^ 1)
@@ -179,13 +191,13 @@ def _dswiglu_slice(dh0, gate, up, weight, in_smem, j, r0, c0, h_desc, d_gate_des
 @gluon.jit
 def _mma_partition(h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs, x_bufs, bd_bufs,
                    bgu_bufs, in_smem, c_smem, ready_bars, empty_bars, epi_bar, turn_bars,
-                   router_weights_ptr, d_weight_partial_ptr, row_route_ptr, used_rows_ptr, N, K,
-                   stride_pm, swiglu_limit,
+                   router_weights_ptr, d_weight_partial_ptr, row_route_ptr, used_rows_ptr,
+                   block_order_ptr, N, K, stride_pm, swiglu_limit,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
                    HAS_LIMIT: gl.constexpr, HAS_WEIGHT: gl.constexpr,
                    SAVED_GATE_UP: gl.constexpr, CONSUMER: gl.constexpr,
-                   NUM_CONSUMERS: gl.constexpr):
+                   NUM_CONSUMERS: gl.constexpr, BLOCK_ORDER: gl.constexpr):
     """wgmma over the ring, then the dSwiGLU epilogue, the TMA stores and the partial sums, for
     the CTA's tiles CONSUMER, CONSUMER + NUM_CONSUMERS, ... (its own epilogue buffers)."""
     num_warps: gl.constexpr = BLOCK_M // 16  # a warpgroup per 64 rows
@@ -213,7 +225,8 @@ def _mma_partition(h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs, x
     t = 0
     first = gl.program_id(0) + CONSUMER * gl.num_programs(0)
     for tile in range(first, num_tiles, NUM_CONSUMERS * gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = _ordered_coords(tile, num_pid_m, num_pid_n, block_order_ptr, GROUP_M,
+                                       BLOCK_ORDER)
         r0 = pid_m * BLOCK_M
         c0 = pid_n * BLOCK_N
         if NUM_IN > 0:  # land during the K loop
@@ -309,11 +322,13 @@ def down_bwd_dswiglu_ws_kernel(
     d_out_ptr, x_ptr, w_down_desc, w_gate_desc, w_up_desc, h_desc, gate_desc, up_desc,
     d_gate_desc, d_up_desc, router_weights_ptr, d_weight_partial_ptr, row_route_ptr,
     block_expert_ptr, used_rows_ptr, N, K, topk, stride_dm, stride_xm, stride_pm, swiglu_limit,
+    block_order_ptr, ready_ptr, seq_ptr, phase, error_ptr, timeout, world_size,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, HAS_LIMIT: gl.constexpr,
     HAS_WEIGHT: gl.constexpr, SAVED_GATE_UP: gl.constexpr, A_LAYOUT: gl.constexpr,
-    PINGPONG: gl.constexpr, MMA_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr, MMA_REGS: gl.constexpr, WAIT_ROWS: gl.constexpr,
+    TOKENS_PER_RANK: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = BLOCK_M // 16 (a warpgroup per 64 rows)
     in the default partition, LOAD_WARPS more for the loader (LOAD_REGS registers each).
@@ -325,7 +340,11 @@ def down_bwd_dswiglu_ws_kernel(
     BLOCK_N)] (both unused without HAS_WEIGHT). x_ptr is read only recomputing.
     PINGPONG: a second MMA partition (a worker of BLOCK_M // 16 warps, MMA_REGS registers each)
     with epilogue buffers of its own takes every other tile of the CTA; the two take turns at
-    their K loops (turn barriers), so one's epilogue runs during the other's K loop."""
+    their K loops (turn barriers), so one's epilogue runs during the other's K loop.
+    WAIT_ROWS (expert parallelism, mok.ops.comm.Pull.copied): d_out's (and x's) rows of the
+    group's tokens [P * TOKENS_PER_RANK, K] land by copies beside the kernel, ready[p] >=
+    seq[phase] once rank p's have; the loader waits on its tiles' ranks, and the row blocks are
+    taken in block_order's order (mok.kernels.gluon_gate_up, WAIT_ROWS)."""
     dtype: gl.constexpr = w_down_desc.dtype
     WIDTH: gl.constexpr = BLOCK_N // EPI_SPLIT
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
@@ -376,35 +395,39 @@ def down_bwd_dswiglu_ws_kernel(
             (_mma_partition, (h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs,
                               x_bufs, bd_bufs, bgu_bufs, in_smem, c_smem, ready_bars,
                               empty_bars, epi_bar, turn_bars, router_weights_ptr,
-                              d_weight_partial_ptr, row_route_ptr, used_rows_ptr, N, K,
-                              stride_pm, swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                              NUM_STAGES, EPI_SPLIT, HAS_LIMIT, HAS_WEIGHT, SAVED_GATE_UP, 0,
-                              NUM_CONSUMERS)),
+                              d_weight_partial_ptr, row_route_ptr, used_rows_ptr,
+                              block_order_ptr, N, K, stride_pm, swiglu_limit, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M, NUM_STAGES, EPI_SPLIT, HAS_LIMIT, HAS_WEIGHT,
+                              SAVED_GATE_UP, 0, NUM_CONSUMERS, WAIT_ROWS)),
             (_mma_partition, (h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs,
                               x_bufs, bd_bufs, bgu_bufs, in_smem2, c_smem2, ready_bars,
                               empty_bars, epi_bar2, turn_bars, router_weights_ptr,
-                              d_weight_partial_ptr, row_route_ptr, used_rows_ptr, N, K,
-                              stride_pm, swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                              NUM_STAGES, EPI_SPLIT, HAS_LIMIT, HAS_WEIGHT, SAVED_GATE_UP, 1,
-                              NUM_CONSUMERS)),
+                              d_weight_partial_ptr, row_route_ptr, used_rows_ptr,
+                              block_order_ptr, N, K, stride_pm, swiglu_limit, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M, NUM_STAGES, EPI_SPLIT, HAS_LIMIT, HAS_WEIGHT,
+                              SAVED_GATE_UP, 1, NUM_CONSUMERS, WAIT_ROWS)),
             (_load_partition, (d_out_ptr, x_ptr, w_down_desc, w_gate_desc, w_up_desc,
                                row_route_ptr, block_expert_ptr, used_rows_ptr, a_bufs, x_bufs,
                                bd_bufs, bgu_bufs, ready_bars, empty_bars, N, K, topk,
-                               stride_dm, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
-                               NUM_STAGES, LOAD_WARPS, SAVED_GATE_UP)),
+                               stride_dm, stride_xm, block_order_ptr, ready_ptr, seq_ptr, phase,
+                               timeout, error_ptr, world_size, BLOCK_M, BLOCK_N, BLOCK_K,
+                               GROUP_M, ALIGN, NUM_STAGES, LOAD_WARPS, SAVED_GATE_UP, WAIT_ROWS,
+                               TOKENS_PER_RANK)),
         ], [BLOCK_M // 16, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
             (_mma_partition, (h_desc, gate_desc, up_desc, d_gate_desc, d_up_desc, a_bufs,
                               x_bufs, bd_bufs, bgu_bufs, in_smem, c_smem, ready_bars,
                               empty_bars, epi_bar, turn_bars, router_weights_ptr,
-                              d_weight_partial_ptr, row_route_ptr, used_rows_ptr, N, K,
-                              stride_pm, swiglu_limit, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                              NUM_STAGES, EPI_SPLIT, HAS_LIMIT, HAS_WEIGHT, SAVED_GATE_UP, 0,
-                              NUM_CONSUMERS)),
+                              d_weight_partial_ptr, row_route_ptr, used_rows_ptr,
+                              block_order_ptr, N, K, stride_pm, swiglu_limit, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M, NUM_STAGES, EPI_SPLIT, HAS_LIMIT, HAS_WEIGHT,
+                              SAVED_GATE_UP, 0, NUM_CONSUMERS, WAIT_ROWS)),
             (_load_partition, (d_out_ptr, x_ptr, w_down_desc, w_gate_desc, w_up_desc,
                                row_route_ptr, block_expert_ptr, used_rows_ptr, a_bufs, x_bufs,
                                bd_bufs, bgu_bufs, ready_bars, empty_bars, N, K, topk,
-                               stride_dm, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
-                               NUM_STAGES, LOAD_WARPS, SAVED_GATE_UP)),
+                               stride_dm, stride_xm, block_order_ptr, ready_ptr, seq_ptr, phase,
+                               timeout, error_ptr, world_size, BLOCK_M, BLOCK_N, BLOCK_K,
+                               GROUP_M, ALIGN, NUM_STAGES, LOAD_WARPS, SAVED_GATE_UP, WAIT_ROWS,
+                               TOKENS_PER_RANK)),
         ], [LOAD_WARPS], [LOAD_REGS])

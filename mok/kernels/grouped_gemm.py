@@ -469,7 +469,7 @@ def down_bwd_dswiglu_kernel(
     PULL: tl.constexpr, PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr,
     MINIBATCH: tl.constexpr, PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr,
     PULL_K_PAD: tl.constexpr, PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_ORDER: tl.constexpr,
 ):
     """Backward through the down projection and SwiGLU, gate/up recomputed in the same K loop.
 
@@ -484,7 +484,8 @@ def down_bwd_dswiglu_kernel(
     K loop is dh0's alone and x, w_gate, w_up are not read. H_OUT (with SAVED_GATE_UP): h is
     written, swiglu of the kept pre-activations, rather than read. ROWS_TMA: h_ptr, gate_up_ptr
     and d_gate_up_ptr are TMA descriptors of h, gate_up and d_gate_up with
-    [BLOCK_M, BLOCK_N // SPLIT] boxes (BLOCK_N divides N).
+    [BLOCK_M, BLOCK_N // SPLIT] boxes (BLOCK_N divides N). BLOCK_ORDER: the row blocks are taken
+    in the order of pull_order_ptr (a copied pull's, see gate_up_swiglu_kernel).
     """
     pid = tl.program_id(0)
     if PULL:
@@ -505,6 +506,8 @@ def down_bwd_dswiglu_kernel(
         while tile < end:
             next_tile = _next_tile(tile, step, tile_counter_ptr, DYNAMIC)  # taken ahead
             pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+            if BLOCK_ORDER:
+                pid_m = tl.load(pull_order_ptr + pid_m)
             _down_bwd_tile(
                 d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
                 router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
@@ -518,6 +521,8 @@ def down_bwd_dswiglu_kernel(
     else:
         for tile in tl.range(first, end, step, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+            if BLOCK_ORDER:
+                pid_m = tl.load(pull_order_ptr + pid_m)
             _down_bwd_tile(
                 d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
                 router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,

@@ -170,9 +170,8 @@ def gate_up_swiglu(
     h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
     if gate_up is not None:
         _check_gate_up(gate_up, routing, intermediate)
-    if pull is not None and pull.copied and pull.order.shape[0] != h.shape[0] // tiles.block_m:
-        raise ValueError(f"a copied pull's block order has {pull.order.shape[0]} row blocks, the "
-                         f"schedule {h.shape[0] // tiles.block_m} of {tiles.block_m} rows")
+    if pull is not None and pull.copied:
+        _check_block_order(pull, h.shape[0], tiles)
     if tiles.gluon and h.shape[0] > 0 and _gluon_runs(x, w_gate, w_up, tiles):
         if pull is not None and not (pull.in_gluon or pull.copied):
             pull.run_apart(x, _num_programs(x.device))
@@ -466,7 +465,9 @@ def down_bwd_dswiglu(
 
     Returns d_gate_up [C, 2I] (d_gate in [:, :I], d_up in [:, I:]) and, with router weights, the
     partial router-weight gradients [C, cdiv(I, block_n)] fp32 (summed by `router_grad`).
-    pull: d_out's rows come from the other ranks, pulled by this launch's first programs.
+    pull: d_out's rows come from the other ranks, pulled by this launch's first programs (with
+    pull.copied they land by copies beside it, the tiles waiting on them and taking their row
+    blocks in pull.order's order; the Gluon kernel may then take the launch).
     """
     intermediate, hidden = w_gate.shape[1:]
     rows = routing.capacity_rows
@@ -476,11 +477,14 @@ def down_bwd_dswiglu(
         partial = torch.empty(rows, triton.cdiv(intermediate, tiles.block_n),
                               dtype=torch.float32, device=x.device)
     _check_gate_up_args(gate_up, h_out, routing, intermediate)
-    if (tiles.gluon and pull is None and rows > 0
+    copied = pull is not None and pull.copied
+    if copied:
+        _check_block_order(pull, rows, tiles)
+    if (tiles.gluon and (pull is None or copied) and rows > 0
             and _gluon_dswiglu_runs(d_out, x, w_down, w_gate, w_up, h, d_gate_up, tiles,
                                     gate_up, h_out)):
         _down_bwd_gluon(d_out, x, w_down, w_gate, w_up, h, routing, tiles, router_weights,
-                        swiglu_limit, gate_up, d_gate_up, partial)
+                        swiglu_limit, gate_up, d_gate_up, partial, pull)
         return d_gate_up, partial
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
@@ -508,9 +512,15 @@ def down_bwd_dswiglu(
         partial.stride(0) if partial is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
         W_TMA=tma, SAVED_GATE_UP=gate_up is not None, H_OUT=h_out, ROWS_TMA=rows_tma,
-        WK_TMA=wk_tma, DYNAMIC=dynamic, **pull_meta, **_gemm_meta(tiles),
+        WK_TMA=wk_tma, DYNAMIC=dynamic, **pull_meta, BLOCK_ORDER=copied, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
+
+
+def _check_block_order(pull: Pull, rows: int, tiles: GemmTiles) -> None:
+    if pull.order.shape[0] != rows // tiles.block_m:
+        raise ValueError(f"a copied pull's block order has {pull.order.shape[0]} row blocks, the "
+                         f"schedule {rows // tiles.block_m} of {tiles.block_m} rows")
 
 
 def _check_gate_up_args(gate_up: torch.Tensor | None, h_out: bool, routing: Routing,
@@ -567,9 +577,11 @@ def _down_bwd_gluon(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
                     w_gate: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, routing: Routing,
                     tiles: GemmTiles, router_weights: torch.Tensor | None,
                     swiglu_limit: float | None, gate_up: torch.Tensor | None,
-                    d_gate_up: torch.Tensor, partial: torch.Tensor | None) -> None:
+                    d_gate_up: torch.Tensor, partial: torch.Tensor | None,
+                    pull: Pull | None = None) -> None:
     """down_bwd_dswiglu by the warp-specialized Gluon kernel (mok.kernels.gluon_dswiglu): kept
-    (gate_up, h written) or recomputing (h read)."""
+    (gate_up, h written) or recomputing (h read); a pull must be `copied` (its tiles wait on
+    the copies' flags, its row blocks in its order)."""
     experts, intermediate, hidden = w_gate.shape
     dtype = _GLUON_DTYPES[d_out.dtype]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
@@ -589,13 +601,18 @@ def _down_bwd_gluon(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
             _gluon_descriptor(w.view(experts * intermediate, hidden), [bn, bk], dtype)
             for w in (w_gate, w_up))
     limit, has_limit = _limit_args(swiglu_limit)
+    if pull is None:
+        waits = (d_gate_up,) * 3 + (0, d_gate_up, 0, 1)
+    else:
+        waits = (pull.order, pull.ready, pull.peer.seq, pull.phase, pull.peer.errors,
+                 pull.peer.timeout, pull.peer.world_size)
     gluon_dswiglu.down_bwd_dswiglu_ws_kernel[(_num_programs(d_out.device),)](
         d_out, x, w_down_desc, w_gate_desc, w_up_desc, h_desc, gate_desc, up_desc,
         rows(d_gate_up[:, :intermediate]), rows(d_gate_up[:, intermediate:]),
         router_weights if router_weights is not None else d_gate_up,
         partial if partial is not None else d_gate_up, routing.row_route, routing.block_expert,
         routing.used_rows, intermediate, hidden, routing.topk, d_out.stride(0), x.stride(0),
-        partial.stride(0) if partial is not None else 0, limit,
+        partial.stride(0) if partial is not None else 0, limit, *waits,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=tiles.num_stages, EPI_SPLIT=split, LOAD_WARPS=_GLUON_DSWIGLU_LOAD_WARPS,
         LOAD_REGS=_GLUON_DSWIGLU_LOAD_REGS[kept], HAS_LIMIT=has_limit,
@@ -603,6 +620,7 @@ def _down_bwd_gluon(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
         A_LAYOUT=_nvmma_layout((bm, bk), dtype),
         PINGPONG=tiles.pingpong, MMA_REGS=_gluon_mma_regs(bm, 2, _GLUON_DSWIGLU_LOAD_WARPS,
                                                           _GLUON_DSWIGLU_LOAD_REGS[kept]),
+        WAIT_ROWS=pull is not None, TOKENS_PER_RANK=pull.tokens_per_rank if pull else 1,
         num_warps=bm // 16,
     )
 
