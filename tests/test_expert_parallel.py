@@ -726,6 +726,15 @@ def test_ep_across_nodes_kept_gate_up(rank, world_size):
                      config=dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False))
 
 
+@distributed_test(world_sizes=(4,))
+def test_ep_across_nodes_copy_rows(rank, world_size):
+    # Two "nodes" of two ranks, the rows inside a node moved by copies (fwd_copy_rows,
+    # bwd_copy_rows).
+    _cross_node_body(rank, world_size, uneven=True,
+                     config=dataclasses.replace(SMALL_MINIBATCHES, fwd_copy_rows=True,
+                                                bwd_copy_rows=True))
+
+
 def _empty_rank_body(rank, world_size):
     """fp16, top-1, and a rank that holds no token this step: the others' results are exact as
     ever, and the empty rank still serves its experts."""

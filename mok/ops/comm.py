@@ -60,6 +60,7 @@ class SymmetricBuffer:
         self.nbytes = nbytes = max(int(nbytes), _ALIGN_BYTES)
         self._offset = 0
         self._peers: list[torch.Tensor] = []
+        self._peer_views: dict[tuple, torch.Tensor] = {}
         if device.type == "cuda" and _env.RANKS_SHARE_GPU:
             self.local, addresses = self._map_ipc(nbytes, device)
         elif device.type == "cuda":
@@ -134,15 +135,22 @@ class SymmetricBuffer:
 
     def peer_view(self, view: torch.Tensor, peer: int) -> torch.Tensor:
         """Rank `peer`'s copy of `view` (a contiguous view into this buffer) as a tensor of this
-        device over the peer's memory, for copies (on the copy engines on a GPU)."""
+        device over the peer's memory, for copies (on the copy engines on a GPU); made once per
+        view and rank."""
         if peer == self.rank:
             return view
-        offset = view.data_ptr() - self.local.data_ptr()
-        if self._peers:
-            mapping = self._peers[peer][offset:offset + view.numel() * view.element_size()]
-            return mapping.view(view.dtype).view(view.shape)
-        return self._handle.get_buffer(peer, tuple(view.shape), view.dtype,
-                                       offset // view.element_size())
+        key = (view.data_ptr(), tuple(view.shape), view.dtype, peer)
+        mapped = self._peer_views.get(key)
+        if mapped is None:
+            offset = view.data_ptr() - self.local.data_ptr()
+            if self._peers:
+                mapped = self._peers[peer][offset:offset + view.numel() * view.element_size()]
+                mapped = mapped.view(view.dtype).view(view.shape)
+            else:
+                mapped = self._handle.get_buffer(peer, tuple(view.shape), view.dtype,
+                                                 offset // view.element_size())
+            self._peer_views[key] = mapped
+        return mapped
 
     def deltas(self, dtype: torch.dtype) -> torch.Tensor:
         """[world_size] int64 on the device: rank p's mapping of a view = view + deltas[p]."""
