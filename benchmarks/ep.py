@@ -239,9 +239,26 @@ def max_error(y, grads, inputs, group):
     return float(value)
 
 
-def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, peer_timeout_s,
-               profile=False, keep_gate_up=False, host_ahead=False, gluon_pull=False,
-               minibatch=None, copy_rows=False, copy_bwd_rows=False):
+def config_and_name(args) -> tuple:
+    """(MoKConfig, suffix of mok's rows) of the command line's mok variant: mok_kept (and
+    compute_only_kept) with --keep-gate-up, _gpull with --gluon-pull, _copy with --copy-rows,
+    _bcopy with --copy-bwd-rows, +mbN with --minibatch N."""
+    import mok.functional as F
+
+    config = F.MoKConfig(fwd_num_comm_sms=args.comm_sms, bwd_num_comm_sms=args.comm_sms,
+                         peer_timeout_s=args.peer_timeout,
+                         recompute_gate_up=not args.keep_gate_up,
+                         fwd_pull_in_gluon=args.gluon_pull, fwd_copy_rows=args.copy_rows,
+                         bwd_copy_rows=args.copy_bwd_rows,
+                         minibatch_size=args.minibatch or F.MoKConfig().minibatch_size)
+    name = (("_kept" if args.keep_gate_up else "") + ("_gpull" if args.gluon_pull else "")
+            + ("_copy" if args.copy_rows else "") + ("_bcopy" if args.copy_bwd_rows else "")
+            + (f"+mb{args.minibatch}" if args.minibatch else ""))
+    return config, name
+
+
+def _rank_main(rank, world_size, shape_names, iters, warmup, commit, config, mine,
+               profile=False, host_ahead=False):
     import mok.functional as F
     from benchmarks.layer import BENCH_SHAPES
     from mok.testing import make_inputs
@@ -250,16 +267,8 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, comm_sms, p
     group = dist.group.WORLD
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    config = F.MoKConfig(fwd_num_comm_sms=comm_sms, bwd_num_comm_sms=comm_sms,
-                         peer_timeout_s=peer_timeout_s, recompute_gate_up=not keep_gate_up,
-                         fwd_pull_in_gluon=gluon_pull, fwd_copy_rows=copy_rows,
-                         bwd_copy_rows=copy_bwd_rows,
-                         minibatch_size=minibatch or F.MoKConfig().minibatch_size)
-    kept = "_kept" if keep_gate_up else ""  # mok's rows: mok_kept, compute_only_kept
-    # and mok_gpull, mok_kept_gpull with --gluon-pull, _copy with --copy-rows, _bcopy with
-    # --copy-bwd-rows, +mbN with --minibatch N
-    mine = (kept + ("_gpull" if gluon_pull else "") + ("_copy" if copy_rows else "")
-            + ("_bcopy" if copy_bwd_rows else "") + (f"+mb{minibatch}" if minibatch else ""))
+    comm_sms = config.fwd_num_comm_sms
+    kept = "" if config.recompute_gate_up else "_kept"  # compute_only's rows (mok's: `mine`)
     rows = []
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)"
     date = datetime.datetime.now().isoformat(timespec="seconds")
@@ -656,10 +665,9 @@ def main(argv=None) -> None:
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(key, value)  # never NVLink multicast
+    config, mine = config_and_name(args)
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
-                              args.comm_sms, args.peer_timeout, args.profile, args.keep_gate_up,
-                              args.host_ahead, args.gluon_pull, args.minibatch,
-                              args.copy_rows, args.copy_bwd_rows,
+                              config, mine, args.profile, args.host_ahead,
                               backend="nccl" if cuda else "gloo",
                               timeout_s=args.timeout)
     rows = results[0]
