@@ -136,6 +136,7 @@ class ExpertParallel:
         self._identity = torch.arange(world * num_tokens, dtype=torch.int32, device=device)
         self._copy_stream = (torch.cuda.Stream(device) if device.type == "cuda" else None)
         self._copies_pending = False
+        self._local_first: tuple | None = None  # (row_route, block_m, order) of the last call
 
     def peer_flags(self, errors: torch.Tensor) -> comm.PeerFlags:
         return comm.PeerFlags(self.flags, self.buffer.deltas(torch.int64), self.seq, errors,
@@ -252,14 +253,20 @@ class ExpertParallel:
     def local_first(self, routing: Routing, block_m: int) -> torch.Tensor:
         """[C // block_m] int32 on the device: the schedule's row blocks, those whose rows all
         come from this rank first, then those with other ranks' rows, then those past the used
-        rows (the GEMMs take the first used_rows // block_m); in schedule order within each."""
+        rows (the GEMMs take the first used_rows // block_m); in schedule order within each.
+        The last one is kept: a backward over the forward's schedule takes it again."""
+        cached = self._local_first
+        if cached is not None and cached[0] is routing.row_route and cached[1] == block_m:
+            return cached[2]
         blocks = routing.row_route.shape[0] // block_m
         route = routing.row_route[:blocks * block_m].view(blocks, block_m)
         remote = ((route >= 0) & (route // self.routes_per_rank != self.rank)).any(dim=1)
         used = (torch.arange(blocks, dtype=torch.int32, device=self.device)
                 < routing.used_rows // block_m)
         key = torch.where(used, remote.to(torch.int32), 2)
-        return torch.sort(key, stable=True).indices.to(torch.int32)
+        order = torch.sort(key, stable=True).indices.to(torch.int32)
+        self._local_first = (routing.row_route, block_m, order)
+        return order
 
     def _copy(self, moves: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]],
               unflagged: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = ()) -> None:
