@@ -235,20 +235,32 @@ class ExpertParallel:
         weights_group = torch.empty(world * routes, dtype=torch.float32, device=self.device)
         self._landed.zero_()
         moves = []
-        for step in range(world):
-            p = (self.rank + step) % world
+        for p in self._ranks_from_here():
             rows = x_group[p * self.num_tokens:(p + 1) * self.num_tokens]
             weights = weights_group[p * routes:(p + 1) * routes]
             moves.append((p, [(rows, self.buffer.peer_view(x_pub, p)),
-                              (weights, self.buffer.peer_view(self.weights_pub, p))]))
+                              (weights, self.buffer.peer_view(self.weights_pub, p))], True))
         self._copy(moves)
-        pull = comm.Pull(
-            dataclasses.replace(peer, seq=self._one), x_pub, self.buffer.deltas(x.dtype),
-            self.weights_pub, self.buffer.deltas(torch.float32), weights_group,
-            self.local_first(plan.group_routing, block_m),
-            self._identity, plan.pull_moving, self._landed, 0, self.slots.pub(Phase.FORWARD),
-            self.num_tokens, self.topk, 0, self.num_tokens, copied=True)
+        pull = self._copied_pull(peer, plan, Phase.FORWARD, x_pub, block_m, weights_group)
         return x_group, weights_group, pull
+
+    def _ranks_from_here(self) -> list[int]:
+        """The group's ranks, this one first, then on around the ring."""
+        return [(self.rank + step) % self.world_size for step in range(self.world_size)]
+
+    def _copied_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, phase: Phase,
+                     src: torch.Tensor, block_m: int,
+                     dst_weights: torch.Tensor | None = None) -> comm.Pull:
+        """The Pull of rows copied by forward_copy or backward_copy: no pulling programs, a
+        landed flag per rank (position[u] = u, a minibatch of tokens_per_rank, target 1), the
+        row blocks local first."""
+        weights = self.weights_pub if dst_weights is not None else None
+        return comm.Pull(
+            dataclasses.replace(peer, seq=self._one), src, self.buffer.deltas(src.dtype),
+            weights, self.buffer.deltas(torch.float32) if weights is not None else None,
+            dst_weights, self.local_first(plan.group_routing, block_m), self._identity,
+            plan.pull_moving, self._landed, 0, self.slots.pub(phase), self.num_tokens,
+            self.topk, 0, self.num_tokens, copied=True)
 
     def local_first(self, routing: Routing, block_m: int) -> torch.Tensor:
         """[C // block_m] int32 on the device: the schedule's row blocks, those whose rows all
@@ -268,25 +280,22 @@ class ExpertParallel:
         self._local_first = (routing.row_route, block_m, order)
         return order
 
-    def _copy(self, moves: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]],
-              unflagged: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = ()) -> None:
-        """For each (rank, copies) of `moves`: the copies (dst <- src), then that rank's landed
-        flag = 1; then the copies of `unflagged` (for launches after copies_joined). On a GPU
-        this rank's own copies run on the current stream (a copy within one GPU may run as a
-        kernel, which would need an SM the GEMM's spinning tiles hold) and the other ranks' on
+    def _copy(self, moves: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]], bool]],
+              ) -> None:
+        """For each (rank, copies, flagged), in order: the copies (dst <- src), then, flagged,
+        that rank's landed flag = 1 (unflagged copies are for launches after copies_joined). On
+        a GPU this rank's own copies run on the current stream (a copy within one GPU may run as
+        a kernel, which would need an SM the GEMM's spinning tiles hold) and the other ranks' on
         the side stream (the copy engines), each flag written by the stream itself
         (cuStreamWriteValue32: no kernel). Under CUDA-graph capture the flags are memsets and
         the GEMM waits for the copies to end (copies_joined joins before it)."""
         stream = self._copy_stream
-        for p, copies in moves:
+        for p, copies, flagged in moves:
             if stream is None or p == self.rank:
                 for dst, src in copies:
                     dst.copy_(src)
-                self._landed[p:p + 1].fill_(1)
-        for p, copies in unflagged:
-            if stream is None or p == self.rank:
-                for dst, src in copies:
-                    dst.copy_(src)
+                if flagged:
+                    self._landed[p:p + 1].fill_(1)
         if stream is None:
             return
         from torch._C._distributed_c10d import _SymmetricMemory
@@ -295,19 +304,15 @@ class ExpertParallel:
         landed = self._landed.view(torch.uint32)  # a flag's low word: little-endian
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for p, copies in moves:
+            for p, copies, flagged in moves:
                 if p == self.rank:
                     continue
                 for dst, src in copies:
                     dst.copy_(src)
-                if capturing:
+                if flagged and capturing:
                     _SymmetricMemory.memset32(landed, offset=2 * p, val=1, count=1)
-                else:
+                elif flagged:
                     _SymmetricMemory.stream_write_value32(landed, 2 * p, 1)
-            for p, copies in unflagged:
-                if p != self.rank:
-                    for dst, src in copies:
-                        dst.copy_(src)
         self._copies_pending = True
         if capturing:
             self.copies_joined()
@@ -337,21 +342,15 @@ class ExpertParallel:
         x_group = torch.empty(world * per_rank, x.shape[1], dtype=x.dtype, device=self.device)
         self._landed.zero_()
         moves, unflagged = [], []
-        for step in range(world):
-            p = (self.rank + step) % world
+        for p in self._ranks_from_here():
             rows = slice(p * per_rank, (p + 1) * per_rank)
             x_copy = (x_group[rows], self.buffer.peer_view(x_pub, p))
             moves.append((p, [(dy_group[rows], self.buffer.peer_view(dy_pub, p))]
-                          + ([] if kept else [x_copy])))
+                          + ([] if kept else [x_copy]), True))
             if kept:
-                unflagged.append((p, [x_copy]))
-        self._copy(moves, unflagged)
-        pull = comm.Pull(
-            dataclasses.replace(peer, seq=self._one), dy_pub, self.buffer.deltas(dy_pub.dtype),
-            None, None, None, self.local_first(plan.group_routing, block_m), self._identity,
-            plan.pull_moving, self._landed, 0, self.slots.pub(Phase.BACKWARD), per_rank,
-            self.topk, 0, per_rank, copied=True)
-        return dy_group, x_group, pull
+                unflagged.append((p, [x_copy], False))
+        self._copy(moves + unflagged)
+        return dy_group, x_group, self._copied_pull(peer, plan, Phase.BACKWARD, dy_pub, block_m)
 
     def backward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, d_output: torch.Tensor,
                       x: torch.Tensor, *, minibatch: int, num_programs: int,

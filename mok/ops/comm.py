@@ -332,9 +332,10 @@ class Pull:
     of the same symmetric allocation and row layout as src), the GEMM's second token-row operand
     likewise. in_gluon: a Gluon GEMM pulls in a partition of each of its programs rather than
     in a launch of its own before it (MoKConfig.fwd_pull_in_gluon). copied: the rows land by
-    copies outside the GEMM (mok.expert_parallel.ExpertParallel.copy_rows, on the copy engines):
-    the GEMM pulls nothing (num_programs 0) and its tiles only wait on their rows' ready flags,
-    there one per rank (position[u] = u, minibatch = tokens_per_rank)."""
+    copies outside the GEMM (mok.expert_parallel.ExpertParallel.forward_copy and
+    backward_copy, on the copy engines): the GEMM pulls nothing (num_programs 0) and its tiles
+    only wait on their rows' ready flags, there one per rank (position[u] = u, minibatch =
+    tokens_per_rank)."""
 
     peer: PeerFlags
     src: torch.Tensor
