@@ -4,6 +4,7 @@ scattering rows costs down and d_x, a rank's own tokens from and to its own memo
 as between ranks.
 
     python -m benchmarks.ep_local [--shapes qwen3-30b-a3b ...] [--minibatch N] [--csv PATH]
+                                  [--peer-gbs 360]
 
 Per shape, the median ms (CUDA events) of:
 - gate/up `gluon`: the Gluon kernel reading x directly (nothing pulled: the floor);
@@ -16,6 +17,17 @@ Per shape, the median ms (CUDA events) of:
   route (what goes to the tokens' ranks), `triton scatter` at the table's Triton tiles; d_x
   also `pulling x` (kept pre-activations: x's rows for the weight gradients, pulled by a
   partition of each program, or the Triton launch's first programs).
+- the dSwiGLU (the backward's first GEMM, recomputing gate/up, and `kept` reading the forward's
+  pre-activations): `gluon` reading d_output and x directly; `triton pulling` (the EP launch
+  without MoKConfig.bwd_copy_rows: its first MoKConfig.bwd_num_comm_sms programs pull d_output,
+  recomputing x too, the tiles waiting on them).
+- rows moved by copies (MoKConfig.fwd_copy_rows and bwd_copy_rows, mok.testing.pull.
+  local_copied), gate/up and both dSwiGLU, Gluon: the tokens split as if over two ranks, this
+  being the first; `copied` with every flag raised before the launch (what the waits and the
+  local-first block order cost); `copied late` with the second rank's flag raised by a side
+  stream after a host-to-device copy (the copy engines, as a peer's copy) of the time a peer's
+  copy of its rows would take at --peer-gbs GB/s (its x at gate/up, d_output and x recomputing,
+  d_output kept), the row blocks local first or, `in schedule order`, not.
 Local memory answers and takes writes faster than a peer over NVLink: this measures what the
 pull or scatter costs the GEMM, not the link. Each variant is checked against the Gluon kernel's
 own results first (bitwise where the tiles are the same).
@@ -35,7 +47,7 @@ from benchmarks.breakdown import median_ms, shape_setup
 from mok import ops
 from mok.ops import comm
 from mok.testing import SHAPES, SHAPES_BY_NAME
-from mok.testing.pull import local_pull
+from mok.testing.pull import local_copied, local_pull
 
 CSV_FIELDS = ("gpu", "commit", "date", "shape", "minibatch", "impl", "ms")
 
@@ -48,8 +60,29 @@ def _check(name, actual, expected, bitwise: bool) -> None:
         torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
+class _Late:
+    """A side stream and a host-to-device copy of about `ms` milliseconds (the copy engines)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        probe = 64 << 20
+        src = torch.empty(probe, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(probe, dtype=torch.uint8, device=device)
+        self.gbs = probe / 1e6 / median_ms(lambda: dst.copy_(src, non_blocking=True), 5, 2)
+        print(f"host-to-device copy: {self.gbs:.0f} GB/s", flush=True)
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def delay(self, ms: float) -> tuple[torch.Tensor, torch.Tensor]:
+        nbytes = max(int(ms * 1e6 * self.gbs / 1e3), 1)
+        if nbytes not in self._buffers:
+            self._buffers[nbytes] = (
+                torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+                torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        return self._buffers[nbytes]
+
+
 def measure(shape, repeats: int, warmup: int, minibatch: int,
-            only: str = "") -> list[tuple[str, float]]:
+            only: str = "", peer_gbs: float = 360.0) -> list[tuple[str, float]]:
     inputs, config, _, schedule = shape_setup(shape, seed=5)
     config = dataclasses.replace(config, minibatch_size=minibatch)
     routing = schedule.routing
@@ -96,6 +129,64 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
 
     gate_up_tiles = pick("gate_up", inter, hidden)
     down_tiles, d_x_tiles = pick("down", hidden, inter), pick("d_x", hidden, inter)
+    errors = [pulled.pull.peer.errors, x_pull.pull.peer.errors]  # every pull's, checked
+    late = _Late(x.device)
+    row_bytes = x.shape[0] * hidden * x.element_size()  # one rank's rows, a peer's copy of them
+
+    def copied(rows, block_m, fn, copy_ms=None, local_first=True):
+        """fn(pull) with rows copied (local_copied); copy_ms: the second rank's land late."""
+        moved = local_copied(rows, routing, block_m, local_first=local_first)
+        errors.append(moved.pull.peer.errors)
+
+        def run():
+            if copy_ms is None:
+                moved.land()
+                return fn(moved.pull)
+            moved.land(late.stream, late.delay(copy_ms))
+            out = fn(moved.pull)
+            torch.cuda.current_stream().wait_stream(late.stream)
+            return out
+        return run
+
+    def gate_up_copied(**kw):
+        return copied(x, gate_up_tiles.block_m, lambda pull: ops.gate_up_swiglu(
+            x, w_gate, w_up, routing, gate_up_tiles, None, pull=pull), **kw)
+
+    d_out, rw = inputs.d_output, inputs.router_weights
+    kept_up = ops.gate_up_buffer(x, w_gate, routing)
+    ops.gate_up_swiglu(x, w_gate, w_up, routing, gate_up_tiles, None, gate_up=kept_up)
+    h_kept = torch.empty_like(h)  # written by the kept dSwiGLU (h_out)
+
+    def dswiglu(kept, tiles, pull=None, rows=(d_out, x)):
+        if kept:
+            return ops.down_bwd_dswiglu(rows[0], rows[1], w_down, w_gate, w_up, h_kept, routing,
+                                        tiles, rw, None, pull=pull, gate_up=kept_up,
+                                        h_out=True)[0]
+        return ops.down_bwd_dswiglu(rows[0], rows[1], w_down, w_gate, w_up, h, routing, tiles,
+                                    rw, None, pull=pull)[0]
+
+    def dswiglu_pulling(kept):
+        pulled_dy = local_pull(d_out, routing, minibatch=config.minibatch_size,
+                               num_programs=config.bwd_num_comm_sms)
+        pull = pulled_dy.pull
+        errors.append(pull.peer.errors)
+        x_rows = torch.empty_like(x)
+        if not kept:  # x's rows come with d_output's (kept: in d_x's launch, not timed here)
+            pull = dataclasses.replace(pull, second_src=x)
+        tiles = pick(_dswiglu_kind(kept), inter, hidden, triton=True)
+
+        def run():
+            pulled_dy.next_round()
+            return dswiglu(kept, tiles, pull, (pulled_dy.rows, x_rows))
+        return run
+
+    def dswiglu_copied(kept, **kw):
+        tiles = pick(_dswiglu_kind(kept), inter, hidden)
+        # The flagged copies: d_output's rows, and x's recomputing.
+        ms = None if kw.pop("late", False) is False else (
+            (1 if kept else 2) * row_bytes / peer_gbs / 1e6)
+        return copied(d_out, tiles.block_m, lambda pull: dswiglu(kept, tiles, pull),
+                      copy_ms=ms, **kw)
     # (name, call, rows of its result to compare, whether bitwise)
     variants = [
         ("gate/up gluon", gate_up(x, gate_up_tiles), slice(0, used), True),
@@ -106,6 +197,12 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
         ("gate/up triton pulling", gate_up(pulled.rows, pick("gate_up", inter, hidden,
                                                              triton=True), pulled.pull),
          slice(0, used), False),
+        ("gate/up gluon copied", gate_up_copied(), slice(0, used), True),
+        ("gate/up gluon copied late", gate_up_copied(copy_ms=row_bytes / peer_gbs / 1e6),
+         slice(0, used), True),
+        ("gate/up gluon copied late, in schedule order",
+         gate_up_copied(copy_ms=row_bytes / peer_gbs / 1e6, local_first=False),
+         slice(0, used), True),
         ("down gluon", down(down_tiles), slice(0, used), True),
         ("down gluon scatter", down(down_tiles, scatter), order, True),
         ("down triton scatter", down(pick("down", hidden, inter, triton=True), scatter), order,
@@ -118,6 +215,19 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
         ("d_x triton scatter pulling x", d_x(pick("d_x", hidden, inter, triton=True), scatter,
                                              True), order, False),
     ]
+    for kept in (False, True):
+        name = "dswiglu_kept" if kept else "dswiglu"
+        tiles = pick(_dswiglu_kind(kept), inter, hidden)
+        variants += [
+            (f"{name} gluon", lambda kept=kept, tiles=tiles: dswiglu(kept, tiles),
+             slice(0, used), True),
+            (f"{name} triton pulling", dswiglu_pulling(kept), slice(0, used), False),
+            (f"{name} gluon copied", dswiglu_copied(kept), slice(0, used), True),
+            (f"{name} gluon copied late", dswiglu_copied(kept, late=True), slice(0, used),
+             True),
+            (f"{name} gluon copied late, in schedule order",
+             dswiglu_copied(kept, late=True, local_first=False), slice(0, used), True),
+        ]
     expected = {}
     results = []
     for name, fn, rows, bitwise in variants:
@@ -128,7 +238,7 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
         combine.zero_()
         out = fn()
         torch.cuda.synchronize()
-        for flags in (pulled.pull.peer.errors, x_pull.pull.peer.errors):
+        for flags in errors:
             if int(flags.abs().sum()) != 0:
                 raise RuntimeError(f"{shape.name} {name}: error flags {flags}")
         if "pulling x" in name and not torch.equal(x_pull.rows, x):
@@ -141,8 +251,15 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
             want = expected[gemm] if out is not combine else expected[gemm][order]
             _check(f"{shape.name} {name}", got, want, bitwise)
         results.append((name, median_ms(fn, repeats, warmup)))
-        print(f"{shape.name:24s} {name:28s} {results[-1][1]:7.3f} ms", flush=True)
+        torch.cuda.synchronize()
+        if any(int(flags.abs().sum()) != 0 for flags in errors):
+            raise RuntimeError(f"{shape.name} {name}: a wait timed out while timed")
+        print(f"{shape.name:24s} {name:44s} {results[-1][1]:7.3f} ms", flush=True)
     return results
+
+
+def _dswiglu_kind(kept: bool) -> str:
+    return "down_bwd_saved" if kept else "down_bwd"
 
 
 def main(argv=None) -> None:
@@ -154,6 +271,8 @@ def main(argv=None) -> None:
     parser.add_argument("--minibatch", type=int, default=F.MoKConfig().minibatch_size,
                         help="tokens per ready flag (MoKConfig.minibatch_size)")
     parser.add_argument("--csv", type=Path, default=None, help="append a row per measurement")
+    parser.add_argument("--peer-gbs", type=float, default=360.0,
+                        help="a peer copy's rate, for the `copied late` variants' delay")
     parser.add_argument("--only", default="", help="the variants whose name has this (and each "
                         "GEMM's Gluon kernel, the one the others are checked against)")
     args = parser.parse_args(argv)
@@ -165,7 +284,7 @@ def main(argv=None) -> None:
         rows = [dict(gpu=gpu, commit=commit_id(), date=date, shape=name,
                      minibatch=args.minibatch, impl=impl, ms=f"{ms:.4f}")
                 for impl, ms in measure(SHAPES_BY_NAME[name], args.repeats, args.warmup,
-                                        args.minibatch, args.only)]
+                                        args.minibatch, args.only, args.peer_gbs)]
         if args.csv is not None:
             append_rows(args.csv, CSV_FIELDS, rows)
 

@@ -101,6 +101,21 @@ class ExchangePlan:
     pull_moving: torch.Tensor
 
 
+def local_first_order(routing: Routing, block_m: int, rank: int,
+                      routes_per_rank: int) -> torch.Tensor:
+    """[C // block_m] int32 on the device: the schedule's row blocks, those whose rows all come
+    from `rank` (group route g from rank g // routes_per_rank) first, then those with other
+    ranks' rows, then those past the used rows (the GEMMs take the first used_rows // block_m);
+    in schedule order within each."""
+    device = routing.row_route.device
+    blocks = routing.row_route.shape[0] // block_m
+    route = routing.row_route[:blocks * block_m].view(blocks, block_m)
+    remote = ((route >= 0) & (route // routes_per_rank != rank)).any(dim=1)
+    used = torch.arange(blocks, dtype=torch.int32, device=device) < routing.used_rows // block_m
+    key = torch.where(used, remote.to(torch.int32), 2)
+    return torch.sort(key, stable=True).indices.to(torch.int32)
+
+
 class ExpertParallel:
     """The expert-parallel state of a workspace: the symmetric buffer, its views and the flags."""
 
@@ -263,20 +278,12 @@ class ExpertParallel:
             self.topk, 0, self.num_tokens, copied=True)
 
     def local_first(self, routing: Routing, block_m: int) -> torch.Tensor:
-        """[C // block_m] int32 on the device: the schedule's row blocks, those whose rows all
-        come from this rank first, then those with other ranks' rows, then those past the used
-        rows (the GEMMs take the first used_rows // block_m); in schedule order within each.
-        The last one is kept: a backward over the forward's schedule takes it again."""
+        """local_first_order for this rank; the last one is kept: a backward over the
+        forward's schedule takes it again."""
         cached = self._local_first
         if cached is not None and cached[0] is routing.row_route and cached[1] == block_m:
             return cached[2]
-        blocks = routing.row_route.shape[0] // block_m
-        route = routing.row_route[:blocks * block_m].view(blocks, block_m)
-        remote = ((route >= 0) & (route // self.routes_per_rank != self.rank)).any(dim=1)
-        used = (torch.arange(blocks, dtype=torch.int32, device=self.device)
-                < routing.used_rows // block_m)
-        key = torch.where(used, remote.to(torch.int32), 2)
-        order = torch.sort(key, stable=True).indices.to(torch.int32)
+        order = local_first_order(routing, block_m, self.rank, self.routes_per_rank)
         self._local_first = (routing.row_route, block_m, order)
         return order
 

@@ -201,6 +201,68 @@ def test_gluon_gate_up_pulling_its_rows(kept, limit):
             assert torch.equal(kept_pulled[:used], kept_rows[:used]), round_
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+def test_gluon_kernels_waiting_on_copied_rows(kept):
+    # Rows moved by copies (MoKConfig.fwd_copy_rows / bwd_copy_rows), here one device's tokens
+    # as if from two ranks (mok.testing.pull.local_copied): the Gluon gate/up and dSwiGLU wait on
+    # each rank's landed flag and take their row blocks local first or in schedule order. The
+    # second rank's flag is raised before the launch or by a side stream after a copy on the
+    # copy engines (cuStreamWriteValue32) while the kernel runs; every result is bitwise the
+    # kernel's with no waits, no wait times out. Experts of uneven sizes, I = 352.
+    from mok.ops import experts
+    from mok.testing.pull import local_copied
+
+    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    inputs = make_inputs(6000, 1344, 352, 16, 4, device="cuda", seed=10,
+                         routing=RoutingPattern.SKEWED)
+    base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
+    tiles = _gluon_dswiglu(_gluon_gate_up(base))
+    _, _, schedule, _ = run_layer(inputs, tiles=tiles)
+    routing = schedule.routing
+    used = int(routing.expert_offsets[-1])  # rows past it are never written
+    x, d_out, rw = inputs.x, inputs.d_output, inputs.router_weights
+    w_gate, w_up, w_down = inputs.routed_weights
+    kept_rows = ops.gate_up_buffer(x, w_gate, routing) if kept else None
+    h_tiles = tiles.pick("gate_up_saved" if kept else "gate_up", 352, 1344)
+    bwd_tiles = tiles.pick("down_bwd_saved" if kept else "down_bwd", 352, 1344)
+    assert h_tiles.gluon and bwd_tiles.gluon
+
+    def gate_up(pull=None):
+        rows = ops.gate_up_buffer(x, w_gate, routing) if kept else None
+        h = ops.gate_up_swiglu(x, w_gate, w_up, routing, h_tiles, None, pull=pull,
+                               gate_up=rows)
+        return [h[:used]] + ([rows[:used]] if kept else [])
+
+    h = ops.gate_up_swiglu(x, w_gate, w_up, routing, h_tiles, None, gate_up=kept_rows)
+
+    def dswiglu(pull=None):
+        out = torch.zeros_like(h) if kept else h
+        d_gate_up, partial = ops.down_bwd_dswiglu(
+            d_out, x, w_down, w_gate, w_up, out, routing, bwd_tiles, rw, None, pull=pull,
+            gate_up=kept_rows, h_out=kept)
+        return [d_gate_up[:used], partial[:used]] + ([out[:used]] if kept else [])
+
+    late = torch.cuda.Stream()
+    src = torch.randn(1 << 24, pin_memory=True)
+    dst = torch.empty(1 << 24, device="cuda")
+    for name, run, block_m in (("gate/up", gate_up, h_tiles.block_m),
+                               ("dswiglu", dswiglu, bwd_tiles.block_m)):
+        expected = run()
+        for local_first in (True, False):
+            moved = local_copied(x, routing, block_m, local_first=local_first)
+            order = moved.pull.order.long()
+            assert torch.equal(order.sort().values, torch.arange(order.numel(), device="cuda"))
+            for landing in ("before", "late"):
+                moved.land(*((late, (dst, src)) if landing == "late" else ()))
+                actual = run(moved.pull)
+                torch.cuda.current_stream().wait_stream(late)
+                torch.cuda.synchronize()
+                assert int(moved.pull.peer.errors.abs().sum()) == 0, (name, landing)
+                assert torch.equal(moved.landed, torch.ones_like(moved.landed))
+                for a, b in zip(actual, expected, strict=True):
+                    assert torch.equal(a, b), (name, local_first, landing)
+
+
 @pytest.mark.parametrize("wide", [True, False], ids=["128x256", "128x128"])
 def test_gluon_rows_scatter_their_rows(wide):
     # The Gluon down and d_x writing each row into its token's rank's combine buffer (expert

@@ -248,6 +248,61 @@ def test_tiles_from_a_shared_counter_equal_plain_tiles(case, kept, monkeypatch):
     check_against_reference(case, y_dynamic, grads_dynamic)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+def test_kernels_waiting_on_copied_rows_equal_plain(kept):
+    # The gate/up and dSwiGLU launches over rows moved by copies (MoKConfig.fwd_copy_rows /
+    # bwd_copy_rows), here one device's tokens as if from two ranks (mok.testing.pull.
+    # local_copied, every flag raised): their tiles wait on each rank's landed flag and take
+    # the row blocks in the pull's order, local first or in schedule order; bitwise the
+    # launches without.
+    from mok.testing.pull import local_copied
+
+    # 96 tokens over 3 experts, one route each: ~32 rows an expert, its first half local,
+    # so blocks of 16 rows come of both kinds.
+    case = Case("copied", 96, 48, 32, 3, 1, limit=0.8, seed=11)
+    inputs = case.inputs()
+    tiles = dataclasses.replace(tiles_for_tests(case.block) or ops.default_tiles(DEVICE),
+                                use_tuned=False)
+    _, _, schedule, _ = run_layer(inputs, tiles=tiles)
+    routing = schedule.routing
+    used = int(routing.expert_offsets[-1])  # rows past it are never written
+    x, w_gate, w_up, w_down = (inputs.x, inputs.w_routed_gate, inputs.w_routed_up,
+                               inputs.w_routed_down)
+    inter, hidden = w_gate.shape[1], w_gate.shape[2]
+    h_tiles = tiles.pick("gate_up_saved" if kept else "gate_up", inter, hidden)
+    bwd_tiles = tiles.pick("down_bwd_saved" if kept else "down_bwd", inter, hidden)
+    kept_rows = ops.gate_up_buffer(x, w_gate, routing) if kept else None
+    h = ops.gate_up_swiglu(x, w_gate, w_up, routing, h_tiles, case.limit, gate_up=kept_rows)
+
+    def gate_up(pull=None):
+        rows = ops.gate_up_buffer(x, w_gate, routing) if kept else None
+        out = ops.gate_up_swiglu(x, w_gate, w_up, routing, h_tiles, case.limit, pull=pull,
+                                 gate_up=rows)
+        return [out[:used]] + ([rows[:used]] if kept else [])
+
+    def dswiglu(pull=None):
+        out = torch.zeros_like(h) if kept else h
+        d_gate_up, partial = ops.down_bwd_dswiglu(
+            inputs.d_output, x, w_down, w_gate, w_up, out, routing, bwd_tiles,
+            inputs.router_weights, case.limit, pull=pull, gate_up=kept_rows, h_out=kept)
+        return [d_gate_up[:used], partial[:used]] + ([out[:used]] if kept else [])
+
+    for name, run, block_m in (("gate/up", gate_up, h_tiles.block_m),
+                               ("dswiglu", dswiglu, bwd_tiles.block_m)):
+        expected = run()
+        orders = []
+        for local_first in (True, False):
+            moved = local_copied(x, routing, block_m, local_first=local_first)
+            moved.land()
+            orders.append(moved.pull.order.tolist())
+            assert sorted(orders[-1]) == list(range(routing.capacity_rows // block_m))
+            actual = run(moved.pull)
+            assert int(moved.pull.peer.errors.abs().sum()) == 0
+            for a, b in zip(actual, expected, strict=True):
+                assert torch.equal(a, b), (name, local_first)
+        assert orders[0] != orders[1], name  # local first is not the schedule's order here
+
+
 @pytest.mark.parametrize("variant", [with_tma_rows, _tma_weights, _persistent_tma, _flattened],
                          ids=["tma_rows", "tma_weights", "persistent_tma", "flattened"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=lambda c: c.name)

@@ -57,3 +57,62 @@ def local_pull(x: torch.Tensor, routing: Routing, router_weights: torch.Tensor |
     local = LocalPull(pull, rows, weights)
     local.next_round()
     return local
+
+
+@dataclass
+class LocalCopied:
+    """A copied pull (mok.ops.comm.Pull.copied) of one device's rows as if they came from
+    `ranks` ranks, tokens_per_rank each, this being rank 0: landed[p] = 1 once rank p's rows are
+    there (the GEMM's tiles wait on it), the row blocks taken local first. The rows are the
+    tensor the GEMM reads, already in place: `land` says when they count as landed."""
+
+    pull: comm.Pull
+    landed: torch.Tensor
+
+    def land(self, late: torch.cuda.Stream | None = None,
+             delay: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Rank 0's rows land now (in stream order); the others' too, or, with `late` and
+        delay = (dst, src), once the side stream `late` has done dst.copy_(src) after the
+        current stream's work so far (a host-to-device copy runs on the copy engines, as a
+        peer's copy does), the flags written by that stream (cuStreamWriteValue32)."""
+        self.landed.zero_()
+        if late is None:
+            self.landed.fill_(1)
+            return
+        self.landed[:1].fill_(1)
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        late.wait_stream(torch.cuda.current_stream(self.landed.device))
+        flags = self.landed.view(torch.uint32)  # a flag's low word: little-endian
+        with torch.cuda.stream(late):
+            delay[0].copy_(delay[1], non_blocking=True)
+            for p in range(1, self.landed.shape[0]):
+                _SymmetricMemory.stream_write_value32(flags, 2 * p, 1)
+
+
+def local_copied(rows: torch.Tensor, routing: Routing, block_m: int, *, ranks: int = 2,
+                 local_first: bool = True, timeout_s: float = 10.0) -> LocalCopied:
+    """The copied pull of rows [T, H] (T a multiple of `ranks`) that routing's rows read, as rank
+    0 of `ranks` (see LocalCopied); local_first=False: the row blocks in schedule order."""
+    from mok.expert_parallel import local_first_order
+
+    device = rows.device
+    tokens = rows.shape[0]
+    if tokens % ranks:
+        raise ValueError(f"{tokens} tokens do not split over {ranks} ranks")
+    per_rank = tokens // ranks
+    i64 = dict(dtype=torch.int64, device=device)
+    peer = comm.PeerFlags(
+        flags=torch.zeros(1, **i64), flag_deltas=torch.zeros(1, **i64),
+        seq=torch.ones(1, **i64), errors=torch.zeros(4, dtype=torch.int32, device=device),
+        rank=0, world_size=ranks, timeout=comm.timeout_units(timeout_s))
+    blocks = routing.capacity_rows // block_m
+    order = (local_first_order(routing, block_m, 0, per_rank * routing.topk) if local_first
+             else torch.arange(blocks, dtype=torch.int32, device=device))
+    landed = torch.zeros(ranks, **i64)
+    zero = torch.zeros(1, **i64)
+    pull = comm.Pull(
+        peer, rows, zero, None, None, None, order,
+        torch.arange(tokens, dtype=torch.int32, device=device), torch.zeros(1, **i64), landed,
+        0, 0, per_rank, routing.topk, 0, per_rank, copied=True)
+    return LocalCopied(pull, landed)
