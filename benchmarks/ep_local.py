@@ -4,7 +4,7 @@ scattering rows costs down and d_x, a rank's own tokens from and to its own memo
 as between ranks.
 
     python -m benchmarks.ep_local [--shapes qwen3-30b-a3b ...] [--minibatch N] [--csv PATH]
-                                  [--peer-gbs 360]
+                                  [--peer-gbs 360] [--rounds N]
 
 Per shape, the median ms (CUDA events) of:
 - gate/up `gluon`: the Gluon kernel reading x directly (nothing pulled: the floor);
@@ -27,7 +27,8 @@ Per shape, the median ms (CUDA events) of:
   local-first block order cost); `copied late` with the second rank's flag raised by a side
   stream after a host-to-device copy (the copy engines, as a peer's copy) of the time a peer's
   copy of its rows would take at --peer-gbs GB/s (its x at gate/up, d_output and x recomputing,
-  d_output kept), the row blocks local first or, `in schedule order`, not.
+  d_output kept), the row blocks local first (mok.expert_parallel.local_first_order; `lead
+  0.5`: only those among the first half of the used blocks) or, `in schedule order`, not.
 Local memory answers and takes writes faster than a peer over NVLink: this measures what the
 pull or scatter costs the GEMM, not the link. Each variant is checked against the Gluon kernel's
 own results first (bitwise where the tiles are the same).
@@ -81,8 +82,8 @@ class _Late:
         return self._buffers[nbytes]
 
 
-def measure(shape, repeats: int, warmup: int, minibatch: int,
-            only: str = "", peer_gbs: float = 360.0) -> list[tuple[str, float]]:
+def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
+            peer_gbs: float = 360.0, rounds: int = 1) -> list[tuple[str, float]]:
     inputs, config, _, schedule = shape_setup(shape, seed=5)
     config = dataclasses.replace(config, minibatch_size=minibatch)
     routing = schedule.routing
@@ -133,9 +134,9 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
     late = _Late(x.device)
     row_bytes = x.shape[0] * hidden * x.element_size()  # one rank's rows, a peer's copy of them
 
-    def copied(rows, block_m, fn, copy_ms=None, local_first=True):
+    def copied(rows, block_m, fn, copy_ms=None, lead=1.0):
         """fn(pull) with rows copied (local_copied); copy_ms: the second rank's land late."""
-        moved = local_copied(rows, routing, block_m, local_first=local_first)
+        moved = local_copied(rows, routing, block_m, lead=lead)
         errors.append(moved.pull.peer.errors)
 
         def run():
@@ -151,6 +152,9 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
     def gate_up_copied(**kw):
         return copied(x, gate_up_tiles.block_m, lambda pull: ops.gate_up_swiglu(
             x, w_gate, w_up, routing, gate_up_tiles, None, pull=pull), **kw)
+
+    # the copied variants' orders: (name's suffix, local_first_order's lead)
+    orders = [("", 1.0), (", lead 0.5", 0.5), (", in schedule order", None)]
 
     d_out, rw = inputs.d_output, inputs.router_weights
     kept_up = ops.gate_up_buffer(x, w_gate, routing)
@@ -180,13 +184,13 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
             return dswiglu(kept, tiles, pull, (pulled_dy.rows, x_rows))
         return run
 
-    def dswiglu_copied(kept, **kw):
+    def dswiglu_copied(kept, late_copy, lead):
         tiles = pick(_dswiglu_kind(kept), inter, hidden)
         # The flagged copies: d_output's rows, and x's recomputing.
-        ms = None if kw.pop("late", False) is False else (
-            (1 if kept else 2) * row_bytes / peer_gbs / 1e6)
+        ms = (1 if kept else 2) * row_bytes / peer_gbs / 1e6 if late_copy else None
         return copied(d_out, tiles.block_m, lambda pull: dswiglu(kept, tiles, pull),
-                      copy_ms=ms, **kw)
+                      copy_ms=ms, lead=lead)
+
     # (name, call, rows of its result to compare, whether bitwise)
     variants = [
         ("gate/up gluon", gate_up(x, gate_up_tiles), slice(0, used), True),
@@ -197,12 +201,12 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
         ("gate/up triton pulling", gate_up(pulled.rows, pick("gate_up", inter, hidden,
                                                              triton=True), pulled.pull),
          slice(0, used), False),
-        ("gate/up gluon copied", gate_up_copied(), slice(0, used), True),
-        ("gate/up gluon copied late", gate_up_copied(copy_ms=row_bytes / peer_gbs / 1e6),
-         slice(0, used), True),
-        ("gate/up gluon copied late, in schedule order",
-         gate_up_copied(copy_ms=row_bytes / peer_gbs / 1e6, local_first=False),
-         slice(0, used), True),
+    ] + [
+        (f"gate/up gluon copied{late_copy and ' late' or ''}{suffix}",
+         gate_up_copied(copy_ms=row_bytes / peer_gbs / 1e6 if late_copy else None, lead=lead),
+         slice(0, used), True)
+        for late_copy in (False, True) for suffix, lead in orders
+    ] + [
         ("down gluon", down(down_tiles), slice(0, used), True),
         ("down gluon scatter", down(down_tiles, scatter), order, True),
         ("down triton scatter", down(pick("down", hidden, inter, triton=True), scatter), order,
@@ -222,14 +226,13 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
             (f"{name} gluon", lambda kept=kept, tiles=tiles: dswiglu(kept, tiles),
              slice(0, used), True),
             (f"{name} triton pulling", dswiglu_pulling(kept), slice(0, used), False),
-            (f"{name} gluon copied", dswiglu_copied(kept), slice(0, used), True),
-            (f"{name} gluon copied late", dswiglu_copied(kept, late=True), slice(0, used),
-             True),
-            (f"{name} gluon copied late, in schedule order",
-             dswiglu_copied(kept, late=True, local_first=False), slice(0, used), True),
+        ] + [
+            (f"{name} gluon copied{late_copy and ' late' or ''}{suffix}",
+             dswiglu_copied(kept, late_copy, lead), slice(0, used), True)
+            for late_copy in (False, True) for suffix, lead in orders
         ]
     expected = {}
-    results = []
+    timed = []
     for name, fn, rows, bitwise in variants:
         if only not in name and name.split()[1:] != ["gluon"]:  # each GEMM's first is kept
             continue
@@ -250,11 +253,16 @@ def measure(shape, repeats: int, warmup: int, minibatch: int,
             got = out if out is combine else out[rows]
             want = expected[gemm] if out is not combine else expected[gemm][order]
             _check(f"{shape.name} {name}", got, want, bitwise)
-        results.append((name, median_ms(fn, repeats, warmup)))
-        torch.cuda.synchronize()
-        if any(int(flags.abs().sum()) != 0 for flags in errors):
-            raise RuntimeError(f"{shape.name} {name}: a wait timed out while timed")
-        print(f"{shape.name:24s} {name:44s} {results[-1][1]:7.3f} ms", flush=True)
+        timed.append((name, fn))
+    # Timed in turn, `rounds` times: a variant's times side by side show the run-to-run spread.
+    results = []
+    for _ in range(rounds):
+        for name, fn in timed:
+            results.append((name, median_ms(fn, repeats, warmup)))
+            torch.cuda.synchronize()
+            if any(int(flags.abs().sum()) != 0 for flags in errors):
+                raise RuntimeError(f"{shape.name} {name}: a wait timed out while timed")
+            print(f"{shape.name:24s} {name:48s} {results[-1][1]:7.3f} ms", flush=True)
     return results
 
 
@@ -273,6 +281,8 @@ def main(argv=None) -> None:
     parser.add_argument("--csv", type=Path, default=None, help="append a row per measurement")
     parser.add_argument("--peer-gbs", type=float, default=360.0,
                         help="a peer copy's rate, for the `copied late` variants' delay")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every variant this many times in turn (a row each)")
     parser.add_argument("--only", default="", help="the variants whose name has this (and each "
                         "GEMM's Gluon kernel, the one the others are checked against)")
     args = parser.parse_args(argv)
@@ -284,7 +294,8 @@ def main(argv=None) -> None:
         rows = [dict(gpu=gpu, commit=commit_id(), date=date, shape=name,
                      minibatch=args.minibatch, impl=impl, ms=f"{ms:.4f}")
                 for impl, ms in measure(SHAPES_BY_NAME[name], args.repeats, args.warmup,
-                                        args.minibatch, args.only, args.peer_gbs)]
+                                        args.minibatch, args.only, args.peer_gbs,
+                                        args.rounds)]
         if args.csv is not None:
             append_rows(args.csv, CSV_FIELDS, rows)
 

@@ -101,18 +101,24 @@ class ExchangePlan:
     pull_moving: torch.Tensor
 
 
-def local_first_order(routing: Routing, block_m: int, rank: int,
-                      routes_per_rank: int) -> torch.Tensor:
+def local_first_order(routing: Routing, block_m: int, rank: int, routes_per_rank: int,
+                      lead: float = 1.0) -> torch.Tensor:
     """[C // block_m] int32 on the device: the schedule's row blocks, those whose rows all come
     from `rank` (group route g from rank g // routes_per_rank) first, then those with other
     ranks' rows, then those past the used rows (the GEMMs take the first used_rows // block_m);
-    in schedule order within each."""
+    in schedule order within each. lead < 1: only the local blocks among the first `lead` of
+    the used ones come first, the other used blocks then all in schedule order (an expert's
+    weights are read once more only for the experts of that lead)."""
     device = routing.row_route.device
     blocks = routing.row_route.shape[0] // block_m
     route = routing.row_route[:blocks * block_m].view(blocks, block_m)
     remote = ((route >= 0) & (route // routes_per_rank != rank)).any(dim=1)
-    used = torch.arange(blocks, dtype=torch.int32, device=device) < routing.used_rows // block_m
-    key = torch.where(used, remote.to(torch.int32), 2)
+    index = torch.arange(blocks, dtype=torch.int32, device=device)
+    used_blocks = routing.used_rows // block_m
+    first = ~remote
+    if lead < 1.0:
+        first &= index.to(torch.float32) < used_blocks.to(torch.float32) * lead
+    key = torch.where(index < used_blocks, (~first).to(torch.int32), 2)
     return torch.sort(key, stable=True).indices.to(torch.int32)
 
 

@@ -205,7 +205,8 @@ def test_gluon_gate_up_pulling_its_rows(kept, limit):
 def test_gluon_kernels_waiting_on_copied_rows(kept):
     # Rows moved by copies (MoKConfig.fwd_copy_rows / bwd_copy_rows), here one device's tokens
     # as if from two ranks (mok.testing.pull.local_copied): the Gluon gate/up and dSwiGLU wait on
-    # each rank's landed flag and take their row blocks local first or in schedule order. The
+    # each rank's landed flag and take their row blocks local first (of all used blocks or of
+    # the first half) or in schedule order. The
     # second rank's flag is raised before the launch or by a side stream after a copy on the
     # copy engines (cuStreamWriteValue32) while the kernel runs; every result is bitwise the
     # kernel's with no waits, no wait times out. Experts of uneven sizes, I = 352.
@@ -248,8 +249,8 @@ def test_gluon_kernels_waiting_on_copied_rows(kept):
     for name, run, block_m in (("gate/up", gate_up, h_tiles.block_m),
                                ("dswiglu", dswiglu, bwd_tiles.block_m)):
         expected = run()
-        for local_first in (True, False):
-            moved = local_copied(x, routing, block_m, local_first=local_first)
+        for lead in (1.0, 0.5, None):
+            moved = local_copied(x, routing, block_m, lead=lead)
             order = moved.pull.order.long()
             assert torch.equal(order.sort().values, torch.arange(order.numel(), device="cuda"))
             for landing in ("before", "late"):
@@ -260,7 +261,7 @@ def test_gluon_kernels_waiting_on_copied_rows(kept):
                 assert int(moved.pull.peer.errors.abs().sum()) == 0, (name, landing)
                 assert torch.equal(moved.landed, torch.ones_like(moved.landed))
                 for a, b in zip(actual, expected, strict=True):
-                    assert torch.equal(a, b), (name, local_first, landing)
+                    assert torch.equal(a, b), (name, lead, landing)
 
 
 @pytest.mark.parametrize("wide", [True, False], ids=["128x256", "128x128"])

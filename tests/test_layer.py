@@ -257,12 +257,13 @@ def test_kernels_waiting_on_copied_rows_equal_plain(kept):
     # launches without.
     from mok.testing.pull import local_copied
 
-    # 96 tokens over 3 experts, one route each: ~32 rows an expert, its first half local,
-    # so blocks of 16 rows come of both kinds.
-    case = Case("copied", 96, 48, 32, 3, 1, limit=0.8, seed=11)
-    inputs = case.inputs()
-    tiles = dataclasses.replace(tiles_for_tests(case.block) or ops.default_tiles(DEVICE),
+    # 12 row blocks a GEMM over 3 experts, one route a token: ~4 blocks an expert, its first
+    # half local, so blocks come of both kinds.
+    tiles = dataclasses.replace(tiles_for_tests(16) or ops.default_tiles(DEVICE),
                                 use_tuned=False)
+    block = max(tiles.pick(kind, 32, 48).block_m for kind in ("gate_up", "down_bwd"))
+    case = Case("copied", 12 * block, 48, 32, 3, 1, limit=0.8, seed=11)
+    inputs = case.inputs()
     _, _, schedule, _ = run_layer(inputs, tiles=tiles)
     routing = schedule.routing
     used = int(routing.expert_offsets[-1])  # rows past it are never written
@@ -290,17 +291,28 @@ def test_kernels_waiting_on_copied_rows_equal_plain(kept):
     for name, run, block_m in (("gate/up", gate_up, h_tiles.block_m),
                                ("dswiglu", dswiglu, bwd_tiles.block_m)):
         expected = run()
+        blocks = routing.capacity_rows // block_m
+        route = routing.row_route[:blocks * block_m].view(blocks, block_m).tolist()
+        used_blocks = int(routing.used_rows) // block_m
+        half = inputs.x.shape[0] // 2  # rank 1's tokens from here on; one route a token
+        local = [all(r < half for r in route[b] if r >= 0) for b in range(blocks)]
         orders = []
-        for local_first in (True, False):
-            moved = local_copied(x, routing, block_m, local_first=local_first)
+        for lead in (1.0, 0.5, None):
+            moved = local_copied(x, routing, block_m, lead=lead)
             moved.land()
-            orders.append(moved.pull.order.tolist())
-            assert sorted(orders[-1]) == list(range(routing.capacity_rows // block_m))
+            order = moved.pull.order.tolist()
+            orders.append(order)
+            # local_first_order: the local blocks (among the first `lead` of the used ones)
+            # first, then the other used ones, then the unused, each in schedule order
+            first = [local[b] and b < used_blocks * (lead or 0) for b in range(blocks)]
+            keys = [2 if b >= used_blocks else 0 if first[b] else 1 for b in range(blocks)]
+            assert order == sorted(range(blocks), key=lambda b: (keys[b], b)), lead
             actual = run(moved.pull)
             assert int(moved.pull.peer.errors.abs().sum()) == 0
             for a, b in zip(actual, expected, strict=True):
-                assert torch.equal(a, b), (name, local_first)
-        assert orders[0] != orders[1], name  # local first is not the schedule's order here
+                assert torch.equal(a, b), (name, lead)
+        # the three orders differ here: blocks of both kinds, local ones past the lead
+        assert len({tuple(order) for order in orders}) == 3, name
 
 
 @pytest.mark.parametrize("variant", [with_tma_rows, _tma_weights, _persistent_tma, _flattened],

@@ -91,9 +91,10 @@ class LocalCopied:
 
 
 def local_copied(rows: torch.Tensor, routing: Routing, block_m: int, *, ranks: int = 2,
-                 local_first: bool = True, timeout_s: float = 10.0) -> LocalCopied:
+                 lead: float | None = 1.0, timeout_s: float = 10.0) -> LocalCopied:
     """The copied pull of rows [T, H] (T a multiple of `ranks`) that routing's rows read, as rank
-    0 of `ranks` (see LocalCopied); local_first=False: the row blocks in schedule order."""
+    0 of `ranks` (see LocalCopied), the row blocks in local_first_order's order with `lead`, or
+    with lead None in schedule order."""
     from mok.expert_parallel import local_first_order
 
     device = rows.device
@@ -107,8 +108,8 @@ def local_copied(rows: torch.Tensor, routing: Routing, block_m: int, *, ranks: i
         seq=torch.ones(1, **i64), errors=torch.zeros(4, dtype=torch.int32, device=device),
         rank=0, world_size=ranks, timeout=comm.timeout_units(timeout_s))
     blocks = routing.capacity_rows // block_m
-    order = (local_first_order(routing, block_m, 0, per_rank * routing.topk) if local_first
-             else torch.arange(blocks, dtype=torch.int32, device=device))
+    order = (torch.arange(blocks, dtype=torch.int32, device=device) if lead is None
+             else local_first_order(routing, block_m, 0, per_rank * routing.topk, lead))
     landed = torch.zeros(ranks, **i64)
     zero = torch.zeros(1, **i64)
     pull = comm.Pull(
