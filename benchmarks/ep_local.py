@@ -28,7 +28,9 @@ Per shape, the median ms (CUDA events) of:
   stream after a host-to-device copy (the copy engines, as a peer's copy) of the time a peer's
   copy of its rows would take at --peer-gbs GB/s (its x at gate/up, d_output and x recomputing,
   d_output kept), the row blocks local first (mok.expert_parallel.local_first_order; `lead
-  0.5`: only those among the first half of the used blocks) or, `in schedule order`, not.
+  0.5`: only those among the first half of the used blocks) or, `in schedule order`, not;
+  gate/up also `flag late` (the side stream writes the flag alone, no copy before it) and
+  `by a copy` (the flag written by a host-to-device copy instead of cuStreamWriteValue32).
 Local memory answers and takes writes faster than a peer over NVLink: this measures what the
 pull or scatter costs the GEMM, not the link. Each variant is checked against the Gluon kernel's
 own results first (bitwise where the tiles are the same).
@@ -74,7 +76,7 @@ class _Late:
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def delay(self, ms: float) -> tuple[torch.Tensor, torch.Tensor]:
-        nbytes = max(int(ms * 1e6 * self.gbs / 1e3), 1)
+        nbytes = max(int(ms * 1e6 * self.gbs), 1)  # ms * 1e-3 s at gbs * 1e9 B/s
         if nbytes not in self._buffers:
             self._buffers[nbytes] = (
                 torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
@@ -134,8 +136,9 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
     late = _Late(x.device)
     row_bytes = x.shape[0] * hidden * x.element_size()  # one rank's rows, a peer's copy of them
 
-    def copied(rows, block_m, fn, copy_ms=None, lead=1.0):
-        """fn(pull) with rows copied (local_copied); copy_ms: the second rank's land late."""
+    def copied(rows, block_m, fn, copy_ms=None, lead=1.0, flag_by_copy=False):
+        """fn(pull) with rows copied (local_copied); copy_ms: the second rank's land late (0:
+        the flag alone written by the side stream)."""
         moved = local_copied(rows, routing, block_m, lead=lead)
         errors.append(moved.pull.peer.errors)
 
@@ -143,7 +146,7 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
             if copy_ms is None:
                 moved.land()
                 return fn(moved.pull)
-            moved.land(late.stream, late.delay(copy_ms))
+            moved.land(late.stream, late.delay(copy_ms) if copy_ms else None, flag_by_copy)
             out = fn(moved.pull)
             torch.cuda.current_stream().wait_stream(late.stream)
             return out
@@ -206,6 +209,13 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
          gate_up_copied(copy_ms=row_bytes / peer_gbs / 1e6 if late_copy else None, lead=lead),
          slice(0, used), True)
         for late_copy in (False, True) for suffix, lead in orders
+    ] + [
+        ("gate/up gluon copied, flag late", gate_up_copied(copy_ms=0), slice(0, used), True),
+        ("gate/up gluon copied, flag late by a copy", gate_up_copied(copy_ms=0, flag_by_copy=True),
+         slice(0, used), True),
+        ("gate/up gluon copied late, flag by a copy",
+         gate_up_copied(copy_ms=row_bytes / peer_gbs / 1e6, flag_by_copy=True), slice(0, used),
+         True),
     ] + [
         ("down gluon", down(down_tiles), slice(0, used), True),
         ("down gluon scatter", down(down_tiles, scatter), order, True),

@@ -236,6 +236,25 @@ def wait_tokens_ready(ready_ptr, position_ptr, token, valid, target, timeout, er
 
 
 @triton.jit
+def wait_ranks_landed(ready_ptr, token, valid, target, landed, world_size, timeout, error_ptr,
+                      TOKENS_PER_RANK: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Inside a GEMM over rows copied by rank (mok.ops.comm.Pull.copied: ready[p] >= target
+    once rank p's rows landed, group token u from rank u // TOKENS_PER_RANK): wait on the flags
+    of the ranks of the tokens `token` (where `valid`) not yet in `landed` (a bit per rank seen
+    landed, carried over a program's tiles, so each flag is waited on once per program);
+    returns the new bits. Timeouts are reported as wait_tokens_ready's."""
+    if landed != (1 << world_size) - 1:
+        src = token // TOKENS_PER_RANK
+        lo = tl.min(tl.where(valid, src, world_size), axis=0)
+        hi = tl.max(tl.where(valid, src, -1), axis=0)
+        for p in range(lo, hi + 1):
+            if ((landed >> p) & 1) == 0:
+                wait_at_least(ready_ptr + p, target, -1, timeout, error_ptr, HAS_TIMER)
+                landed = landed | (1 << p)
+    return landed
+
+
+@triton.jit
 def scatter_route_values_kernel(
     values_ptr, route_row_ptr, out_ptr, out_delta_ptr, num_routes, routes_per_rank,
     BLOCK: tl.constexpr,

@@ -50,7 +50,7 @@ routes_per_rank of that rank's combine buffer, g = dest_route[row] (a route of t
 import triton
 import triton.language as tl
 
-from mok.kernels.comm import pull_tokens, wait_tokens_ready
+from mok.kernels.comm import pull_tokens, wait_ranks_landed, wait_tokens_ready
 from mok.kernels.common import cast_to, mma
 
 
@@ -128,9 +128,18 @@ def _pull_programs(
 
 @triton.jit
 def _wait_tile(ready_ptr, position_ptr, seq_ptr, phase, timeout, error_ptr, token, valid,
-               MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr):
-    wait_tokens_ready(ready_ptr, position_ptr, token, valid, tl.load(seq_ptr + phase), timeout,
-                      error_ptr, MINIBATCH, HAS_TIMER)
+               landed, world_size, MINIBATCH: tl.constexpr, COPIED: tl.constexpr,
+               HAS_TIMER: tl.constexpr):
+    """Wait for a tile's rows (a pull's minibatches, or COPIED their ranks' copies, each rank's
+    once per program: `landed`, returned updated)."""
+    target = tl.load(seq_ptr + phase)
+    if COPIED:
+        landed = wait_ranks_landed(ready_ptr, token, valid, target, landed, world_size, timeout,
+                                   error_ptr, MINIBATCH, HAS_TIMER)
+    else:
+        wait_tokens_ready(ready_ptr, position_ptr, token, valid, target, timeout, error_ptr,
+                          MINIBATCH, HAS_TIMER)
+    return landed
 
 
 @triton.jit
@@ -271,6 +280,7 @@ def gate_up_swiglu_kernel(
             return
     first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
                                           tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
+    landed = tl.zeros([], dtype=tl.int32)  # BLOCK_ORDER: ranks seen landed, a bit each
     if DYNAMIC:
         tile = _next_tile(first - step, step, tile_counter_ptr, DYNAMIC)
         while tile < end:
@@ -278,44 +288,47 @@ def gate_up_swiglu_kernel(
             pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
             if BLOCK_ORDER:
                 pid_m = tl.load(pull_order_ptr + pid_m)
-            _gate_up_tile(
+            landed = _gate_up_tile(
                 x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
-                ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N,
-                K, topk, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
-                swiglu_limit,
+                ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n,
+                landed, world_size, N, K, topk, stride_xm, stride_we, stride_wn, stride_wk,
+                stride_hm, stride_gum, swiglu_limit,
                 HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-                PULL, MINIBATCH, HAS_TIMER, UPCAST)
+                PULL, MINIBATCH, HAS_TIMER, UPCAST, BLOCK_ORDER)
             tile = next_tile
     else:
         for tile in tl.range(first, end, step, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
             if BLOCK_ORDER:
                 pid_m = tl.load(pull_order_ptr + pid_m)
-            _gate_up_tile(
+            landed = _gate_up_tile(
                 x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
-                ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N,
-                K, topk, stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
-                swiglu_limit,
+                ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n,
+                landed, world_size, N, K, topk, stride_xm, stride_we, stride_wn, stride_wk,
+                stride_hm, stride_gum, swiglu_limit,
                 HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-                PULL, MINIBATCH, HAS_TIMER, UPCAST)
+                PULL, MINIBATCH, HAS_TIMER, UPCAST, BLOCK_ORDER)
 
 
 @triton.jit
 def _gate_up_tile(
     x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
-    ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
+    ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, landed,
+    world_size, N, K, topk,
     stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PULL: tl.constexpr,
     MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_ORDER: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of gate_up_swiglu_kernel (an expert's rows)."""
+    """One [BLOCK_M, BLOCK_N] tile of gate_up_swiglu_kernel (an expert's rows); returns
+    `landed` (see _wait_tile)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
     if PULL:
-        _wait_tile(ready_ptr, pull_position_ptr, seq_ptr, phase, timeout, error_ptr, token,
-                   valid, MINIBATCH, HAS_TIMER)
+        landed = _wait_tile(ready_ptr, pull_position_ptr, seq_ptr, phase, timeout, error_ptr,
+                            token, valid, landed, world_size, MINIBATCH, BLOCK_ORDER, HAS_TIMER)
     r0 = pid_m * BLOCK_M
     c0 = pid_n * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)
@@ -352,6 +365,7 @@ def _gate_up_tile(
                        stride_gum, swiglu_limit, HALF, HAS_LIMIT, SAVE_GATE_UP, ROWS_TMA, UPCAST)
         _gate_up_slice(gate_b, up_b, rows, r0, c0 + HALF, N, h_ptr, gate_up_ptr, stride_hm,
                        stride_gum, swiglu_limit, HALF, HAS_LIMIT, SAVE_GATE_UP, ROWS_TMA, UPCAST)
+    return landed
 
 
 @triton.jit
@@ -501,6 +515,7 @@ def down_bwd_dswiglu_kernel(
             return
     first, end, step, grid_m = _tile_span(pid, num_pull_programs, used_rows_ptr, num_m_blocks,
                                           tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, PERSISTENT)
+    landed = tl.zeros([], dtype=tl.int32)  # BLOCK_ORDER: ranks seen landed, a bit each
     if DYNAMIC:
         tile = _next_tile(first - step, step, tile_counter_ptr, DYNAMIC)
         while tile < end:
@@ -508,52 +523,53 @@ def down_bwd_dswiglu_kernel(
             pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
             if BLOCK_ORDER:
                 pid_m = tl.load(pull_order_ptr + pid_m)
-            _down_bwd_tile(
+            landed = _down_bwd_tile(
                 d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
                 router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
                 block_expert_ptr, ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout,
-                pid_m, pid_n, N, K, topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k,
-                stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm,
-                stride_pm, swiglu_limit,
+                pid_m, pid_n, landed, world_size, N, K, topk, stride_dm, stride_xm, stride_wd_e,
+                stride_wd_k, stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
+                stride_gm, stride_pm, swiglu_limit,
                 HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA,
-                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
+                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST, BLOCK_ORDER)
             tile = next_tile
     else:
         for tile in tl.range(first, end, step, flatten=FLATTEN):
             pid_m, pid_n = _tile_coords(tile, grid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
             if BLOCK_ORDER:
                 pid_m = tl.load(pull_order_ptr + pid_m)
-            _down_bwd_tile(
+            landed = _down_bwd_tile(
                 d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr,
                 router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
                 block_expert_ptr, ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout,
-                pid_m, pid_n, N, K, topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k,
-                stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm,
-                stride_pm, swiglu_limit,
+                pid_m, pid_n, landed, world_size, N, K, topk, stride_dm, stride_xm, stride_wd_e,
+                stride_wd_k, stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
+                stride_gm, stride_pm, swiglu_limit,
                 HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA,
-                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST)
+                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST, BLOCK_ORDER)
 
 
 @triton.jit
 def _down_bwd_tile(
     d_out_ptr, x_ptr, w_down_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, router_weights_ptr,
     d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
-    ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, N, K, topk,
-    stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
+    ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, landed,
+    world_size, N, K, topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
     stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
     WK_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, PULL: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_ORDER: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of down_bwd_dswiglu_kernel (an expert's rows)."""
+    """One [BLOCK_M, BLOCK_N] tile of down_bwd_dswiglu_kernel (an expert's rows); returns
+    `landed` (see _wait_tile)."""
     expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN)
     rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
     if PULL:
-        _wait_tile(ready_ptr, pull_position_ptr, seq_ptr, phase, timeout, error_ptr, token,
-                   valid, MINIBATCH, HAS_TIMER)
+        landed = _wait_tile(ready_ptr, pull_position_ptr, seq_ptr, phase, timeout, error_ptr,
+                            token, valid, landed, world_size, MINIBATCH, BLOCK_ORDER, HAS_TIMER)
     r0 = pid_m * BLOCK_M
     c0 = pid_n * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)
@@ -630,6 +646,7 @@ def _down_bwd_tile(
             BLOCK_M, HALF, HAS_LIMIT, HAS_WEIGHT, SAVED_GATE_UP, H_OUT, ROWS_TMA, UPCAST)
     if HAS_WEIGHT:
         tl.store(d_weight_partial_ptr + rows * stride_pm + pid_n, partial)
+    return landed
 
 
 @triton.jit

@@ -68,13 +68,16 @@ class LocalCopied:
 
     pull: comm.Pull
     landed: torch.Tensor
+    _ones: torch.Tensor | None = None  # pinned, for flag_by_copy
 
     def land(self, late: torch.cuda.Stream | None = None,
-             delay: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """Rank 0's rows land now (in stream order); the others' too, or, with `late` and
-        delay = (dst, src), once the side stream `late` has done dst.copy_(src) after the
-        current stream's work so far (a host-to-device copy runs on the copy engines, as a
-        peer's copy does), the flags written by that stream (cuStreamWriteValue32)."""
+             delay: tuple[torch.Tensor, torch.Tensor] | None = None,
+             flag_by_copy: bool = False) -> None:
+        """Rank 0's rows land now (in stream order); the others' too, or, with `late`, once the
+        side stream `late` has done, after the current stream's work so far, delay = (dst, src)
+        dst.copy_(src) (a host-to-device copy runs on the copy engines, as a peer's copy does)
+        if given, then written their flags: by the stream itself (cuStreamWriteValue32) or,
+        flag_by_copy, by a host-to-device copy of ones."""
         self.landed.zero_()
         if late is None:
             self.landed.fill_(1)
@@ -85,7 +88,14 @@ class LocalCopied:
         late.wait_stream(torch.cuda.current_stream(self.landed.device))
         flags = self.landed.view(torch.uint32)  # a flag's low word: little-endian
         with torch.cuda.stream(late):
-            delay[0].copy_(delay[1], non_blocking=True)
+            if delay is not None:
+                delay[0].copy_(delay[1], non_blocking=True)
+            if flag_by_copy:
+                if self._ones is None:
+                    self._ones = torch.ones(self.landed.shape[0] - 1, dtype=torch.int64,
+                                            pin_memory=True)
+                self.landed[1:].copy_(self._ones, non_blocking=True)
+                return
             for p in range(1, self.landed.shape[0]):
                 _SymmetricMemory.stream_write_value32(flags, 2 * p, 1)
 
