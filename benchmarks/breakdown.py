@@ -17,10 +17,12 @@ from mok import ops
 from mok.testing import SHAPES, SHAPES_BY_NAME, make_shape_inputs
 
 
-def median_ms(fn, repeats=20, warmup=3, profile=False):
+def median_ms(fn, repeats=20, warmup=3, profile=False, ahead_ms=0.0):
     """Median ms of `repeats` calls of fn after `warmup` untimed ones; profile: only the timed
     calls run between cudaProfilerStart and Stop (a profiler started with
-    `--profile-from-start off`, as scripts/gpu_ncu.sh runs Nsight Compute, sees those)."""
+    `--profile-from-start off`, as scripts/gpu_ncu.sh runs Nsight Compute, sees those).
+    ahead_ms: the GPU sleeps that long before each timed call, so the host has queued the call
+    before the GPU starts it (its time is the GPU's alone, not the host's issuing it)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -29,6 +31,10 @@ def median_ms(fn, repeats=20, warmup=3, profile=False):
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if ahead_ms:
+            from benchmarks.layer import hold_device
+
+            hold_device(ahead_ms / 1e3)
         start.record()
         fn()
         end.record()

@@ -4,9 +4,10 @@ scattering rows costs down and d_x, a rank's own tokens from and to its own memo
 as between ranks.
 
     python -m benchmarks.ep_local [--shapes qwen3-30b-a3b ...] [--minibatch N] [--csv PATH]
-                                  [--peer-gbs 360] [--rounds N]
+                                  [--peer-gbs 360] [--rounds N] [--ahead-ms 1]
 
-Per shape, the median ms (CUDA events) of:
+Per shape, the median ms (CUDA events; the GPU asleep --ahead-ms before each call, so the host
+has queued it: GPU time alone) of:
 - gate/up `gluon`: the Gluon kernel reading x directly (nothing pulled: the floor);
   `pull apart + gluon`: the pull in a launch of its own over every SM, then the Gluon kernel;
   `gluon pulling`: the Gluon kernel pulling in a partition of each program
@@ -85,7 +86,8 @@ class _Late:
 
 
 def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
-            peer_gbs: float = 360.0, rounds: int = 1) -> list[tuple[str, float]]:
+            peer_gbs: float = 360.0, rounds: int = 1,
+            ahead_ms: float = 0.0) -> list[tuple[str, float]]:
     inputs, config, _, schedule = shape_setup(shape, seed=5)
     config = dataclasses.replace(config, minibatch_size=minibatch)
     routing = schedule.routing
@@ -268,7 +270,7 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
     results = []
     for _ in range(rounds):
         for name, fn in timed:
-            results.append((name, median_ms(fn, repeats, warmup)))
+            results.append((name, median_ms(fn, repeats, warmup, ahead_ms=ahead_ms)))
             torch.cuda.synchronize()
             if any(int(flags.abs().sum()) != 0 for flags in errors):
                 raise RuntimeError(f"{shape.name} {name}: a wait timed out while timed")
@@ -291,6 +293,9 @@ def main(argv=None) -> None:
     parser.add_argument("--csv", type=Path, default=None, help="append a row per measurement")
     parser.add_argument("--peer-gbs", type=float, default=360.0,
                         help="a peer copy's rate, for the `copied late` variants' delay")
+    parser.add_argument("--ahead-ms", type=float, default=1.0,
+                        help="the GPU sleeps this long before each timed call, so the time is "
+                        "the GPU's, not the host's issuing the call (0: no sleep)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time every variant this many times in turn (a row each)")
     parser.add_argument("--only", default="", help="the variants whose name has this (and each "
@@ -305,7 +310,7 @@ def main(argv=None) -> None:
                      minibatch=args.minibatch, impl=impl, ms=f"{ms:.4f}")
                 for impl, ms in measure(SHAPES_BY_NAME[name], args.repeats, args.warmup,
                                         args.minibatch, args.only, args.peer_gbs,
-                                        args.rounds)]
+                                        args.rounds, args.ahead_ms)]
         if args.csv is not None:
             append_rows(args.csv, CSV_FIELDS, rows)
 

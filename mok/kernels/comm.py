@@ -244,7 +244,7 @@ def wait_ranks_landed(ready_ptr, token, valid, target, landed, world_size, timeo
     landed, carried over a program's tiles, so each flag is waited on once per program);
     returns the new bits. Timeouts are reported as wait_tokens_ready's."""
     if landed != (1 << world_size) - 1:
-        src = token // TOKENS_PER_RANK
+        src = (token // TOKENS_PER_RANK).to(tl.int32)
         lo = tl.min(tl.where(valid, src, world_size), axis=0)
         hi = tl.max(tl.where(valid, src, -1), axis=0)
         for p in range(lo, hi + 1):
