@@ -181,7 +181,8 @@ def _copy_rows_body(rank, world_size, *, kept):
     # blocks of this rank's rows only, then those with another rank's rows, then the unused
     # ones, each in schedule order.
     routing = schedule.exchange.group_routing
-    block_m = tiles.pick("gate_up", inputs.w_routed_gate.shape[1], inputs.x.shape[1]).block_m
+    block_m = schedule.tiles.pick("gate_up", inputs.w_routed_gate.shape[1],
+                                  inputs.x.shape[1]).block_m  # the tiles the layer ran
     order = workspace.ep.local_first(routing, block_m).tolist()
     blocks = routing.row_route.shape[0] // block_m
     assert sorted(order) == list(range(blocks))
