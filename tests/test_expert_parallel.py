@@ -192,7 +192,8 @@ def _copy_rows_body(rank, world_size, *, kept):
     keys = [2 if b >= used else int(any(r >= 0 and r // routes_per_rank != rank
                                         for r in route[b])) for b in range(blocks)]
     assert [(keys[b], b) for b in order] == sorted((keys[b], b) for b in range(blocks))
-    assert 0 in keys and 1 in keys  # the order is not the schedule's: both kinds present
+    if tiles is not None:  # the interpreter's small blocks: some hold this rank's rows only
+        assert 0 in keys and 1 in keys  # the order is not the schedule's: both kinds present
 
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
