@@ -88,7 +88,8 @@ class ExchangePlan:
     pull_order [P * T_max] int32: the group tokens with a route scheduled here (the first
         pull_moving[0] entries), by their first row in the schedule (its rows are in expert
         order, so that is a token's earliest), the others after them: the order the pulls move
-        them in. pull_position [P * T_max] int32: a token's index in pull_order.
+        them in. pull_position [P * T_max] int32: a token's index in pull_order. All three are
+        None in a plan built without pulls (build_plan), whose rows all move by copies.
     """
 
     group_routing: Routing
@@ -96,9 +97,9 @@ class ExchangePlan:
     routes_per_rank: int
     group_topk: torch.Tensor  # [P * routes_per_rank] int32: the group's expert ids as sorted
     first_local_expert: int
-    pull_order: torch.Tensor
-    pull_position: torch.Tensor
-    pull_moving: torch.Tensor
+    pull_order: torch.Tensor | None
+    pull_position: torch.Tensor | None
+    pull_moving: torch.Tensor | None
 
 
 def local_first_order(routing: Routing, block_m: int, rank: int, routes_per_rank: int,
@@ -203,6 +204,7 @@ class ExpertParallel:
         their router weights [P * T_max * k], and the rows of second_src) are pulled into, and
         the pull for the GEMM that reads them to run in its launch (then call `pulled`). Rows
         of the other tokens are left unwritten: no route scheduled here reads them."""
+        _check_pulls(plan)
         tokens = self.world_size * self.num_tokens
         dst = torch.empty(tokens, src.shape[1], dtype=src.dtype, device=self.device)
         dst_weights = (torch.empty(tokens * self.topk, dtype=torch.float32, device=self.device)
@@ -223,6 +225,7 @@ class ExpertParallel:
         of the tokens of the local experts' routes and their weights (see `pull`; in_gluon: see
         mok.ops.comm.Pull). Returns (x of the group's tokens, router weights of the group's
         routes, pull)."""
+        _check_pulls(plan)  # before publishing: every rank refuses at the same point
         tokens = x.shape[0]
         self.publish(peer, Phase.FORWARD, [
             (self.x_pub(x.dtype)[:tokens], x),
@@ -274,13 +277,13 @@ class ExpertParallel:
                      dst_weights: torch.Tensor | None = None) -> comm.Pull:
         """The Pull of rows copied by forward_copy or backward_copy: no pulling programs, a
         landed flag per rank (position[u] = u, a minibatch of tokens_per_rank, target 1), the
-        row blocks local first."""
+        row blocks local first; `moving` is a stand-in (nothing is pulled)."""
         weights = self.weights_pub if dst_weights is not None else None
         return comm.Pull(
             dataclasses.replace(peer, seq=self._one), src, self.buffer.deltas(src.dtype),
             weights, self.buffer.deltas(torch.float32) if weights is not None else None,
             dst_weights, self.local_first(plan.group_routing, block_m), self._identity,
-            plan.pull_moving, self._landed, 0, self.slots.pub(phase), self.num_tokens,
+            self._landed, self._landed, 0, self.slots.pub(phase), self.num_tokens,
             self.topk, 0, self.num_tokens, copied=True)
 
     def local_first(self, routing: Routing, block_m: int) -> torch.Tensor:
@@ -375,6 +378,7 @@ class ExpertParallel:
         x's come in a second pull (returned last) for a later launch that reads neither: a
         backward with kept pre-activations needs x for the weight gradients alone, and its first
         GEMM, a third of the recomputing one, would otherwise wait on twice the bytes."""
+        _check_pulls(plan)
         tokens = x.shape[0]
         self.publish(peer, Phase.BACKWARD, [(self.dy_pub(d_output.dtype)[:tokens], d_output),
                                             (self.x_pub(x.dtype)[:tokens], x)])
@@ -429,13 +433,14 @@ class ExpertParallel:
     # -- the schedule ------------------------------------------------------------------------
     def build_plan(self, peer: comm.PeerFlags, topk_experts: torch.Tensor, *,
                    num_local_experts: int, align: int, route_capacity: int,
-                   ghost_expert: bool = False) -> ExchangePlan:
+                   ghost_expert: bool = False, pulls: bool = True) -> ExchangePlan:
         """The schedule of this rank's experts over the group's routes.
 
         topk_experts [T, k], T <= T_max. Ids outside [0, E) are published as -1, so every rank
         reports them (an int64 id is never wrapped into range by the int32 buffer); with
         ghost_expert the id E passes as the ghost (routes to experts of other nodes, see
-        mok.cross_node), as do the slots past T * k.
+        mok.cross_node), as do the slots past T * k. pulls=False: no pull order (its sort is
+        needed only where a GEMM pulls rows, not where copies move them all).
         """
         world, routes = self.world_size, self.routes_per_rank
         num_experts = num_local_experts * world
@@ -463,9 +468,18 @@ class ExpertParallel:
             row_route=empty, route_row=source_route_row, block_expert=empty,
             expert_counts=empty, expert_offsets=empty, num_tokens=topk_experts.shape[0],
             topk=self.topk, num_local_experts=num_local_experts, align=align)
-        order, position, moving = pull_order(group_routing)
+        order = position = moving = None
+        if pulls:
+            order, position, moving = pull_order(group_routing)
         return ExchangePlan(group_routing, source_routing, routes, group_topk,
                             num_local_experts * self.rank, order, position, moving)
+
+
+def _check_pulls(plan: ExchangePlan) -> None:
+    if plan.pull_order is None:
+        raise RuntimeError("this schedule was built for rows moved by copies alone "
+                           "(MoKConfig.fwd_copy_rows and bwd_copy_rows): it has no pull order; "
+                           "build the schedule with the config of the layer's calls")
 
 
 def pull_order(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -503,7 +503,8 @@ def build_schedule(
         exchange = workspace.ep.build_plan(
             workspace.ep.peer_flags(workspace.error_flags), topk_experts,
             num_local_experts=int(num_local_experts), align=tiles.align,
-            route_capacity=route_capacity, ghost_expert=bool(ghost))
+            route_capacity=route_capacity, ghost_expert=bool(ghost),
+            pulls=not (config.fwd_copy_rows and config.bwd_copy_rows))
         routing = exchange.group_routing
     else:
         routing = ops.build_routing(

@@ -194,6 +194,13 @@ def _copy_rows_body(rank, world_size, *, kept):
     assert [(keys[b], b) for b in order] == sorted((keys[b], b) for b in range(blocks))
     if tiles is not None:  # the interpreter's small blocks: some hold this rank's rows only
         assert 0 in keys and 1 in keys  # the order is not the schedule's: both kinds present
+    # With both flags the schedule has no pull order: a pulling call on it is refused, on every
+    # rank, before anything is published.
+    assert schedule.exchange.pull_order is None
+    with pytest.raises(RuntimeError, match="no pull order"):
+        F.forward(pulling, workspace, schedule, *inputs.layer_args, swiglu_limit=0.8)
+    y_again, _, _ = _run(workspace, copying, inputs, swiglu_limit=0.8, tiles=tiles)
+    assert torch.equal(y_again, y_copied)  # the workspace went on as before
 
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
