@@ -283,7 +283,7 @@ class ExpertParallel:
             dataclasses.replace(peer, seq=self._one), src, self.buffer.deltas(src.dtype),
             weights, self.buffer.deltas(torch.float32) if weights is not None else None,
             dst_weights, self.local_first(plan.group_routing, block_m), self._identity,
-            self._landed, self._landed, 0, self.slots.pub(phase), self.num_tokens,
+            self._identity, self._landed, 0, self.slots.pub(phase), self.num_tokens,
             self.topk, 0, self.num_tokens, copied=True)
 
     def local_first(self, routing: Routing, block_m: int) -> torch.Tensor:
