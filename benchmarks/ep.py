@@ -11,7 +11,8 @@ experts are per GPU), on the same inputs on every rank:
   no communication: the floor the overlap aims at;
 - with --keep-gate-up, mok and compute_only run with MoKConfig(recompute_gate_up=False) (rows
   mok_kept, compute_only_kept);
-- dispatch: mok's publish + pull of the forward alone, for the NVLink bandwidth it reaches
+- dispatch: mok's publish + pull of the forward alone (copied rows: publish + copies of every
+  other rank's whole x), for the NVLink bandwidth it reaches
   (bytes of the other ranks' tokens pulled, a row per token, / time; the measured pull
   ceiling of copy_ is 371 GB/s);
 - down_scatter / down_local: the forward's down GEMM writing its rows into the tokens' ranks'
@@ -475,7 +476,8 @@ def print_host_profile(fn, group, quiet=False, top=14):
 
 
 def dispatch_only(layer, inputs, iters, warmup, group):
-    """Time the forward's publish + pull alone; bytes that crossed NVLink into this rank."""
+    """Time the forward's publish + pull alone (fwd_copy_rows: publish + copies); bytes that
+    crossed NVLink into this rank."""
     from mok.expert_parallel import Phase
 
     workspace, config = layer.workspace, layer.config
@@ -483,16 +485,23 @@ def dispatch_only(layer, inputs, iters, warmup, group):
     schedule = layer.schedule()
     x = inputs.x
     weights = inputs.router_weights.contiguous()
+    block_m = schedule.tiles.pick("gate_up", inputs.w_routed_gate.shape[1], x.shape[1]).block_m
 
     def run():
         peer = ep.peer_flags(workspace.error_flags)
-        dst, _, pull = ep.forward_pull(
-            peer, schedule.exchange, x, weights, minibatch=config.minibatch_size,
-            num_programs=config.fwd_num_comm_sms)
-        pull.run_apart(dst)
+        if config.fwd_copy_rows:
+            ep.forward_copy(peer, schedule.exchange, x, weights, block_m=block_m)
+            ep.copies_joined()
+        else:
+            dst, _, pull = ep.forward_pull(
+                peer, schedule.exchange, x, weights, minibatch=config.minibatch_size,
+                num_programs=config.fwd_num_comm_sms)
+            pull.run_apart(dst)
         ep.pulled(peer, Phase.FORWARD)
 
     ms = timed(run, iters, warmup, group)
+    if config.fwd_copy_rows:  # every other rank's whole published x
+        return ms, _min_row_bytes((ep.world_size - 1) * ep.num_tokens, x, group)
     return ms, _pulled_bytes(schedule, ep, x, group)
 
 
