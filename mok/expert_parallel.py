@@ -157,6 +157,8 @@ class ExpertParallel:
         self._one = torch.ones(1, dtype=torch.int64, device=device)
         self._identity = torch.arange(world * num_tokens, dtype=torch.int32, device=device)
         self._copy_stream = (torch.cuda.Stream(device) if device.type == "cuda" else None)
+        self._ones_host = (torch.ones(world, dtype=torch.int64, pin_memory=True)
+                           if device.type == "cuda" else None)  # the landed flags' source
         self._copies_pending = False
         self._local_first: tuple | None = None  # (row_route, block_m, order) of the last call
 
@@ -302,9 +304,9 @@ class ExpertParallel:
         that rank's landed flag = 1 (unflagged copies are for launches after copies_joined). On
         a GPU this rank's own copies run on the current stream (a copy within one GPU may run as
         a kernel, which would need an SM the GEMM's spinning tiles hold) and the other ranks' on
-        the side stream (the copy engines), each flag written by the stream itself
-        (cuStreamWriteValue32: no kernel). Under CUDA-graph capture the flags are memsets and
-        the GEMM waits for the copies to end (copies_joined joins before it)."""
+        the side stream (the copy engines), each flag written by a copy too, of a one from
+        pinned host memory (no kernel; a CUDA graph captures it, so the copies overlap the GEMM
+        there as well)."""
         stream = self._copy_stream
         for p, copies, flagged in moves:
             if stream is None or p == self.rank:
@@ -314,10 +316,6 @@ class ExpertParallel:
                     self._landed[p:p + 1].fill_(1)
         if stream is None:
             return
-        from torch._C._distributed_c10d import _SymmetricMemory
-
-        capturing = torch.cuda.is_current_stream_capturing()
-        landed = self._landed.view(torch.uint32)  # a flag's low word: little-endian
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for p, copies, flagged in moves:
@@ -325,13 +323,9 @@ class ExpertParallel:
                     continue
                 for dst, src in copies:
                     dst.copy_(src)
-                if flagged and capturing:
-                    _SymmetricMemory.memset32(landed, offset=2 * p, val=1, count=1)
-                elif flagged:
-                    _SymmetricMemory.stream_write_value32(landed, 2 * p, 1)
+                if flagged:
+                    self._landed[p:p + 1].copy_(self._ones_host[p:p + 1], non_blocking=True)
         self._copies_pending = True
-        if capturing:
-            self.copies_joined()
 
     def copies_joined(self) -> None:
         """The current stream waits for the side stream's copies (forward_copy)."""

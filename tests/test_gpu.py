@@ -206,10 +206,11 @@ def test_gluon_kernels_waiting_on_copied_rows(kept):
     # Rows moved by copies (MoKConfig.fwd_copy_rows / bwd_copy_rows), here one device's tokens
     # as if from two ranks (mok.testing.pull.local_copied): the Gluon gate/up and dSwiGLU wait on
     # each rank's landed flag and take their row blocks local first (of all used blocks or of
-    # the first half) or in schedule order. The
-    # second rank's flag is raised before the launch or by a side stream after a copy on the
-    # copy engines (cuStreamWriteValue32) while the kernel runs; every result is bitwise the
-    # kernel's with no waits, no wait times out. Experts of uneven sizes, I = 352.
+    # the first half) or in schedule order. The second rank's flag is raised before the launch
+    # or by a side stream after a copy on the copy engines while the kernel runs, written by the
+    # stream (cuStreamWriteValue32) or by a copy from pinned host memory (as the layer does);
+    # every result is bitwise the kernel's with no waits, no wait times out. Experts of uneven
+    # sizes, I = 352.
     from mok.ops import experts
     from mok.testing.pull import local_copied
 
@@ -253,8 +254,11 @@ def test_gluon_kernels_waiting_on_copied_rows(kept):
             moved = local_copied(x, routing, block_m, lead=lead)
             order = moved.pull.order.long()
             assert torch.equal(order.sort().values, torch.arange(order.numel(), device="cuda"))
-            for landing in ("before", "late"):
-                moved.land(*((late, (dst, src)) if landing == "late" else ()))
+            for landing in ("before", "late", "late, flag by a copy"):
+                if landing == "before":
+                    moved.land()
+                else:
+                    moved.land(late, (dst, src), flag_by_copy=landing.endswith("copy"))
                 actual = run(moved.pull)
                 torch.cuda.current_stream().wait_stream(late)
                 torch.cuda.synchronize()
