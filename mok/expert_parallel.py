@@ -308,24 +308,23 @@ class ExpertParallel:
         pinned host memory (no kernel; a CUDA graph captures it, so the copies overlap the GEMM
         there as well)."""
         stream = self._copy_stream
+        if stream is not None:  # first, so they start before this rank's own copies
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for p, copies, flagged in moves:
+                    if p == self.rank:
+                        continue
+                    for dst, src in copies:
+                        dst.copy_(src)
+                    if flagged:
+                        self._landed[p:p + 1].copy_(self._ones_host[p:p + 1], non_blocking=True)
+            self._copies_pending = True
         for p, copies, flagged in moves:
             if stream is None or p == self.rank:
                 for dst, src in copies:
                     dst.copy_(src)
                 if flagged:
                     self._landed[p:p + 1].fill_(1)
-        if stream is None:
-            return
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for p, copies, flagged in moves:
-                if p == self.rank:
-                    continue
-                for dst, src in copies:
-                    dst.copy_(src)
-                if flagged:
-                    self._landed[p:p + 1].copy_(self._ones_host[p:p + 1], non_blocking=True)
-        self._copies_pending = True
 
     def copies_joined(self) -> None:
         """The current stream waits for the side stream's copies (forward_copy)."""
