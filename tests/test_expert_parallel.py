@@ -581,16 +581,25 @@ def test_ep_node_layout(rank, world_size):
     _layout_body(rank, world_size)
 
 
-def _timeout_body(rank, world_size):
-    """Rank 1 never builds its schedule: rank 0's wait for it times out with an error naming it."""
-    config = F.MoKConfig(peer_timeout_s=1.0)
+def _timeout_body(rank, world_size, *, copies=False):
+    """Rank 1 never builds its schedule: rank 0's wait for it times out with an error naming it.
+    copies (rows moved by copies): rank 1 builds the schedule but never runs the forward, so
+    rank 0's wait for its published x times out; the forward still ends (the copies and the
+    landed flags do not wait on the peer) and the error names rank 1."""
+    config = F.MoKConfig(peer_timeout_s=1.0, fwd_copy_rows=copies, bwd_copy_rows=copies)
     inputs = _rank_inputs(rank, world_size, seed=3)
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
                                    num_local_tokens=inputs.x.shape[0],
                                    hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
+    if rank == 0 or copies:
+        schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                    num_local_experts=inputs.num_local_experts,
+                                    tiles=tiles_for_tests())
+    if copies:
+        F.check_errors(workspace)
+        if rank == 0:
+            F.forward(config, workspace, schedule, *inputs.layer_args)
     if rank == 0:
-        F.build_schedule(workspace, config, inputs.topk_experts,
-                         num_local_experts=inputs.num_local_experts, tiles=tiles_for_tests())
         with pytest.raises(MoKDataError, match="PEER_TIMEOUT.*waited on rank 1"):
             F.check_errors(workspace)
     dist.barrier()
@@ -601,29 +610,9 @@ def test_ep_peer_timeout_names_the_rank(rank, world_size):
     _timeout_body(rank, world_size)
 
 
-def _copy_timeout_body(rank, world_size):
-    """Rows moved by copies: rank 1 builds the schedule but never runs the forward, so rank 0's
-    wait for its published x times out; the forward still ends (the copies and the landed
-    flags do not wait on the peer) and the error names rank 1."""
-    config = F.MoKConfig(peer_timeout_s=1.0, fwd_copy_rows=True, bwd_copy_rows=True)
-    inputs = _rank_inputs(rank, world_size, seed=3)
-    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
-                                   num_local_tokens=inputs.x.shape[0],
-                                   hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1])
-    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                num_local_experts=inputs.num_local_experts,
-                                tiles=tiles_for_tests())
-    F.check_errors(workspace)
-    if rank == 0:
-        F.forward(config, workspace, schedule, *inputs.layer_args)
-        with pytest.raises(MoKDataError, match="PEER_TIMEOUT.*waited on rank 1"):
-            F.check_errors(workspace)
-    dist.barrier()
-
-
 @distributed_test(world_sizes=(2,))
 def test_ep_copy_rows_peer_timeout_names_the_rank(rank, world_size):
-    _copy_timeout_body(rank, world_size)
+    _timeout_body(rank, world_size, copies=True)
 
 
 def _graph_body(rank, world_size, tiles=None, config=None):
