@@ -258,8 +258,11 @@ def config_and_name(args) -> tuple:
     return config, name
 
 
-def _rank_main(rank, world_size, shape_names, iters, warmup, commit, config, mine,
+def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
                profile=False, host_ahead=False):
+    """variants: [(MoKConfig, suffix of its rows)] of mok, timed in turn in the same run (they
+    share recompute_gate_up, hence the compute-only time); the first one's config times
+    compute_only."""
     import mok.functional as F
     from benchmarks.layer import BENCH_SHAPES
     from mok.testing import make_inputs
@@ -268,6 +271,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, config, min
     group = dist.group.WORLD
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    config = variants[0][0]
     comm_sms = config.fwd_num_comm_sms
     kept = "" if config.recompute_gate_up else "_kept"  # compute_only's rows (mok's: `mine`)
     rows = []
@@ -320,8 +324,9 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, config, min
                 row(shape, f"compute_only{kept}@ahead", mode, ms, mode_flops[mode])
         del solo_layer, solo
 
-        for impl_name in ("mok", "nccl_grouped_mm"):
-            impl = (MoKLayer(inputs, group, config) if impl_name == "mok"
+        for impl_name, impl_config, mine in [("mok", *variant) for variant in variants] + [
+                ("nccl_grouped_mm", None, "")]:
+            impl = (MoKLayer(inputs, group, impl_config) if impl_name == "mok"
                     else Baseline(inputs, group))
             try:
                 y, grads = impl.step()
@@ -342,7 +347,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, config, min
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             for mode, ms in time_modes(impl).items():
-                row(shape, impl_name + (mine if impl_name == "mok" else ""), mode, ms,
+                row(shape, impl_name + mine, mode, ms,
                     mode_flops[mode], compute[mode], err=err)
             if impl_name == "mok" and host_ahead and cuda:
                 for mode, ms in time_modes(impl, ahead=True).items():
@@ -639,6 +644,10 @@ def main(argv=None) -> None:
     parser.add_argument("--copy-bwd-rows", action="store_true",
                         help="MoKConfig(bwd_copy_rows=True): the backward's rows move by copies "
                              "beside the dSwiGLU (the Gluon kernel); rows named mok_bcopy")
+    parser.add_argument("--also-copies", action="store_true",
+                        help="in the same run, also time mok with --copy-rows and "
+                             "--copy-bwd-rows (rows named mok..._copy_bcopy), against the same "
+                             "compute-only and NCCL times")
     parser.add_argument("--minibatch", type=int, default=None,
                         help="MoKConfig.minibatch_size; mok's rows get +mbN")
     parser.add_argument("--timeout", type=float, default=900.0)
@@ -674,9 +683,12 @@ def main(argv=None) -> None:
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(key, value)  # never NVLink multicast
-    config, mine = config_and_name(args)
+    variants = [config_and_name(args)]
+    if args.also_copies and not (args.copy_rows and args.copy_bwd_rows):
+        args.copy_rows = args.copy_bwd_rows = True
+        variants.append(config_and_name(args))
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
-                              config, mine, args.profile, args.host_ahead,
+                              variants, args.profile, args.host_ahead,
                               backend="nccl" if cuda else "gloo",
                               timeout_s=args.timeout)
     rows = results[0]

@@ -18,26 +18,28 @@ from mok.testing.tolerance import TOLERANCES
 def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, world_size, kept, copied):
     # At 4 and 8 ranks the tiny shape has one expert a rank (top-2): its compute-only run takes
     # one route per token over twice the tokens.
+    # copied: mok pulling and mok with copied rows (--also-copies) in the same run.
     path = tmp_path / "ep.csv"
     ep.main(["--ep", str(world_size), "--csv", str(path), "--iters", "1", "--warmup", "0",
-             *(["--keep-gate-up"] if kept else []),
-             *(["--copy-rows", "--copy-bwd-rows"] if copied else [])])
+             *(["--keep-gate-up"] if kept else []), *(["--also-copies"] if copied else [])])
     rows = list(csv.DictReader(path.open()))
     assert set(rows[0]) == set(ep.CSV_FIELDS)
     by_key = {(row["impl"], row["mode"]): row for row in rows}
-    mok_name, compute_name = f"mok{kept}{copied}", f"compute_only{kept}"
-    expected = {(compute_name, "forward"), (compute_name, "forward+backward"),
-                (mok_name, "forward"), (mok_name, "forward+backward"), (mok_name, "dispatch"),
-                (mok_name, "down_scatter"), (mok_name, "down_local")}
+    compute_name = f"compute_only{kept}"
+    mok_names = [f"mok{kept}"] + ([f"mok{kept}{copied}"] if copied else [])
+    expected = {(compute_name, "forward"), (compute_name, "forward+backward")} | {
+        (mok_name, mode) for mok_name in mok_names
+        for mode in ("forward", "forward+backward", "dispatch", "down_scatter", "down_local")}
     assert expected <= set(by_key)
     for row in rows:
         assert row["ep"] == str(world_size) and row["shape"] == "tiny" and float(row["ms"]) > 0
-    for mode in ("forward", "forward+backward"):
-        mok = by_key[(mok_name, mode)]
-        # checked against the reference on the group before it was timed
-        assert float(mok["max_rel_err"]) <= TOLERANCES[torch.bfloat16].max_rel
-        ratio = float(mok["ms"]) / float(by_key[(compute_name, mode)]["ms"])
-        assert float(mok["vs_compute_only"]) == pytest.approx(ratio, rel=1e-2)
+    for mok_name in mok_names:
+        for mode in ("forward", "forward+backward"):
+            mok = by_key[(mok_name, mode)]
+            # checked against the reference on the group before it was timed
+            assert float(mok["max_rel_err"]) <= TOLERANCES[torch.bfloat16].max_rel
+            ratio = float(mok["ms"]) / float(by_key[(compute_name, mode)]["ms"])
+            assert float(mok["vs_compute_only"]) == pytest.approx(ratio, rel=1e-2)
     assert (tmp_path / "ep.png").stat().st_size > 0
 
 
