@@ -122,8 +122,8 @@ def local_copied(rows: torch.Tensor, routing: Routing, block_m: int, *, ranks: i
              else local_first_order(routing, block_m, 0, per_rank * routing.topk, lead))
     landed = torch.zeros(ranks, **i64)
     zero = torch.zeros(1, **i64)
-    pull = comm.Pull(
-        peer, rows, zero, None, None, None, order,
-        torch.arange(tokens, dtype=torch.int32, device=device), torch.zeros(1, **i64), landed,
-        0, 0, per_rank, routing.topk, 0, per_rank, copied=True)
+    identity = torch.arange(tokens, dtype=torch.int32, device=device)  # position[u] = u
+    # as ExpertParallel._copied_pull: `moving` a stand-in (nothing is pulled)
+    pull = comm.Pull(peer, rows, zero, None, None, None, order, identity, identity, landed,
+                     0, 0, per_rank, routing.topk, 0, per_rank, copied=True)
     return LocalCopied(pull, landed)
