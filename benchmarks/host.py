@@ -1,6 +1,7 @@
 """Host time of one mok training step, per launcher: where the host's share of a step goes.
 
     python -m benchmarks.host [--shapes SHAPE ...] [--repeats N] [--kept] [--profile N]
+    python -m benchmarks.host --ep P [--shapes ...] [--repeats N] [--kept] [--profile N]
 
 A call that starts on an idle GPU waits for the host to launch its first long kernel (the
 benchmark's forward at qwen3-30b-a3b lost about 0.38 ms so against `bench --host-ahead`). This
@@ -11,19 +12,30 @@ launch waits on it. Medians over --repeats steps, in microseconds; on CPU (Trito
 interpreter) the launchers' times are the interpreter running the kernels, not launch costs.
 --profile N also prints the N Python functions with the most host time of their own (cProfile
 over the same steps).
+
+--ep P: the same for expert parallelism over P processes (`mok.testing.run_distributed`; on a
+machine with one GPU set MOK_RANKS_SHARE_GPU=1, the host's times do not depend on it), each rank
+with its share of the `python -m mok bench --ep P` work: the host time of one forward and one
+forward+backward (schedule included), the device asleep before each, for the rows pulled by
+kernels and moved by copies (MoKConfig.fwd_copy_rows / bwd_copy_rows), and for scale the same
+per-GPU work on one GPU without a group. Medians over --repeats calls, the slowest rank's, in
+ms; --profile N: the N functions with the most host time of their own in those calls, rank 0's.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import functools
+import io
 import pstats
 import statistics
 import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 import mok.functional as F
 from benchmarks.layer import BENCH_SHAPES, TINY, hold_device
@@ -103,6 +115,91 @@ def host_times(shape, *, kept: bool, repeats: int, device: torch.device,
             if any(values)}
 
 
+def _ep_variants(kept: bool) -> list[tuple[str, F.MoKConfig]]:
+    base = F.MoKConfig(recompute_gate_up=not kept)
+    return [("pull", base),
+            ("copies", dataclasses.replace(base, fwd_copy_rows=True, bwd_copy_rows=True))]
+
+
+def _host_ms(fn, repeats: int, cuda: bool) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        if cuda:
+            hold_device()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    return times
+
+
+def _profile_top(fn, top: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(top)
+    return stream.getvalue()
+
+
+def _ep_rank(rank: int, world_size: int, shape_name: str, kept: bool, repeats: int,
+             profile: int) -> tuple[dict[str, float], list[str]]:
+    """({"variant mode": median host ms}, profiles) of this rank (see --ep)."""
+    from benchmarks.ep import MoKLayer, compute_only_sizes, ep_shape, rank_inputs
+    from mok.testing import make_inputs, rank_device
+
+    device = rank_device(rank)
+    cuda = device.type == "cuda"
+    shape = ep_shape(BENCH_SHAPES[shape_name], world_size)
+    tokens, topk, num_local = compute_only_sizes(shape, world_size)
+    solo = make_inputs(tokens, shape.hidden_size, shape.intermediate_size, num_local, topk,
+                       shared_intermediate_size=shape.shared_intermediate_size, device=device,
+                       seed=7 + rank)
+    inputs = rank_inputs(shape, rank, world_size, device)
+    times, profiles = {}, []
+    layers = [("one GPU", MoKLayer(solo, None, _ep_variants(kept)[0][1]))]
+    layers += [(label, MoKLayer(inputs, dist.group.WORLD, config))
+               for label, config in _ep_variants(kept)]
+    for label, layer in layers:
+        layer.step()  # compiles
+        for mode, fn in (("forward", layer.forward), ("forward+backward", layer.step)):
+            times[f"{label}, {mode}"] = statistics.median(_host_ms(fn, repeats, cuda))
+        if profile:
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            if cuda:
+                hold_device()
+            text = _profile_top(layer.step, profile)
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            profiles.append(f"-- {label}, one forward+backward (rank {rank}):\n{text}")
+        del layer
+    return times, profiles
+
+
+def ep_main(args) -> None:
+    from mok.testing import run_distributed
+
+    for name in args.shapes:
+        results = run_distributed(_ep_rank, args.ep, name, args.kept, args.repeats,
+                                  args.profile, timeout_s=1800)
+        print(f"== {name}, EP={args.ep} ({'kept gate/up' if args.kept else 'recompute'}): host "
+              f"ms per call, device asleep before it, median of {args.repeats}, slowest rank")
+        for key in results[0][0]:
+            worst = max(times[key] for times, _ in results)
+            print(f"  {key:34s} {worst:8.3f}")
+        for text in results[0][1]:
+            print(text)
+
+
 def main(argv=None) -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__,
@@ -114,7 +211,12 @@ def main(argv=None) -> None:
                         help="MoKConfig(recompute_gate_up=False)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N functions with the most host time of their own")
+    parser.add_argument("--ep", type=int, default=0, metavar="P",
+                        help="expert parallelism over P processes (see above)")
     args = parser.parse_args(argv)
+    if args.ep:
+        ep_main(args)
+        return
     device = torch.device("cuda" if cuda else "cpu")
     for name in args.shapes:
         times = host_times(BENCH_SHAPES[name], kept=args.kept, repeats=args.repeats,
