@@ -19,7 +19,10 @@ with its share of the `python -m mok bench --ep P` work: the host time of one fo
 forward+backward (schedule included), the device asleep before each, for the rows pulled by
 kernels and moved by copies (MoKConfig.fwd_copy_rows / bwd_copy_rows), and for scale the same
 per-GPU work on one GPU without a group. Medians over --repeats calls, the slowest rank's, in
-ms; --profile N: the N functions with the most host time of their own in those calls, rank 0's.
+ms; then rank 0's host time per wrapped function (mok.ops' launchers, mok.ops.comm's functions,
+ExpertParallel's methods; each exclusive of the others it calls; "the rest of the step" is
+mok.functional's own Python and the torch calls it makes itself);
+--profile N: the N functions with the most host time of their own in one call, rank 0's.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse
 import cProfile
 import dataclasses
 import functools
+import inspect
 import io
 import pstats
 import statistics
@@ -148,9 +152,50 @@ def _profile_top(fn, top: int) -> str:
     return stream.getvalue()
 
 
+class _StackTimer:
+    """Host time of wrapped functions, each exclusive of the wrapped functions it calls."""
+
+    def __init__(self) -> None:
+        self.own: dict[str, float] = defaultdict(float)
+        self._children = [0.0]
+
+    def wrap(self, fn, name: str):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            self._children.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                self.own[name] += spent - self._children.pop()
+                self._children[-1] += spent
+        return wrapper
+
+
+def _patched(timer: _StackTimer) -> list[tuple[object, str, object]]:
+    """Wrap mok.ops' launchers, mok.ops.comm's functions and ExpertParallel's methods in timer;
+    returns what to restore."""
+    from mok.expert_parallel import ExpertParallel
+    from mok.ops import comm
+
+    targets = [(ops, name, f"ops.{name}") for name in _launchers()]
+    targets += [(comm, name, f"comm.{name}") for name, fn in vars(comm).items()
+                if inspect.isfunction(fn) and fn.__module__ == comm.__name__]
+    targets += [(ExpertParallel, name, f"ep.{name}") for name, fn in vars(ExpertParallel).items()
+                if inspect.isfunction(fn) and name != "__init__"]
+    saved = []
+    for owner, name, label in targets:
+        fn = getattr(owner, name)
+        saved.append((owner, name, fn))
+        setattr(owner, name, timer.wrap(fn, label))
+    return saved
+
+
 def _ep_rank(rank: int, world_size: int, shape_name: str, kept: bool, repeats: int,
-             profile: int) -> tuple[dict[str, float], list[str]]:
-    """({"variant mode": median host ms}, profiles) of this rank (see --ep)."""
+             profile: int) -> tuple[dict[str, float], dict[str, dict[str, float]], list[str]]:
+    """({"variant, mode": median host ms}, {variant: {function: its own ms in a
+    forward+backward}}, profiles) of this rank (see --ep)."""
     from benchmarks.ep import MoKLayer, compute_only_sizes, ep_shape, rank_inputs
     from mok.testing import make_inputs, rank_device
 
@@ -162,7 +207,7 @@ def _ep_rank(rank: int, world_size: int, shape_name: str, kept: bool, repeats: i
                        shared_intermediate_size=shape.shared_intermediate_size, device=device,
                        seed=7 + rank)
     inputs = rank_inputs(shape, rank, world_size, device)
-    times, profiles = {}, []
+    times, own, profiles = {}, {}, []
     layers = [("one GPU", MoKLayer(solo, None, _ep_variants(kept)[0][1]))]
     layers += [(label, MoKLayer(inputs, dist.group.WORLD, config))
                for label, config in _ep_variants(kept)]
@@ -170,6 +215,14 @@ def _ep_rank(rank: int, world_size: int, shape_name: str, kept: bool, repeats: i
         layer.step()  # compiles
         for mode, fn in (("forward", layer.forward), ("forward+backward", layer.step)):
             times[f"{label}, {mode}"] = statistics.median(_host_ms(fn, repeats, cuda))
+        timer = _StackTimer()
+        saved = _patched(timer)
+        try:
+            _host_ms(timer.wrap(layer.step, "the rest of the step"), repeats, cuda)
+        finally:
+            for owner, name, fn in saved:
+                setattr(owner, name, fn)
+        own[label] = {name: seconds * 1e3 / repeats for name, seconds in timer.own.items()}
         if profile:
             if cuda:
                 torch.cuda.synchronize()
@@ -182,7 +235,7 @@ def _ep_rank(rank: int, world_size: int, shape_name: str, kept: bool, repeats: i
             dist.barrier()
             profiles.append(f"-- {label}, one forward+backward (rank {rank}):\n{text}")
         del layer
-    return times, profiles
+    return times, own, profiles
 
 
 def ep_main(args) -> None:
@@ -194,9 +247,20 @@ def ep_main(args) -> None:
         print(f"== {name}, EP={args.ep} ({'kept gate/up' if args.kept else 'recompute'}): host "
               f"ms per call, device asleep before it, median of {args.repeats}, slowest rank")
         for key in results[0][0]:
-            worst = max(times[key] for times, _ in results)
+            worst = max(times[key] for times, _, _ in results)
             print(f"  {key:34s} {worst:8.3f}")
-        for text in results[0][1]:
+        own = results[0][1]
+        print("  rank 0's host ms per forward+backward by function, its own time (mean; the "
+              "timers add theirs):")
+        names = sorted({name for table in own.values() for name in table},
+                       key=lambda name: -max(table.get(name, 0.0) for table in own.values()))
+        print("    " + "".join(f"{label:>10s}" for label in own) + "  function")
+        for name in names[:args.top]:
+            print("    " + "".join(f"{own[label].get(name, 0.0):10.3f}" for label in own)
+                  + f"  {name}")
+        print("    " + "".join(f"{sum(own[label].values()):10.3f}" for label in own)
+              + "  (all of them)")
+        for text in results[0][2]:
             print(text)
 
 
@@ -211,6 +275,8 @@ def main(argv=None) -> None:
                         help="MoKConfig(recompute_gate_up=False)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N functions with the most host time of their own")
+    parser.add_argument("--top", type=int, default=25,
+                        help="--ep: how many functions of the host breakdown to print")
     parser.add_argument("--ep", type=int, default=0, metavar="P",
                         help="expert parallelism over P processes (see above)")
     args = parser.parse_args(argv)
