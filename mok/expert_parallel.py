@@ -109,18 +109,9 @@ def local_first_order(routing: Routing, block_m: int, rank: int, routes_per_rank
     ranks' rows, then those past the used rows (the GEMMs take the first used_rows // block_m);
     in schedule order within each. lead < 1: only the local blocks among the first `lead` of
     the used ones come first, the other used blocks then all in schedule order (an expert's
-    weights are read once more only for the experts of that lead)."""
-    device = routing.row_route.device
-    blocks = routing.row_route.shape[0] // block_m
-    route = routing.row_route[:blocks * block_m].view(blocks, block_m)
-    remote = ((route >= 0) & (route // routes_per_rank != rank)).any(dim=1)
-    index = torch.arange(blocks, dtype=torch.int32, device=device)
-    used_blocks = routing.used_rows // block_m
-    first = ~remote
-    if lead < 1.0:
-        first &= index.to(torch.float32) < used_blocks.to(torch.float32) * lead
-    key = torch.where(index < used_blocks, (~first).to(torch.int32), 2)
-    return torch.sort(key, stable=True).indices.to(torch.int32)
+    weights are read once more only for the experts of that lead). One launch
+    (mok.ops.local_first_blocks)."""
+    return ops.local_first_blocks(routing, block_m, rank, routes_per_rank, lead)
 
 
 class ExpertParallel:
@@ -161,10 +152,18 @@ class ExpertParallel:
                            if device.type == "cuda" else None)  # the landed flags' source
         self._copies_pending = False
         self._local_first: tuple | None = None  # (row_route, block_m, order) of the last call
+        self._peer_flags: comm.PeerFlags | None = None
+        self._copied_peer: tuple | None = None  # (peer flags, the same with seq = 1)
 
     def peer_flags(self, errors: torch.Tensor) -> comm.PeerFlags:
-        return comm.PeerFlags(self.flags, self.buffer.deltas(torch.int64), self.seq, errors,
-                              self.rank, self.world_size, comm.timeout_units(self.timeout_s))
+        """The flags' handle for kernels reporting into `errors` (the last one is kept: a
+        workspace passes the same error flags every time)."""
+        cached = self._peer_flags
+        if cached is None or cached.errors is not errors:
+            cached = self._peer_flags = comm.PeerFlags(
+                self.flags, self.buffer.deltas(torch.int64), self.seq, errors, self.rank,
+                self.world_size, comm.timeout_units(self.timeout_s))
+        return cached
 
     def x_pub(self, dtype: torch.dtype) -> torch.Tensor:
         return self._x_pub.view(dtype)
@@ -187,16 +186,22 @@ class ExpertParallel:
 
     # -- steps shared by the phases ----------------------------------------------------------
     def publish(self, peer: comm.PeerFlags, phase: Phase,
-                copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                copies: list[tuple[torch.Tensor, torch.Tensor]], *,
+                wait_all: bool = False) -> None:
         """Wait until every rank pulled the last round, copy `copies` (dst <- src) into the
-        symmetric buffer, and announce the new round."""
-        comm.wait_peers(peer, phase, self.slots.ack(phase))
+        symmetric buffer, and announce the new round; wait_all: then wait until every rank
+        announced it (in the same launch)."""
+        then = None
         if phase is not Phase.SCHEDULE:  # x_pub is written by both of these phases
             other = Phase.BACKWARD if phase is Phase.FORWARD else Phase.FORWARD
-            comm.wait_peers(peer, other, self.slots.ack(other))
+            then = (other, self.slots.ack(other))
+        comm.wait_peers(peer, phase, self.slots.ack(phase), then=then)
         for dst, src in copies:
             dst.copy_(src)
-        comm.advance(peer, phase, self.slots.pub(phase))
+        if wait_all:
+            comm.publish_and_wait(peer, phase, self.slots.pub(phase))
+        else:
+            comm.advance(peer, phase, self.slots.pub(phase))
 
     def pull(self, peer: comm.PeerFlags, phase: Phase, plan: ExchangePlan, *,
              src: torch.Tensor, weights: torch.Tensor | None, minibatch: int,
@@ -254,8 +259,8 @@ class ExpertParallel:
         x_pub = self.x_pub(x.dtype)
         self.publish(peer, Phase.FORWARD, [
             (x_pub[:tokens], x),
-            (self.weights_pub[:tokens * self.topk], router_weights.reshape(-1))])
-        comm.wait_peers(peer, Phase.FORWARD, self.slots.pub(Phase.FORWARD), remote=True)
+            (self.weights_pub[:tokens * self.topk], router_weights.reshape(-1))],
+            wait_all=True)
         x_group = torch.empty(world * self.num_tokens, x.shape[1], dtype=x.dtype,
                               device=self.device)
         weights_group = torch.empty(world * routes, dtype=torch.float32, device=self.device)
@@ -281,8 +286,11 @@ class ExpertParallel:
         landed flag per rank (position[u] = u, a minibatch of tokens_per_rank, target 1), the
         row blocks local first; `moving` is a stand-in (nothing is pulled)."""
         weights = self.weights_pub if dst_weights is not None else None
+        copied_peer = self._copied_peer
+        if copied_peer is None or copied_peer[0] is not peer:
+            copied_peer = self._copied_peer = (peer, dataclasses.replace(peer, seq=self._one))
         return comm.Pull(
-            dataclasses.replace(peer, seq=self._one), src, self.buffer.deltas(src.dtype),
+            copied_peer[1], src, self.buffer.deltas(src.dtype),
             weights, self.buffer.deltas(torch.float32) if weights is not None else None,
             dst_weights, self.local_first(plan.group_routing, block_m), self._identity,
             self._identity, self._landed, 0, self.slots.pub(phase), self.num_tokens,
@@ -344,8 +352,8 @@ class ExpertParallel:
         `copies_joined` before a launch that reads x when kept, and before `pulled`."""
         tokens, world, per_rank = x.shape[0], self.world_size, self.num_tokens
         dy_pub, x_pub = self.dy_pub(d_output.dtype), self.x_pub(x.dtype)
-        self.publish(peer, Phase.BACKWARD, [(dy_pub[:tokens], d_output), (x_pub[:tokens], x)])
-        comm.wait_peers(peer, Phase.BACKWARD, self.slots.pub(Phase.BACKWARD), remote=True)
+        self.publish(peer, Phase.BACKWARD, [(dy_pub[:tokens], d_output), (x_pub[:tokens], x)],
+                     wait_all=True)
         dy_group = torch.empty(world * per_rank, d_output.shape[1], dtype=d_output.dtype,
                                device=self.device)
         x_group = torch.empty(world * per_rank, x.shape[1], dtype=x.dtype, device=self.device)
@@ -398,7 +406,7 @@ class ExpertParallel:
                       rows_dtype: torch.dtype | None, values: bool = False) -> None:
         """Zero what the token ranks read for the routes to this rank's experts that the
         schedule had no room for (a capacity overflow, reported as a data error here and, by
-        `collect_errors`, on the tokens' ranks): their rows of the combine buffer (rows_dtype)
+        `finish`, on the tokens' ranks): their rows of the combine buffer (rows_dtype)
         and, with values, their router-weight gradients. They then add nothing, as on one GPU.
         Call before signalling "done"."""
         group = plan.group_routing
@@ -412,16 +420,15 @@ class ExpertParallel:
             values=self.d_weights if values else None,
             values_deltas=self.buffer.deltas(torch.float32) if values else None)
 
-    def collect_errors(self, peer: comm.PeerFlags) -> None:
-        """After every rank's "done": routes of this rank's tokens that an expert's rank had no
-        row for become this rank's CAPACITY_OVERFLOW error too."""
-        comm.collect_reported_errors(peer, self.slots.reported)
+    def finish(self, peer: comm.PeerFlags, phase: Phase, *, signal: bool = True) -> None:
+        """Tell every rank this rank's deliveries of `phase` landed (signal=False: `signal_done`
+        did, earlier), wait for theirs; then routes of this rank's tokens that an expert's rank had
+        no row for become this rank's CAPACITY_OVERFLOW error too. One launch."""
+        comm.finish(peer, phase, self.slots.done(phase), self.slots.reported, signal=signal)
 
-    def finish(self, peer: comm.PeerFlags, phase: Phase) -> None:
-        """Tell every rank this rank's deliveries of `phase` landed; wait for theirs."""
+    def signal_done(self, peer: comm.PeerFlags, phase: Phase) -> None:
+        """The first half of `finish`, for work to run before waiting for the other ranks."""
         comm.signal_peers(peer, phase, self.slots.done(phase))
-        comm.wait_peers(peer, phase, self.slots.done(phase))
-        self.collect_errors(peer)
 
     # -- the schedule ------------------------------------------------------------------------
     def build_plan(self, peer: comm.PeerFlags, topk_experts: torch.Tensor, *,
@@ -437,12 +444,8 @@ class ExpertParallel:
         """
         world, routes = self.world_size, self.routes_per_rank
         num_experts = num_local_experts * world
-        own = topk_experts.reshape(-1)
-        valid = (own >= 0) & (own < num_experts)
-        if ghost_expert:
-            valid = valid | (own == num_experts)
-        published = torch.full((routes,), num_experts, dtype=torch.int32, device=self.device)
-        published[:own.shape[0]] = torch.where(valid, own, -1)
+        published, source_route_row = ops.exchange_routes(topk_experts, routes, num_experts,
+                                                          ghost_expert=ghost_expert)
         self.publish(peer, Phase.SCHEDULE, [(self.topk_pub, published)])
         group_topk = torch.empty(world * routes, dtype=torch.int32, device=self.device)
         comm.gather_peers(peer, self.topk_pub, group_topk, self.buffer.deltas(torch.int32),
@@ -453,10 +456,7 @@ class ExpertParallel:
             num_experts=num_experts + 1,
             first_local_expert=num_local_experts * self.rank,
             num_local_experts=num_local_experts, align=align, route_capacity=route_capacity)
-        i32 = dict(dtype=torch.int32, device=self.device)
-        source_route_row = torch.where((own >= 0) & (own < num_experts),
-                                       torch.arange(own.shape[0], **i32), -1)
-        empty = torch.empty(0, **i32)
+        empty = torch.empty(0, dtype=torch.int32, device=self.device)
         source_routing = Routing(
             row_route=empty, route_row=source_route_row, block_expert=empty,
             expert_counts=empty, expert_offsets=empty, num_tokens=topk_experts.shape[0],

@@ -854,15 +854,14 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     ep.copies_joined()
     ep.pulled(peer, Phase.BACKWARD)  # after every pull (or copy) of the phase
     ep.clear_dropped(peer, plan, rows_dtype=dtype, values=True)
-    ops.signal_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
+    ep.signal_done(peer, Phase.BACKWARD)
     # The weight gradients as on one GPU, over the pulled tokens of the group.
     saved = [d_gate_up, h]
     del d_gate_up  # freed inside, before d_w_down is allocated
     d_routed = _expert_weight_grads(schedule.tiles, routing, dy_group, x_group, saved,
                                     context.weights_group, w_gate, w_down)
     del dy_group, x_group
-    ops.wait_peers(peer, Phase.BACKWARD, ep.slots.done(Phase.BACKWARD))
-    ep.collect_errors(peer)
+    ep.finish(peer, Phase.BACKWARD, signal=False)
     source = plan.source_routing
     d_x = ops.combine(ep.combine_buffer(dtype), source, d_x_shared_rows, dtype)
     valid = (source.route_row >= 0).view(source.num_tokens, source.topk)

@@ -163,3 +163,76 @@ def test_weight_gradient_stops_at_the_rows_of_an_overflowing_schedule(grouped_mm
     assert int(placed.sum()) == rows  # every row of expert 0, no padding left
     torch.testing.assert_close(out[0].cpu().double(), expected, rtol=1e-3, atol=1e-2)
     assert bool((out[1:] == 0).all())
+
+
+def _local_first_expected(row_route, used_rows, block_m, rank, routes_per_rank, lead):
+    """The order of ops.local_first_blocks, by a sort on the host."""
+    blocks = row_route.shape[0] // block_m
+    route = row_route[:blocks * block_m].view(blocks, block_m)
+    remote = ((route >= 0) & (route // routes_per_rank != rank)).any(dim=1).tolist()
+    used = used_rows // block_m
+    keys = [2 if b >= used else 0 if not remote[b] and b < used * lead else 1
+            for b in range(blocks)]
+    return sorted(range(blocks), key=lambda b: (keys[b], b))
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("lead", [1.0, 0.5, 0.3])
+def test_local_first_blocks_is_a_stable_partition(block_m, lead):
+    # Row blocks of a group schedule whose routes come from three ranks, some blocks all one
+    # rank's, padding (-1) mixed in, and unused blocks past used_rows: the order puts rank's
+    # blocks (within the lead) first, then the other used ones, then the unused ones, each in
+    # schedule order; more blocks than the kernel's chunk.
+    generator = torch.Generator().manual_seed(block_m + int(lead * 10))
+    routes_per_rank, blocks = 1000, 150
+    rows = blocks * block_m + block_m // 2  # a partial block at the end is left out
+    owner = torch.randint(0, 3, (blocks,), generator=generator)
+    mixed = torch.rand(blocks, generator=generator) < 0.4
+    rank_of_row = owner.repeat_interleave(block_m)
+    rank_of_row = torch.where(mixed.repeat_interleave(block_m),
+                              torch.randint(0, 3, (blocks * block_m,), generator=generator),
+                              rank_of_row)
+    route = rank_of_row * routes_per_rank + torch.randint(0, routes_per_rank,
+                                                          (blocks * block_m,),
+                                                          generator=generator)
+    route = torch.where(torch.rand(blocks * block_m, generator=generator) < 0.1, -1, route)
+    row_route = torch.cat([route, torch.full((rows - blocks * block_m,), -1)]).to(torch.int32)
+    for rank in range(3):
+        for used_blocks in (0, 97, blocks):
+            used_rows = used_blocks * block_m
+            routing = ops.Routing(
+                row_route=row_route.to(DEVICE), route_row=torch.empty(0, dtype=torch.int32),
+                block_expert=torch.empty(0, dtype=torch.int32),
+                expert_counts=torch.empty(0, dtype=torch.int32),
+                expert_offsets=torch.tensor([0, used_rows], dtype=torch.int32, device=DEVICE),
+                num_tokens=0, topk=1, num_local_experts=1, align=block_m)
+            order = ops.local_first_blocks(routing, block_m, rank, routes_per_rank, lead)
+            expected = _local_first_expected(row_route, used_rows, block_m, rank,
+                                             routes_per_rank, lead)
+            assert order.dtype == torch.int32
+            assert order.cpu().tolist() == expected, (rank, used_blocks)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("ghost", [False, True])
+def test_exchange_routes(dtype, ghost):
+    # A rank's published expert ids: in-range ids as they are, out-of-range ones -1 (an int64 id
+    # is not wrapped into range first), the ghost id E kept only with ghost_expert, the slots
+    # past the rank's T * k routes up to the workspace's E; its routes' own rows, -1 where the
+    # id is out of range or the ghost.
+    num_experts, routes_per_rank = 12, 2100
+    topk = torch.randint(0, num_experts, (250, 7), generator=torch.Generator().manual_seed(3))
+    topk = topk.to(dtype)
+    topk[0, 0], topk[1, 3], topk[2, 6] = -1, num_experts, num_experts + 5
+    if dtype == torch.int64:
+        topk[3, 1] = 2**32 + 1  # wraps to 1 in int32
+    flat = topk.reshape(-1)
+    published, source_row = ops.exchange_routes(topk.to(DEVICE), routes_per_rank, num_experts,
+                                                ghost_expert=ghost)
+    valid = (flat >= 0) & (flat < num_experts)
+    passes = valid | (flat == num_experts) if ghost else valid
+    expected = torch.full((routes_per_rank,), num_experts, dtype=torch.int32)
+    expected[:flat.shape[0]] = torch.where(passes, flat, -1).to(torch.int32)
+    assert torch.equal(published.cpu(), expected)
+    rows = torch.arange(flat.shape[0], dtype=torch.int32)
+    assert torch.equal(source_row.cpu(), torch.where(valid, rows, -1))

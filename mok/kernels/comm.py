@@ -62,20 +62,20 @@ def wait_at_least(flag_ptr, target, peer, timeout, error_ptr, HAS_TIMER: tl.cons
 
 
 @triton.jit
-def advance_kernel(seq_ptr, flags_ptr, phase, publish_slot, PUBLISH: tl.constexpr):
-    """seq[phase] += 1; with PUBLISH, also release it into this rank's flag `publish_slot`."""
+def _advance(seq_ptr, flags_ptr, phase, publish_slot, PUBLISH: tl.constexpr):
+    """seq[phase] += 1; with PUBLISH, also release it into this rank's flag `publish_slot`.
+    Returns the new number."""
     value = tl.load(seq_ptr + phase) + 1
     tl.store(seq_ptr + phase, value)
     if PUBLISH:
         tl.debug_barrier()
         tl.atomic_xchg(flags_ptr + publish_slot, value, sem="release", scope="sys")
+    return value
 
 
 @triton.jit
-def signal_peers_kernel(flags_ptr, delta_ptr, seq_ptr, phase, slot, rank, world_size,
-                        P_PAD: tl.constexpr):
-    """Every peer's flags[slot + rank] = seq[phase] (release, system scope), this rank included."""
-    value = tl.load(seq_ptr + phase)
+def _signal_peers(flags_ptr, delta_ptr, value, slot, rank, world_size, P_PAD: tl.constexpr):
+    """Every peer's flags[slot + rank] = value (release, system scope), this rank included."""
     peers = tl.arange(0, P_PAD)
     mask = peers < world_size
     delta = tl.load(delta_ptr + peers, mask=mask, other=0)
@@ -85,17 +85,77 @@ def signal_peers_kernel(flags_ptr, delta_ptr, seq_ptr, phase, slot, rank, world_
 
 
 @triton.jit
-def wait_peers_kernel(flags_ptr, delta_ptr, seq_ptr, error_ptr, phase, slot, stride_peer,
-                      world_size, timeout, REMOTE: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Wait until flag(p) >= seq[phase] for every rank p, where flag(p) is this rank's
+def _wait_peers(flags_ptr, delta_ptr, error_ptr, target, slot, stride_peer, world_size, timeout,
+                REMOTE: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Wait until flag(p) >= target for every rank p, where flag(p) is this rank's
     flags[slot + p * stride_peer] or, with REMOTE, rank p's own flags[slot]."""
-    target = tl.load(seq_ptr + phase)
     for peer in range(0, world_size):
         if REMOTE:
             ptr = flags_ptr + tl.load(delta_ptr + peer) + slot
         else:
             ptr = flags_ptr + slot + peer * stride_peer
         wait_at_least(ptr, target, peer, timeout, error_ptr, HAS_TIMER)
+
+
+@triton.jit
+def _collect_reported_errors(flags_ptr, report_slot, error_ptr):
+    """After the other ranks' "done" of a phase: a route of this rank's tokens that an expert's
+    rank had no row for (see clear_dropped_routes_kernel) becomes this rank's CAPACITY_OVERFLOW
+    error too; the report is cleared for the next phase."""
+    reported = tl.atomic_xchg(flags_ptr + report_slot, 0, sem="acquire", scope="sys")
+    tl.atomic_max(error_ptr + FLAG_CAPACITY_OVERFLOW, (reported != 0).to(tl.int32))
+
+
+@triton.jit
+def advance_kernel(seq_ptr, flags_ptr, phase, publish_slot, PUBLISH: tl.constexpr):
+    """seq[phase] += 1; with PUBLISH, also release it into this rank's flag `publish_slot`."""
+    _advance(seq_ptr, flags_ptr, phase, publish_slot, PUBLISH)
+
+
+@triton.jit
+def signal_peers_kernel(flags_ptr, delta_ptr, seq_ptr, phase, slot, rank, world_size,
+                        P_PAD: tl.constexpr):
+    """Every peer's flags[slot + rank] = seq[phase] (release, system scope), this rank included."""
+    _signal_peers(flags_ptr, delta_ptr, tl.load(seq_ptr + phase), slot, rank, world_size, P_PAD)
+
+
+@triton.jit
+def wait_peers_kernel(flags_ptr, delta_ptr, seq_ptr, error_ptr, phase, slot, stride_peer,
+                      world_size, timeout, phase2, slot2, REMOTE: tl.constexpr,
+                      SECOND: tl.constexpr, HAS_TIMER: tl.constexpr):
+    """Wait until flag(p) >= seq[phase] for every rank p, where flag(p) is this rank's
+    flags[slot + p * stride_peer] or, with REMOTE, rank p's own flags[slot]; with SECOND, then
+    likewise for (phase2, slot2)."""
+    _wait_peers(flags_ptr, delta_ptr, error_ptr, tl.load(seq_ptr + phase), slot, stride_peer,
+                world_size, timeout, REMOTE, HAS_TIMER)
+    if SECOND:
+        _wait_peers(flags_ptr, delta_ptr, error_ptr, tl.load(seq_ptr + phase2), slot2,
+                    stride_peer, world_size, timeout, REMOTE, HAS_TIMER)
+
+
+@triton.jit
+def publish_and_wait_kernel(flags_ptr, delta_ptr, seq_ptr, error_ptr, phase, publish_slot,
+                            world_size, timeout, HAS_TIMER: tl.constexpr):
+    """advance_kernel with PUBLISH, then wait until every rank published that round (rank p's
+    own flags[publish_slot])."""
+    value = _advance(seq_ptr, flags_ptr, phase, publish_slot, True)
+    _wait_peers(flags_ptr, delta_ptr, error_ptr, value, publish_slot, 0, world_size, timeout,
+                True, HAS_TIMER)
+
+
+@triton.jit
+def finish_kernel(flags_ptr, delta_ptr, seq_ptr, error_ptr, phase, done_slot, report_slot,
+                  rank, world_size, timeout, SIGNAL: tl.constexpr, P_PAD: tl.constexpr,
+                  HAS_TIMER: tl.constexpr):
+    """The end of a phase's deliveries: signal "done" to every rank (flags[done_slot + rank];
+    without SIGNAL that was done by an earlier launch), wait for every rank's, then collect the
+    reports of this rank's dropped routes (_collect_reported_errors)."""
+    value = tl.load(seq_ptr + phase)
+    if SIGNAL:
+        _signal_peers(flags_ptr, delta_ptr, value, done_slot, rank, world_size, P_PAD)
+    _wait_peers(flags_ptr, delta_ptr, error_ptr, value, done_slot, 1, world_size, timeout,
+                False, HAS_TIMER)
+    _collect_reported_errors(flags_ptr, report_slot, error_ptr)
 
 
 @triton.jit
@@ -283,7 +343,7 @@ def clear_dropped_routes_kernel(
     its schedule (the capacity overflowed), zero what its token's rank reads for it: row
     g % routes_per_rank of that rank's `rows` and/or its entry of `values`. The token's rank
     then adds nothing for the route, as on one GPU, and finds its flags[report_slot] set
-    (collect_reported_errors_kernel turns it into its own CAPACITY_OVERFLOW error)."""
+    (finish_kernel's _collect_reported_errors turns that into its CAPACITY_OVERFLOW error)."""
     routes = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = routes < num_routes
     expert = tl.load(topk_ptr + routes, mask=in_range, other=-1)
@@ -311,11 +371,3 @@ def clear_dropped_routes_kernel(
         tl.atomic_max(flags_ptr + flag_delta + report_slot, tl.full([BLOCK_R], 1, tl.int64),
                       mask=dropped, sem="relaxed", scope="sys")
 
-
-@triton.jit
-def collect_reported_errors_kernel(flags_ptr, report_slot, error_ptr):
-    """After the other ranks' "done" of a phase: a route of this rank's tokens that an expert's
-    rank had no row for (see clear_dropped_routes_kernel) becomes this rank's CAPACITY_OVERFLOW
-    error too; the report is cleared for the next phase."""
-    reported = tl.atomic_xchg(flags_ptr + report_slot, 0, sem="acquire", scope="sys")
-    tl.atomic_max(error_ptr + FLAG_CAPACITY_OVERFLOW, (reported != 0).to(tl.int32))

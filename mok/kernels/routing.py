@@ -158,3 +158,97 @@ def route_scatter_kernel(
     placed = is_local & (row < capacity_rows)
     tl.store(row_route_ptr + row, routes, mask=placed)
     tl.store(route_row_ptr + routes, tl.where(placed, row, -1), mask=routes < num_routes)
+
+
+# -- expert parallelism: the routes a rank publishes, and the order of its row blocks ----------
+
+@triton.jit
+def exchange_routes_kernel(
+    topk_experts_ptr,
+    published_ptr,
+    source_route_row_ptr,
+    num_routes,
+    routes_per_rank,
+    num_experts_total,
+    GHOST: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """What a rank publishes of its routes and where they come back (mok.expert_parallel):
+    published[r] = the expert id of route r when in [0, E) (or E with GHOST), -1 when out of
+    range, E (no rank's) past num_routes up to routes_per_rank; source_route_row[r] = r, or -1
+    when the id is out of range (the ghost's routes included: no rank computes them)."""
+    routes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    present = routes < num_routes
+    expert = tl.load(topk_experts_ptr + routes, mask=present, other=0)
+    # Compare in the loaded dtype (int64 ids must not wrap before the check).
+    valid = (expert >= 0) & (expert < num_experts_total)
+    passes = valid
+    if GHOST:
+        passes = passes | (expert == num_experts_total)
+    published = tl.where(passes, expert, -1).to(tl.int32)
+    published = tl.where(present, published, num_experts_total)
+    tl.store(published_ptr + routes, published, mask=routes < routes_per_rank)
+    tl.store(source_route_row_ptr + routes, tl.where(valid, routes, -1), mask=present)
+
+
+@triton.jit
+def _block_classes(row_route_ptr, blocks, num_blocks, used_blocks, rank, routes_per_rank,
+                   lead_blocks, BLOCK_M: tl.constexpr, HAS_LEAD: tl.constexpr):
+    """[len(blocks)] int32: 0 for a used row block whose rows all come from `rank` (and, with
+    HAS_LEAD, that starts before lead_blocks), 1 for the other used blocks, 2 past the used
+    ones, 3 past num_blocks."""
+    rows = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    route = tl.load(row_route_ptr + rows, mask=blocks[:, None] < num_blocks, other=-1)
+    remote = tl.max(((route >= 0) & (route // routes_per_rank != rank)).to(tl.int32), axis=1)
+    first = remote == 0
+    if HAS_LEAD:
+        first = first & (blocks < lead_blocks)
+    classes = tl.where(blocks < used_blocks, tl.where(first, 0, 1), 2)
+    return tl.where(blocks < num_blocks, classes, 3)
+
+
+@triton.jit
+def local_first_kernel(
+    row_route_ptr,
+    used_rows_ptr,
+    order_ptr,
+    num_blocks,
+    rank,
+    routes_per_rank,
+    lead,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_LEAD: tl.constexpr,
+):
+    """order = the row blocks of BLOCK_M rows by class (_block_classes: this rank's rows, the
+    others, unused), in schedule order within a class: a stable partition, one program, two
+    passes (counts, then places)."""
+    used_blocks = tl.load(used_rows_ptr) // BLOCK_M
+    lead_blocks = used_blocks
+    if HAS_LEAD:  # block i leads when i < used * lead, i.e. i < ceil(used * lead)
+        lead_blocks = tl.ceil(used_blocks.to(tl.float32) * lead).to(tl.int32)
+    count0 = tl.zeros([], dtype=tl.int32)
+    count1 = tl.zeros([], dtype=tl.int32)
+    for start in range(0, num_blocks, CHUNK):
+        classes = _block_classes(row_route_ptr, start + tl.arange(0, CHUNK), num_blocks,
+                                 used_blocks, rank, routes_per_rank, lead_blocks, BLOCK_M,
+                                 HAS_LEAD)
+        count0 += tl.sum((classes == 0).to(tl.int32), axis=0)
+        count1 += tl.sum((classes == 1).to(tl.int32), axis=0)
+    next0 = tl.zeros([], dtype=tl.int32)
+    next1 = count0
+    next2 = count0 + count1
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        classes = _block_classes(row_route_ptr, blocks, num_blocks, used_blocks, rank,
+                                 routes_per_rank, lead_blocks, BLOCK_M, HAS_LEAD)
+        is0 = (classes == 0).to(tl.int32)
+        is1 = (classes == 1).to(tl.int32)
+        is2 = (classes == 2).to(tl.int32)
+        place = tl.where(classes == 0, next0 + tl.cumsum(is0, axis=0) - is0,
+                         tl.where(classes == 1, next1 + tl.cumsum(is1, axis=0) - is1,
+                                  next2 + tl.cumsum(is2, axis=0) - is2))
+        tl.store(order_ptr + place, blocks, mask=classes < 3)
+        next0 += tl.sum(is0, axis=0)
+        next1 += tl.sum(is1, axis=0)
+        next2 += tl.sum(is2, axis=0)

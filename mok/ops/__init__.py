@@ -21,7 +21,14 @@ from mok.ops.experts import (
     grouped_wgrad_gate_up,
     router_grad,
 )
-from mok.ops.routing import Routing, build_routing, capacity_rows, dense_routing
+from mok.ops.routing import (
+    Routing,
+    build_routing,
+    capacity_rows,
+    dense_routing,
+    exchange_routes,
+    local_first_blocks,
+)
 from mok.ops.tuning import GemmTiles, TileConfig, default_tiles, small_tiles
 
 __all__ = [
@@ -41,10 +48,12 @@ __all__ = [
     "dense_routing",
     "down_bwd_dswiglu",
     "down_proj",
+    "exchange_routes",
     "gate_up_buffer",
     "gate_up_swiglu",
     "grouped_wgrad",
     "grouped_wgrad_gate_up",
+    "local_first_blocks",
     "router_grad",
     "scatter_route_values",
     "signal_peers",

@@ -154,7 +154,7 @@ class SymmetricBuffer:
 
     def deltas(self, dtype: torch.dtype) -> torch.Tensor:
         """[world_size] int64 on the device: rank p's mapping of a view = view + deltas[p]."""
-        return self._deltas[torch.empty((), dtype=dtype).element_size()]
+        return self._deltas[dtype.itemsize]
 
     @staticmethod
     def round_up(nbytes: int) -> int:
@@ -190,11 +190,35 @@ def signal_peers(peer: PeerFlags, phase: int, slot: int) -> None:
         P_PAD=_p_pad(peer.world_size))
 
 
-def wait_peers(peer: PeerFlags, phase: int, slot: int, *, remote: bool = False) -> None:
-    """Wait for flags[slot + p] of this rank (or, remote, flags[slot] of rank p) for every p."""
+def wait_peers(peer: PeerFlags, phase: int, slot: int, *, remote: bool = False,
+               then: tuple[int, int] | None = None) -> None:
+    """Wait for flags[slot + p] of this rank (or, remote, flags[slot] of rank p) for every p to
+    reach the round of `phase`; then=(phase2, slot2): in the same launch, then likewise for
+    those."""
+    phase2, slot2 = then if then is not None else (0, 0)
     kernels.wait_peers_kernel[(1,)](
         peer.flags, peer.flag_deltas, peer.seq, peer.errors, phase, slot, 1, peer.world_size,
-        peer.timeout, REMOTE=remote, HAS_TIMER=HAS_TIMER)
+        peer.timeout, phase2, slot2, REMOTE=remote, SECOND=then is not None,
+        HAS_TIMER=HAS_TIMER)
+
+
+def publish_and_wait(peer: PeerFlags, phase: int, publish_slot: int) -> None:
+    """advance(peer, phase, publish_slot), then wait until every rank published that round:
+    one launch."""
+    kernels.publish_and_wait_kernel[(1,)](
+        peer.flags, peer.flag_deltas, peer.seq, peer.errors, phase, publish_slot,
+        peer.world_size, peer.timeout, HAS_TIMER=HAS_TIMER)
+
+
+def finish(peer: PeerFlags, phase: int, done_slot: int, report_slot: int, *,
+           signal: bool = True) -> None:
+    """The end of a phase's deliveries, in one launch: signal_peers(done_slot) (unless not
+    signal: an earlier launch did), wait_peers(done_slot), then the reports of this rank's
+    dropped routes in report_slot become its CAPACITY_OVERFLOW error (and are cleared)."""
+    kernels.finish_kernel[(1,)](
+        peer.flags, peer.flag_deltas, peer.seq, peer.errors, phase, done_slot, report_slot,
+        peer.rank, peer.world_size, peer.timeout, SIGNAL=bool(signal),
+        P_PAD=_p_pad(peer.world_size), HAS_TIMER=HAS_TIMER)
 
 
 def gather_peers(peer: PeerFlags, src: torch.Tensor, dst: torch.Tensor, src_deltas: torch.Tensor,
@@ -292,11 +316,6 @@ def clear_dropped_routes(peer: PeerFlags, report_slot: int, topk: torch.Tensor,
         rows.stride(0) if rows is not None else 0,
         CLEAR_ROWS=rows is not None, CLEAR_VALUES=values is not None, BLOCK_R=block_r,
         BLOCK_W=block_w)
-
-
-def collect_reported_errors(peer: PeerFlags, report_slot: int) -> None:
-    """Turn the other ranks' reports of this rank's dropped routes into its own error flag."""
-    kernels.collect_reported_errors_kernel[(1,)](peer.flags, report_slot, peer.errors)
 
 
 # Bytes each thread of a pulling program loads per step (64 registers). A remote load waits

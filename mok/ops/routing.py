@@ -134,3 +134,39 @@ def dense_routing(num_tokens: int, align: int, device: torch.device) -> Routing:
     )
 
 
+
+
+def exchange_routes(topk_experts: torch.Tensor, routes_per_rank: int, num_experts: int, *,
+                    ghost_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(published [routes_per_rank] int32, source_route_row [T * k] int32) of a rank's routes
+    under expert parallelism (mok.expert_parallel.ExpertParallel.build_plan): the expert id of
+    each route, -1 when outside [0, num_experts) (ghost_expert: num_experts passes as the
+    ghost), num_experts past the T * k routes; route r's own row r, -1 when its id is outside
+    [0, num_experts). One launch."""
+    flat = topk_experts.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    i32 = dict(dtype=torch.int32, device=flat.device)
+    published = torch.empty(routes_per_rank, **i32)
+    source_route_row = torch.empty(flat.shape[0], **i32)
+    block = 1024
+    kernels.exchange_routes_kernel[(max(triton.cdiv(routes_per_rank, block), 1),)](
+        flat, published, source_route_row, flat.shape[0], routes_per_rank, num_experts,
+        GHOST=bool(ghost_expert), BLOCK=block)
+    return published, source_route_row
+
+
+def local_first_blocks(routing: Routing, block_m: int, rank: int, routes_per_rank: int,
+                       lead: float = 1.0) -> torch.Tensor:
+    """[C // block_m] int32: the schedule's row blocks of block_m rows, those whose rows all
+    come from `rank` (group route g from rank g // routes_per_rank) first, then those with other
+    ranks' rows, then those past the used rows; in schedule order within each. lead < 1: only
+    the local blocks among the first `lead` of the used ones come first. One launch (one
+    program)."""
+    num_blocks = routing.capacity_rows // block_m
+    order = torch.empty(num_blocks, dtype=torch.int32, device=routing.row_route.device)
+    chunk = max(1, min(64, 8192 // block_m))
+    kernels.local_first_kernel[(1,)](
+        routing.row_route, routing.used_rows, order, num_blocks, rank, routes_per_rank,
+        float(lead), BLOCK_M=block_m, CHUNK=chunk, HAS_LEAD=lead < 1.0)
+    return order
