@@ -18,8 +18,9 @@ machine with one GPU set MOK_RANKS_SHARE_GPU=1, the host's times do not depend o
 with its share of the `python -m mok bench --ep P` work: the host time of one forward and one
 forward+backward (schedule included), the device asleep before each, for the rows pulled by
 kernels and moved by copies (MoKConfig.fwd_copy_rows / bwd_copy_rows), and for scale the same
-per-GPU work on one GPU without a group. Medians over --repeats calls, the slowest rank's, in
-ms; then rank 0's host time per wrapped function (mok.ops' launchers, mok.ops.comm's functions,
+per-GPU work on one GPU without a group. Medians and least of --repeats calls, the slowest
+rank's, in ms (on a machine whose ranks share one GPU the host times move by some 10% between
+runs); then rank 0's host time per wrapped function (mok.ops' launchers, mok.ops.comm's functions,
 ExpertParallel's methods; each exclusive of the others it calls; "the rest of the step" is
 mok.functional's own Python and the torch calls it makes itself);
 --profile N: the N functions with the most host time of their own in one call, rank 0's.
@@ -194,7 +195,7 @@ def _patched(timer: _StackTimer) -> list[tuple[object, str, object]]:
 
 def _ep_rank(rank: int, world_size: int, shape_name: str, kept: bool, repeats: int,
              profile: int) -> tuple[dict[str, float], dict[str, dict[str, float]], list[str]]:
-    """({"variant, mode": median host ms}, {variant: {function: its own ms in a
+    """({"variant, mode": (median, least) host ms}, {variant: {function: its own ms in a
     forward+backward}}, profiles) of this rank (see --ep)."""
     from benchmarks.ep import MoKLayer, compute_only_sizes, ep_shape, rank_inputs
     from mok.testing import make_inputs, rank_device
@@ -214,7 +215,8 @@ def _ep_rank(rank: int, world_size: int, shape_name: str, kept: bool, repeats: i
     for label, layer in layers:
         layer.step()  # compiles
         for mode, fn in (("forward", layer.forward), ("forward+backward", layer.step)):
-            times[f"{label}, {mode}"] = statistics.median(_host_ms(fn, repeats, cuda))
+            samples = _host_ms(fn, repeats, cuda)
+            times[f"{label}, {mode}"] = (statistics.median(samples), min(samples))
         timer = _StackTimer()
         saved = _patched(timer)
         try:
@@ -245,10 +247,12 @@ def ep_main(args) -> None:
         results = run_distributed(_ep_rank, args.ep, name, args.kept, args.repeats,
                                   args.profile, timeout_s=1800)
         print(f"== {name}, EP={args.ep} ({'kept gate/up' if args.kept else 'recompute'}): host "
-              f"ms per call, device asleep before it, median of {args.repeats}, slowest rank")
+              f"ms per call, device asleep before it, median and least of {args.repeats}, "
+              "slowest rank")
         for key in results[0][0]:
-            worst = max(times[key] for times, _, _ in results)
-            print(f"  {key:34s} {worst:8.3f}")
+            median = max(times[key][0] for times, _, _ in results)
+            least = max(times[key][1] for times, _, _ in results)
+            print(f"  {key:34s} {median:8.3f} {least:8.3f}")
         own = results[0][1]
         print("  rank 0's host ms per forward+backward by function, its own time (mean; the "
               "timers add theirs):")

@@ -232,6 +232,33 @@ def test_host_times_cover_every_launcher_of_a_step(capsys):
     assert "cProfile of 1 steps" in out and "tottime" in out
 
 
+def test_host_times_under_expert_parallelism(capsys):
+    # Two processes (gloo on CPU): the host time of one forward and forward+backward of the EP
+    # layer, pulled and copied, and of the same work on one GPU, each function's own time;
+    # the EP functions appear for the EP variants only, and every wrapper is taken off again.
+    from benchmarks import host
+    from mok.expert_parallel import ExpertParallel
+    from mok.ops import comm
+
+    before = (dict(vars(ExpertParallel)), dict(vars(comm)))
+    host.main(["--ep", "2", "--shapes", TINY.name, "--repeats", "1", "--top", "60"])
+    assert (dict(vars(ExpertParallel)), dict(vars(comm))) == before
+    out = capsys.readouterr().out
+    for label in ("one GPU, forward", "pull, forward+backward", "copies, forward+backward"):
+        assert label in out, label
+    rows = [line.split() for line in out.splitlines()
+            if line.startswith("    ") and "function" not in line]
+    table = {" ".join(row[3:]): [float(v) for v in row[:3]] for row in rows}
+    assert table["(all of them)"][1] > table["(all of them)"][0]  # EP adds host work
+    for name in ("ops.gate_up_swiglu", "ops.down_bwd_dswiglu", "the rest of the step"):
+        assert all(ms > 0 for ms in table[name]), name
+    for name in ("ep.build_plan", "comm.finish", "ops.exchange_routes"):
+        one_gpu, pulled, copied = table[name]
+        assert one_gpu == 0 and pulled > 0 and copied > 0, name
+    for name in ("ep.forward_copy", "ops.local_first_blocks"):
+        assert table[name][:2] == [0, 0] and table[name][2] > 0, name
+
+
 def test_ncu_summary_reads_ncu_details_csv():
     # ncu --csv --page details, after ncu's own messages (scripts/gpu_ncu.sh's --log-file):
     # a row per launch, the units converted to microseconds, a missing metric shown as "-".
