@@ -8,6 +8,8 @@
 # (with 2 GPUs on a fresh machine, compiling included, they took over 300 s).
 # EP_SHARE_GPU=1 (a machine with one GPU): the tests' ranks share it (MOK_RANKS_SHARE_GPU, gloo
 # between them; a check of the code, slow, timing nothing) and the benchmark is skipped.
+# EP_HOST=1: also the host's time per EP call (python -m benchmarks.host --ep, EP_HOST_SHAPES,
+# default qwen3-30b-a3b and kimi-ep64-slice; with EP_SHARE_GPU the ranks share the GPU).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -39,4 +41,11 @@ if [ "${EP_BENCH:-1}" = 1 ]; then
       --csv "$OUT/ep.csv" ${EP_BENCH_ARGS:-} ${variants[$i]} > "$OUT/ep_bench.$i.log" 2>&1
     echo "== ep bench exit: $?"; tail -n 60 "$OUT/ep_bench.$i.log"
   done
+fi
+if [ "${EP_HOST:-0}" = 1 ]; then
+  echo "== host time per EP call (limit ${EP_HOST_TIMEOUT:-300}s)"
+  timeout -s KILL "${EP_HOST_TIMEOUT:-300}" python3 -m benchmarks.host --ep "$EP_SIZE" \
+    --shapes ${EP_HOST_SHAPES:-qwen3-30b-a3b kimi-ep64-slice} --repeats 10 --top 30 \
+    > "$OUT/ep_host.log" 2>&1
+  echo "== host time exit: $?"; grep -A8 "^==" "$OUT/ep_host.log"
 fi
