@@ -178,6 +178,10 @@ CANDIDATES["down_bwd"] += [dataclasses.replace(t, pingpong=True) for t in _gluon
 for _kind in ("gate_up", "gate_up_saved", "down", "down_bwd", "down_bwd_saved", "d_x"):
     CANDIDATES[_kind] += [dataclasses.replace(t, flatten=True) for t in CANDIDATES[_kind]
                           if t.persistent and not t.gluon]
+# The recomputing dSwiGLU as two launches (GemmTiles.apart): gate/up storing the
+# pre-activations, then the kept dSwiGLU over them, each on the table's tiles of its kind
+# (gate_up_saved, down_bwd_saved) in use when the tuner starts; its own fields are the fallback's.
+CANDIDATES["down_bwd"].append(dataclasses.replace(CANDIDATES["down_bwd"][0], apart=True))
 
 
 def gemm_runners(x, w_g, w_u, w_d, routing, rw, d_out, setup=HOPPER_TILES) -> dict:
@@ -194,8 +198,10 @@ def gemm_runners(x, w_g, w_u, w_d, routing, rw, d_out, setup=HOPPER_TILES) -> di
         "gate_up_saved": ((inter, hid), lambda t: ops.gate_up_swiglu(
             x, w_g, w_u, routing, t, None, gate_up=gate_up)),
         "down": ((hid, inter), lambda t: ops.down_proj(h, w_d, routing, t, rw)),
-        "down_bwd": ((inter, hid), lambda t: ops.down_bwd_dswiglu(
-            d_out, x, w_d, w_g, w_u, h, routing, t, rw, None)),
+        "down_bwd": ((inter, hid), lambda t: ops.dswiglu_apart(
+            d_out, x, w_d, w_g, w_u, routing, setup.pick("gate_up_saved", inter, hid),
+            setup.pick("down_bwd_saved", inter, hid), rw, None) if t.apart
+            else ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, t, rw, None)),
         "down_bwd_saved": ((inter, hid), lambda t: ops.down_bwd_dswiglu(
             d_out, x, w_d, w_g, w_u, h_kept, routing, t, rw, None, gate_up=gate_up,
             h_out=True)),
@@ -272,10 +278,12 @@ def tune(shapes, table: dict | None = None, out: Path | None = None,
             for ms, tiles in (results if verbose else []):
                 print(f"     {ms:7.3f} ms {ms / best_ms:5.2f}x best  {tiles}", flush=True)
             table[(kind, n, k)] = best
-            # Gluon tiles win: keep the best Triton ones for the launches Gluon cannot take.
-            triton = min((r for r in results if not r[1].gluon), key=lambda r: r[0])[1]
+            # Gluon (or apart) tiles win: keep the best Triton ones for the launches Gluon
+            # cannot take (and those that pull rows: one launch).
+            triton = min((r for r in results if not (r[1].gluon or r[1].apart)),
+                         key=lambda r: r[0])[1]
             table.pop((kind + TRITON, n, k), None)
-            if best.gluon:
+            if best.gluon or best.apart:
                 table[(kind + TRITON, n, k)] = triton
             print(f"   {group:6s} {kind:14s} n={n:6d} k={k:6d} fallback {fallback:7.3f} ms -> best "
                   f"{best_ms:7.3f} ms ({fallback / best_ms:4.2f}x) {best}", flush=True)

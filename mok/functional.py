@@ -695,11 +695,18 @@ def _expert_input_grads(tiles, routing, d_output, x, h, router_weights, w_gate, 
     what `_expert_weight_grads` needs)."""
     hidden, intermediate = x.shape[1], w_gate.shape[1]
     pick = tiles.pick
-    h, h_out = _h_for_backward(h, gate_up, routing, intermediate)
-    d_gate_up, partial = ops.down_bwd_dswiglu(
-        d_output, x, w_down, w_gate, w_up, h, routing,
-        pick(_down_bwd_kind(gate_up), intermediate, hidden), router_weights, swiglu_limit,
-        gate_up=gate_up, h_out=h_out)
+    down_bwd_tiles = pick(_down_bwd_kind(gate_up), intermediate, hidden)
+    if down_bwd_tiles.apart and gate_up is None:  # gate/up recomputed in a launch of its own
+        d_gate_up, partial = ops.dswiglu_apart(
+            d_output, x, w_down, w_gate, w_up, routing,
+            pick("gate_up_saved", intermediate, hidden),
+            pick("down_bwd_saved", intermediate, hidden), router_weights, swiglu_limit)
+    else:
+        h_used, h_out = _h_for_backward(h, gate_up, routing, intermediate)
+        d_gate_up, partial = ops.down_bwd_dswiglu(
+            d_output, x, w_down, w_gate, w_up, h_used, routing, down_bwd_tiles, router_weights,
+            swiglu_limit, gate_up=gate_up, h_out=h_out)
+        h = h_used
     d_router_weights = ops.router_grad(partial, routing) if partial is not None else None
     d_x_rows = ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate))
     return d_x_rows, d_router_weights, [d_gate_up, h]
@@ -823,12 +830,18 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     routing = schedule.routing
     kept = context.gate_up is not None  # x is read by the weight gradients alone
     down_bwd_kind = _down_bwd_kind(context.gate_up)
+    apart_tiles = None
     if config.bwd_copy_rows:
         # The rows come by copies beside the dSwiGLU, which waits on them: the Gluon kernel
-        # where the table says so.
+        # where the table says so, or with GemmTiles.apart gate/up in a launch of its own first
+        # (the one waiting on the copies: its row blocks local first).
         down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden)
+        first_tiles = down_bwd_tiles
+        if down_bwd_tiles.apart and not kept:
+            first_tiles = pick("gate_up_saved", intermediate, hidden)
+            apart_tiles = (first_tiles, pick("down_bwd_saved", intermediate, hidden))
         dy_group, x_group, pull = ep.backward_copy(peer, plan, d_output, x,
-                                                   block_m=down_bwd_tiles.block_m, kept=kept)
+                                                   block_m=first_tiles.block_m, kept=kept)
         x_pull = None
     else:
         # The dSwiGLU pulls rows its tiles wait on: the Triton kernel runs it, on the table's
@@ -840,9 +853,15 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
     # d_x scatters its rows (and with kept pre-activations, unless they were copied, pulls x for
     # the weight gradients, no tile waiting on it): the Gluon kernel where the table says so.
-    d_gate_up, partial = ops.down_bwd_dswiglu(
-        dy_group, x_group, w_down, w_gate, w_up, h, routing, down_bwd_tiles,
-        context.weights_group, swiglu_limit, pull=pull, gate_up=context.gate_up, h_out=h_out)
+    if apart_tiles is not None:
+        d_gate_up, partial = ops.dswiglu_apart(
+            dy_group, x_group, w_down, w_gate, w_up, routing, *apart_tiles,
+            context.weights_group, swiglu_limit, pull=pull)
+    else:
+        d_gate_up, partial = ops.down_bwd_dswiglu(
+            dy_group, x_group, w_down, w_gate, w_up, h, routing, down_bwd_tiles,
+            context.weights_group, swiglu_limit, pull=pull, gate_up=context.gate_up,
+            h_out=h_out)
     # Router-weight gradients by route of the group, each sent to its token's rank.
     by_route = ops.router_grad(partial, routing)
     ops.scatter_route_values(by_route.reshape(-1), routing.route_row, ep.d_weights,

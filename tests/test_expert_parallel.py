@@ -216,6 +216,40 @@ def test_ep_copy_rows_kept(rank, world_size):
 
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
+def test_ep_copied_dswiglu_apart(rank, world_size):
+    # GemmTiles.apart under expert parallelism. With copied rows the recomputing backward's
+    # gate/up launch waits on the copies (its row blocks local first) and the kept dSwiGLU
+    # follows: bitwise the gradients of the copied layer that kept its pre-activations, but the
+    # down weights' (of the forward's h), all within tolerance of the reference. Launches that
+    # pull run the one-launch kernel: the routed experts' gradients are bitwise those of the
+    # pulling layer without apart (the shared expert, on this rank alone, takes apart there
+    # too).
+    inputs = _rank_inputs(rank, world_size, tokens=MAX_TOKENS - 5 * rank, shared=16,
+                          pattern=RoutingPattern.RANDOM, seed=6)
+    workspace = F.create_workspace(SMALL_MINIBATCHES, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=MAX_TOKENS, hidden_size=inputs.x.shape[1],
+                                   topk=inputs.topk_experts.shape[1])
+    plain = dataclasses.replace(tiles_for_tests() or ops.default_tiles(inputs.x.device),
+                                use_tuned=False)
+    apart = dataclasses.replace(plain, down_bwd=dataclasses.replace(plain.down_bwd, apart=True))
+    copying = dataclasses.replace(SMALL_MINIBATCHES, fwd_copy_rows=True, bwd_copy_rows=True)
+    y, grads, _ = _run(workspace, copying, inputs, swiglu_limit=0.8, tiles=apart)
+    _check_against_reference(inputs, y, grads, 0.8)
+    kept = dataclasses.replace(copying, recompute_gate_up=False)
+    _, kept_grads, _ = _run(workspace, kept, inputs, swiglu_limit=0.8, tiles=apart)
+    for name, a, b in zip(GRAD_NAMES, grads, kept_grads, strict=True):
+        if not name.endswith("_down"):
+            assert torch.equal(a, b), name
+    _, pulled, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8, tiles=apart)
+    _, pulled_plain, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8,
+                              tiles=plain)
+    for name, a, b in zip(GRAD_NAMES, pulled, pulled_plain, strict=True):
+        if "routed" in name or name == "d_router_weights":
+            assert torch.equal(a, b), name
+    F.check_errors(workspace)
+
+
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_kept_gate_up_tile_variants(rank, world_size):
     # The same with the row tiles and the weights through TMA (GemmTiles.tma_rows, tma) while
     # rows are pulled and scattered (h and the pre-activations written so in the forward, read

@@ -416,6 +416,39 @@ def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, pingp
                      name=f"{name} against the Triton kernel")
 
 
+@pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
+def test_gluon_dswiglu_apart_equals_the_kept_backward(limit, monkeypatch):
+    # GemmTiles.apart by the Gluon kernels: gate/up storing the pre-activations into the
+    # d_gate_up buffer, then the kept dSwiGLU reading them and writing their gradients in
+    # place (each tile's pre-activations land by TMA before its gradients are stored there).
+    # Bitwise the backward of a forward that kept its pre-activations, but the down weights'
+    # gradients; repeatable and within tolerance of the reference.
+    from mok.ops import experts
+
+    launches = []
+    launch = experts._down_bwd_gluon
+
+    def counted(*args):
+        launches.append(args[0].shape)
+        return launch(*args)
+
+    monkeypatch.setattr(experts, "_down_bwd_gluon", counted)
+    inputs = make_inputs(6000, 1344, 352, 16, 4, shared_intermediate_size=288, device="cuda",
+                         seed=9, routing=RoutingPattern.SKEWED)
+    base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
+    tiles = _gluon_dswiglu(_gluon_gate_up(base))
+    tiles = dataclasses.replace(tiles, down_bwd=dataclasses.replace(tiles.down_bwd, apart=True))
+    _, grads, _, context = _repeatable_and_close_to_reference(inputs, F.MoKConfig(), limit,
+                                                              tiles)
+    assert context.gate_up is None
+    assert len(launches) == 4  # the kept dSwiGLU by Gluon: routed and shared, twice
+    kept = F.MoKConfig(recompute_gate_up=False)
+    _, kept_grads, _, _ = run_layer(inputs, config=kept, swiglu_limit=limit, tiles=tiles)
+    for name, a, b in zip(GRAD_NAMES, grads, kept_grads, strict=True):
+        if not name.endswith("_down"):
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_flattened_tile_loops_equal_persistent_tiles(kept):
     # GemmTiles.flatten compiles each program's tile loop and K loop into one pipelined loop

@@ -98,24 +98,32 @@ def test_tuner_runs_every_kind_for_routed_and_shared_experts():
             if first.shape[0] == routing.capacity_rows:
                 first = first[:used]
             assert bool(torch.isfinite(first.float()).all()) and first.abs().max() > 0, kind
+        # down_bwd in two launches (GemmTiles.apart), on the setup's gate_up_saved and
+        # down_bwd_saved tiles
+        d_gate_up, _ = runners["down_bwd"][1](dataclasses.replace(tiles.down_bwd, apart=True))
+        assert bool(torch.isfinite(d_gate_up[:used].float()).all())
+        assert d_gate_up[:used].abs().max() > 0
 
 
 def test_triton_tiles_stand_beside_gluon_ones():
-    # Where the table's tiles are Gluon ones (GemmTiles.gluon), it keeps the best Triton tiles
-    # too, for the launches the Gluon kernels cannot take (expert parallelism's pulls and
-    # scatters ask for them: TileConfig.pick(triton=True)); elsewhere triton changes nothing.
+    # Where the table's tiles are Gluon ones (GemmTiles.gluon) or two launches (apart), it
+    # keeps the best Triton tiles too, for the launches the Gluon kernels cannot take (expert
+    # parallelism's pulls and scatters ask for them: TileConfig.pick(triton=True)); elsewhere
+    # triton changes nothing.
     table = committed()
     with_triton = [key for key in table if key[0].endswith(TRITON)]
     assert with_triton
     for kind, n, k in with_triton:
         base = kind.removesuffix(TRITON)
-        assert base in KINDS and table[(base, n, k)].gluon, (kind, n, k)
-        assert not table[(kind, n, k)].gluon, (kind, n, k)
+        assert base in KINDS and (table[(base, n, k)].gluon or table[(base, n, k)].apart), \
+            (kind, n, k)
+        assert not (table[(kind, n, k)].gluon or table[(kind, n, k)].apart), (kind, n, k)
     for (kind, n, k), tiles in table.items():
         if kind in KINDS and not _env.TILES_FILE:
             expected = table.get((kind + TRITON, n, k), tiles)
             assert HOPPER_TILES.pick(kind, n, k, triton=True) == expected, (kind, n, k)
-            assert (kind + TRITON, n, k) in table or not tiles.gluon, (kind, n, k)
+            assert (kind + TRITON, n, k) in table or not (tiles.gluon or tiles.apart), \
+                (kind, n, k)
 
 
 def test_tuner_keeps_the_best_triton_tiles_where_gluon_ones_win(monkeypatch, capsys):
@@ -144,3 +152,25 @@ def test_tuner_keeps_the_best_triton_tiles_where_gluon_ones_win(monkeypatch, cap
         d_x, key=lambda t: t.num_stages / 10 + t.block_n / 1000)
     assert not table[("down", 7, 9)].gluon
     assert ("down" + TRITON, 7, 9) not in table
+
+
+def test_tuner_keeps_triton_tiles_where_the_two_launch_dswiglu_wins(monkeypatch, capsys):
+    # benchmarks.tune on made-up timings where the recomputing dSwiGLU in two launches
+    # (GemmTiles.apart) is fastest: the table takes it, and its best one-launch Triton tiles
+    # beside it (launches that pull rows run one launch).
+    import benchmarks.tune as tune
+
+    def timing(run):
+        tiles = run()
+        return 1.0 if tiles.apart else (9.0 if tiles.gluon else 2.0 + tiles.num_stages / 10)
+
+    monkeypatch.setattr(tune, "stage_runners", lambda shape: [
+        ("routed", "down_bwd", (7, 9), lambda tiles: tiles)])
+    monkeypatch.setattr(tune, "median_ms", timing)
+    table = tune.tune([SHAPES[0]], {}, kinds=("down_bwd",))
+    capsys.readouterr()
+    assert table[("down_bwd", 7, 9)].apart
+    triton = table[("down_bwd" + TRITON, 7, 9)]
+    assert not (triton.apart or triton.gluon)
+    assert triton == min((t for t in tune.CANDIDATES["down_bwd"] if not (t.apart or t.gluon)),
+                         key=lambda t: t.num_stages)

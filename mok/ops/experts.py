@@ -457,11 +457,14 @@ def down_bwd_dswiglu(
     pull: Pull | None = None,
     gate_up: torch.Tensor | None = None,
     h_out: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients at the gate/up outputs, gate/up recomputed in the same pass (or read from
     gate_up [C, 2I], the forward's pre-activations: then x, w_gate and w_up are not read, except
     x as the destination of a pull). h_out (with gate_up): h [C, I] receives swiglu of the kept
     pre-activations instead of being read (a forward context that keeps gate_up only).
+    out: the d_gate_up buffer to write ([C, 2I], x's dtype; default a new one); it may be
+    gate_up itself (each tile reads its pre-activations before it writes their gradients).
 
     Returns d_gate_up [C, 2I] (d_gate in [:, :I], d_up in [:, I:]) and, with router weights, the
     partial router-weight gradients [C, cdiv(I, block_n)] fp32 (summed by `router_grad`).
@@ -471,7 +474,12 @@ def down_bwd_dswiglu(
     """
     intermediate, hidden = w_gate.shape[1:]
     rows = routing.capacity_rows
-    d_gate_up = torch.empty(rows, 2 * intermediate, dtype=x.dtype, device=x.device)
+    if out is not None:
+        _check_gate_up(out, routing, intermediate)
+        if out.dtype != x.dtype:
+            raise ValueError(f"out is {out.dtype}, the gradients are {x.dtype}")
+    d_gate_up = out if out is not None else torch.empty(rows, 2 * intermediate, dtype=x.dtype,
+                                                        device=x.device)
     partial = None
     if router_weights is not None:
         partial = torch.empty(rows, triton.cdiv(intermediate, tiles.block_n),
@@ -515,6 +523,39 @@ def down_bwd_dswiglu(
         WK_TMA=wk_tma, DYNAMIC=dynamic, **pull_meta, BLOCK_ORDER=copied, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
+
+
+def dswiglu_apart(
+    d_out: torch.Tensor,
+    x: torch.Tensor,
+    w_down: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    routing: Routing,
+    gate_up_tiles: GemmTiles,
+    kept_tiles: GemmTiles,
+    router_weights: torch.Tensor | None,
+    swiglu_limit: float | None,
+    pull: Pull | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """down_bwd_dswiglu recomputing gate/up in a launch of its own (GemmTiles.apart): gate/up
+    stores the pre-activations into the d_gate_up buffer (gate_up_tiles, as the forward with
+    kept pre-activations), then the kept dSwiGLU (kept_tiles) reads them and writes their
+    gradients in place, and h, of the kept pre-activations as a kept backward does, into a
+    buffer of its own (the router-weight gradients' partial sums read it). Returns what
+    down_bwd_dswiglu does, bitwise what the backward of a forward that kept its pre-activations
+    with gate_up_tiles gets. pull: a copied pull (ExpertParallel.backward_copy, both x's and
+    d_out's rows under each rank's flag): the gate/up launch waits on it, and the dSwiGLU
+    launch too where its row blocks are of the same size."""
+    if pull is not None and not pull.copied:
+        raise ValueError("dswiglu_apart takes rows copied beside it, not pulled by its launches")
+    d_gate_up = gate_up_buffer(x, w_gate, routing)
+    h = gate_up_swiglu(x, w_gate, w_up, routing, gate_up_tiles, swiglu_limit, pull=pull,
+                       gate_up=d_gate_up)
+    same_blocks = pull is not None and kept_tiles.block_m == gate_up_tiles.block_m
+    return down_bwd_dswiglu(d_out, x, w_down, w_gate, w_up, h, routing, kept_tiles,
+                            router_weights, swiglu_limit, pull=pull if same_blocks else None,
+                            gate_up=d_gate_up, h_out=True, out=d_gate_up)
 
 
 def _check_block_order(pull: Pull, rows: int, tiles: GemmTiles) -> None:

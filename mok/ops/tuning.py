@@ -81,6 +81,13 @@ class GemmTiles:
     # the other's K loop (mok.kernels.gluon_dswiglu's PINGPONG). Where the Triton kernel runs
     # these tiles it is ignored.
     pingpong: bool = False
+    # down_bwd only: the recomputing dSwiGLU as two launches instead of one, gate/up storing the
+    # pre-activations (the config's gate_up_saved tiles) into the d_gate_up buffer, then the kept
+    # dSwiGLU over them in place (down_bwd_saved's tiles): where one launch's three accumulators
+    # cost more than the second pass over the pre-activations (mok.ops.dswiglu_apart). The
+    # other fields are unused then. Launches that pull rows run the one-launch kernel on the
+    # table's Triton tiles (TileConfig.pick's triton).
+    apart: bool = False
 
     def __post_init__(self) -> None:
         if self.flatten and not self.persistent:
@@ -119,12 +126,12 @@ class TileConfig:
     def pick(self, kind: str, n: int, k: int, triton: bool = False) -> GemmTiles:
         """Tiles for GEMM `kind` (see KINDS) at problem size (n, k). triton: for a launch the
         Gluon kernels cannot take (the expert-parallel dSwiGLU, whose tiles wait on rows its
-        own programs pull): where the table's tiles are Gluon ones, its best Triton tiles
-        (TRITON)."""
+        own programs pull): where the table's tiles are Gluon (or apart) ones, its best Triton
+        tiles (TRITON)."""
         if self.use_tuned:
             table = tuned_table()
             tuned = table.get((kind, n, k))
-            if triton and tuned is not None and tuned.gluon:
+            if triton and tuned is not None and (tuned.gluon or tuned.apart):
                 tuned = table.get((kind + TRITON, n, k), tuned)
             if tuned is not None and (kind.startswith("wgrad") or self.align % tuned.block_m == 0):
                 return tuned
