@@ -79,8 +79,13 @@ def breakdown(shape, stages_wanted=(), repeats: int = 20, warmup: int = 3,
     gemm = 2.0 * routes * hid * inter
     h = ops.gate_up_swiglu(x, w_g, w_u, routing, t_gate_up, None)
     rows = ops.down_proj(h, w_d, routing, t_down, rw)
-    dgu, partial = ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, t_down_bwd, rw,
-                                        None)
+    def down_bwd():  # GemmTiles.apart: gate/up and the kept dSwiGLU, as the layer runs them
+        if t_down_bwd.apart:
+            return ops.dswiglu_apart(d_out, x, w_d, w_g, w_u, routing, t_gate_up_saved,
+                                     t_down_bwd_saved, rw, None)
+        return ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, t_down_bwd, rw, None)
+
+    dgu, partial = down_bwd()
     dxr = ops.d_x_rows(dgu, w_g, w_u, routing, t_d_x)
     gate_up = ops.gate_up_buffer(x, w_g, routing)
     h_kept = torch.empty_like(h)  # written by the kept-gate/up backward
@@ -100,8 +105,7 @@ def breakdown(shape, stages_wanted=(), repeats: int = 20, warmup: int = 3,
         ("down_proj", lambda: ops.down_proj(h, w_d, routing, t_down, rw), gemm, 0),
         ("combine", lambda: ops.combine(rows, routing, None, x.dtype), 0,
          rows.numel() * 2 * routes / rows.shape[0] + x.numel() * 2),
-        ("down_bwd_dswiglu", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing,
-                                                          t_down_bwd, rw, None), 3 * gemm, 0),
+        ("down_bwd_dswiglu", down_bwd, 3 * gemm, 0),
         ("gate_up_saving", lambda: ops.gate_up_swiglu(x, w_g, w_u, routing, t_gate_up_saved,
                                                       None, gate_up=gate_up), 2 * gemm, 0),
         ("down_bwd_saved", lambda: ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h_kept, routing,

@@ -171,8 +171,18 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
             return ops.down_bwd_dswiglu(rows[0], rows[1], w_down, w_gate, w_up, h_kept, routing,
                                         tiles, rw, None, pull=pull, gate_up=kept_up,
                                         h_out=True)[0]
+        if tiles.apart and (pull is None or pull.copied):  # two launches, as the layer runs
+            return ops.dswiglu_apart(rows[0], rows[1], w_down, w_gate, w_up, routing,
+                                     *apart_tiles, rw, None, pull=pull)[0]
         return ops.down_bwd_dswiglu(rows[0], rows[1], w_down, w_gate, w_up, h, routing, tiles,
                                     rw, None, pull=pull)[0]
+
+    apart_tiles = (pick("gate_up_saved", inter, hidden), pick("down_bwd_saved", inter, hidden))
+
+    def first_block_m(kept):
+        """Row blocks of the backward's first launch (GemmTiles.apart: gate/up's)."""
+        tiles = pick(_dswiglu_kind(kept), inter, hidden)
+        return apart_tiles[0].block_m if tiles.apart and not kept else tiles.block_m
 
     def dswiglu_pulling(kept):
         pulled_dy = local_pull(d_out, routing, minibatch=config.minibatch_size,
@@ -193,7 +203,7 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
         tiles = pick(_dswiglu_kind(kept), inter, hidden)
         # The flagged copies: d_output's rows, and x's recomputing.
         ms = (1 if kept else 2) * row_bytes / peer_gbs / 1e6 if late_copy else None
-        return copied(d_out, tiles.block_m, lambda pull: dswiglu(kept, tiles, pull),
+        return copied(d_out, first_block_m(kept), lambda pull: dswiglu(kept, tiles, pull),
                       copy_ms=ms, lead=lead)
 
     # (name, call, rows of its result to compare, whether bitwise)
