@@ -353,6 +353,27 @@ def test_gluon_rows_match_reference_and_are_deterministic(wide, monkeypatch):
                          name=f"{name} against the Triton kernels")
 
 
+def _gluon_dswiglu_launches(monkeypatch) -> list:
+    """The Gluon dSwiGLU kernel's launches from here on (their first operand's shape)."""
+    from mok.ops import experts
+
+    launches = []
+    launch = experts._down_bwd_gluon
+
+    def counted(*args):
+        launches.append(args[0].shape)
+        return launch(*args)
+
+    monkeypatch.setattr(experts, "_down_bwd_gluon", counted)
+    return launches
+
+
+def _dswiglu_inputs(seed):
+    """I = 352 and the shared expert's 288: no multiples of block_n; skewed routing."""
+    return make_inputs(6000, 1344, 352, 16, 4, shared_intermediate_size=288, device="cuda",
+                       seed=seed, routing=RoutingPattern.SKEWED)
+
+
 @pytest.mark.parametrize("pingpong", [False, True], ids=["one_mma", "pingpong"])
 @pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
@@ -368,16 +389,8 @@ def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, pingp
     from mok.ops import experts
 
     assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
-    launches = []
-    launch = experts._down_bwd_gluon
-
-    def counted(*args):
-        launches.append(args[0].shape)
-        return launch(*args)
-
-    monkeypatch.setattr(experts, "_down_bwd_gluon", counted)
-    inputs = make_inputs(6000, 1344, 352, 16, 4, shared_intermediate_size=288, device="cuda",
-                         seed=8, routing=RoutingPattern.SKEWED)
+    launches = _gluon_dswiglu_launches(monkeypatch)
+    inputs = _dswiglu_inputs(seed=8)
     config = F.MoKConfig(recompute_gate_up=not kept)
     base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
     tiles = _gluon_dswiglu(base, pingpong)
@@ -423,18 +436,8 @@ def test_gluon_dswiglu_apart_equals_the_kept_backward(limit, monkeypatch):
     # place (each tile's pre-activations land by TMA before its gradients are stored there).
     # Bitwise the backward of a forward that kept its pre-activations, but the down weights'
     # gradients; repeatable and within tolerance of the reference.
-    from mok.ops import experts
-
-    launches = []
-    launch = experts._down_bwd_gluon
-
-    def counted(*args):
-        launches.append(args[0].shape)
-        return launch(*args)
-
-    monkeypatch.setattr(experts, "_down_bwd_gluon", counted)
-    inputs = make_inputs(6000, 1344, 352, 16, 4, shared_intermediate_size=288, device="cuda",
-                         seed=9, routing=RoutingPattern.SKEWED)
+    launches = _gluon_dswiglu_launches(monkeypatch)
+    inputs = _dswiglu_inputs(seed=9)
     base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
     tiles = _gluon_dswiglu(_gluon_gate_up(base))
     tiles = dataclasses.replace(tiles, down_bwd=dataclasses.replace(tiles.down_bwd, apart=True))
