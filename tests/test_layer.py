@@ -479,7 +479,8 @@ def with_dswiglu_apart(tiles):
                                down_bwd=dataclasses.replace(tiles.down_bwd, apart=True))
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[3]], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[3], CASES[4], CASES[9]],
+                         ids=lambda c: c.name)
 def test_dswiglu_apart_equals_the_kept_backward(case):
     # GemmTiles.apart: the recomputing backward's gate/up in a launch of its own, storing the
     # pre-activations, then the kept dSwiGLU over them in place. The forward still keeps h
