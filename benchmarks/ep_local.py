@@ -28,7 +28,7 @@ has queued it: GPU time alone) of:
   local-first block order cost); `copied late` with the second rank's flag raised by a side
   stream after a host-to-device copy (the copy engines, as a peer's copy) of the time a peer's
   copy of its rows would take at --peer-gbs GB/s (its x at gate/up, d_output and x recomputing,
-  d_output kept), the row blocks local first (mok.expert_parallel.local_first_order; `lead
+  d_output kept), the row blocks local first (mok.ops.local_first_blocks; `lead
   0.5`: only those among the first half of the used blocks) or, `in schedule order`, not;
   gate/up also `flag late` (the side stream writes the flag alone, no copy before it) and
   `by a copy` (the flag written by a host-to-device copy instead of cuStreamWriteValue32).
@@ -158,7 +158,7 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
         return copied(x, gate_up_tiles.block_m, lambda pull: ops.gate_up_swiglu(
             x, w_gate, w_up, routing, gate_up_tiles, None, pull=pull), **kw)
 
-    # the copied variants' orders: (name's suffix, local_first_order's lead)
+    # the copied variants' orders: (name's suffix, local_first_blocks's lead)
     orders = [("", 1.0), (", lead 0.5", 0.5), (", in schedule order", None)]
 
     d_out, rw = inputs.d_output, inputs.router_weights

@@ -102,18 +102,6 @@ class ExchangePlan:
     pull_moving: torch.Tensor | None
 
 
-def local_first_order(routing: Routing, block_m: int, rank: int, routes_per_rank: int,
-                      lead: float = 1.0) -> torch.Tensor:
-    """[C // block_m] int32 on the device: the schedule's row blocks, those whose rows all come
-    from `rank` (group route g from rank g // routes_per_rank) first, then those with other
-    ranks' rows, then those past the used rows (the GEMMs take the first used_rows // block_m);
-    in schedule order within each. lead < 1: only the local blocks among the first `lead` of
-    the used ones come first, the other used blocks then all in schedule order (an expert's
-    weights are read once more only for the experts of that lead). One launch
-    (mok.ops.local_first_blocks)."""
-    return ops.local_first_blocks(routing, block_m, rank, routes_per_rank, lead)
-
-
 class ExpertParallel:
     """The expert-parallel state of a workspace: the symmetric buffer, its views and the flags."""
 
@@ -297,12 +285,12 @@ class ExpertParallel:
             self.topk, 0, self.num_tokens, copied=True)
 
     def local_first(self, routing: Routing, block_m: int) -> torch.Tensor:
-        """local_first_order for this rank; the last one is kept: a backward over the
+        """mok.ops.local_first_blocks for this rank; the last one is kept: a backward over the
         forward's schedule takes it again."""
         cached = self._local_first
         if cached is not None and cached[0] is routing.row_route and cached[1] == block_m:
             return cached[2]
-        order = local_first_order(routing, block_m, self.rank, self.routes_per_rank)
+        order = ops.local_first_blocks(routing, block_m, self.rank, self.routes_per_rank)
         self._local_first = (routing.row_route, block_m, order)
         return order
 

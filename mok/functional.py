@@ -689,6 +689,13 @@ def _h_for_backward(h, gate_up, routing, intermediate) -> tuple[torch.Tensor, bo
                        device=gate_up.device), True
 
 
+def _apart_tiles(tiles, intermediate, hidden) -> tuple[GemmTiles, GemmTiles]:
+    """The tiles of the two launches of GemmTiles.apart: gate/up storing the pre-activations,
+    then the kept dSwiGLU."""
+    return (tiles.pick("gate_up_saved", intermediate, hidden),
+            tiles.pick("down_bwd_saved", intermediate, hidden))
+
+
 def _expert_input_grads(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
                         swiglu_limit, gate_up=None):
     """The first half of one group of experts' backward: (d_x rows, d_router_weights or None,
@@ -698,9 +705,8 @@ def _expert_input_grads(tiles, routing, d_output, x, h, router_weights, w_gate, 
     down_bwd_tiles = pick(_down_bwd_kind(gate_up), intermediate, hidden)
     if down_bwd_tiles.apart and gate_up is None:  # gate/up recomputed in a launch of its own
         d_gate_up, partial = ops.dswiglu_apart(
-            d_output, x, w_down, w_gate, w_up, routing,
-            pick("gate_up_saved", intermediate, hidden),
-            pick("down_bwd_saved", intermediate, hidden), router_weights, swiglu_limit)
+            d_output, x, w_down, w_gate, w_up, routing, *_apart_tiles(tiles, intermediate, hidden),
+            router_weights, swiglu_limit)
     else:
         h_used, h_out = _h_for_backward(h, gate_up, routing, intermediate)
         d_gate_up, partial = ops.down_bwd_dswiglu(
@@ -838,8 +844,8 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
         down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden)
         first_tiles = down_bwd_tiles
         if down_bwd_tiles.apart and not kept:
-            first_tiles = pick("gate_up_saved", intermediate, hidden)
-            apart_tiles = (first_tiles, pick("down_bwd_saved", intermediate, hidden))
+            apart_tiles = _apart_tiles(schedule.tiles, intermediate, hidden)
+            first_tiles = apart_tiles[0]
         dy_group, x_group, pull = ep.backward_copy(peer, plan, d_output, x,
                                                    block_m=first_tiles.block_m, kept=kept)
         x_pull = None

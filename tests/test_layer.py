@@ -302,7 +302,7 @@ def test_kernels_waiting_on_copied_rows_equal_plain(kept):
             moved.land()
             order = moved.pull.order.tolist()
             orders.append(order)
-            # local_first_order: the local blocks (among the first `lead` of the used ones)
+            # ops.local_first_blocks: the local blocks (among the first `lead` of the used ones)
             # first, then the other used ones, then the unused, each in schedule order
             first = [local[b] and b < used_blocks * (lead or 0) for b in range(blocks)]
             keys = [2 if b >= used_blocks else 0 if first[b] else 1 for b in range(blocks)]

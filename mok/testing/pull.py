@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from mok import ops
 from mok.expert_parallel import pull_order
 from mok.ops import Routing, comm
 
@@ -103,9 +104,8 @@ class LocalCopied:
 def local_copied(rows: torch.Tensor, routing: Routing, block_m: int, *, ranks: int = 2,
                  lead: float | None = 1.0, timeout_s: float = 10.0) -> LocalCopied:
     """The copied pull of rows [T, H] (T a multiple of `ranks`) that routing's rows read, as rank
-    0 of `ranks` (see LocalCopied), the row blocks in local_first_order's order with `lead`, or
-    with lead None in schedule order."""
-    from mok.expert_parallel import local_first_order
+    0 of `ranks` (see LocalCopied), the row blocks in mok.ops.local_first_blocks's order with
+    `lead`, or with lead None in schedule order."""
 
     device = rows.device
     tokens = rows.shape[0]
@@ -119,7 +119,8 @@ def local_copied(rows: torch.Tensor, routing: Routing, block_m: int, *, ranks: i
         rank=0, world_size=ranks, timeout=comm.timeout_units(timeout_s))
     blocks = routing.capacity_rows // block_m
     order = (torch.arange(blocks, dtype=torch.int32, device=device) if lead is None
-             else local_first_order(routing, block_m, 0, per_rank * routing.topk, lead))
+             else ops.local_first_blocks(routing, block_m, 0, per_rank * routing.topk,
+                                          lead))
     landed = torch.zeros(ranks, **i64)
     zero = torch.zeros(1, **i64)
     identity = torch.arange(tokens, dtype=torch.int32, device=device)  # position[u] = u
