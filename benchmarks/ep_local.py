@@ -21,7 +21,9 @@ has queued it: GPU time alone) of:
 - the dSwiGLU (the backward's first GEMM, recomputing gate/up, and `kept` reading the forward's
   pre-activations): `gluon` reading d_output and x directly; `triton pulling` (the EP launch
   without MoKConfig.bwd_copy_rows: its first MoKConfig.bwd_num_comm_sms programs pull d_output,
-  recomputing x too, the tiles waiting on them).
+  recomputing x too, the tiles waiting on them); recomputing, `apart, triton pulling`
+  (GemmTiles.apart as the EP backward runs it when rows are pulled: gate/up on the table's
+  Triton tiles pulling x's and d_output's rows, then the kept dSwiGLU pulling nothing).
 - rows moved by copies (MoKConfig.fwd_copy_rows and bwd_copy_rows, mok.testing.pull.
   local_copied), gate/up and both dSwiGLU, Gluon: the tokens split as if over two ranks, this
   being the first; `copied` with every flag raised before the launch (what the waits and the
@@ -199,6 +201,22 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
             return dswiglu(kept, tiles, pull, (pulled_dy.rows, x_rows))
         return run
 
+    def dswiglu_apart_pulling():
+        """GemmTiles.apart with rows pulled by kernels: gate/up (the table's Triton tiles)
+        pulls x's rows and d_output's, the kept dSwiGLU after it pulls nothing."""
+        pulled_x = local_pull(x, routing, minibatch=config.minibatch_size,
+                              num_programs=config.bwd_num_comm_sms)
+        pull = dataclasses.replace(pulled_x.pull, second_src=d_out)
+        errors.append(pull.peer.errors)
+        dy_rows = torch.empty_like(d_out)
+        tiles = (pick("gate_up_saved", inter, hidden, triton=True), apart_tiles[1])
+
+        def run():
+            pulled_x.next_round()
+            return ops.dswiglu_apart(dy_rows, pulled_x.rows, w_down, w_gate, w_up, routing,
+                                     *tiles, rw, None, pull=pull)[0]
+        return run
+
     def dswiglu_copied(kept, late_copy, lead):
         tiles = pick(_dswiglu_kind(kept), inter, hidden)
         # The flagged copies: d_output's rows, and x's recomputing.
@@ -248,7 +266,9 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
             (f"{name} gluon", lambda kept=kept, tiles=tiles: dswiglu(kept, tiles),
              slice(0, used), True),
             (f"{name} triton pulling", dswiglu_pulling(kept), slice(0, used), False),
-        ] + [
+        ] + ([] if kept else [
+            (f"{name} apart, triton pulling", dswiglu_apart_pulling(), slice(0, used), False),
+        ]) + [
             (f"{name} gluon copied{late_copy and ' late' or ''}{suffix}",
              dswiglu_copied(kept, late_copy, lead), slice(0, used), True)
             for late_copy in (False, True) for suffix, lead in orders

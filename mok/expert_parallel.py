@@ -359,18 +359,28 @@ class ExpertParallel:
 
     def backward_pull(self, peer: comm.PeerFlags, plan: ExchangePlan, d_output: torch.Tensor,
                       x: torch.Tensor, *, minibatch: int, num_programs: int,
-                      defer_x: bool = False,
+                      defer_x: bool = False, x_first: bool = False,
                       ) -> tuple[torch.Tensor, torch.Tensor, comm.Pull, comm.Pull | None]:
         """The backward's exchange up to its first GEMM: publish d_output and x; the pull of
         both for the tokens of the local experts' routes. Returns (d_output and x of the
         group's tokens, the pull, None). defer_x: the first GEMM pulls d_output's rows only, and
         x's come in a second pull (returned last) for a later launch that reads neither: a
         backward with kept pre-activations needs x for the weight gradients alone, and its first
-        GEMM, a third of the recomputing one, would otherwise wait on twice the bytes."""
+        GEMM, a third of the recomputing one, would otherwise wait on twice the bytes. x_first:
+        the pull's first buffer is x's, d_output's its second (the gate/up launch of
+        mok.ops.dswiglu_apart pulls them)."""
         _check_pulls(plan)
+        if defer_x and x_first:
+            raise ValueError("backward_pull: defer_x and x_first exclude each other")
         tokens = x.shape[0]
         self.publish(peer, Phase.BACKWARD, [(self.dy_pub(d_output.dtype)[:tokens], d_output),
                                             (self.x_pub(x.dtype)[:tokens], x)])
+        if x_first:
+            x_group, _, dy_group, pull = self.pull(
+                peer, Phase.BACKWARD, plan, src=self.x_pub(x.dtype), weights=None,
+                minibatch=minibatch, num_programs=num_programs,
+                second_src=self.dy_pub(d_output.dtype))
+            return dy_group, x_group, pull, None
         dy_group, _, x_group, pull = self.pull(
             peer, Phase.BACKWARD, plan, src=self.dy_pub(d_output.dtype), weights=None,
             minibatch=minibatch, num_programs=num_programs,

@@ -689,10 +689,11 @@ def _h_for_backward(h, gate_up, routing, intermediate) -> tuple[torch.Tensor, bo
                        device=gate_up.device), True
 
 
-def _apart_tiles(tiles, intermediate, hidden) -> tuple[GemmTiles, GemmTiles]:
-    """The tiles of the two launches of GemmTiles.apart: gate/up storing the pre-activations,
-    then the kept dSwiGLU."""
-    return (tiles.pick("gate_up_saved", intermediate, hidden),
+def _apart_tiles(tiles, intermediate, hidden, pulling=False) -> tuple[GemmTiles, GemmTiles]:
+    """The tiles of the two launches of GemmTiles.apart: gate/up storing the pre-activations
+    (pulling: it pulls rows its tiles wait on, the table's Triton tiles), then the kept
+    dSwiGLU."""
+    return (tiles.pick("gate_up_saved", intermediate, hidden, triton=pulling),
             tiles.pick("down_bwd_saved", intermediate, hidden))
 
 
@@ -850,12 +851,19 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
                                                    block_m=first_tiles.block_m, kept=kept)
         x_pull = None
     else:
-        # The dSwiGLU pulls rows its tiles wait on: the Triton kernel runs it, on the table's
-        # Triton tiles.
-        down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden, triton=True)
+        # The first launch pulls rows its tiles wait on: the Triton kernel runs it, on the
+        # table's Triton tiles. With GemmTiles.apart that is gate/up, pulling x's rows and
+        # d_output's with them; the kept dSwiGLU after it pulls nothing (the Gluon kernel where
+        # the table says so).
+        down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden)
+        if down_bwd_tiles.apart and not kept:
+            apart_tiles = _apart_tiles(schedule.tiles, intermediate, hidden, pulling=True)
+        else:
+            down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden, triton=True)
         dy_group, x_group, pull, x_pull = ep.backward_pull(
             peer, plan, d_output, x, minibatch=config.minibatch_size,
-            num_programs=config.bwd_num_comm_sms, defer_x=kept)
+            num_programs=config.bwd_num_comm_sms, defer_x=kept,
+            x_first=apart_tiles is not None)
     h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
     # d_x scatters its rows (and with kept pre-activations, unless they were copied, pulls x for
     # the weight gradients, no tile waiting on it): the Gluon kernel where the table says so.

@@ -216,14 +216,14 @@ def test_ep_copy_rows_kept(rank, world_size):
 
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
-def test_ep_copied_dswiglu_apart(rank, world_size):
-    # GemmTiles.apart under expert parallelism. With copied rows the recomputing backward's
-    # gate/up launch waits on the copies (its row blocks local first) and the kept dSwiGLU
-    # follows: bitwise the gradients of the copied layer that kept its pre-activations, but the
-    # down weights' (of the forward's h), all within tolerance of the reference. Launches that
-    # pull run the one-launch kernel: the routed experts' gradients are bitwise those of the
-    # pulling layer without apart (the shared expert, on this rank alone, takes apart there
-    # too).
+def test_ep_dswiglu_apart(rank, world_size):
+    # GemmTiles.apart under expert parallelism: the recomputing backward's gate/up launch
+    # stores the pre-activations, then the kept dSwiGLU reads them. With copied rows the
+    # gate/up launch waits on the copies (its row blocks local first); with pulled rows it
+    # pulls x's and d_output's rows itself, its tiles waiting on them, and the dSwiGLU after it
+    # pulls nothing. Either way bitwise the gradients of the same layer that kept its
+    # pre-activations, but the down weights' (of the forward's h), all within tolerance of the
+    # reference.
     inputs = _rank_inputs(rank, world_size, tokens=MAX_TOKENS - 5 * rank, shared=16,
                           pattern=RoutingPattern.RANDOM, seed=6)
     workspace = F.create_workspace(SMALL_MINIBATCHES, dist.group.WORLD, device=inputs.x.device,
@@ -233,19 +233,16 @@ def test_ep_copied_dswiglu_apart(rank, world_size):
                                 use_tuned=False)
     apart = dataclasses.replace(plain, down_bwd=dataclasses.replace(plain.down_bwd, apart=True))
     copying = dataclasses.replace(SMALL_MINIBATCHES, fwd_copy_rows=True, bwd_copy_rows=True)
-    y, grads, _ = _run(workspace, copying, inputs, swiglu_limit=0.8, tiles=apart)
-    _check_against_reference(inputs, y, grads, 0.8)
-    kept = dataclasses.replace(copying, recompute_gate_up=False)
-    _, kept_grads, _ = _run(workspace, kept, inputs, swiglu_limit=0.8, tiles=apart)
-    for name, a, b in zip(GRAD_NAMES, grads, kept_grads, strict=True):
-        if not name.endswith("_down"):
-            assert torch.equal(a, b), name
-    _, pulled, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8, tiles=apart)
-    _, pulled_plain, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8,
-                              tiles=plain)
-    for name, a, b in zip(GRAD_NAMES, pulled, pulled_plain, strict=True):
-        if "routed" in name or name == "d_router_weights":
-            assert torch.equal(a, b), name
+    for config in (copying, SMALL_MINIBATCHES):
+        y, grads, _ = _run(workspace, config, inputs, swiglu_limit=0.8, tiles=apart)
+        _check_against_reference(inputs, y, grads, 0.8)
+        kept = dataclasses.replace(config, recompute_gate_up=False)
+        _, kept_grads, _ = _run(workspace, kept, inputs, swiglu_limit=0.8, tiles=apart)
+        for name, a, b in zip(GRAD_NAMES, grads, kept_grads, strict=True):
+            if not name.endswith("_down"):
+                assert torch.equal(a, b), (config.bwd_copy_rows, name)
+        _, again, _ = _run(workspace, config, inputs, swiglu_limit=0.8, tiles=apart)
+        _assert_equal_grads(grads, again)
     F.check_errors(workspace)
 
 
@@ -374,6 +371,46 @@ def test_ep_gluon_gate_up_pulls_apart(rank, world_size):
     assert torch.equal(y, y_apart)
     _assert_equal_grads(grads, grads_apart)
     _check_against_reference(inputs, y_apart, grads_apart, 0.8)
+
+def test_gate_up_pulls_d_output_along_for_the_dswiglu_after_it():
+    # The pulling backward's first launch under GemmTiles.apart: gate/up pulls x's rows and
+    # d_output's (Pull.second_src into pulled_second), here a rank's own tokens from its own
+    # memory (mok.testing.pull), its tiles waiting on both; both land as at the source, and
+    # dswiglu_apart with that pull is bitwise dswiglu_apart reading them directly.
+    from mok.testing.pull import local_pull
+
+    inputs = make_inputs(40, 32, 24, 4, 2, device=DEVICE, seed=3, routing=RoutingPattern.SKEWED)
+    tiles = dataclasses.replace(tiles_for_tests() or ops.default_tiles(DEVICE), use_tuned=False)
+    schedule = F.build_schedule(
+        F.create_workspace(F.MoKConfig(), None, device=DEVICE, num_local_tokens=40,
+                           hidden_size=32, topk=2),
+        F.MoKConfig(), inputs.topk_experts, num_local_experts=4, tiles=tiles)
+    routing = schedule.routing
+    x, d_out, rw = inputs.x, inputs.d_output, inputs.router_weights
+    w_gate, w_up, w_down = inputs.w_routed_gate, inputs.w_routed_up, inputs.w_routed_down
+    direct = ops.dswiglu_apart(d_out, x, w_down, w_gate, w_up, routing, tiles.gate_up,
+                               tiles.down, rw, 0.8)
+    pulled = local_pull(x, routing, minibatch=8, num_programs=2)
+    pull = dataclasses.replace(pulled.pull, second_src=d_out)
+    d_out_rows = torch.zeros_like(d_out)
+    got = ops.dswiglu_apart(d_out_rows, pulled.rows, w_down, w_gate, w_up, routing,
+                            tiles.gate_up, tiles.down, rw, 0.8, pull=pull)
+    assert int(pull.peer.errors.abs().sum()) == 0
+    assert torch.equal(pulled.rows, x) and torch.equal(d_out_rows, d_out)
+    used = int(routing.expert_offsets[-1])  # rows past it are never written
+    assert torch.equal(got[0][:used], direct[0][:used])
+    assert torch.equal(got[1][:used], direct[1][:used])
+    with pytest.raises(ValueError, match="second_src"):
+        ops.dswiglu_apart(d_out_rows, pulled.rows, w_down, w_gate, w_up, routing,
+                          tiles.gate_up, tiles.down, rw, 0.8, pull=pulled.pull)
+    with pytest.raises(ValueError, match="pulled_second"):
+        ops.gate_up_swiglu(x, w_gate, w_up, routing, tiles.gate_up, None, pull=pull)
+    with pytest.raises(ValueError, match="pulled_second"):
+        ops.gate_up_swiglu(x, w_gate, w_up, routing, tiles.gate_up, None, pulled_second=d_out)
+    with pytest.raises(ValueError, match="pulled_second must be"):
+        ops.gate_up_swiglu(x, w_gate, w_up, routing, tiles.gate_up, None, pull=pull,
+                           pulled_second=d_out[:-1])
+
 
 def test_persistent_pulling_launches_share_a_tile_counter():
     # A persistent launch whose first programs pull rows hands its tiles out from a counter
@@ -707,6 +744,16 @@ def test_ep_gluon_kept_no_host_sync_and_cuda_graph(rank, world_size):
     # weight gradients in a partition of each program.
     _graph_body(rank, world_size, tiles=_gluon_tiles(),
                 config=F.MoKConfig(recompute_gate_up=False))
+
+
+@pytest.mark.gpu
+@distributed_test(world_sizes=(2,))
+def test_ep_gluon_apart_no_host_sync_and_cuda_graph(rank, world_size):
+    # The same with GemmTiles.apart: the recomputing backward's gate/up launch (the Triton
+    # kernel on these tiles) pulls x's and d_output's rows, then the Gluon kept dSwiGLU.
+    tiles = _gluon_tiles()
+    _graph_body(rank, world_size, tiles=dataclasses.replace(
+        tiles, down_bwd=dataclasses.replace(tiles.down_bwd, apart=True)))
 
 
 @pytest.mark.gpu

@@ -237,14 +237,14 @@ def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def gate_up_swiglu_kernel(
-    x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
+    x_ptr, x2_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
     flag_delta_ptr, error_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
-    stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
+    stride_xm, stride_x2m, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
     swiglu_limit,
     HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
@@ -258,7 +258,9 @@ def gate_up_swiglu_kernel(
     """h[row, n] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, K], w [E, N, K].
 
     With PULL, x's rows are pulled from the other ranks by the launch's first programs (none
-    when they are copied beside it, mok.ops.comm.Pull.copied). BLOCK_ORDER: the row blocks are
+    when they are copied beside it, mok.ops.comm.Pull.copied); with PULL_SECOND the rows of a
+    second buffer come with them into x2 (the backward's d_output, for a launch after this one),
+    the tiles waiting on both. BLOCK_ORDER: the row blocks are
     taken in the order of pull_order_ptr (a copied pull's: this rank's rows first). W_TMA:
     w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module docstring).
     SAVE_GATE_UP: the pre-activations go to gate_up[row] = [gate, up] too (columns [0, N) and
@@ -269,8 +271,8 @@ def gate_up_swiglu_kernel(
     pid = tl.program_id(0)
     if PULL:
         pid = _pull_programs(
-            x_ptr, stride_xm, x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
-            pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_order_ptr,
+            x_ptr, stride_xm, x2_ptr, stride_x2m, K, pull_src_ptr, pull_src_delta_ptr,
+            pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_order_ptr,
             pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
             flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
             pull_topk, world_size, timeout,

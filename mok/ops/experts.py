@@ -154,6 +154,7 @@ def gate_up_swiglu(
     swiglu_limit: float | None,
     pull: Pull | None = None,
     gate_up: torch.Tensor | None = None,
+    pulled_second: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """h [C, I] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, H], w [E, I, H].
 
@@ -161,7 +162,10 @@ def gate_up_swiglu(
     the Gluon kernel takes the launch (GemmTiles.gluon), by a launch of their own just before it
     over every SM or, with pull.in_gluon, by a partition of each of its programs while the tiles
     run (mok.kernels.gluon_comm). With pull.copied they land by copies outside the launch, its
-    tiles waiting on them.
+    tiles waiting on them. pulled_second (x's shape and dtype): where the pull has a second
+    buffer (pull.second_src), the destination of its rows, pulled with x's by this launch and
+    not read by it (the recomputing backward's gate/up launch, `dswiglu_apart`, takes
+    d_output's rows along for the launch after it); the Triton kernel runs such a launch.
     gate_up [C, 2I] (x's dtype): also receives the pre-activations [gate, up] of every row
     (see `gate_up_buffer`), for a backward that reads them instead of recomputing them; with a
     swiglu limit, a value the limit clamps is stored as +-inf.
@@ -172,7 +176,16 @@ def gate_up_swiglu(
         _check_gate_up(gate_up, routing, intermediate)
     if pull is not None and pull.copied:
         _check_block_order(pull, h.shape[0], tiles)
-    if tiles.gluon and h.shape[0] > 0 and _gluon_runs(x, w_gate, w_up, tiles):
+    second = pull is not None and pull.second_src is not None and not pull.copied
+    if second != (pulled_second is not None):
+        raise ValueError("gate_up_swiglu: pulled_second goes with a pull of a second buffer "
+                         "(Pull.second_src), and only with one")
+    if second and (pulled_second.shape != x.shape or pulled_second.dtype != x.dtype
+                   or pulled_second.stride(1) != 1):
+        raise ValueError(f"pulled_second must be a row-major {tuple(x.shape)} {x.dtype} tensor "
+                         f"as x, got {tuple(pulled_second.shape)} {pulled_second.dtype}")
+    if (tiles.gluon and not second and h.shape[0] > 0
+            and _gluon_runs(x, w_gate, w_up, tiles)):
         if pull is not None and not (pull.in_gluon or pull.copied):
             pull.run_apart(x, _num_programs(x.device))
             pull = None
@@ -187,11 +200,13 @@ def gate_up_swiglu(
     if gate_up is not None:
         outs.append(_out_spec(gate_up, intermediate, tiles))
     (h_out, *gate_up_out), rows_tma = _rows_operands(tiles, *outs)
+    x2 = pulled_second if second else x
     gemm_kernels.gate_up_swiglu_kernel[(grid + pull_scalars[0],)](
-        x, gate, up, h_out, gate_up_out[0] if gate_up_out else h_out, routing.row_route,
+        x, x2, gate, up, h_out, gate_up_out[0] if gate_up_out else h_out, routing.row_route,
         routing.block_expert, *pull_ptrs,
         routing.used_rows, tile_counter, num_m_blocks, intermediate, hidden, routing.topk,
-        *pull_scalars, x.stride(0), w_gate.stride(0), w_gate.stride(1), w_gate.stride(2),
+        *pull_scalars, x.stride(0), x2.stride(0), w_gate.stride(0), w_gate.stride(1),
+        w_gate.stride(2),
         h.stride(0),
         gate_up.stride(0) if gate_up is not None else 0,
         limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=tma,
@@ -546,13 +561,20 @@ def dswiglu_apart(
     down_bwd_dswiglu does, bitwise what the backward of a forward that kept its pre-activations
     with gate_up_tiles gets. pull: a copied pull (ExpertParallel.backward_copy, both x's and
     d_out's rows under each rank's flag): the gate/up launch waits on it, and the dSwiGLU
-    launch too where its row blocks are of the same size."""
-    if pull is not None and not pull.copied:
-        raise ValueError("dswiglu_apart takes rows copied beside it, not pulled by its launches")
+    launch too where its row blocks are of the same size. Or a pull by the gate/up launch's
+    first programs of x's rows (pull.src) with d_out's (pull.second_src; ExpertParallel.
+    backward_pull's x_first), its tiles waiting on them (the Triton kernel runs it: give
+    Triton tiles, TileConfig.pick's triton); the dSwiGLU launch reads them after it, in stream
+    order, and waits on nothing."""
+    pulling = pull is not None and not pull.copied
+    if pulling and pull.second_src is None:
+        raise ValueError("dswiglu_apart: a pull by its gate/up launch brings d_out's rows along "
+                         "(Pull.second_src)")
     d_gate_up = gate_up_buffer(x, w_gate, routing)
     h = gate_up_swiglu(x, w_gate, w_up, routing, gate_up_tiles, swiglu_limit, pull=pull,
-                       gate_up=d_gate_up)
-    same_blocks = pull is not None and kept_tiles.block_m == gate_up_tiles.block_m
+                       gate_up=d_gate_up, pulled_second=d_out if pulling else None)
+    same_blocks = (pull is not None and not pulling
+                   and kept_tiles.block_m == gate_up_tiles.block_m)
     return down_bwd_dswiglu(d_out, x, w_down, w_gate, w_up, h, routing, kept_tiles,
                             router_weights, swiglu_limit, pull=pull if same_blocks else None,
                             gate_up=d_gate_up, h_out=True, out=d_gate_up)

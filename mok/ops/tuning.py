@@ -85,8 +85,9 @@ class GemmTiles:
     # pre-activations (the config's gate_up_saved tiles) into the d_gate_up buffer, then the kept
     # dSwiGLU over them in place (down_bwd_saved's tiles): where one launch's three accumulators
     # cost more than the second pass over the pre-activations (mok.ops.dswiglu_apart). The
-    # other fields are unused then. Launches that pull rows run the one-launch kernel on the
-    # table's Triton tiles (TileConfig.pick's triton).
+    # other fields are unused then. Under expert parallelism with rows pulled by kernels, the
+    # gate/up launch pulls them (x's and d_output's) on the table's Triton gate_up_saved tiles
+    # and the kept dSwiGLU after it pulls nothing.
     apart: bool = False
 
     def __post_init__(self) -> None:
