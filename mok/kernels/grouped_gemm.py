@@ -260,8 +260,8 @@ def gate_up_swiglu_kernel(
     With PULL, x's rows are pulled from the other ranks by the launch's first programs (none
     when they are copied beside it, mok.ops.comm.Pull.copied); with PULL_SECOND the rows of a
     second buffer come with them into x2 (the backward's d_output, for a launch after this one),
-    the tiles waiting on both. BLOCK_ORDER: the row blocks are
-    taken in the order of pull_order_ptr (a copied pull's: this rank's rows first). W_TMA:
+    the tiles waiting on both. BLOCK_ORDER: the row blocks are taken in the order of
+    pull_order_ptr (a copied pull's: this rank's rows first). W_TMA:
     w_gate_ptr and w_up_ptr are TMA descriptors of w viewed [E * N, K] (module docstring).
     SAVE_GATE_UP: the pre-activations go to gate_up[row] = [gate, up] too (columns [0, N) and
     [N, 2N)), for a backward that reads them instead of recomputing them. ROWS_TMA: h_ptr and
