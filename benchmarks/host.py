@@ -16,8 +16,11 @@ over the same steps).
 --ep P: the same for expert parallelism over P processes (`mok.testing.run_distributed`; on a
 machine with one GPU set MOK_RANKS_SHARE_GPU=1, the host's times do not depend on it), each rank
 with its share of the `python -m mok bench --ep P` work: the host time of one forward and one
-forward+backward (schedule included), the device asleep before each, for the rows pulled by
-kernels and moved by copies (MoKConfig.fwd_copy_rows / bwd_copy_rows), and for scale the same
+forward+backward (schedule included), the device asleep before each, and `in a row`: the
+calls after the first of IN_A_ROW + 1 issued back to back, the device asleep meanwhile (a host
+that keeps issuing, as in training, runs a call faster than one that starts after a sync). For
+the rows pulled by kernels and moved by copies (MoKConfig.fwd_copy_rows / bwd_copy_rows), and
+for scale the same
 per-GPU work on one GPU without a group. Medians and least of --repeats calls, the slowest
 rank's, in ms (on a machine whose ranks share one GPU the host times move by some 10% between
 runs); then rank 0's host time per wrapped function (mok.ops' launchers, mok.ops.comm's functions,
@@ -43,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import mok.functional as F
-from benchmarks.layer import BENCH_SHAPES, TINY, hold_device
+from benchmarks.layer import BENCH_SHAPES, HOST_AHEAD_S, TINY, hold_device
 from mok import ops
 from mok.testing import make_shape_inputs
 
@@ -126,17 +129,28 @@ def _ep_variants(kept: bool) -> list[tuple[str, F.MoKConfig]]:
             ("copies", dataclasses.replace(base, fwd_copy_rows=True, bwd_copy_rows=True))]
 
 
-def _host_ms(fn, repeats: int, cuda: bool) -> list[float]:
+# Calls in a row of a back-to-back sample (the first, after the sync, is left out of it): few
+# enough that their launches fit the device's queue while it sleeps.
+IN_A_ROW = 5
+
+
+def _host_ms(fn, repeats: int, cuda: bool, in_a_row: bool = False) -> list[float]:
+    """Host ms of calls of fn, the device asleep meanwhile: each after a sync (the host's pace
+    from an idle GPU), or in_a_row: IN_A_ROW + 1 calls back to back after one sync, the first
+    left out (the pace of a host that keeps issuing, as in training), per sample."""
     times = []
     for _ in range(repeats):
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
+        calls = IN_A_ROW + 1 if in_a_row else 1
         if cuda:
-            hold_device()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
+            hold_device(HOST_AHEAD_S * calls)
+        for call in range(calls):
+            start = time.perf_counter()
+            fn()
+            if call or not in_a_row:
+                times.append((time.perf_counter() - start) * 1e3)
     if cuda:
         torch.cuda.synchronize()
     dist.barrier()
@@ -215,8 +229,10 @@ def _ep_rank(rank: int, world_size: int, shape_name: str, kept: bool, repeats: i
     for label, layer in layers:
         layer.step()  # compiles
         for mode, fn in (("forward", layer.forward), ("forward+backward", layer.step)):
-            samples = _host_ms(fn, repeats, cuda)
-            times[f"{label}, {mode}"] = (statistics.median(samples), min(samples))
+            for in_a_row in (False, True):
+                samples = _host_ms(fn, repeats, cuda, in_a_row)
+                times[f"{label}, {mode}{', in a row' if in_a_row else ''}"] = (
+                    statistics.median(samples), min(samples))
         timer = _StackTimer()
         saved = _patched(timer)
         try:

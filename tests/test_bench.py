@@ -244,7 +244,8 @@ def test_host_times_under_expert_parallelism(capsys):
     host.main(["--ep", "2", "--shapes", TINY.name, "--repeats", "1", "--top", "60"])
     assert (dict(vars(ExpertParallel)), dict(vars(comm))) == before
     out = capsys.readouterr().out
-    for label in ("one GPU, forward", "pull, forward+backward", "copies, forward+backward"):
+    for label in ("one GPU, forward", "pull, forward+backward", "copies, forward+backward",
+                  "one GPU, forward, in a row", "copies, forward+backward, in a row"):
         assert label in out, label
     rows = [line.split() for line in out.splitlines()
             if line.startswith("    ") and "function" not in line]
