@@ -215,7 +215,7 @@ def test_ep_copy_rows_kept(rank, world_size):
     _copy_rows_body(rank, world_size, kept=True)
 
 
-@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
+@distributed_test(world_sizes=(2, 4), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_dswiglu_apart(rank, world_size):
     # GemmTiles.apart under expert parallelism: the recomputing backward's gate/up launch
     # stores the pre-activations, then the kept dSwiGLU reads them. With copied rows the
