@@ -783,10 +783,10 @@ def test_ep_gluon_kept_copy_rows_no_host_sync_and_cuda_graph(rank, world_size):
                                    recompute_gate_up=False))
 
 
-def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES):
+def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES, apart=False):
     """Two "nodes" of world_size // 2 ranks: collectives between them, the one-node protocol
     (symmetric buffers when a node has 2 ranks, one device when 1) inside. uneven: rank r holds
-    24 - 5r tokens."""
+    24 - 5r tokens. apart: the recomputing dSwiGLU as two launches (GemmTiles.apart)."""
     tokens = MAX_TOKENS - 5 * rank if uneven else MAX_TOKENS
     inputs = _rank_inputs(rank, world_size, tokens=tokens, shared=16,
                           pattern=RoutingPattern.SKEWED, seed=5)
@@ -796,6 +796,10 @@ def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES):
                                    ranks_per_node=world_size // 2)
     assert workspace.cross_node is not None and workspace.cross_node.num_nodes == 2
     tiles = tiles_for_tests()
+    if apart:
+        tiles = dataclasses.replace(tiles or ops.default_tiles(inputs.x.device), use_tuned=False)
+        tiles = dataclasses.replace(tiles, down_bwd=dataclasses.replace(tiles.down_bwd,
+                                                                        apart=True))
     y, grads, schedule = _run(workspace, config, inputs, swiglu_limit=1.5, tiles=tiles)
     F.check_errors(workspace)
     _check_against_reference(inputs, y, grads, 1.5)
@@ -828,6 +832,13 @@ def test_ep_across_nodes_kept_gate_up(rank, world_size):
     # The routed experts keep their pre-activations inside the node; the shared expert keeps h.
     _cross_node_body(rank, world_size,
                      config=dataclasses.replace(SMALL_MINIBATCHES, recompute_gate_up=False))
+
+
+@distributed_test(world_sizes=(4,))
+def test_ep_across_nodes_dswiglu_apart(rank, world_size):
+    # Inside each node of two ranks the recomputing backward's gate/up launch pulls x's and
+    # d_output's rows (GemmTiles.apart), the kept dSwiGLU after it.
+    _cross_node_body(rank, world_size, uneven=True, apart=True)
 
 
 @distributed_test(world_sizes=(4,))
