@@ -372,7 +372,8 @@ def test_ep_gluon_gate_up_pulls_apart(rank, world_size):
     _assert_equal_grads(grads, grads_apart)
     _check_against_reference(inputs, y_apart, grads_apart, 0.8)
 
-def test_gate_up_pulls_d_output_along_for_the_dswiglu_after_it():
+@pytest.mark.parametrize("limit", [None, 0.8], ids=["no_limit", "limit"])
+def test_gate_up_pulls_d_output_along_for_the_dswiglu_after_it(limit):
     # The pulling backward's first launch under GemmTiles.apart: gate/up pulls x's rows and
     # d_output's (Pull.second_src into pulled_second), here a rank's own tokens from its own
     # memory (mok.testing.pull), its tiles waiting on both; both land as at the source, and
@@ -389,12 +390,12 @@ def test_gate_up_pulls_d_output_along_for_the_dswiglu_after_it():
     x, d_out, rw = inputs.x, inputs.d_output, inputs.router_weights
     w_gate, w_up, w_down = inputs.w_routed_gate, inputs.w_routed_up, inputs.w_routed_down
     direct = ops.dswiglu_apart(d_out, x, w_down, w_gate, w_up, routing, tiles.gate_up,
-                               tiles.down, rw, 0.8)
+                               tiles.down, rw, limit)
     pulled = local_pull(x, routing, minibatch=8, num_programs=2)
     pull = dataclasses.replace(pulled.pull, second_src=d_out)
     d_out_rows = torch.zeros_like(d_out)
     got = ops.dswiglu_apart(d_out_rows, pulled.rows, w_down, w_gate, w_up, routing,
-                            tiles.gate_up, tiles.down, rw, 0.8, pull=pull)
+                            tiles.gate_up, tiles.down, rw, limit, pull=pull)
     assert int(pull.peer.errors.abs().sum()) == 0
     assert torch.equal(pulled.rows, x) and torch.equal(d_out_rows, d_out)
     used = int(routing.expert_offsets[-1])  # rows past it are never written
@@ -402,7 +403,7 @@ def test_gate_up_pulls_d_output_along_for_the_dswiglu_after_it():
     assert torch.equal(got[1][:used], direct[1][:used])
     with pytest.raises(ValueError, match="second_src"):
         ops.dswiglu_apart(d_out_rows, pulled.rows, w_down, w_gate, w_up, routing,
-                          tiles.gate_up, tiles.down, rw, 0.8, pull=pulled.pull)
+                          tiles.gate_up, tiles.down, rw, limit, pull=pulled.pull)
     with pytest.raises(ValueError, match="pulled_second"):
         ops.gate_up_swiglu(x, w_gate, w_up, routing, tiles.gate_up, None, pull=pull)
     with pytest.raises(ValueError, match="pulled_second"):
