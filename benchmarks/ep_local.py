@@ -179,7 +179,7 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
         return ops.down_bwd_dswiglu(rows[0], rows[1], w_down, w_gate, w_up, h, routing, tiles,
                                     rw, None, pull=pull)[0]
 
-    apart_tiles = (pick("gate_up_saved", inter, hidden), pick("down_bwd_saved", inter, hidden))
+    apart_tiles = schedule.tiles.pick_apart(inter, hidden)
 
     def first_block_m(kept):
         """Row blocks of the backward's first launch (GemmTiles.apart: gate/up's)."""
@@ -209,7 +209,7 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
         pull = dataclasses.replace(pulled_x.pull, second_src=d_out)
         errors.append(pull.peer.errors)
         dy_rows = torch.empty_like(d_out)
-        tiles = (pick("gate_up_saved", inter, hidden, triton=True), apart_tiles[1])
+        tiles = schedule.tiles.pick_apart(inter, hidden, pulling=True)
 
         def run():
             pulled_x.next_round()

@@ -199,8 +199,7 @@ def gemm_runners(x, w_g, w_u, w_d, routing, rw, d_out, setup=HOPPER_TILES) -> di
             x, w_g, w_u, routing, t, None, gate_up=gate_up)),
         "down": ((hid, inter), lambda t: ops.down_proj(h, w_d, routing, t, rw)),
         "down_bwd": ((inter, hid), lambda t: ops.dswiglu_apart(
-            d_out, x, w_d, w_g, w_u, routing, setup.pick("gate_up_saved", inter, hid),
-            setup.pick("down_bwd_saved", inter, hid), rw, None) if t.apart
+            d_out, x, w_d, w_g, w_u, routing, *setup.pick_apart(inter, hid), rw, None) if t.apart
             else ops.down_bwd_dswiglu(d_out, x, w_d, w_g, w_u, h, routing, t, rw, None)),
         "down_bwd_saved": ((inter, hid), lambda t: ops.down_bwd_dswiglu(
             d_out, x, w_d, w_g, w_u, h_kept, routing, t, rw, None, gate_up=gate_up,

@@ -689,14 +689,6 @@ def _h_for_backward(h, gate_up, routing, intermediate) -> tuple[torch.Tensor, bo
                        device=gate_up.device), True
 
 
-def _apart_tiles(tiles, intermediate, hidden, pulling=False) -> tuple[GemmTiles, GemmTiles]:
-    """The tiles of the two launches of GemmTiles.apart: gate/up storing the pre-activations
-    (pulling: it pulls rows its tiles wait on, the table's Triton tiles), then the kept
-    dSwiGLU."""
-    return (tiles.pick("gate_up_saved", intermediate, hidden, triton=pulling),
-            tiles.pick("down_bwd_saved", intermediate, hidden))
-
-
 def _expert_input_grads(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
                         swiglu_limit, gate_up=None):
     """The first half of one group of experts' backward: (d_x rows, d_router_weights or None,
@@ -706,7 +698,7 @@ def _expert_input_grads(tiles, routing, d_output, x, h, router_weights, w_gate, 
     down_bwd_tiles = pick(_down_bwd_kind(gate_up), intermediate, hidden)
     if down_bwd_tiles.apart and gate_up is None:  # gate/up recomputed in a launch of its own
         d_gate_up, partial = ops.dswiglu_apart(
-            d_output, x, w_down, w_gate, w_up, routing, *_apart_tiles(tiles, intermediate, hidden),
+            d_output, x, w_down, w_gate, w_up, routing, *tiles.pick_apart(intermediate, hidden),
             router_weights, swiglu_limit)
     else:
         h_used, h_out = _h_for_backward(h, gate_up, routing, intermediate)
@@ -837,28 +829,24 @@ def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared
     routing = schedule.routing
     kept = context.gate_up is not None  # x is read by the weight gradients alone
     down_bwd_kind = _down_bwd_kind(context.gate_up)
-    apart_tiles = None
+    down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden)
+    # With GemmTiles.apart gate/up recomputes in a launch of its own first: the launch that
+    # waits on the rows (copied: its row blocks local first; pulled: it pulls x's and
+    # d_output's), the kept dSwiGLU after it (the Gluon kernel where the table says so).
+    apart_tiles = (schedule.tiles.pick_apart(intermediate, hidden,
+                                             pulling=not config.bwd_copy_rows)
+                   if down_bwd_tiles.apart and not kept else None)
     if config.bwd_copy_rows:
-        # The rows come by copies beside the dSwiGLU, which waits on them: the Gluon kernel
-        # where the table says so, or with GemmTiles.apart gate/up in a launch of its own first
-        # (the one waiting on the copies: its row blocks local first).
-        down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden)
-        first_tiles = down_bwd_tiles
-        if down_bwd_tiles.apart and not kept:
-            apart_tiles = _apart_tiles(schedule.tiles, intermediate, hidden)
-            first_tiles = apart_tiles[0]
+        # The rows come by copies beside the first launch, which waits on them: the Gluon
+        # kernel where the table says so.
+        first_tiles = apart_tiles[0] if apart_tiles is not None else down_bwd_tiles
         dy_group, x_group, pull = ep.backward_copy(peer, plan, d_output, x,
                                                    block_m=first_tiles.block_m, kept=kept)
         x_pull = None
     else:
         # The first launch pulls rows its tiles wait on: the Triton kernel runs it, on the
-        # table's Triton tiles. With GemmTiles.apart that is gate/up, pulling x's rows and
-        # d_output's with them; the kept dSwiGLU after it pulls nothing (the Gluon kernel where
-        # the table says so).
-        down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden)
-        if down_bwd_tiles.apart and not kept:
-            apart_tiles = _apart_tiles(schedule.tiles, intermediate, hidden, pulling=True)
-        else:
+        # table's Triton tiles.
+        if apart_tiles is None:
             down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden, triton=True)
         dy_group, x_group, pull, x_pull = ep.backward_pull(
             peer, plan, d_output, x, minibatch=config.minibatch_size,

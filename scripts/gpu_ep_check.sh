@@ -47,5 +47,5 @@ if [ "${EP_HOST:-0}" = 1 ]; then
   timeout -s KILL "${EP_HOST_TIMEOUT:-300}" python3 -m benchmarks.host --ep "$EP_SIZE" \
     --shapes ${EP_HOST_SHAPES:-qwen3-30b-a3b kimi-ep64-slice} --repeats 10 --top 30 \
     > "$OUT/ep_host.log" 2>&1
-  echo "== host time exit: $?"; grep -A8 "^==" "$OUT/ep_host.log"
+  echo "== host time exit: $?"; grep -A12 "^==" "$OUT/ep_host.log"
 fi

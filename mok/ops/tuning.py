@@ -140,6 +140,13 @@ class TileConfig:
             return self.wgrad
         return getattr(self, _FALLBACK_KINDS.get(kind, kind))
 
+    def pick_apart(self, n: int, k: int, pulling: bool = False) -> tuple[GemmTiles, GemmTiles]:
+        """The tiles of GemmTiles.apart's two launches at (n, k) = (I, H): gate/up storing the
+        pre-activations (pulling: it pulls rows its tiles wait on, the table's Triton tiles),
+        then the kept dSwiGLU."""
+        return (self.pick("gate_up_saved", n, k, triton=pulling),
+                self.pick("down_bwd_saved", n, k))
+
 
 # The table's key suffix of a kind's best Triton tiles, kept where its best are Gluon ones
 # (GemmTiles.gluon): the Triton kernel runs the launches the Gluon kernels cannot take, and the
