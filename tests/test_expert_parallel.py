@@ -86,10 +86,16 @@ def _check_against_reference(inputs, y, grads, swiglu_limit):
 MAX_TOKENS = 24
 
 
+def _uneven_tokens(rank):
+    """Tokens of a rank when the ranks hold different counts: 24 - 5 (r % 4) (24, 19, 14, 9,
+    24, ...; the workspace is sized for 24)."""
+    return MAX_TOKENS - 5 * (rank % 4)
+
+
 def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config, uneven=False,
                             tiles=None):
-    """uneven: rank r holds 24 - 5r tokens (the workspace is sized for 24)."""
-    tokens = MAX_TOKENS - 5 * rank if uneven else MAX_TOKENS
+    """uneven: ranks hold different token counts (_uneven_tokens)."""
+    tokens = _uneven_tokens(rank) if uneven else MAX_TOKENS
     inputs = _rank_inputs(rank, world_size, tokens=tokens, shared=shared, pattern=pattern,
                           seed=1)
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
@@ -119,8 +125,9 @@ def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config,
     _assert_equal_grads(grads, _recomputed_grads(workspace, config, schedule, inputs, limit))
 
 
-# The cases that also run with 4 and 8 ranks on GPUs (one a rank; skipped where fewer are
-# present): 2 ranks on CPU processes, where 4 and 8 would take too long under the interpreter.
+# The cases that also run with 4 and 8 ranks on GPUs (one a rank, skipped where fewer are
+# present; or every rank on one GPU with MOK_RANKS_SHARE_GPU): 2 ranks on CPU processes, where
+# 4 and 8 would take too long under the interpreter.
 GPU_WORLD_SIZES = (2, 4, 8)
 
 SMALL_MINIBATCHES = F.MoKConfig(fwd_num_comm_sms=2, bwd_num_comm_sms=3, minibatch_size=8,
@@ -162,7 +169,7 @@ def _copy_rows_body(rank, world_size, *, kept):
     tiles waiting on a flag per rank, their row blocks local first; ranks with different token
     counts (the rows past a rank's count are copied, never read). Bitwise the layer whose GEMMs
     pull their rows, and against the reference."""
-    inputs = _rank_inputs(rank, world_size, tokens=MAX_TOKENS - 5 * rank, shared=16,
+    inputs = _rank_inputs(rank, world_size, tokens=_uneven_tokens(rank), shared=16,
                           pattern=RoutingPattern.RANDOM, seed=6)
     workspace = F.create_workspace(SMALL_MINIBATCHES, dist.group.WORLD, device=inputs.x.device,
                                    num_local_tokens=MAX_TOKENS, hidden_size=inputs.x.shape[1],
@@ -224,7 +231,7 @@ def test_ep_dswiglu_apart(rank, world_size):
     # pulls nothing. Either way bitwise the gradients of the same layer that kept its
     # pre-activations, but the down weights' (of the forward's h), all within tolerance of the
     # reference.
-    inputs = _rank_inputs(rank, world_size, tokens=MAX_TOKENS - 5 * rank, shared=16,
+    inputs = _rank_inputs(rank, world_size, tokens=_uneven_tokens(rank), shared=16,
                           pattern=RoutingPattern.RANDOM, seed=6)
     workspace = F.create_workspace(SMALL_MINIBATCHES, dist.group.WORLD, device=inputs.x.device,
                                    num_local_tokens=MAX_TOKENS, hidden_size=inputs.x.shape[1],
@@ -728,7 +735,7 @@ def _gluon_tiles():
 
 
 @pytest.mark.gpu
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_gluon_no_host_sync_and_cuda_graph(rank, world_size):
     # The same with the Gluon kernels' tiles for every row GEMM: on an sm_90 GPU gate/up's rows
     # are pulled by a launch of their own before the Gluon kernel (Pull.run_apart), down and
@@ -739,7 +746,7 @@ def test_ep_gluon_no_host_sync_and_cuda_graph(rank, world_size):
 
 
 @pytest.mark.gpu
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_gluon_kept_no_host_sync_and_cuda_graph(rank, world_size):
     # The same with kept pre-activations: the Gluon d_x scatters its rows and pulls x for the
     # weight gradients in a partition of each program.
@@ -748,7 +755,7 @@ def test_ep_gluon_kept_no_host_sync_and_cuda_graph(rank, world_size):
 
 
 @pytest.mark.gpu
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_gluon_apart_no_host_sync_and_cuda_graph(rank, world_size):
     # The same with GemmTiles.apart: the recomputing backward's gate/up launch (the Triton
     # kernel on these tiles) pulls x's and d_output's rows, then the Gluon kept dSwiGLU.
@@ -758,7 +765,7 @@ def test_ep_gluon_apart_no_host_sync_and_cuda_graph(rank, world_size):
 
 
 @pytest.mark.gpu
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_gluon_pulling_no_host_sync_and_cuda_graph(rank, world_size):
     # The same with MoKConfig.fwd_pull_in_gluon: the Gluon gate/up pulls its rows in a
     # partition of each program (mok.kernels.gluon_comm) while its tiles wait on them.
@@ -767,7 +774,7 @@ def test_ep_gluon_pulling_no_host_sync_and_cuda_graph(rank, world_size):
 
 
 @pytest.mark.gpu
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_gluon_copy_rows_no_host_sync_and_cuda_graph(rank, world_size):
     # The same with MoKConfig.fwd_copy_rows and bwd_copy_rows: the copies run on a side stream
     # (the copy engines), their flags raised by the stream (memsets under capture, where the
@@ -777,7 +784,7 @@ def test_ep_gluon_copy_rows_no_host_sync_and_cuda_graph(rank, world_size):
 
 
 @pytest.mark.gpu
-@distributed_test(world_sizes=(2,))
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_gluon_kept_copy_rows_no_host_sync_and_cuda_graph(rank, world_size):
     _graph_body(rank, world_size, tiles=_gluon_tiles(),
                 config=F.MoKConfig(fwd_copy_rows=True, bwd_copy_rows=True,
@@ -787,8 +794,9 @@ def test_ep_gluon_kept_copy_rows_no_host_sync_and_cuda_graph(rank, world_size):
 def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES, apart=False):
     """Two "nodes" of world_size // 2 ranks: collectives between them, the one-node protocol
     (symmetric buffers when a node has 2 ranks, one device when 1) inside. uneven: rank r holds
-    24 - 5r tokens. apart: the recomputing dSwiGLU as two launches (GemmTiles.apart)."""
-    tokens = MAX_TOKENS - 5 * rank if uneven else MAX_TOKENS
+    _uneven_tokens(rank) tokens. apart: the recomputing dSwiGLU as two launches
+    (GemmTiles.apart)."""
+    tokens = _uneven_tokens(rank) if uneven else MAX_TOKENS
     inputs = _rank_inputs(rank, world_size, tokens=tokens, shared=16,
                           pattern=RoutingPattern.SKEWED, seed=5)
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
