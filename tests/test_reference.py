@@ -101,7 +101,8 @@ def test_reference_expert_parallel_matches_single_process(rank, world_size):
 
 
 def test_distributed_test_picks_its_world_sizes_by_backend(monkeypatch):
-    # gpu_world_sizes apply where the cases run on NCCL (one GPU a rank), world_sizes elsewhere.
+    # gpu_world_sizes apply where the cases run on a GPU (NCCL, one GPU a rank; or every rank on
+    # one GPU), world_sizes elsewhere.
     from mok.testing import distributed
 
     def sizes_of(test):
@@ -120,3 +121,14 @@ def test_distributed_test_picks_its_world_sizes_by_backend(monkeypatch):
     assert sizes_of(pinned) == [2]  # gloo chosen explicitly: CPU processes
     plain = distributed.distributed_test(world_sizes=(2, 4))(body)
     assert sizes_of(plain) == [2, 4]  # no gpu_world_sizes: the same everywhere
+    # Every rank on one GPU (MOK_RANKS_SHARE_GPU, gloo between them): the GPU cases too, unless
+    # gloo is pinned; without a GPU that flag changes nothing.
+    monkeypatch.setattr(distributed, "default_backend", lambda: "gloo")
+    monkeypatch.setattr(distributed, "RANKS_SHARE_GPU", True)
+    for cuda, expected in ((True, [2, 4, 8]), (False, [2])):
+        monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        shared = distributed.distributed_test(world_sizes=(2,), gpu_world_sizes=(2, 4, 8))(body)
+        assert sizes_of(shared) == expected, cuda
+        pinned = distributed.distributed_test(world_sizes=(2,), backend="gloo",
+                                              gpu_world_sizes=(2, 4, 8))(body)
+        assert sizes_of(pinned) == [2], cuda

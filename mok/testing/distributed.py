@@ -117,13 +117,15 @@ def distributed_test(world_sizes: Sequence[int] = (2,), backend: str | None = No
     """Decorator: run the test body as fn(rank, world_size) on each world size.
 
     The decorated function must be defined at module level (workers import its module and find
-    the body by name). gpu_world_sizes: the world sizes where the cases run on NCCL (one GPU a
-    rank; default world_sizes), e.g. 4 and 8 ranks that CPU processes would take too long for.
-    NCCL cases are skipped when fewer GPUs than ranks are present.
+    the body by name). gpu_world_sizes: the world sizes where the cases run on a GPU (default
+    world_sizes), e.g. 4 and 8 ranks that CPU processes would take too long for: on NCCL (one
+    GPU a rank, the cases skipped when fewer GPUs than ranks are present), or with
+    MOK_RANKS_SHARE_GPU every rank on the one GPU (unless backend pins gloo).
     """
     import pytest
 
-    on_gpus = (backend or default_backend()) == "nccl"
+    on_gpus = ((backend or default_backend()) == "nccl"
+               or (backend is None and RANKS_SHARE_GPU and torch.cuda.is_available()))
     sizes = list(gpu_world_sizes if on_gpus and gpu_world_sizes is not None else world_sizes)
 
     def decorate(fn):
