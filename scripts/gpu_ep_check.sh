@@ -8,6 +8,8 @@
 # (with 2 GPUs on a fresh machine, compiling included, they took over 300 s).
 # EP_SHARE_GPU=1 (a machine with one GPU): the tests' ranks share it (MOK_RANKS_SHARE_GPU, gloo
 # between them; a check of the code, slow, timing nothing) and the benchmark is skipped.
+# There the tests' 4- and 8-rank cases run too, every rank on the one GPU: EP_TESTS_K='4]' or '8]'
+# selects them (on one H200 about 6 min for each set).
 # EP_HOST=1: also the host's time per EP call (python -m benchmarks.host --ep, EP_HOST_SHAPES,
 # default qwen3-30b-a3b and kimi-ep64-slice; with EP_SHARE_GPU the ranks share the GPU).
 set -uo pipefail
