@@ -9,9 +9,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from mok import ops
 from mok.expert_parallel import pull_order
-from mok.ops import Routing, comm
+from mok.ops import Routing, comm, local_first_blocks
 
 _PHASE = 1
 _PUBLISH_SLOT = 0
@@ -106,7 +105,6 @@ def local_copied(rows: torch.Tensor, routing: Routing, block_m: int, *, ranks: i
     """The copied pull of rows [T, H] (T a multiple of `ranks`) that routing's rows read, as rank
     0 of `ranks` (see LocalCopied), the row blocks in mok.ops.local_first_blocks's order with
     `lead`, or with lead None in schedule order."""
-
     device = rows.device
     tokens = rows.shape[0]
     if tokens % ranks:
@@ -119,8 +117,7 @@ def local_copied(rows: torch.Tensor, routing: Routing, block_m: int, *, ranks: i
         rank=0, world_size=ranks, timeout=comm.timeout_units(timeout_s))
     blocks = routing.capacity_rows // block_m
     order = (torch.arange(blocks, dtype=torch.int32, device=device) if lead is None
-             else ops.local_first_blocks(routing, block_m, 0, per_rank * routing.topk,
-                                          lead))
+             else local_first_blocks(routing, block_m, 0, per_rank * routing.topk, lead))
     landed = torch.zeros(ranks, **i64)
     zero = torch.zeros(1, **i64)
     identity = torch.arange(tokens, dtype=torch.int32, device=device)  # position[u] = u
