@@ -46,6 +46,34 @@ def test_real_shape_matches_reference_and_is_deterministic(shape):
     assert rows <= shape.num_tokens * shape.topk + shape.num_experts * 128
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3]], ids=lambda s: s.name)
+def test_real_shape_weights_in_other_layouts(shape, kept):
+    # The tuned tiles (Gluon and TMA where the table says so) with weights those kernels cannot
+    # take: torchtitan's transposed gate, up as the second half of a fused gate_up, down and the
+    # shared weights as rows of wider tensors; the Triton kernels take them in place.
+    from mok.testing.layouts import Layout, relayout
+
+    inputs = shape_inputs(shape, seed=4)
+    layouts = dict(w_routed_gate=Layout.TRANSPOSED, w_routed_up=Layout.ROW_SLICE,
+                   w_routed_down=Layout.PADDED_ROWS, w_shared_gate=Layout.PADDED_ROWS,
+                   w_shared_up=Layout.TRANSPOSED, w_shared_down=Layout.OFFSET)
+    laid_out = dataclasses.replace(inputs, **{
+        name: relayout(getattr(inputs, name), layout, second_half=name.endswith("_up"))
+        for name, layout in layouts.items() if getattr(inputs, name) is not None})
+    config = F.MoKConfig(recompute_gate_up=not kept)
+    y, grads, _, _ = run_layer(laid_out, config=config)
+    y_ref, grads_ref = moe_reference_grads(inputs, compute_dtype=torch.float32)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name)
+    y_again, grads_again, _, _ = run_layer(laid_out, config=config)
+    assert torch.equal(y, y_again)
+    for name, a, b in zip(GRAD_NAMES, grads, grads_again, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
 def test_skewed_routing_at_scale():
     shape = SHAPES[0]
     inputs = shape_inputs(shape, seed=2, routing=RoutingPattern.SKEWED)

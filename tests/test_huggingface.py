@@ -357,3 +357,36 @@ def _expert_parallel_body(rank, world_size):
 @distributed_test(world_sizes=(2,))
 def test_expert_parallel_patch_matches_original(rank, world_size):
     _expert_parallel_body(rank, world_size)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "row_slice", "padded_rows"])
+def test_patched_block_takes_parameters_in_any_layout(layout):
+    # bf16 parameters reach the kernels as they are (no cast copies them): the fused gate_up,
+    # down_proj and the shared expert's weights in another memory layout give the answer of the
+    # same block with contiguous parameters on the reference backend, output and gradients.
+    from mok.testing.layouts import relayout
+
+    block = build(BY_NAME["deepseek_v3"]).model.layers[1].mlp.to(torch.bfloat16)
+    reference = MokSparseMoeBlock(copy.deepcopy(block), backend="reference")
+    patched = MokSparseMoeBlock(copy.deepcopy(block))
+    shared = patched.shared_experts
+    holders = [(patched.experts, "gate_up_proj"), (patched.experts, "down_proj"),
+               (shared.gate_proj, "weight"), (shared.up_proj, "weight"),
+               (shared.down_proj, "weight")]
+    for module, name in holders:
+        setattr(module, name, nn.Parameter(relayout(getattr(module, name), layout)))
+    assert not patched.experts.gate_up_proj.is_contiguous()
+    x = torch.randn(BATCH, SEQ, 32, device=DEVICE, dtype=torch.bfloat16)
+    d_y = torch.randn_like(x)
+    outputs, grads = [], []
+    for model in (patched, reference):
+        x_leaf = x.clone().requires_grad_(True)
+        y = model(x_leaf)
+        y.backward(d_y)
+        outputs.append(y)
+        grads.append({"x": x_leaf.grad, **{name: p.grad for name, p in model.named_parameters()
+                                           if p.grad is not None}})
+    assert_close(outputs[0], outputs[1], dtype=torch.bfloat16, name="y")
+    assert set(grads[0]) == set(grads[1])
+    for name in grads[1]:
+        assert_close(grads[0][name], grads[1][name], dtype=torch.bfloat16, name=name)

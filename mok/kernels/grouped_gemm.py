@@ -228,6 +228,17 @@ def _store_out(out_ptr, acc, rows, r0, c0, N, stride_om, dest_route_ptr, out_del
 
 
 @triton.jit
+def _up_offsets(w_offsets, expert, cols, ks, stride_ue, stride_un, stride_uk,
+                UP_STRIDES: tl.constexpr):
+    """The up weight's element offsets [BLOCK_K, BLOCK_N] of a tile whose gate offsets are
+    w_offsets: its own (UP_STRIDES: w_up is laid out unlike w_gate), else w_offsets."""
+    if UP_STRIDES:
+        return (expert.to(tl.int64) * stride_ue + cols[None, :] * stride_un
+                + ks[:, None] * stride_uk)
+    return w_offsets
+
+
+@triton.jit
 def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
@@ -244,9 +255,9 @@ def gate_up_swiglu_kernel(
     flag_delta_ptr, error_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks, N, K, topk,
     num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
-    stride_xm, stride_x2m, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
-    swiglu_limit,
-    HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
+    stride_xm, stride_x2m, stride_we, stride_wn, stride_wk, stride_ue, stride_un, stride_uk,
+    stride_hm, stride_gum, swiglu_limit,
+    HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr, UP_STRIDES: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
     FLATTEN: tl.constexpr, DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -294,9 +305,9 @@ def gate_up_swiglu_kernel(
                 x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
                 ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n,
                 landed, world_size, N, K, topk, stride_xm, stride_we, stride_wn, stride_wk,
-                stride_hm, stride_gum, swiglu_limit,
-                HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-                PULL, MINIBATCH, HAS_TIMER, UPCAST, BLOCK_ORDER)
+                stride_ue, stride_un, stride_uk, stride_hm, stride_gum, swiglu_limit,
+                HAS_LIMIT, ALIGN, W_TMA, UP_STRIDES, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N,
+                BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST, BLOCK_ORDER)
             tile = next_tile
     else:
         for tile in tl.range(first, end, step, flatten=FLATTEN):
@@ -307,9 +318,9 @@ def gate_up_swiglu_kernel(
                 x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
                 ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n,
                 landed, world_size, N, K, topk, stride_xm, stride_we, stride_wn, stride_wk,
-                stride_hm, stride_gum, swiglu_limit,
-                HAS_LIMIT, ALIGN, W_TMA, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT,
-                PULL, MINIBATCH, HAS_TIMER, UPCAST, BLOCK_ORDER)
+                stride_ue, stride_un, stride_uk, stride_hm, stride_gum, swiglu_limit,
+                HAS_LIMIT, ALIGN, W_TMA, UP_STRIDES, SAVE_GATE_UP, ROWS_TMA, BLOCK_M, BLOCK_N,
+                BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST, BLOCK_ORDER)
 
 
 @triton.jit
@@ -317,8 +328,9 @@ def _gate_up_tile(
     x_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
     ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, landed,
     world_size, N, K, topk,
-    stride_xm, stride_we, stride_wn, stride_wk, stride_hm, stride_gum, swiglu_limit,
-    HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_ue, stride_un, stride_uk, stride_hm,
+    stride_gum, swiglu_limit,
+    HAS_LIMIT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr, UP_STRIDES: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr, ROWS_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PULL: tl.constexpr,
     MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr, UPCAST: tl.constexpr,
@@ -338,6 +350,8 @@ def _gate_up_tile(
     a_ptrs = x_ptr + token[:, None] * stride_xm + ks[None, :]
     w_offsets = (expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn
                  + ks[:, None] * stride_wk)
+    u_offsets = _up_offsets(w_offsets, expert, cols, ks, stride_ue, stride_un, stride_uk,
+                            UP_STRIDES)
     w_row = expert * N + c0  # W_TMA: the tile's first row of w viewed [E * N, K]
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -350,11 +364,16 @@ def _gate_up_tile(
         else:
             w_mask = k_mask[:, None] & (cols[None, :] < N)
             b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
-            b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
+            if UP_STRIDES:
+                b_up = tl.load(w_up_ptr + u_offsets, mask=w_mask, other=0.0)
+            else:
+                b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
         acc_gate = mma(a, b_gate, acc_gate, UPCAST)
         acc_up = mma(a, b_up, acc_up, UPCAST)
         a_ptrs += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
+        if UP_STRIDES:
+            u_offsets += BLOCK_K * stride_uk
     if SPLIT == 1:
         _gate_up_slice(acc_gate, acc_up, rows, r0, c0, N, h_ptr, gate_up_ptr, stride_hm,
                        stride_gum, swiglu_limit, BLOCK_N, HAS_LIMIT, SAVE_GATE_UP, ROWS_TMA,
@@ -475,9 +494,10 @@ def down_bwd_dswiglu_kernel(
     num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
-    stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
-    swiglu_limit,
+    stride_we, stride_wn, stride_wk, stride_ue, stride_un, stride_uk, stride_hm, stride_gum,
+    stride_gm, stride_pm, swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
+    UP_STRIDES: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
     WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
@@ -530,10 +550,11 @@ def down_bwd_dswiglu_kernel(
                 router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
                 block_expert_ptr, ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout,
                 pid_m, pid_n, landed, world_size, N, K, topk, stride_dm, stride_xm, stride_wd_e,
-                stride_wd_k, stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
-                stride_gm, stride_pm, swiglu_limit,
-                HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA,
-                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST, BLOCK_ORDER)
+                stride_wd_k, stride_wd_n, stride_we, stride_wn, stride_wk, stride_ue, stride_un,
+                stride_uk, stride_hm, stride_gum, stride_gm, stride_pm, swiglu_limit,
+                HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, UP_STRIDES, SAVED_GATE_UP, H_OUT, ROWS_TMA,
+                WK_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST,
+                BLOCK_ORDER)
             tile = next_tile
     else:
         for tile in tl.range(first, end, step, flatten=FLATTEN):
@@ -545,10 +566,11 @@ def down_bwd_dswiglu_kernel(
                 router_weights_ptr, d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr,
                 block_expert_ptr, ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout,
                 pid_m, pid_n, landed, world_size, N, K, topk, stride_dm, stride_xm, stride_wd_e,
-                stride_wd_k, stride_wd_n, stride_we, stride_wn, stride_wk, stride_hm, stride_gum,
-                stride_gm, stride_pm, swiglu_limit,
-                HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, SAVED_GATE_UP, H_OUT, ROWS_TMA, WK_TMA,
-                BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST, BLOCK_ORDER)
+                stride_wd_k, stride_wd_n, stride_we, stride_wn, stride_wk, stride_ue, stride_un,
+                stride_uk, stride_hm, stride_gum, stride_gm, stride_pm, swiglu_limit,
+                HAS_LIMIT, HAS_WEIGHT, ALIGN, W_TMA, UP_STRIDES, SAVED_GATE_UP, H_OUT, ROWS_TMA,
+                WK_TMA, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, PULL, MINIBATCH, HAS_TIMER, UPCAST,
+                BLOCK_ORDER)
 
 
 @triton.jit
@@ -557,9 +579,10 @@ def _down_bwd_tile(
     d_gate_up_ptr, d_weight_partial_ptr, row_route_ptr, block_expert_ptr,
     ready_ptr, pull_position_ptr, seq_ptr, error_ptr, phase, timeout, pid_m, pid_n, landed,
     world_size, N, K, topk, stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
-    stride_we, stride_wn, stride_wk, stride_hm, stride_gum, stride_gm, stride_pm,
-    swiglu_limit,
+    stride_we, stride_wn, stride_wk, stride_ue, stride_un, stride_uk, stride_hm, stride_gum,
+    stride_gm, stride_pm, swiglu_limit,
     HAS_LIMIT: tl.constexpr, HAS_WEIGHT: tl.constexpr, ALIGN: tl.constexpr, W_TMA: tl.constexpr,
+    UP_STRIDES: tl.constexpr,
     SAVED_GATE_UP: tl.constexpr, H_OUT: tl.constexpr, ROWS_TMA: tl.constexpr,
     WK_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, PULL: tl.constexpr, MINIBATCH: tl.constexpr, HAS_TIMER: tl.constexpr,
@@ -601,6 +624,8 @@ def _down_bwd_tile(
     else:
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u_offsets = _up_offsets(w_offsets, expert, cols, ks, stride_ue, stride_un, stride_uk,
+                                UP_STRIDES)
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + ks) < K
             a_mask = valid[:, None] & k_mask[None, :]
@@ -616,7 +641,10 @@ def _down_bwd_tile(
                 b_up = w_up_ptr.load([w_row, k0]).T
             else:
                 b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
-                b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
+                if UP_STRIDES:
+                    b_up = tl.load(w_up_ptr + u_offsets, mask=w_mask, other=0.0)
+                else:
+                    b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
             acc_dh = mma(a_dy, b_down, acc_dh, UPCAST)
             acc_gate = mma(a_x, b_gate, acc_gate, UPCAST)
             acc_up = mma(a_x, b_up, acc_up, UPCAST)
@@ -624,6 +652,8 @@ def _down_bwd_tile(
             x_ptrs += BLOCK_K
             wd_offsets += BLOCK_K * stride_wd_k
             w_offsets += BLOCK_K * stride_wk
+            if UP_STRIDES:
+                u_offsets += BLOCK_K * stride_uk
 
     if SPLIT == 1:
         partial = _dswiglu_slice(
@@ -713,8 +743,9 @@ def d_x_rows_kernel(
     flag_delta_ptr, error_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks, N, K,
     routes_per_rank, num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
-    stride_gm, stride_we, stride_wk, stride_wn, stride_om,
-    ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    stride_gm, stride_we, stride_wk, stride_wn, stride_ue, stride_uk, stride_un, stride_om,
+    ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr,
+    UP_STRIDES: tl.constexpr, PERSISTENT: tl.constexpr,
     FLATTEN: tl.constexpr, DYNAMIC: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr,
@@ -751,25 +782,25 @@ def d_x_rows_kernel(
             next_tile = _next_tile(tile, step, tile_counter_ptr, DYNAMIC)  # taken ahead
             _d_x_tile(d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr,
                       dest_route_ptr, out_delta_ptr, tile, grid_m, N, K, routes_per_rank,
-                      stride_gm, stride_we, stride_wk, stride_wn, stride_om, ALIGN, ROWS_TMA,
-                      WK_TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, SCATTER, ROW_ALIGN,
-                      UPCAST)
+                      stride_gm, stride_we, stride_wk, stride_wn, stride_ue, stride_uk,
+                      stride_un, stride_om, ALIGN, ROWS_TMA, WK_TMA, UP_STRIDES, BLOCK_M, BLOCK_N,
+                      BLOCK_K, GROUP_M, SPLIT, SCATTER, ROW_ALIGN, UPCAST)
             tile = next_tile
     else:  # a for loop: with the while loop, the TMA-row tiles' stores compile differently
         for tile in tl.range(first, end, step, flatten=FLATTEN):
             _d_x_tile(d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr,
                       dest_route_ptr, out_delta_ptr, tile, grid_m, N, K, routes_per_rank,
-                      stride_gm, stride_we, stride_wk, stride_wn, stride_om, ALIGN, ROWS_TMA,
-                      WK_TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, SCATTER, ROW_ALIGN,
-                      UPCAST)
+                      stride_gm, stride_we, stride_wk, stride_wn, stride_ue, stride_uk,
+                      stride_un, stride_om, ALIGN, ROWS_TMA, WK_TMA, UP_STRIDES, BLOCK_M, BLOCK_N,
+                      BLOCK_K, GROUP_M, SPLIT, SCATTER, ROW_ALIGN, UPCAST)
 
 
 @triton.jit
 def _d_x_tile(
     d_gate_up_ptr, w_gate_ptr, w_up_ptr, out_ptr, block_expert_ptr, dest_route_ptr,
     out_delta_ptr, tile, grid_m, N, K, routes_per_rank,
-    stride_gm, stride_we, stride_wk, stride_wn, stride_om,
-    ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr,
+    stride_gm, stride_we, stride_wk, stride_wn, stride_ue, stride_uk, stride_un, stride_om,
+    ALIGN: tl.constexpr, ROWS_TMA: tl.constexpr, WK_TMA: tl.constexpr, UP_STRIDES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr, SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -782,6 +813,8 @@ def _d_x_tile(
     a_offsets = rows[:, None] * stride_gm + ks[None, :]
     w_offsets = (expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk
                  + cols[None, :] * stride_wn)
+    u_offsets = _up_offsets(w_offsets, expert, cols, ks, stride_ue, stride_un, stride_uk,
+                            UP_STRIDES)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + ks) < K
@@ -797,11 +830,16 @@ def _d_x_tile(
             b_up = w_up_ptr.load([expert * K + k0, pid_n * BLOCK_N])
         else:
             b_gate = tl.load(w_gate_ptr + w_offsets, mask=w_mask, other=0.0)
-            b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
+            if UP_STRIDES:
+                b_up = tl.load(w_up_ptr + u_offsets, mask=w_mask, other=0.0)
+            else:
+                b_up = tl.load(w_up_ptr + w_offsets, mask=w_mask, other=0.0)
         acc = mma(a_gate, b_gate, acc, UPCAST)
         acc = mma(a_up, b_up, acc, UPCAST)
         a_offsets += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
+        if UP_STRIDES:
+            u_offsets += BLOCK_K * stride_uk
     _store_out(out_ptr, acc, rows, pid_m * BLOCK_M, pid_n * BLOCK_N, N, stride_om,
                dest_route_ptr, out_delta_ptr, routes_per_rank, BLOCK_M, BLOCK_N, SPLIT, ROWS_TMA,
                SCATTER, ROW_ALIGN, UPCAST)

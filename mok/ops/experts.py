@@ -79,6 +79,12 @@ def _gate_up_operands(w_gate: torch.Tensor, w_up: torch.Tensor,
     return w_gate, w_up, False
 
 
+def _up_strides(w_gate: torch.Tensor, w_up: torch.Tensor, tma: bool) -> bool:
+    """Whether a kernel loading both weights by pointers must address w_up by its own strides
+    (UP_STRIDES): its layout differs from w_gate's. TMA descriptors carry their own."""
+    return not tma and w_up.stride() != w_gate.stride()
+
+
 def _rows_operands(tiles: GemmTiles, *specs, wanted: bool = True) -> tuple[list, bool]:
     """(operands, whether they are TMA descriptors), one per spec (t, part, span, box_n): t a
     [rows, width] tensor whose columns are blocks of `part` columns each, covered by tiles
@@ -205,11 +211,11 @@ def gate_up_swiglu(
         x, x2, gate, up, h_out, gate_up_out[0] if gate_up_out else h_out, routing.row_route,
         routing.block_expert, *pull_ptrs,
         routing.used_rows, tile_counter, num_m_blocks, intermediate, hidden, routing.topk,
-        *pull_scalars, x.stride(0), x2.stride(0), w_gate.stride(0), w_gate.stride(1),
-        w_gate.stride(2),
+        *pull_scalars, x.stride(0), x2.stride(0), *w_gate.stride(), *w_up.stride(),
         h.stride(0),
         gate_up.stride(0) if gate_up is not None else 0,
         limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=tma,
+        UP_STRIDES=_up_strides(w_gate, w_up, tma),
         SAVE_GATE_UP=gate_up is not None, ROWS_TMA=rows_tma, DYNAMIC=dynamic, **pull_meta,
         BLOCK_ORDER=pull is not None and pull.copied, **_gemm_meta(tiles),
     )
@@ -246,11 +252,12 @@ def _gluon_runs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
 
 def _gluon_operands(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     """An sm_90 GPU, rows of a 16-bit dtype with 16-byte aligned rows (read by TMA or
-    cp.async), weights of that dtype, contiguous (TMA over [E * R, C]), experts present."""
+    cp.async), weights of that dtype, contiguous and 16-byte aligned (TMA over [E * R, C]),
+    experts present."""
     return (_is_sm90(rows.device) and rows.dtype in _GLUON_DTYPES and rows.stride(1) == 1
             and (rows.stride(0) * rows.element_size()) % 16 == 0 and rows.data_ptr() % 16 == 0
-            and all(w.dtype == rows.dtype and w.is_contiguous() and w.shape[0] > 0
-                    for w in weights))
+            and all(w.dtype == rows.dtype and w.is_contiguous() and w.data_ptr() % 16 == 0
+                    and w.shape[0] > 0 for w in weights))
 
 
 def _gluon_descriptor(t: torch.Tensor, box: list[int], dtype) -> GluonDescriptor:
@@ -530,12 +537,13 @@ def down_bwd_dswiglu(
         routing.used_rows, tile_counter, num_m_blocks, intermediate, hidden, routing.topk,
         *pull_scalars, d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1),
         w_down.stride(2),
-        w_gate.stride(0), w_gate.stride(1), w_gate.stride(2), h.stride(0),
+        *w_gate.stride(), *w_up.stride(), h.stride(0),
         gate_up.stride(0) if gate_up is not None else 0, d_gate_up.stride(0),
         partial.stride(0) if partial is not None else 0,
         limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
-        W_TMA=tma, SAVED_GATE_UP=gate_up is not None, H_OUT=h_out, ROWS_TMA=rows_tma,
-        WK_TMA=wk_tma, DYNAMIC=dynamic, **pull_meta, BLOCK_ORDER=copied, **_gemm_meta(tiles),
+        W_TMA=tma, UP_STRIDES=gate_up is None and _up_strides(w_gate, w_up, tma),
+        SAVED_GATE_UP=gate_up is not None, H_OUT=h_out, ROWS_TMA=rows_tma, WK_TMA=wk_tma,
+        DYNAMIC=dynamic, **pull_meta, BLOCK_ORDER=copied, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 
@@ -739,9 +747,9 @@ def d_x_rows(
         d_gate_up_in, gate if wk_tma else w_gate, up if wk_tma else w_up, out_arg,
         routing.block_expert, *scatter_ptrs, pulled, pulled.stride(0), *pull_ptrs,
         routing.used_rows, tile_counter, num_m_blocks, hidden, intermediate, routes_per_rank,
-        *pull_scalars, d_gate_up.stride(0), w_gate.stride(0), w_gate.stride(1),
-        w_gate.stride(2), out.stride(0),
-        ALIGN=routing.align, ROWS_TMA=rows_tma, WK_TMA=wk_tma, DYNAMIC=dynamic, **scatter_meta,
+        *pull_scalars, d_gate_up.stride(0), *w_gate.stride(), *w_up.stride(), out.stride(0),
+        ALIGN=routing.align, ROWS_TMA=rows_tma, WK_TMA=wk_tma,
+        UP_STRIDES=_up_strides(w_gate, w_up, wk_tma), DYNAMIC=dynamic, **scatter_meta,
         **pull_meta, **_gemm_meta(tiles),
     )
     return out
