@@ -21,6 +21,7 @@ import torch.nn.functional as torch_f
 from torch import nn
 
 from mok import functional as F
+from mok.errors import MoKInputError
 from mok.ops import capacity_rows, default_tiles
 
 
@@ -29,6 +30,15 @@ class Backend(enum.Enum):
 
     MOK = "mok"              # the fused Triton kernels (compiled on GPU, interpreted on CPU)
     REFERENCE = "reference"  # mok.testing's pure-PyTorch reference, for debugging
+
+    @classmethod
+    def parse(cls, value: Backend | str) -> Backend:
+        """The backend named by value; ValueError listing the valid names otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(repr(backend.value) for backend in cls)
+            raise ValueError(f"backend must be one of {names}, got {value!r}") from None
 
 
 # -- the fused layer as custom ops ------------------------------------------------------------
@@ -138,10 +148,12 @@ def _moe_backward(
 def _(d_y, x, router_weights, w_shared_gate, w_shared_up, w_shared_down, w_routed_gate,
       w_routed_up, w_routed_down, h, h_shared, gate_up, gate_up_shared, row_route, route_row,
       block_expert, expert_counts, expert_offsets, swiglu_limit, recompute_gate_up):
-    shared = [torch.empty_like(w) if w is not None else x.new_empty(0)
-              for w in (w_shared_gate, w_shared_up, w_shared_down)]
-    return [torch.empty_like(x), torch.empty_like(router_weights), torch.empty_like(w_routed_gate),
-            torch.empty_like(w_routed_up), torch.empty_like(w_routed_down), *shared]
+    # Every gradient comes back contiguous, whatever the layout of its input (the real op's).
+    def like(t: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty(0) if t is None else t.new_empty(t.shape)
+
+    return [like(t) for t in (x, router_weights, w_routed_gate, w_routed_up, w_routed_down,
+                              w_shared_gate, w_shared_up, w_shared_down)]
 
 
 def _setup_context(ctx, inputs, output):
@@ -228,7 +240,7 @@ def moe_experts(
     must then pass. recompute_gate_up: MoKConfig's (False keeps the gate/up pre-activations for
     the backward: faster, more memory).
     """
-    if Backend(backend) is Backend.REFERENCE:
+    if Backend.parse(backend) is Backend.REFERENCE:
         from mok.testing.reference import moe_reference
 
         return moe_reference(x, topk_experts, router_weights, w_shared_gate, w_shared_up,
@@ -247,6 +259,31 @@ def moe_experts(
 
 
 # -- the module -------------------------------------------------------------------------------
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_sizes(hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 shared_intermediate_size: int, backend: Backend) -> None:
+    """ValueError naming the first size MoE cannot be built with."""
+    for name, value, least in (("hidden_size", hidden_size, 1),
+                               ("intermediate_size", intermediate_size, 1),
+                               ("num_experts", num_experts, 1), ("top_k", top_k, 1),
+                               ("shared_intermediate_size", shared_intermediate_size, 0)):
+        if not _is_int(value) or value < least:
+            kind = "a positive integer" if least else "a non-negative integer"
+            raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
+    if backend is Backend.MOK:
+        for name, value in (("hidden_size", hidden_size),
+                            ("intermediate_size", intermediate_size),
+                            ("shared_intermediate_size", shared_intermediate_size)):
+            if value % 8:
+                raise ValueError(f"{name}={value}: the mok backend needs a multiple of 8 "
+                                 "(16-byte rows); backend='reference' takes any size")
+
 
 class RouterScoring(enum.Enum):
     SOFTMAX = "softmax"  # softmax over experts, then top-k
@@ -371,6 +408,16 @@ class MoE(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
+        backend = Backend.parse(backend)
+        _check_sizes(hidden_size, intermediate_size, num_experts, top_k,
+                     shared_intermediate_size, backend)
+        if swiglu_limit is not None and not (isinstance(swiglu_limit, int | float)
+                                             and 0 < swiglu_limit < math.inf):
+            raise ValueError(f"swiglu_limit must be a positive finite number or None, got "
+                             f"{swiglu_limit!r}")
+        if ep_max_tokens is not None and not (_is_int(ep_max_tokens) and ep_max_tokens >= 1):
+            raise ValueError(f"ep_max_tokens must be a positive integer or None, got "
+                             f"{ep_max_tokens!r}")
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not a multiple of the "
@@ -382,7 +429,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.shared_intermediate_size = shared_intermediate_size
         self.swiglu_limit = swiglu_limit
-        self.backend = Backend(backend)
+        self.backend = backend
         self.recompute_gate_up = recompute_gate_up
         factory = dict(device=device, dtype=dtype)
         self.router = Router(hidden_size, num_experts, top_k, router, **factory)
@@ -422,6 +469,7 @@ class MoE(nn.Module):
         return torch.bfloat16
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self._check_input(hidden_states)
         x = hidden_states.reshape(-1, self.hidden_size)
         routing = self.router(x)
         self.aux_loss, self.tokens_per_expert = routing.aux_loss, routing.tokens_per_expert
@@ -436,6 +484,21 @@ class MoE(nn.Module):
                             group=self.ep_group, max_tokens=self.ep_max_tokens,
                             recompute_gate_up=self.recompute_gate_up)
         return y.to(out_dtype).view(hidden_states.shape)
+
+    def _check_input(self, hidden_states: torch.Tensor) -> None:
+        """hidden_states [..., H]: a floating tensor on the parameters' device."""
+        if not isinstance(hidden_states, torch.Tensor):
+            raise MoKInputError(f"hidden_states must be a torch.Tensor, got "
+                                f"{type(hidden_states).__name__}")
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise MoKInputError(f"hidden_states has shape {tuple(hidden_states.shape)}; its last "
+                                f"dimension must be hidden_size={self.hidden_size}")
+        if not hidden_states.dtype.is_floating_point:
+            raise MoKInputError(f"hidden_states has dtype {hidden_states.dtype}; MoE takes "
+                                "floating-point inputs (bf16, fp16 or fp32)")
+        if hidden_states.device != self.w_gate.device:
+            raise MoKInputError(f"hidden_states is on {hidden_states.device}, the module's "
+                                f"parameters on {self.w_gate.device}")
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -1,5 +1,7 @@
 """mok.nn: the MoE module and its router, against the reference and PyTorch's own ops."""
 
+import re
+
 import pytest
 import torch
 
@@ -138,6 +140,104 @@ def test_autocast_runs_in_the_autocast_dtype():
 def test_bad_top_k_is_rejected():
     with pytest.raises(ValueError, match="top_k"):
         MoE(32, 16, 4, 5)
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((32, 16, 0, 1), {}, "num_experts must be a positive integer, got 0"),
+    ((0, 16, 4, 2), {}, "hidden_size must be a positive integer, got 0"),
+    ((32, -16, 4, 2), {}, "intermediate_size must be a positive integer, got -16"),
+    ((32, 16, 4, 0), {}, "top_k must be a positive integer, got 0"),
+    ((32, 16, 4, 2.0), {}, "top_k must be a positive integer, got 2.0"),
+    ((32, 16, 4, 2, -8), {}, "shared_intermediate_size must be a non-negative integer"),
+    ((36, 16, 4, 2), {}, "hidden_size=36: the mok backend needs a multiple of 8"),
+    ((32, 12, 4, 2), {}, "intermediate_size=12: the mok backend needs a multiple of 8"),
+    ((32, 16, 4, 2, 12), {}, "shared_intermediate_size=12: the mok backend"),
+    ((32, 16, 4, 2), {"backend": "triton"},
+     "backend must be one of 'mok', 'reference', got 'triton'"),
+    ((32, 16, 4, 2), {"swiglu_limit": -1.0}, "swiglu_limit must be a positive finite"),
+    ((32, 16, 4, 2), {"swiglu_limit": float("nan")}, "swiglu_limit must be a positive finite"),
+    ((32, 16, 4, 2), {"ep_max_tokens": 0}, "ep_max_tokens must be a positive integer"),
+])
+def test_constructor_errors_name_the_argument(args, kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        MoE(*args, **kwargs)
+
+
+def test_reference_backend_takes_any_size():
+    module = MoE(36, 12, 3, 2, 5, backend="reference", device=DEVICE)
+    x = torch.randn(4, 36, device=DEVICE)
+    assert module(x).shape == x.shape
+
+
+@pytest.mark.parametrize("shape", [(16, 48), (16, 128), (4, 8, 32), (48,), ()],
+                         ids=lambda shape: "x".join(map(str, shape)) or "scalar")
+def test_wrong_hidden_size_is_an_input_error(shape):
+    from mok import MoKInputError
+
+    module = MoE(64, 16, 4, 2, device=DEVICE)
+    x = torch.randn(shape, device=DEVICE)
+    with pytest.raises(MoKInputError, match="last dimension must be hidden_size=64"):
+        module(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_non_floating_input_is_an_input_error(dtype):
+    from mok import MoKInputError
+
+    module = MoE(64, 16, 4, 2, device=DEVICE)
+    with pytest.raises(MoKInputError, match="floating-point"):
+        module(torch.ones(16, 64, device=DEVICE).to(dtype))
+
+
+def test_moe_experts_names_a_bad_backend():
+    inputs = make_inputs(4, 32, 16, 4, 2, device=DEVICE, seed=2)
+    with pytest.raises(ValueError, match="backend must be one of 'mok', 'reference'"):
+        moe_experts(inputs.x, inputs.topk_experts, inputs.router_weights, None, None, None,
+                    *inputs.routed_weights, backend="cuda")
+
+
+def test_gate_and_up_in_different_layouts():
+    # The gate weight stored transposed, the up weight a slice of a fused gate_up (their
+    # strides differ: each is read by its own), through moe_experts and MoE.
+    from mok.testing.layouts import Layout, relayout
+
+    inputs = make_inputs(16, 64, 64, 4, 2, device=DEVICE, seed=5)
+    gate = relayout(inputs.w_routed_gate, Layout.TRANSPOSED).requires_grad_(True)
+    up = relayout(inputs.w_routed_up, Layout.ROW_SLICE, second_half=True).requires_grad_(True)
+    assert gate.stride() != up.stride()
+    y = moe_experts(inputs.x, inputs.topk_experts, inputs.router_weights, None, None, None,
+                    gate, up, inputs.w_routed_down)
+    y.backward(inputs.d_output)
+    leaves = [t.detach().double().requires_grad_(True) for t in
+              (inputs.w_routed_gate, inputs.w_routed_up)]
+    y_ref = moe_reference(inputs.x, inputs.topk_experts, inputs.router_weights, None, None,
+                          None, *leaves, inputs.w_routed_down, compute_dtype=torch.float64)
+    y_ref.backward(inputs.d_output.double())
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    assert_close(gate.grad, leaves[0].grad, dtype=torch.bfloat16, name="d_gate")
+    assert_close(up.grad, leaves[1].grad, dtype=torch.bfloat16, name="d_up")
+
+
+def test_torch_compile_with_strided_parameters():
+    # The fake backward reports contiguous gradients, as the op returns them, whatever the
+    # parameters' layout: a compiled graph reads them with the right strides.
+    from mok.testing.layouts import Layout, relayout
+
+    module = make_module(seed=7)
+    with torch.no_grad():
+        module.w_up = torch.nn.Parameter(relayout(module.w_up, Layout.TRANSPOSED))
+        module.shared_down = torch.nn.Parameter(relayout(module.shared_down, Layout.TRANSPOSED))
+    x = torch.randn(2, 9, 32, device=DEVICE)
+    y, d_x, grads = loss_and_grads(module, x)
+    compiled = torch.compile(module, fullgraph=True,
+                             backend="inductor" if DEVICE.type == "cuda" else "aot_eager")
+    y_c, d_x_c, grads_c = loss_and_grads(compiled, x)
+    module.backend = Backend.REFERENCE
+    y_ref, _, grads_ref = loss_and_grads(module, x)
+    assert torch.equal(y_c, y) and torch.equal(d_x_c, d_x)
+    for name in grads:
+        assert torch.equal(grads_c[name], grads[name]), name
+        assert_close(grads[name], grads_ref[name], dtype=torch.bfloat16, name=name)
 
 
 def _fsdp_body(rank, world_size):

@@ -211,7 +211,7 @@ class MokSparseMoeBlock(nn.Module):
                                  f"expert-parallel group's {ranks} ranks")
             per_rank = num_experts // ranks
             self._local_experts = slice(rank * per_rank, (rank + 1) * per_rank)
-        self.backend = Backend(backend)
+        self.backend = Backend.parse(backend)
         self.swiglu_limit = swiglu_limit
         self.recompute_gate_up = recompute_gate_up
         # Mixtral multiplies the block's input by U(1 - j, 1 + j) noise in training.
