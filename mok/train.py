@@ -26,7 +26,10 @@ Every step's batch is a function of (seed, step) alone and the initial weights o
 so runs are reproducible, `--resume` continues a run exactly where its checkpoint left it, and
 `--compare` trains the hf block on the same weights and batches as the selected backend.
 
-Outputs in --out: summary.json, loss.png and checkpoint.pt.
+Outputs in --out: summary.json, loss.png and checkpoint.pt. Checkpoints are written to a
+temporary file, synced and renamed over checkpoint.pt, so an interrupted save leaves the previous
+one whole. Ctrl-C (SIGINT) or SIGTERM stops the run after the step in progress, saves it and prints
+the command that resumes it; the exit status is then 130 or 143.
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ import dataclasses
 import json
 import math
 import os
+import pickle
+import shlex
+import signal
+import sys
+import threading
 import time
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +56,7 @@ import torch.nn.functional as torch_f
 from torch import nn
 from tqdm import tqdm
 
+from mok import provenance
 from mok.nn import MoE, RouterConfig
 
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
@@ -55,6 +66,12 @@ HF_EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm")
 TIMING_WARMUP_STEPS = 3  # steps left out of tokens/s: Triton compilation, allocator warm-up
 SAMPLE_PROMPT = b"The "
 SAMPLE_TEMPERATURE = 0.8
+CHECKPOINT_FORMAT = "mok.train"
+CHECKPOINT_VERSION = 1
+# What train_run reads from a checkpoint; older checkpoints without the format keys hold these too.
+CHECKPOINT_KEYS = ("model", "optimizer", "step", "losses", "aux_losses", "rng_cpu", "rng_cuda",
+                   "model_config", "train_config", "backend", "size", "hf_experts")
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 
 
 # -- configuration ---------------------------------------------------------------------------
@@ -224,7 +241,7 @@ class BatchSampler:
 
     def __init__(self, data: torch.Tensor, batch_size: int, seq_len: int, *, seed: int,
                  stream: int, device: torch.device) -> None:
-        if data.numel() < seq_len + 2:
+        if data.numel() < seq_len + 1:
             raise ValueError(f"{data.numel()} bytes cannot hold a window of {seq_len + 1}")
         self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
         self.seed, self.stream, self.device = seed, stream, device
@@ -583,11 +600,17 @@ class RunResult:
                 "train_seconds": self.train_seconds, "losses": self.losses}
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable or not one that train_run wrote."""
+
+
 def _save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                      step: int, losses: list[float], aux_losses: list[float],
                      model_config: ModelConfig, train_config: TrainConfig, backend: str,
                      size: str, hf_experts: str) -> None:
     state = {
+        "format": CHECKPOINT_FORMAT,
+        "format_version": CHECKPOINT_VERSION,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "step": step,  # the next step to run: the schedule position and the data position
@@ -601,23 +624,173 @@ def _save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
         "size": size,
         "hf_experts": hf_experts,
     }
-    temporary = path.with_suffix(".tmp")
-    torch.save(state, temporary)
-    os.replace(temporary, path)  # a crash while saving leaves the previous checkpoint intact
+    save_atomically(state, path)
+
+
+def save_atomically(obj: object, path: Path) -> None:
+    """torch.save(obj) to path through a temporary file in the same folder, synced to disk and
+    renamed over path: a crash or kill while saving leaves the previous file whole."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(obj, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    # The rename itself reaches the disk once the folder is synced (POSIX; not on Windows).
+    with contextlib.suppress(OSError):
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
 
 def load_checkpoint(path: Path) -> dict:
-    """A checkpoint written by train_run, on the CPU."""
-    if not path.exists():
-        raise SystemExit(f"--resume: no checkpoint at {path}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A checkpoint written by train_run, loaded on the CPU.
+
+    Raises CheckpointError, with a one-line reason, when path is missing, empty, truncated or
+    holds anything else than a mok training checkpoint.
+    """
+    try:
+        with open(path, "rb") as file:
+            head = file.read(len(ZIP_MAGIC))
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
+    if not head:
+        raise CheckpointError(f"{path} is empty (truncated or corrupt)")
+    if head != ZIP_MAGIC:
+        raise CheckpointError(f"{path} is not a mok checkpoint (not a file torch.save writes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower():
+            # torch's message advises weights_only=False, which would run the file's code.
+            raise CheckpointError(f"{path} is not a mok checkpoint (it holds Python objects "
+                                  "other than tensors and plain data)") from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({_first_line(exc)})") from None
+    except Exception as exc:  # torch reports damaged archives with several exception types
+        raise CheckpointError(f"{path} is truncated or corrupt ({_first_line(exc)})") from None
+    _check_checkpoint(path, state)
+    return state
+
+
+def _first_line(exc: BaseException, limit: int = 120) -> str:
+    """The exception's type and first sentence, at most limit characters."""
+    text = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else ""
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _check_checkpoint(path: Path, state: object) -> None:
+    """Raises CheckpointError unless state has the format marker (or, in checkpoints older
+    than the marker, every key) and configs that this version of mok can build."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a mok checkpoint (it holds a "
+                              f"{type(state).__name__}, not a dict)")
+    marker = state.get("format")
+    if marker is not None and marker != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a mok checkpoint (format {marker!r})")
+    version = state.get("format_version", 1)
+    if not isinstance(version, int) or version > CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format version {version!r}; this mok "
+                              f"reads up to {CHECKPOINT_VERSION}")
+    missing = [key for key in CHECKPOINT_KEYS if key not in state]
+    if missing:
+        keys = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+        raise CheckpointError(f"{path} is an incomplete mok checkpoint (no {keys})" if marker else
+                              f"{path} is not a mok checkpoint (a torch file without {keys})")
+    try:
+        ModelConfig(**state["model_config"])
+        TrainConfig(**state["train_config"])
+        valid = isinstance(state["step"], int) and state["step"] >= 0 \
+            and state["backend"] in BACKENDS
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path} holds configs this mok cannot build "
+                              f"({_first_line(exc)})") from None
+    if not valid:
+        raise CheckpointError(f"{path} holds an invalid step or backend")
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """Training stopped on SIGINT or SIGTERM after a whole step.
+
+    step is the number of steps done; checkpoint_path, when the run had one, holds them.
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint_path: Path | None) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+        self.signum, self.step, self.checkpoint_path = signum, step, checkpoint_path
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number: the status of a process the signal ended."""
+        return 128 + self.signum
+
+
+class StopRequest:
+    """Signal handler that records the first SIGINT or SIGTERM in signum.
+
+    A second signal restores the previous handlers and is raised again, so that it acts as if
+    mok had not caught it (Ctrl-C twice stops at once, even in the middle of a step).
+    """
+
+    def __init__(self, previous: dict[int, Callable | int | None] | None = None) -> None:
+        self.signum: int | None = None
+        self.previous = previous or {}
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+            return
+        _restore_handlers(self.previous)
+        signal.raise_signal(signum)
+
+
+def _restore_handlers(handlers: dict[int, Callable | int | None]) -> None:
+    for signum, handler in handlers.items():
+        # None: a handler installed outside Python, which cannot be put back; the default is.
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """Within the block, SIGINT and SIGTERM set the yielded request's signum instead of ending
+    the process, for the caller to stop at a point of its choosing; the previous handlers come
+    back on exit. Outside the main thread, where handlers cannot be installed, nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield StopRequest()
+        return
+    request = StopRequest({signum: signal.getsignal(signum) for signum in STOP_SIGNALS})
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, request)
+    try:
+        yield request
+    finally:
+        _restore_handlers(request.previous)
 
 
 def train_run(model_config: ModelConfig, train_config: TrainConfig, backend: str,
               device: torch.device, train_data: torch.Tensor, val_data: torch.Tensor,
               options: RunOptions, *, size: str = "custom", checkpoint_path: Path | None = None,
               resume: dict | None = None) -> RunResult:
-    """Train one model from its seed (or from `resume`, a loaded checkpoint) to config.steps."""
+    """Train one model from its seed (or from `resume`, a loaded checkpoint) to config.steps.
+
+    SIGINT or SIGTERM stops it after the step in progress: that step is saved to checkpoint_path
+    (when given) and Interrupted is raised.
+    """
     model = build_model(model_config, backend, train_config.seed, device, options.hf_experts)
     optimizer = build_optimizer(model, train_config, device)
     start, losses, aux_losses = 0, [], []
@@ -646,47 +819,52 @@ def train_run(model_config: ModelConfig, train_config: TrainConfig, backend: str
     last_log_time, last_log_step = time.perf_counter(), start
     model.train()
     run_start = time.perf_counter()
-    for step in bar:
-        local = step - start
-        if local == warmup:
-            synchronize(device)
-            timer_start = time.perf_counter()
-        inputs, targets = sampler.batch(step)
-        lr = train_config.lr * lr_multiplier(step, train_config)
-        lm_loss, aux_loss = train_step(model, optimizer, inputs, targets, lr=lr,
-                                       grad_clip=train_config.grad_clip, device=device)
-        step_losses[local] = lm_loss
-        step_aux[local] = aux_loss
-        done = step + 1
-        if local == 0 or done % options.log_every == 0 or done == train_config.steps:
-            loss_value, aux_value = torch.stack((lm_loss, aux_loss)).tolist()  # the one sync
-            now = time.perf_counter()
-            rate = tokens * (done - last_log_step) / max(now - last_log_time, 1e-9)
-            last_log_time, last_log_step = now, done
-            bar.set_postfix(loss=f"{loss_value:.4f}", tokens_per_s=f"{rate:,.0f}")
-            tqdm.write(f"step {done:>6}/{train_config.steps}  loss {loss_value:.4f}  "
-                       f"aux {aux_value:.4f}  lr {lr:.2e}  {rate:>12,.0f} tokens/s")
-        if checkpoint_path is not None and done % options.checkpoint_every == 0 \
-                and done != train_config.steps:
-            synchronize(device)  # the steps queued so far count as training, not saving
-            saved = time.perf_counter()
-            _save_checkpoint(checkpoint_path, model, optimizer, done,
-                             losses + step_losses[:local + 1].tolist(),
-                             aux_losses + step_aux[:local + 1].tolist(), model_config,
-                             train_config, backend, size, options.hf_experts)
-            paused += time.perf_counter() - saved
-    bar.close()
-    synchronize(device)
-    end = time.perf_counter()
+    done = start
+    with stop_on_signals() as stop:
+        for step in bar:
+            local = step - start
+            if local == warmup:
+                synchronize(device)
+                timer_start = time.perf_counter()
+            inputs, targets = sampler.batch(step)
+            lr = train_config.lr * lr_multiplier(step, train_config)
+            lm_loss, aux_loss = train_step(model, optimizer, inputs, targets, lr=lr,
+                                           grad_clip=train_config.grad_clip, device=device)
+            step_losses[local] = lm_loss
+            step_aux[local] = aux_loss
+            done = step + 1
+            if local == 0 or done % options.log_every == 0 or done == train_config.steps:
+                loss_value, aux_value = torch.stack((lm_loss, aux_loss)).tolist()  # the one sync
+                now = time.perf_counter()
+                rate = tokens * (done - last_log_step) / max(now - last_log_time, 1e-9)
+                last_log_time, last_log_step = now, done
+                bar.set_postfix(loss=f"{loss_value:.4f}", tokens_per_s=f"{rate:,.0f}")
+                tqdm.write(f"step {done:>6}/{train_config.steps}  loss {loss_value:.4f}  "
+                           f"aux {aux_value:.4f}  lr {lr:.2e}  {rate:>12,.0f} tokens/s")
+            if stop.signum is not None:
+                break  # the checkpoint below saves this step
+            if checkpoint_path is not None and done % options.checkpoint_every == 0 \
+                    and done != train_config.steps:
+                synchronize(device)  # the steps queued so far count as training, not saving
+                saved = time.perf_counter()
+                _save_checkpoint(checkpoint_path, model, optimizer, done,
+                                 losses + step_losses[:local + 1].tolist(),
+                                 aux_losses + step_aux[:local + 1].tolist(), model_config,
+                                 train_config, backend, size, options.hf_experts)
+                paused += time.perf_counter() - saved
+        bar.close()
+        synchronize(device)
+        end = time.perf_counter()
+        losses += step_losses[:done - start].tolist()
+        aux_losses += step_aux[:done - start].tolist()
+        if checkpoint_path is not None:
+            _save_checkpoint(checkpoint_path, model, optimizer, done, losses, aux_losses,
+                             model_config, train_config, backend, size, options.hf_experts)
+    if stop.signum is not None:
+        raise Interrupted(stop.signum, done, checkpoint_path)
     timed_steps = steps_to_run - warmup
     tokens_per_s = (tokens * timed_steps / (end - timer_start - paused)
                     if timer_start is not None and timed_steps > 0 else None)
-    losses += step_losses.tolist()
-    aux_losses += step_aux.tolist()
-    if checkpoint_path is not None:
-        _save_checkpoint(checkpoint_path, model, optimizer, max(start, train_config.steps),
-                         losses, aux_losses, model_config, train_config, backend, size,
-                         options.hf_experts)
     val_sampler = BatchSampler(val_data, train_config.batch_size, train_config.seq_len,
                                seed=train_config.seed, stream=1, device=device)
     val_loss = evaluate(model, val_sampler, options.eval_batches, device)
@@ -724,11 +902,64 @@ def plot_losses(path: Path, runs: list[RunResult]) -> None:
 
 # -- command line ----------------------------------------------------------------------------
 
+def int_at_least(minimum: int, multiple_of: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum (and a multiple of multiple_of)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if value % multiple_of:
+            raise argparse.ArgumentTypeError(f"must be a multiple of {multiple_of}, got {value}")
+        return value
+
+    return parse
+
+
+def seed_value(text: str) -> int:
+    """An argparse type: a seed in [0, 2**63)."""
+    value = int_at_least(0)(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be below 2**63, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """An argparse type: auto, or a CPU or CUDA device torch can parse (cpu, cuda, cuda:1)."""
+    if text == "auto":
+        return text
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options of `python -m mok train`; values out of range end in a usage error."""
     parser = argparse.ArgumentParser(
         prog="python -m mok train",
         description="Train a small mixture-of-experts byte-level language model (mok.nn.MoE in "
-                    "every block) on the bundled public-domain corpus.")
+                    "every block) on the bundled public-domain corpus.",
+        epilog="Ctrl-C or SIGTERM stops after the step in progress, saves OUT/checkpoint.pt and "
+               "prints the command that resumes the run.")
+    positive = int_at_least(1)
     parser.add_argument("--size", choices=("auto", *SIZES), default="auto",
                         help="model size: auto is small on CUDA (164M parameters, 32M active), "
                              "tiny on CPU; micro is one small layer; 1b is the training "
@@ -741,29 +972,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "--backend mok to run them anyway, e.g. with --size micro); hf is "
                              "Hugging Face's Qwen3MoeSparseMoeBlock on the same initial weights, "
                              "trained without auxiliary loss")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
-    parser.add_argument("--steps", type=int, help="total steps (default: the size's; tiny 1000, "
-                                                  "small 200)")
-    parser.add_argument("--schedule-steps", type=int,
+    parser.add_argument("--device", type=device_name, default="auto",
+                        help="auto (CUDA if present), cpu or cuda")
+    parser.add_argument("--steps", type=positive,
+                        help="total steps (default: the size's; tiny 1000, small 200)")
+    parser.add_argument("--schedule-steps", type=positive,
                         help="length of the warmup + cosine learning-rate schedule (default: "
                              "--steps); set it when the run will be continued with --resume")
-    parser.add_argument("--warmup-steps", type=int,
+    parser.add_argument("--warmup-steps", type=int_at_least(0),
                         help="learning-rate warmup (default: a tenth of the schedule, at most 100)")
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--seq-len", type=int)
-    parser.add_argument("--lr", type=float, help="peak learning rate")
-    parser.add_argument("--seed", type=int, help="seed of the initial weights and batches "
-                                                 "(default: 0)")
+    parser.add_argument("--batch-size", type=positive)
+    parser.add_argument("--seq-len", type=positive)
+    parser.add_argument("--lr", type=positive_float, help="peak learning rate")
+    parser.add_argument("--seed", type=seed_value, help="seed of the initial weights and batches "
+                                                        "(default: 0)")
     parser.add_argument("--out", default="runs/train", help="output folder (default: %(default)s)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from OUT/checkpoint.pt (model, optimizer, step, losses) to "
                              "--steps; the model and training settings are the checkpoint's")
-    parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
-    parser.add_argument("--log-every", type=int,
+    parser.add_argument("--checkpoint-every", type=positive, help="steps between checkpoints")
+    parser.add_argument("--log-every", type=positive,
                         help="steps between printed losses (default: the size's, tiny 50 and "
                              "small 25, or an eighth of the run when that is fewer)")
-    parser.add_argument("--eval-batches", type=int, help="validation batches at the end")
-    parser.add_argument("--sample-bytes", type=int, default=64,
+    parser.add_argument("--eval-batches", type=positive, help="validation batches at the end")
+    parser.add_argument("--sample-bytes", type=int_at_least(0), default=64,
                         help="bytes to generate at the end (0: none; default: %(default)s)")
     parser.add_argument("--compare", action="store_true",
                         help="also train the hf backend from the same weights on the same "
@@ -774,22 +1006,54 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "grouped_mm (the default of transformers 5 models) or eager (a "
                              "loop over experts)")
     parser.add_argument("--corpus", help="train on this file's bytes instead of the bundled text")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch")
+    parser.add_argument("--threads", type=positive, help="CPU threads for torch")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out} is a file, not a folder")
+    if args.corpus is not None:
+        corpus = Path(args.corpus)
+        if not corpus.exists():
+            parser.error(f"--corpus {corpus}: no such file")
+        if corpus.is_dir():
+            parser.error(f"--corpus {corpus} is a folder, not a file")
+        if corpus.stat().st_size == 0:
+            parser.error(f"--corpus {corpus} is empty")
+    if args.resume and args.compare:
+        parser.error("--resume and --compare cannot be combined")
+    return args
+
+
+def minimum_corpus_bytes(seq_len: int, block_size: int = 1024, validation_every: int = 10) -> int:
+    """The fewest bytes from which split_corpus gives both splits a window of seq_len + 1 bytes.
+
+    The validation split is the one short of bytes: held-out block k starts after
+    (validation_every - 1) * (k + 1) training blocks, so the window ends in the held-out block
+    that reaches seq_len + 1 held-out bytes.
+    """
+    window = seq_len + 1
+    full_blocks = (window - 1) // block_size  # held-out blocks filled before the last one
+    return (validation_every - 1) * block_size * (full_blocks + 1) + window
 
 
 def _configs_from_args(args: argparse.Namespace, preset: SizePreset,
                        steps: int) -> tuple[ModelConfig, TrainConfig]:
-    schedule_steps = args.schedule_steps or steps
+    schedule_steps = steps if args.schedule_steps is None else args.schedule_steps
     warmup = args.warmup_steps if args.warmup_steps is not None else \
         max(1, min(100, schedule_steps // 10))
     train_config = TrainConfig(
         steps=steps, schedule_steps=schedule_steps, warmup_steps=warmup,
-        batch_size=args.batch_size or preset.batch_size, seq_len=args.seq_len or preset.seq_len,
-        lr=args.lr if args.lr is not None else preset.lr,
-        seed=args.seed if args.seed is not None else 0)
+        batch_size=preset.batch_size if args.batch_size is None else args.batch_size,
+        seq_len=preset.seq_len if args.seq_len is None else args.seq_len,
+        lr=preset.lr if args.lr is None else args.lr,
+        seed=0 if args.seed is None else args.seed)
     return preset.model, train_config
+
+
+def _fail(message: str) -> SystemExit:
+    """The exit of `python -m mok train` with message as its one line on stderr."""
+    return SystemExit(f"mok train: {message}")
 
 
 def _configs_from_checkpoint(args: argparse.Namespace,
@@ -804,18 +1068,54 @@ def _configs_from_checkpoint(args: argparse.Namespace,
              "seed": args.seed}
     for name, value in given.items():
         if value is not None and value != getattr(saved, name):
-            raise SystemExit(f"--resume: --{name.replace('_', '-')} {value} differs from the "
-                             f"checkpoint's {getattr(saved, name)}")
+            raise _fail(f"--resume: --{name.replace('_', '-')} {value} differs from the "
+                        f"checkpoint's {getattr(saved, name)}")
     if args.backend not in ("auto", backend):
-        raise SystemExit(f"--resume: --backend {args.backend} differs from the checkpoint's "
-                         f"{backend}")
+        raise _fail(f"--resume: --backend {args.backend} differs from the checkpoint's {backend}")
     if args.size not in ("auto", size):
-        raise SystemExit(f"--resume: --size {args.size} differs from the checkpoint's {size}")
+        raise _fail(f"--resume: --size {args.size} differs from the checkpoint's {size}")
     steps = args.steps if args.steps is not None else saved.steps
     if steps < checkpoint["step"]:
-        raise SystemExit(f"--resume: --steps {steps} is before the checkpoint's step "
-                         f"{checkpoint['step']}")
+        raise _fail(f"--resume: --steps {steps} is before the checkpoint's step "
+                    f"{checkpoint['step']}")
     return model_config, dataclasses.replace(saved, steps=steps), backend, size
+
+
+def _prepare_out(out: Path, resume: bool) -> None:
+    """Creates the output folder of a new run; checks that it can be written."""
+    if not resume:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _fail(f"--out {out} cannot be created ({exc.strerror or exc})") from None
+    if out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
+        raise _fail(f"--out {out} is not writable")
+
+
+def _load_data(corpus: str | None, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) of the corpus; exits when it cannot hold a window of seq_len + 1
+    bytes in each."""
+    try:
+        data = load_corpus(corpus)
+    except OSError as exc:
+        raise _fail(f"--corpus {corpus} cannot be read ({exc.strerror or exc})") from None
+    needed = minimum_corpus_bytes(seq_len)
+    if data.numel() < needed:
+        source = f"--corpus {corpus}" if corpus is not None else "the bundled corpus"
+        raise _fail(f"{source} holds {data.numel():,} bytes; --seq-len {seq_len} needs at least "
+                    f"{needed:,} (a window of seq_len + 1 bytes for training and another in "
+                    "the held-out tenth)")
+    return split_corpus(data)
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The shell command that continues the run of args from its checkpoint."""
+    words = ["python", "-m", "mok", "train", "--resume", "--out", args.out]
+    if args.corpus is not None:
+        words += ["--corpus", args.corpus]
+    if args.device != "auto":
+        words += ["--device", args.device]
+    return shlex.join(words)
 
 
 def printable(data: bytes) -> str:
@@ -828,19 +1128,25 @@ def _format_rate(rate: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run `python -m mok train`; returns the summary written to OUT/summary.json."""
+    """Run `python -m mok train`; returns the summary written to OUT/summary.json.
+
+    Invalid options end in SystemExit with a one-line message. SIGINT or SIGTERM during training
+    saves the current step to OUT/checkpoint.pt, prints how to resume and ends in SystemExit
+    with 128 + the signal number.
+    """
     args = parse_args(argv)
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out / "checkpoint.pt"
     resume = None
     if args.resume:
-        if args.compare:
-            raise SystemExit("--resume and --compare cannot be combined")
-        resume = load_checkpoint(checkpoint_path)
+        try:
+            resume = load_checkpoint(checkpoint_path)
+        except CheckpointError as exc:
+            hint = " (start without --resume)" if not checkpoint_path.exists() else ""
+            raise _fail(f"--resume: {exc}{hint}") from None
         model_config, train_config, backend, size = _configs_from_checkpoint(args, resume)
         preset = SIZES.get(size, SIZES["tiny"])
     else:
@@ -850,19 +1156,19 @@ def main(argv: list[str] | None = None) -> dict:
         steps = args.steps if args.steps is not None else preset.steps
         model_config, train_config = _configs_from_args(args, preset, steps)
     if args.compare and backend == "hf":
-        raise SystemExit("--compare trains the hf backend beside another one: pick mok or "
-                         "reference")
-    if train_config.steps < 1:
-        raise SystemExit("--steps must be at least 1")
+        raise _fail("--compare trains the hf backend beside another one: pick mok or reference")
     hf_experts = resume["hf_experts"] if resume is not None else args.hf_experts
     options = RunOptions(
         # Short runs log more often, so that a few dozen steps still show a curve.
-        log_every=args.log_every or max(1, min(preset.log_every, train_config.steps // 8)),
-        checkpoint_every=args.checkpoint_every or preset.checkpoint_every,
-        eval_batches=args.eval_batches or preset.eval_batches,
+        log_every=(max(1, min(preset.log_every, train_config.steps // 8))
+                   if args.log_every is None else args.log_every),
+        checkpoint_every=(preset.checkpoint_every if args.checkpoint_every is None
+                          else args.checkpoint_every),
+        eval_batches=preset.eval_batches if args.eval_batches is None else args.eval_batches,
         sample_bytes=args.sample_bytes, hf_experts=hf_experts,
         progress=not args.no_progress)
-    train_data, val_data = split_corpus(load_corpus(args.corpus))
+    train_data, val_data = _load_data(args.corpus, train_config.seq_len)
+    _prepare_out(out, args.resume)  # last, so that a refused command leaves no folder behind
 
     print(f"mok train: size {size}, backend {backend}, device {device}, "
           f"{train_config.steps} steps of {train_config.batch_size} x {train_config.seq_len} "
@@ -870,15 +1176,27 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  model: {dataclasses.asdict(model_config)}")
     if resume is not None:
         print(f"  resuming from {checkpoint_path} at step {resume['step']}")
-    run = train_run(model_config, train_config, backend, device, train_data, val_data, options,
-                    size=size, checkpoint_path=checkpoint_path, resume=resume)
+    try:
+        run = train_run(model_config, train_config, backend, device, train_data, val_data,
+                        options, size=size, checkpoint_path=checkpoint_path, resume=resume)
+    except Interrupted as stopped:
+        print(f"mok train: stopped by {signal.Signals(stopped.signum).name}; {checkpoint_path} "
+              f"holds step {stopped.step} of {train_config.steps}; resume with: "
+              f"{resume_command(args)}", file=sys.stderr)
+        raise SystemExit(stopped.exit_code) from None
     runs = [run]
     print(f"{backend}: validation loss {run.val_loss:.4f}, "
           f"{_format_rate(run.tokens_per_s)} tokens/s ({run.timed_steps} timed steps)")
     if args.compare:
         hf_options = dataclasses.replace(options, sample_bytes=0)
-        hf_run = train_run(model_config, train_config, "hf", device, train_data, val_data,
-                           hf_options, size=size)
+        try:
+            hf_run = train_run(model_config, train_config, "hf", device, train_data, val_data,
+                               hf_options, size=size)
+        except Interrupted as stopped:
+            print(f"mok train: stopped by {signal.Signals(stopped.signum).name} at step "
+                  f"{stopped.step} of the hf comparison run, which keeps no checkpoint; "
+                  f"{checkpoint_path} holds the finished {backend} run", file=sys.stderr)
+            raise SystemExit(stopped.exit_code) from None
         runs.append(hf_run)
         print(f"hf: validation loss {hf_run.val_loss:.4f}, "
               f"{_format_rate(hf_run.tokens_per_s)} tokens/s ({hf_run.timed_steps} timed steps)")
@@ -895,6 +1213,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": str(device),
         "backend": backend,
         "size": size,
+        "mok_commit": provenance.commit_id(),
         "params_total": run.params_total,
         "params_active": run.params_active,
         "tokens_per_step": train_config.tokens_per_step,

@@ -1,5 +1,6 @@
 """The training job (`python -m mok train`, mok/train.py): summary, learning, exact resume, the
-mok backend in a model, the hf comparison and its shared initial weights.
+mok backend in a model, the hf comparison and its shared initial weights, stopping on a signal,
+and checkpoints written atomically and recognized on load.
 
 These run on the CPU (the reference backend, and the mok kernels under Triton's interpreter at a
 micro size); the GPU test checks that a training step never waits for the device.
@@ -10,13 +11,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import re
+import signal
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from mok import __main__ as cli
-from mok import train
+from mok import provenance, train
 from mok.nn import MoE
 
 COMMON = ["--device", "cpu", "--no-progress"]
@@ -50,6 +55,7 @@ def test_tiny_run_learns_and_writes_summary(tmp_path):
     assert summary["steps"] == 40 and len(summary["losses"]) == 40
     assert summary["device"] == "cpu" and summary["backend"] == "reference"
     assert summary["size"] == "tiny" and summary["resumed_from_step"] is None
+    assert summary["mok_commit"] == provenance.commit_id()
     assert summary["config"]["model"] == dataclasses.asdict(config)
     assert summary["config"]["train"]["steps"] == 40
     assert (summary["params_total"], summary["params_active"]) == \
@@ -195,3 +201,120 @@ def test_training_step_never_waits_for_the_gpu():
         torch.cuda.set_sync_debug_mode(0)
     values = torch.stack(losses).tolist()
     assert all(math.isfinite(v) for v in values) and values[2] < values[0]
+
+
+MICRO = ["--size", "micro", "--backend", "reference", "--sample-bytes", "0",
+         "--eval-batches", "1"]
+
+
+def test_signal_stops_after_the_step_and_resumes_exactly(tmp_path, monkeypatch, capsys):
+    handlers = {s: signal.getsignal(s) for s in train.STOP_SIGNALS}
+    step = train.train_step
+    calls = []
+
+    def step_then_terminate(*args, **kwargs):
+        calls.append(len(calls))
+        result = step(*args, **kwargs)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGTERM)  # as `kill` would, between two steps
+        return result
+
+    monkeypatch.setattr(train, "train_step", step_then_terminate)
+    with pytest.raises(SystemExit) as exit_info:
+        run(tmp_path / "stopped", *MICRO, "--steps", "8", "--checkpoint-every", "100")
+    assert exit_info.value.code == 128 + signal.SIGTERM and len(calls) == 3
+    assert {s: signal.getsignal(s) for s in train.STOP_SIGNALS} == handlers
+    checkpoint_path = tmp_path / "stopped" / "checkpoint.pt"
+    assert capsys.readouterr().err.splitlines() == [
+        f"mok train: stopped by SIGTERM; {checkpoint_path} holds step 3 of 8; resume with: "
+        f"python -m mok train --resume --out {tmp_path / 'stopped'} --device cpu"]
+    checkpoint = train.load_checkpoint(checkpoint_path)
+    assert checkpoint["step"] == 3 and len(checkpoint["losses"]) == 3
+    assert not (tmp_path / "stopped" / "summary.json").exists()
+    monkeypatch.setattr(train, "train_step", step)
+    resumed = run(tmp_path / "stopped", "--resume", "--sample-bytes", "0", "--eval-batches", "1")
+    straight = run(tmp_path / "straight", *MICRO, "--steps", "8")
+    assert resumed["resumed_from_step"] == 3
+    assert resumed["losses"] == straight["losses"] and resumed["val_loss"] == straight["val_loss"]
+    assert {s: signal.getsignal(s) for s in train.STOP_SIGNALS} == handlers
+
+
+def test_a_second_signal_acts_at_once():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), train.stop_on_signals() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert stop.signum == signal.SIGINT  # the first one only asks to stop
+            signal.raise_signal(signal.SIGINT)
+            pytest.fail("the second SIGINT did not interrupt")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_signals_are_left_alone_outside_the_main_thread():
+    handlers = {s: signal.getsignal(s) for s in train.STOP_SIGNALS}
+    seen = []
+
+    def body():
+        with train.stop_on_signals() as stop:
+            seen.append(({s: signal.getsignal(s) for s in train.STOP_SIGNALS}, stop.signum))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == [(handlers, None)]
+
+
+def test_checkpoints_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    train.save_atomically({"step": 1}, path)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(train.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+
+    def save_half_then_die(obj, file):
+        file.write(b"PK\x03\x04 half of an archive")
+        raise KeyboardInterrupt  # a second Ctrl-C in the middle of the save
+
+    real_save = torch.save
+    monkeypatch.setattr(train.torch, "save", save_half_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_atomically({"step": 2}, path)
+    assert torch.load(path, weights_only=True) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+    monkeypatch.setattr(train.torch, "save", real_save)
+    train.save_atomically({"step": 3}, path)
+    assert torch.load(path, weights_only=True) == {"step": 3}
+    assert len(synced) >= 1  # the file's data reached the disk before the rename
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_checkpoint_format(tmp_path):
+    out = tmp_path / "run"
+    run(out, *MICRO, "--steps", "2")
+    path = out / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    assert state["format"] == train.CHECKPOINT_FORMAT
+    assert state["format_version"] == train.CHECKPOINT_VERSION
+    assert set(train.CHECKPOINT_KEYS) <= set(state)
+    # Checkpoints from before the format marker still load: they hold every key.
+    older = {k: v for k, v in state.items() if k not in ("format", "format_version")}
+    torch.save(older, path)
+    assert train.load_checkpoint(path)["step"] == 2
+    resumed = run(out, "--resume", "--steps", "3", "--sample-bytes", "0", "--eval-batches", "1")
+    assert resumed["resumed_from_step"] == 2 and len(resumed["losses"]) == 3
+    for changes, says in [
+        ({"format_version": train.CHECKPOINT_VERSION + 1}, "format version 2; this mok reads"),
+        ({"format": "other.tool"}, "is not a mok checkpoint (format 'other.tool')"),
+        ({"model_config": {"hidden_size": 64, "layers": 3}}, "configs this mok cannot build"),
+        ({"step": -1}, "invalid step"),
+    ]:
+        torch.save({**state, **changes}, path)
+        with pytest.raises(train.CheckpointError, match=re.escape(says)):
+            train.load_checkpoint(path)
+    del state["optimizer"]
+    torch.save(state, path)
+    with pytest.raises(SystemExit, match=r"--resume: .* is an incomplete mok checkpoint \(no "
+                                         r"optimizer\)"):
+        train.main([*COMMON, "--out", str(out), "--resume"])
