@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import subprocess
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -21,21 +20,11 @@ def append_rows(path: Path, fields: Iterable[str], rows: Iterable[dict]) -> None
 
 
 def commit_id() -> str:
-    """The commit benchmark rows record: MOK_COMMIT when set (a copy of the tree, whose .git, if
-    any, need not be the code's history), else git's short HEAD (+ -dirty)."""
-    from mok import _env
+    """The commit benchmark rows record: mok.provenance.commit_id (MOK_COMMIT when set, else the
+    git commit of the tree holding the imported mok package, else "mok-<version>")."""
+    from mok.provenance import commit_id as package_commit_id
 
-    if _env.COMMIT != "unknown":
-        return _env.COMMIT
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                              capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, text=True, capture_output=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return package_commit_id()
 
 
 def newest_gpu_rows(csv_path: Path, group: Callable[[dict], object], modes: Sequence[str],

@@ -675,8 +675,8 @@ def main(argv=None) -> None:
     for name in names:  # experts that do not split over the ranks: said here, not in a rank
         ep_shape(BENCH_SHAPES[name], args.ep)
     if cuda and torch.cuda.device_count() < args.ep:
-        raise SystemExit(f"--ep {args.ep} needs {args.ep} GPUs, found "
-                         f"{torch.cuda.device_count()}")
+        raise SystemExit(f"--ep {args.ep} needs at least {args.ep} CUDA GPUs (one a rank), "
+                         f"found {torch.cuda.device_count()}")
     if not cuda:
         print(f"no GPU: {args.ep} CPU processes, the tiny shape under Triton's interpreter "
               "(a check of the pipeline, not a measurement)")

@@ -21,7 +21,7 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   reference synchronizes; what compiling naive code gives).
 - loop: what naive code does (the eager MoE blocks of Hugging Face models): for each expert, find
   its routes (a host sync), run its MLP on those rows, index_add them back weighted.
-- sonicmoe: not runnable on the lent GPU machine; SONICMOE_UNAVAILABLE says why.
+- sonicmoe: no adapter (always skipped); SONICMOE_UNAVAILABLE says why.
 - dense: the ceiling, no MoE: the layer's GEMMs as dense bf16 torch.matmul of equal FLOPs (all
   T*k routes as one expert: [T*k, H] x [H, 2I] and [T*k, I] x [I, H], plus the shared expert's
   two over T rows); its backward is their input and weight gradients (twice the FLOPs). It
@@ -50,10 +50,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 WHEELS = REPO_ROOT / ".whl"
 
 SONICMOE_UNAVAILABLE = (
-    "SonicMoE (Dao-AILab/sonic-moe) is built on QuACK's CuTe-DSL grouped GEMMs: it needs the "
-    "binary CUDA wheels nvidia-cutlass-dsl and quack-kernels (CUDA 12.9+, built for specific, "
-    "newer torch releases), which cannot be installed on the lent GPU machine (no network; only "
-    "pure-Python wheels travel in .whl/)")
+    "SonicMoE (Dao-AILab/sonic-moe) is not supported by this benchmark: it runs QuACK's CuTe-DSL "
+    "grouped GEMMs, which need the binary CUDA wheels nvidia-cutlass-dsl and quack-kernels "
+    "(CUDA 12.9+, built for specific, newer torch releases), and the benchmark has no adapter "
+    "for it")
 
 
 class Unavailable(RuntimeError):
@@ -213,8 +213,8 @@ def _import_liger_fused_moe(autotune: bool):
         wheels = sorted(WHEELS.glob("liger_kernel-*.whl"))
         if not wheels:
             raise Unavailable(
-                "liger_kernel is not installed and .whl/ holds no liger_kernel wheel (pip download "
-                "liger-kernel==0.8.5 --no-deps -d .whl)") from None
+                "liger-kernel is not installed (pip install liger-kernel==0.8.5, or put its "
+                "wheel in .whl/: pip download liger-kernel==0.8.5 --no-deps -d .whl)") from None
         unpacked = wheels[-1].with_suffix("")
         if not unpacked.exists():
             partial = unpacked.with_name(f"{unpacked.name}.{os.getpid()}")

@@ -38,7 +38,9 @@ backend; the runs start from the same weights and batches, so the curves differ 
 
 Outputs: a row per backend appended to --csv (benchmarks/results/train.csv), and in --out a JSON
 summary (summary.json: configs, versions, per-backend losses and rates, comparisons, verdict) and
-the loss curves (loss.png).
+the loss curves (loss.png). Rows, summary and chart title name the GPU, commit and date taken once
+at the start (the commit of the mok package that ran: mok.provenance); a chart committed beside
+the CSV must be the loss.png of the run whose rows it shows, not redrawn or its rows re-stamped.
 """
 
 from __future__ import annotations
@@ -105,6 +107,21 @@ class BackendRun:
     @property
     def final_loss(self) -> float | None:
         return self.losses[-1] if self.losses else None
+
+
+@dataclass(frozen=True)
+class RunStamp:
+    """What a run is named by: its device, the commit of the mok that ran and its start time.
+    Taken once per run; its CSV rows, summary and chart title all show this one value."""
+
+    gpu: str
+    commit: str
+    date: str
+
+    @classmethod
+    def take(cls, device: torch.device) -> RunStamp:
+        return cls(gpu=device_name(device), commit=commit_id(),
+                   date=datetime.datetime.now().isoformat(timespec="seconds"))
 
 
 # -- environment -----------------------------------------------------------------------------
@@ -315,7 +332,7 @@ def build_verdict(runs: dict[str, BackendRun], comparisons: dict[str, dict],
 
 # -- outputs ---------------------------------------------------------------------------------
 
-def csv_rows(runs: dict[str, BackendRun], *, gpu: str, commit: str, date: str, config: str,
+def csv_rows(runs: dict[str, BackendRun], stamp: RunStamp, *, config: str,
              params: tuple[int, int], tokens_per_step: int) -> list[dict]:
     def rounded(value: float | None, digits: int) -> float | str:
         return "" if value is None else round(value, digits)
@@ -325,8 +342,8 @@ def csv_rows(runs: dict[str, BackendRun], *, gpu: str, commit: str, date: str, c
         if run.error is not None:
             continue
         rows.append(dict(
-            gpu=gpu, commit=commit, date=date, config=config, params_total=params[0],
-            params_active=params[1], backend=run.name, steps=run.steps,
+            gpu=stamp.gpu, commit=stamp.commit, date=stamp.date, config=config,
+            params_total=params[0], params_active=params[1], backend=run.name, steps=run.steps,
             timed_steps=run.timed_steps, tokens_per_step=tokens_per_step,
             tokens_per_s=rounded(run.tokens_per_s, 1), final_loss=rounded(run.final_loss, 5),
             peak_mem_gb=rounded(run.peak_mem_gb, 3),
@@ -377,6 +394,15 @@ def plot(path: Path, runs: dict[str, BackendRun], comparisons: dict[str, dict],
     differences.legend()
     figure.tight_layout()
     figure.savefig(path)
+
+
+def chart_title(stamp: RunStamp, *, config: str, params: tuple[int, int],
+                tokens_per_step: int) -> str:
+    """The loss chart's title: the model, then the stamp's GPU, commit and date, the values the
+    run's CSV rows carry (the date tells a chart's rows among a CSV's)."""
+    return (f"{config}: {count(params[0])} parameters ({count(params[1])} active), "
+            f"{tokens_per_step:,} tokens a step\n"
+            f"{stamp.gpu}, commit {stamp.commit}, {stamp.date}")
 
 
 def count(number: int) -> str:
@@ -503,13 +529,12 @@ def main(argv: list[str] | None = None) -> dict:
     criterion = LossCriterion(args.loss_window, args.loss_atol, args.loss_rtol)
     train_data, _ = mok_train.split_corpus(mok_train.load_corpus())
     params = parameter_counts(model_config)
-    gpu, commit = device_name(device), commit_id()
-    date = datetime.datetime.now().isoformat(timespec="seconds")
-    print(f"training benchmark on {gpu}: size {size} ({params[0]:,} parameters, "
+    stamp = RunStamp.take(device)  # the one commit and date this run's outputs name
+    print(f"training benchmark on {stamp.gpu}: size {size} ({params[0]:,} parameters, "
           f"{params[1]:,} active), {train_config.batch_size} x {train_config.seq_len} = "
           f"{train_config.tokens_per_step:,} tokens a step, {args.steps} steps "
           f"(hf_eager {min(args.eager_steps, args.steps)}), warm-up {args.warmup}, "
-          f"windows of {args.window}; commit {commit}")
+          f"windows of {args.window}; commit {stamp.commit}")
     print(f"  model: {dataclasses.asdict(model_config)}")
 
     runs: dict[str, BackendRun] = {}
@@ -545,12 +570,15 @@ def main(argv: list[str] | None = None) -> dict:
                 comparisons[slot] = compare_losses(mok_run.losses, run.losses, criterion)
     verdict = build_verdict(runs, comparisons, criterion, measures_mok=mok_backend == "mok")
 
-    rows = csv_rows(runs, gpu=gpu, commit=commit, date=date, config=size, params=params,
+    rows = csv_rows(runs, stamp, config=size, params=params,
                     tokens_per_step=train_config.tokens_per_step)
+    title = chart_title(stamp, config=size, params=params,
+                        tokens_per_step=train_config.tokens_per_step)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {
-        "gpu": gpu, "device": str(device), "commit": commit, "date": date, "config": size,
+        "gpu": stamp.gpu, "device": str(device), "commit": stamp.commit, "date": stamp.date,
+        "config": size, "chart_title": title,
         "params_total": params[0], "params_active": params[1],
         "tokens_per_step": train_config.tokens_per_step,
         "model": dataclasses.asdict(model_config), "train": dataclasses.asdict(train_config),
@@ -567,9 +595,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(out / "loss.png", runs, comparisons, criterion,
-         f"{size}: {count(params[0])} parameters ({count(params[1])} active), "
-         f"{train_config.tokens_per_step:,} tokens a step\n{gpu}, commit {commit}")
+    plot(out / "loss.png", runs, comparisons, criterion, title)
     if not args.no_csv and rows:
         append_rows(Path(args.csv), CSV_FIELDS, rows)
     print_report(runs, comparisons, verdict)

@@ -6,7 +6,9 @@ TRITON_INTERPRET   "1" runs the Triton kernels under Triton's CPU interpreter. T
                    to "1" so that the layer runs on CPU tensors.
 MOK_VALIDATE       "1" makes every schedule check its device-side error flags at once (this
                    synchronizes with the device; for debugging).
-MOK_COMMIT         the commit recorded in benchmark rows when the tree has no .git (a copy).
+MOK_COMMIT         the commit that benchmark rows, training runs and GPU test logs record
+                   (mok.provenance), in place of the git commit of the tree holding mok:
+                   for a copy of the tree without .git, or whose .git is not its history.
 MOK_TILES_FILE     a JSON file of tuned GEMM tiles to use instead of the committed
                    mok/ops/tuned_tiles.json (written by `python -m benchmarks.tune`).
 MOK_RANKS_SHARE_GPU "1": the processes of an expert-parallel group all run on one GPU (tests on

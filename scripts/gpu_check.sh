@@ -4,6 +4,11 @@
 # expert-parallel launches' pulls and scatters on one GPU. Each step has its own time limit and
 # writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_TUNE RUN_BENCH RUN_HOST
 # RUN_BREAKDOWN RUN_EP_LOCAL (1 runs it); *_TIMEOUT seconds; *_ARGS extra arguments.
+# The tests also leave $OUT/gpu-tests/<date>_<commit>.log (benchmarks.gpu_test_log: commit, date,
+# GPU, versions, the pytest commands, each group's failures and counts). It is meant to be
+# committed under benchmarks/results/gpu-tests/, the record of which commit passed on a GPU. The
+# commit is that of the tree holding the mok that ran (mok.provenance): in a copy of the tree
+# without .git, set MOK_COMMIT to the commit it was copied from.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -19,16 +24,24 @@ step() {  # step NAME TIMEOUT LOG command...
 if [ "${RUN_TESTS:-1}" = 1 ]; then
   # The test files in TESTS_JOBS groups run side by side (compiling is most of their time);
   # one log per group, each group under the same time limit.
-  jobs=${TESTS_JOBS:-4} files=(tests/test_*.py)
+  jobs=${TESTS_JOBS:-4} files=(tests/test_*.py) pids=() commands=() summary=()
   echo "== tests in $jobs groups (limit ${TESTS_TIMEOUT:-330}s each)"
   for ((j = 0; j < jobs; j++)); do
     group=()
     for ((i = j; i < ${#files[@]}; i += jobs)); do group+=("${files[$i]}"); done
-    timeout -s KILL "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider \
-      "${group[@]}" ${TESTS_ARGS:-} > "$OUT/pytest.$j.log" 2>&1 &
+    # -rfE: every failure and error listed at the end, where the test log picks them up.
+    cmd=(timeout -s KILL "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -rfE -p no:cacheprovider
+         "${group[@]}" ${TESTS_ARGS:-})
+    printf -v "commands[$j]" '%q ' "${cmd[@]}"
+    "${cmd[@]}" > "$OUT/pytest.$j.log" 2>&1 &
+    pids[$j]=$!
   done
-  wait
+  for ((j = 0; j < jobs; j++)); do
+    wait "${pids[$j]}"
+    summary+=(--group "$OUT/pytest.$j.log" "$?" "${commands[$j]% }")
+  done
   for ((j = 0; j < jobs; j++)); do echo "-- group $j"; tail -n 25 "$OUT/pytest.$j.log"; done
+  python3 -m benchmarks.gpu_test_log --out-dir "$OUT/gpu-tests" "${summary[@]}"
 fi
 if [ "${RUN_TRAIN:-0}" = 1 ]; then
   step train "${TRAIN_TIMEOUT:-150}" train.log python3 -m mok train --out "$OUT/train" \

@@ -12,6 +12,11 @@
 # selects them (on one H200 about 6 min for each set).
 # EP_HOST=1: also the host's time per EP call (python -m benchmarks.host --ep, EP_HOST_SHAPES,
 # default qwen3-30b-a3b and kimi-ep64-slice; with EP_SHARE_GPU the ranks share the GPU).
+# The tests also leave $OUT/gpu-tests/<date>_<commit>_ep.log (benchmarks.gpu_test_log: commit,
+# date, GPU, versions, the pytest command, its failures and counts). It is meant to be committed
+# under benchmarks/results/gpu-tests/, the record of which commit passed on GPUs. The commit is
+# that of the tree holding the mok that ran (mok.provenance): in a copy of the tree without .git,
+# set MOK_COMMIT to the commit it was copied from.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -26,11 +31,17 @@ nvidia-smi topo -m | head -n $((EP_SIZE + 2))
 # Output goes to files only (no pipes): a killed run must not leave children holding a pipe.
 if [ "${EP_TESTS:-1}" = 1 ]; then
   echo "== ep tests (limit ${EP_TESTS_TIMEOUT:-420}s)"
-  timeout -s KILL "${EP_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider \
-    tests/test_expert_parallel.py tests/test_examples.py tests/test_nn.py \
-    tests/test_huggingface.py -k "${EP_TESTS_K:-expert_parallel or test_ep_}" ${EP_TESTS_ARGS:-} \
-    > "$OUT/ep_tests.log" 2>&1
-  echo "== ep tests exit: $?"; tail -n 40 "$OUT/ep_tests.log"
+  # -rfE: every failure and error listed at the end, where the test log picks them up.
+  cmd=(timeout -s KILL "${EP_TESTS_TIMEOUT:-420}" python3 -m pytest -q -rfE -p no:cacheprovider
+       tests/test_expert_parallel.py tests/test_examples.py tests/test_nn.py
+       tests/test_huggingface.py -k "${EP_TESTS_K:-expert_parallel or test_ep_}"
+       ${EP_TESTS_ARGS:-})
+  printf -v command '%q ' "${cmd[@]}"
+  "${cmd[@]}" > "$OUT/ep_tests.log" 2>&1
+  status=$?
+  echo "== ep tests exit: $status"; tail -n 40 "$OUT/ep_tests.log"
+  python3 -m benchmarks.gpu_test_log --out-dir "$OUT/gpu-tests" --suite ep \
+    --group "$OUT/ep_tests.log" "$status" "${command% }"
 fi
 if [ "${EP_BENCH:-1}" = 1 ]; then
   # EP_BENCH_VARIANTS: '|'-separated extra arguments, one benchmark run each (rows of all of

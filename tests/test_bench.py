@@ -1,17 +1,26 @@
 """The layer benchmark (`python -m mok bench`, benchmarks/layer.py) end to end at its tiny shape:
 rows checked against the reference and appended to the CSV, FLOP rates consistent with the
 counted FLOPs, the chart written, failures turned into skips without losing measured rows, and
-the Liger adapter's weight layout and routing format equal to the reference's layer."""
+the Liger adapter's weight layout and routing format equal to the reference's layer. Also the
+provenance every benchmark records (the commit of the mok package that ran, mok.provenance) and
+the GPU test log of scripts/gpu_check.sh (benchmarks.gpu_test_log)."""
 
 from __future__ import annotations
 
 import csv
+import datetime
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import implementations, layer
+import mok
+from benchmarks import commit_id, gpu_test_log, implementations, layer
 from benchmarks.implementations import (
     Implementation,
     Settings,
@@ -22,6 +31,7 @@ from benchmarks.implementations import (
     liger_implementation,
 )
 from benchmarks.layer import CSV_FIELDS, TINY, Mode
+from mok import _env, provenance
 from mok.__main__ import main as mok_main
 from mok.testing import SHAPES, TOLERANCES, make_inputs, moe_reference_grads
 from mok.testing.distributed import RANKS_SHARE_GPU
@@ -67,6 +77,7 @@ def test_bench_command_writes_checked_rows_table_and_chart(tmp_path, capsys):
     rows = read_csv(tmp_path / "layer.csv")
     by_key = {(row["impl"], row["mode"]): row for row in rows}
     assert len(by_key) == len(rows)  # one row per implementation and mode
+    assert {row["commit"] for row in rows} == {commit_id()}
     for impl in ("mok", "dense", "grouped_mm", "loop"):
         for mode in MODES:
             assert_row_consistent(by_key[(impl, mode)], checked=impl != "dense")
@@ -321,3 +332,243 @@ def test_ncu_summary_reads_ncu_details_csv():
     assert lines[0].split() == ["0", "gate_up_swiglu_kernel"]
     assert lines[1].split(": ")[1] == "tensor_op_gmma=71.50"
     assert lines[2].split(": ")[1] == "long_scoreboard=2.25 barrier=0.50"
+
+
+# -- provenance: the commit of the mok that ran -----------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+
+
+def git(cwd: Path, *args: str) -> str:
+    """git's stdout in cwd, with no repository inherited from the environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c",
+                           "commit.gpgsign=false", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, check=True).stdout.strip()
+
+
+def expected_commit() -> str:
+    """This repository's short HEAD (+ -dirty), as git says from the root; in a copy of the tree
+    without .git, the package version."""
+    try:
+        git(REPO_ROOT, "ls-files", "--error-unmatch", "--", "mok/__init__.py")
+        head = git(REPO_ROOT, "rev-parse", "--short", "HEAD")
+        dirty = git(REPO_ROOT, "status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return f"mok-{mok.__version__}"
+    return head + ("-dirty" if dirty else "")
+
+
+def commit_in_subprocess(cwd: Path, **env: str) -> list[str]:
+    """[commit_id(), its source] as a fresh python started in cwd, importing this repository's
+    mok and benchmarks (PYTHONPATH), records them."""
+    environ = {k: v for k, v in os.environ.items()
+               if k != "MOK_COMMIT" and not k.startswith("GIT_")}
+    environ.update(PYTHONPATH=str(REPO_ROOT), **env)
+    code = ("from benchmarks import commit_id; from mok.provenance import resolve_commit; "
+            "print(commit_id()); print(resolve_commit()[1])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=environ, text=True,
+                         capture_output=True, check=True).stdout
+    return out.splitlines()[-2:]
+
+
+@needs_git
+def test_commit_is_the_mok_packages_not_the_working_directorys(tmp_path):
+    # A run started inside another git repository records the commit of the mok it imported.
+    other = tmp_path / "other"
+    other.mkdir()
+    git(other, "init", "-q")
+    (other / "README").write_text("another project\n")
+    git(other, "add", "README")
+    git(other, "commit", "-q", "-m", "another project")
+    (other / "README").write_text("changed\n")  # dirty there, whatever this tree is
+    other_head = git(other, "rev-parse", "--short", "HEAD")
+    before = expected_commit()
+    commit, source = commit_in_subprocess(other)
+    after = expected_commit()  # a commit made meanwhile in this tree is as good
+    assert commit in (before, after)
+    assert not commit.startswith(other_head)
+    assert source == ("package version" if commit.startswith("mok-") else "git")
+
+
+def test_mok_commit_overrides(tmp_path, monkeypatch):
+    assert commit_in_subprocess(tmp_path, MOK_COMMIT="77ba741") == ["77ba741", "MOK_COMMIT"]
+    monkeypatch.setattr(_env, "COMMIT", "abc1234")
+    assert commit_id() == provenance.commit_id() == "abc1234"
+    # Unset (mok._env's "unknown") or blank, it is not a commit.
+    for unset in ("unknown", " "):
+        monkeypatch.setattr(_env, "COMMIT", unset)
+        assert provenance.resolve_commit()[1] != "MOK_COMMIT"
+
+
+@needs_git
+def test_git_commit_of_a_package_tracked_or_not(tmp_path, monkeypatch):
+    git(tmp_path, "init", "-q")
+    (tmp_path / ".gitignore").write_text("venv/\n")
+    git(tmp_path, "add", ".gitignore")
+    git(tmp_path, "commit", "-q", "-m", "ignore venv")
+    # A package inside the work tree but not tracked by it (an installed copy in an ignored
+    # virtualenv) is not that tree's code.
+    installed = tmp_path / "venv" / "site-packages" / "mok"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    assert provenance.git_commit(installed) is None
+    assert provenance.git_commit(tmp_path / "venv") is None  # no __init__.py at all
+    package = tmp_path / "src" / "mok"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    git(tmp_path, "add", "src")
+    git(tmp_path, "commit", "-q", "-m", "the package")
+    head = git(tmp_path, "rev-parse", "--short", "HEAD")
+    assert provenance.git_commit(package) == head
+    (tmp_path / ".gitignore").write_text("venv/\nbuild/\n")  # any tracked file counts
+    assert provenance.git_commit(package) == f"{head}-dirty"
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    git(tmp_path, "checkout", "-q", "--", ".gitignore")
+    assert provenance.git_commit(package) == head  # untracked files do not
+    # Outside any git tree (an installed wheel): the package version.
+    monkeypatch.setattr(_env, "COMMIT", "unknown")
+    monkeypatch.setattr(provenance, "git_commit", lambda package_dir=None: None)
+    assert provenance.resolve_commit() == (f"mok-{mok.__version__}", "package version")
+    assert commit_id() == f"mok-{mok.__version__}"
+
+
+# -- the GPU test log ----------------------------------------------------------------------------
+
+PASSED = "....s.....\n12 passed, 1 skipped in 3.21s\n"
+FAILED = """..F.E.
+=================================== FAILURES ===================================
+__________________________________ test_sum ___________________________________
+    def test_sum():
+>       assert "FAILED tests/x.py::fake" == 1
+E       AssertionError
+==================================== ERRORS ====================================
+________________________ ERROR at setup of test_load _________________________
+E   RuntimeError: boom
+=========================== short test summary info ============================
+FAILED tests/test_a.py::test_sum - AssertionError
+ERROR tests/test_a.py::test_load - RuntimeError: boom
+1 failed, 3 passed, 1 error in 12.50s
+"""
+KILLED = "......\n...F..\n"  # SIGKILL at the time limit: no summary
+COLLECTION = """============================= test session starts ==============================
+==================================== ERRORS ====================================
+____________________ ERROR collecting tests/test_b.py _____________________
+E   ModuleNotFoundError: No module named 'nothing'
+=========================== short test summary info ============================
+ERROR tests/test_b.py - ModuleNotFoundError: No module named 'nothing'
+!!!!!!!!!!!!!!!!!!!! Interrupted: 1 error during collection !!!!!!!!!!!!!!!!!!!!
+=============================== 1 error in 0.52s ===============================
+"""
+
+
+def test_pytest_summary_lines():
+    assert gpu_test_log.pytest_summary(PASSED) == ([], "12 passed, 1 skipped in 3.21s")
+    short, final = gpu_test_log.pytest_summary(FAILED)
+    assert short == ["FAILED tests/test_a.py::test_sum - AssertionError",
+                     "ERROR tests/test_a.py::test_load - RuntimeError: boom"]
+    assert final == "1 failed, 3 passed, 1 error in 12.50s"
+    assert gpu_test_log.pytest_summary(KILLED) == ([], None)
+    short, final = gpu_test_log.pytest_summary(COLLECTION)
+    assert short[0].startswith("ERROR tests/test_b.py") and "Interrupted" in short[1]
+    assert final == "1 error in 0.52s"
+    assert gpu_test_log.pytest_summary("no tests ran in 0.01s\n") == ([], "no tests ran in 0.01s")
+
+
+def test_gpu_test_log_has_header_and_every_groups_summary(tmp_path):
+    logs = []
+    for index, text in enumerate((PASSED, FAILED, KILLED, COLLECTION)):
+        logs.append(tmp_path / f"pytest.{index}.log")
+        logs[-1].write_text(text)
+    commands = [f"timeout -s KILL 330 python3 -m pytest -q -rfE -p no:cacheprovider "
+                f"tests/test_{index}.py" for index in range(4)]
+    groups = [gpu_test_log.Group(log, status, command)
+              for log, status, command in zip(logs, (0, 1, 137, 2), commands, strict=True)]
+    date = datetime.datetime(2026, 11, 30, 23, 59, 58, tzinfo=datetime.UTC)
+    kwargs = dict(commit="abc1234-dirty", commit_source="git", date=date,
+                  gpu="NVIDIA H200, driver 570.86.15",
+                  versions={"torch": "2.11.0+cu128", "triton": "3.6.0"},
+                  env={"MOK_RANKS_SHARE_GPU": "1"})
+    path = gpu_test_log.write_log(tmp_path / "gpu-tests", groups, **kwargs)
+    assert path == tmp_path / "gpu-tests" / "2026-11-30_abc1234-dirty.log"
+    lines = path.read_text().splitlines()
+    assert "benchmarks/results/gpu-tests/" in lines[0]
+    assert lines[1:8] == ["suite: tests", "commit: abc1234-dirty (from git)",
+                          "date: 2026-11-30T23:59:58Z", "gpu: NVIDIA H200, driver 570.86.15",
+                          "versions: torch 2.11.0+cu128, triton 3.6.0",
+                          "env: MOK_RANKS_SHARE_GPU=1", "commands:"]
+    assert lines[8:12] == [f"  [{index}] {command}" for index, command in enumerate(commands)]
+    assert lines[12] == "result: NOT all passed: group(s) 1, 2, 3 of 4 did not exit 0"
+    sections = "\n".join(lines[13:]).strip().split("\n\n")
+    assert sections[0].splitlines() == ["== group 0 (pytest.0.log): exit status 0: passed",
+                                        "12 passed, 1 skipped in 3.21s"]
+    assert sections[1].splitlines() == [
+        "== group 1 (pytest.1.log): exit status 1: tests failed",
+        "FAILED tests/test_a.py::test_sum - AssertionError",
+        "ERROR tests/test_a.py::test_load - RuntimeError: boom",
+        "1 failed, 3 passed, 1 error in 12.50s"]
+    assert sections[2].splitlines() == [
+        "== group 2 (pytest.2.log): exit status 137: killed (time limit)",
+        "no pytest summary line: the run did not finish; its last lines:",
+        "  ......", "  ...F.."]
+    assert sections[3].splitlines()[0] == \
+        "== group 3 (pytest.3.log): exit status 2: interrupted"
+    assert sections[3].splitlines()[-1] == "1 error in 0.52s"
+    assert "test session starts" not in path.read_text()  # summaries only, not the output
+    # Another run of the same day and commit keeps the first log; a suite names its own.
+    again = gpu_test_log.write_log(tmp_path / "gpu-tests", groups[:1], **kwargs)
+    assert again.name == "2026-11-30_abc1234-dirty.2.log"
+    assert "result: all 1 pytest groups passed" in again.read_text()
+    ep = gpu_test_log.write_log(tmp_path / "gpu-tests", groups[:1], suite="ep", **kwargs)
+    assert ep.name == "2026-11-30_abc1234-dirty_ep.log"
+    assert path.read_text().splitlines()[1] == "suite: tests"
+
+
+def test_gpu_test_log_command_line(tmp_path, capsys):
+    log = tmp_path / "pytest.0.log"
+    log.write_text(FAILED)
+    out = tmp_path / "gpu-tests"
+    command = "python3 -m pytest -q -rfE -k 'expert_parallel or test_ep_' tests/test_nn.py"
+    path = gpu_test_log.main(["--out-dir", str(out), "--suite", "ep",
+                              "--group", str(log), "1", command])
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    assert path.parent == out and path.name.startswith(today)
+    assert path.name.endswith(f"_{commit_id()}_ep.log")
+    text = path.read_text()
+    assert f"commit: {commit_id()} (from " in text and f"  [0] {command}\n" in text
+    assert f"torch {torch.__version__}" in text and "triton " in text
+    assert "gpu: " in text and "FAILED tests/test_a.py::test_sum" in text
+    assert str(path) in capsys.readouterr().out
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_script_writes_the_test_log(tmp_path):
+    # scripts/gpu_check.sh's test step on two made-up test files (one fails), nothing else:
+    # the groups' commands and exit statuses reach the log.
+    for name in ("mok", "benchmarks"):
+        (tmp_path / name).symlink_to(REPO_ROOT / name)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_good.py").write_text("def test_good():\n    pass\n")
+    (tmp_path / "tests" / "test_bad.py").write_text("def test_bad():\n    assert 1 == 2\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # python3 is the interpreter running these tests (a script, as a link would leave its venv).
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "RUN_", "TESTS_"))}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", OUT=str(tmp_path / "out"),
+               MOK_COMMIT="c0ffee1", TESTS_JOBS="2", RUN_BENCH="0", PYTHONPATH="")
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_check.sh")], cwd=tmp_path,
+                          env=env, text=True, capture_output=True, timeout=300)
+    logs = list((tmp_path / "out" / "gpu-tests").glob("*_c0ffee1.log"))
+    assert len(logs) == 1, done.stdout + done.stderr
+    text = logs[0].read_text()
+    assert "commit: c0ffee1 (from MOK_COMMIT)" in text
+    assert "result: NOT all passed: group(s) 0 of 2 did not exit 0" in text
+    assert ("  [0] timeout -s KILL 330 python3 -m pytest -q -rfE -p no:cacheprovider "
+            "tests/test_bad.py\n") in text
+    assert "== group 0 (pytest.0.log): exit status 1: tests failed" in text
+    assert "FAILED tests/test_bad.py::test_bad - assert 1 == 2" in text
+    assert "== group 1 (pytest.1.log): exit status 0: passed" in text
+    assert "1 passed in " in text

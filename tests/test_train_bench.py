@@ -1,5 +1,6 @@
 """The training benchmark (`python -m benchmarks.train`): rows, summary, plot and verdict of a tiny
-CPU run, the loss criterion, and the 1b model's size.
+CPU run, the loss criterion, the 1b model's size, and the one commit and date that a run's rows
+and chart title both name.
 
 On CPU mok's PyTorch reference stands in for its kernels and every backend computes in fp32 from
 the same weights on the same batches, so the three loss curves agree to rounding.
@@ -12,6 +13,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from benchmarks import train as bench
 from mok import train
@@ -26,7 +28,15 @@ def read_rows(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_tiny_cpu_run_writes_rows_summary_and_plot(tmp_path):
+def test_tiny_cpu_run_writes_rows_summary_and_plot(tmp_path, monkeypatch):
+    # Every call of commit_id answers differently: a run that asked twice would show it.
+    calls = []
+
+    def commit_id() -> str:
+        calls.append(1)
+        return f"c{len(calls)}"
+
+    monkeypatch.setattr(bench, "commit_id", commit_id)
     out, csv_path = tmp_path / "out", tmp_path / "results" / "train.csv"
     returned = bench.main([*TINY, "--out", str(out), "--csv", str(csv_path)])
     summary = json.loads((out / "summary.json").read_text())
@@ -42,6 +52,10 @@ def test_tiny_cpu_run_writes_rows_summary_and_plot(tmp_path):
     assert summary["model"]["aux_loss_coef"] == 0.0  # the hf blocks add no auxiliary loss
     assert summary["train"]["steps"] == summary["train"]["schedule_steps"] == 12
     assert summary["versions"]["transformers"] and summary["versions"]["torch"]
+    # One commit a run, asked once: the rows (below), summary and chart title all name it.
+    assert calls == [1] and summary["commit"] == "c1"
+    assert summary["chart_title"].splitlines()[1] == f"{summary['gpu']}, commit c1, " \
+        f"{summary['date']}"
 
     backends = summary["backends"]
     assert list(backends) == ["mok", "hf_grouped_mm", "hf_eager"]
@@ -116,6 +130,7 @@ def test_tiny_cpu_run_writes_rows_summary_and_plot(tmp_path):
     # Without hf_eager there is no eager speedup to report.
     assert [r["backend"] for r in rows[3:]] == ["reference", "hf_grouped_mm"]
     assert rows[3]["speedup_vs_eager"] == "" and float(rows[3]["speedup_vs_grouped_mm"]) > 0
+    assert [r["commit"] for r in rows] == ["c1"] * 3 + ["c2"] * 2  # a commit per run
 
 
 def test_loss_criterion():
@@ -161,8 +176,8 @@ def test_verdict_against_the_targets():
     assert verdict["checks"] == {"vs_eager": False, "vs_grouped_mm": False,
                                  "loss_curves_agree": False, "initial_losses_agree": True}
     assert verdict["all_met"] is False
-    rows = bench.csv_rows(runs, gpu="g", commit="c", date="d", config="1b", params=(2, 1),
-                          tokens_per_step=8)
+    rows = bench.csv_rows(runs, bench.RunStamp(gpu="g", commit="c", date="d"), config="1b",
+                          params=(2, 1), tokens_per_step=8)
     assert [(r["backend"], r["speedup_vs_eager"], r["speedup_vs_grouped_mm"]) for r in rows] \
         == [("mok", 1.364, 0.938), ("hf_grouped_mm", 1.455, 1.0), ("hf_eager", 1.0, 0.688)]
 
@@ -179,3 +194,25 @@ def test_1b_model_size():
     tiny = train.SIZES["tiny"].model
     assert bench.parameter_counts(tiny) == \
         train.build_model(tiny, "reference", seed=0, device="cpu").parameter_counts()
+
+
+def test_rows_and_chart_title_name_one_stamp(monkeypatch):
+    """A run's CSV rows and its loss chart's title come from one RunStamp: same GPU, commit and
+    date (the committed train.csv once named another commit than train_1b_loss.png)."""
+    monkeypatch.setattr(bench, "commit_id", lambda: "77ba741-dirty")
+    stamp = bench.RunStamp.take(torch.device("cpu"))
+    assert stamp.commit == "77ba741-dirty" and stamp.gpu.startswith("cpu")
+    runs = {slot: bench.BackendRun(name=slot, slot=slot, steps=2, timed_steps=1,
+                                   tokens_per_s=10.0, window_tokens_per_s=[10.0],
+                                   losses=[2.0, 1.0], peak_mem_gb=None, setup_seconds=0.0,
+                                   train_seconds=1.0)
+            for slot in bench.BACKENDS}
+    rows = bench.csv_rows(runs, stamp, config="1b", params=(1_020_931_712, 77_213_312),
+                          tokens_per_step=16_384)
+    title = bench.chart_title(stamp, config="1b", params=(1_020_931_712, 77_213_312),
+                              tokens_per_step=16_384)
+    assert title.splitlines() == [
+        "1b: 1.02B parameters (77.2M active), 16,384 tokens a step",
+        f"{stamp.gpu}, commit 77ba741-dirty, {stamp.date}"]
+    assert {(r["gpu"], r["commit"], r["date"]) for r in rows} == \
+        {(stamp.gpu, stamp.commit, stamp.date)}
