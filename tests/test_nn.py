@@ -234,9 +234,12 @@ def test_torch_compile_with_strided_parameters():
     y_c, d_x_c, grads_c = loss_and_grads(compiled, x)
     module.backend = Backend.REFERENCE
     y_ref, _, grads_ref = loss_and_grads(module, x)
-    assert torch.equal(y_c, y) and torch.equal(d_x_c, d_x)
+    # (Compiled, the casts and the router's fp32 math around the op may round differently:
+    # close, not bitwise; a gradient read with the wrong strides is off by O(1).)
+    assert_close(y_c, y, dtype=torch.bfloat16, name="y")
+    assert_close(d_x_c, d_x, dtype=torch.bfloat16, name="d_x")
     for name in grads:
-        assert torch.equal(grads_c[name], grads[name]), name
+        assert_close(grads_c[name], grads[name], dtype=torch.bfloat16, name=name)
         assert_close(grads[name], grads_ref[name], dtype=torch.bfloat16, name=name)
 
 
