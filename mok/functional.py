@@ -60,7 +60,7 @@ class MoKConfig:
         -> 3.57 at kimi-ep64-slice).
     minibatch_size: tokens per ready flag when tokens arrive from peers.
     macrobatch_size: rows of the dispatch ring buffer (MoK's knob, checked, not used: the pull
-        buffers hold the group's tokens, each pulled once; README, expert parallelism, says
+        buffers hold the group's tokens, each pulled once; docs/history.md, expert parallelism, says
         why a ring does not pay at these sizes).
     schedule_capacity_multiplier: the schedule holds capacity_multiplier * T * k routes (never more
         than can arrive); on one GPU any value >= 1 is dropless. Overflow is an error, never a
