@@ -26,21 +26,34 @@ def loss_and_grads(module, x):
     return y.detach(), x.grad, grads
 
 
+def assert_steps_close(actual, expected):
+    """Two loss_and_grads results: y, d_x and every parameter's gradient within bf16 bounds."""
+    (y, d_x, grads), (y_ref, d_x_ref, grads_ref) = actual, expected
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
+    assert_close(d_x, d_x_ref, dtype=torch.bfloat16, name="d_x")
+    assert set(grads) == set(grads_ref)
+    for name in grads:
+        assert_close(grads[name], grads_ref[name], dtype=torch.bfloat16, name=name)
+
+
+def compiled_step(module, x):
+    """loss_and_grads of torch.compile(module, fullgraph=True) (inductor on a GPU)."""
+    compiled = torch.compile(module, fullgraph=True,
+                             backend="inductor" if DEVICE.type == "cuda" else "aot_eager")
+    return loss_and_grads(compiled, x)
+
+
 @pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept_gate_up"])
 def test_module_matches_reference_backend(recompute_gate_up):
     module = make_module(recompute_gate_up=recompute_gate_up)
     x = torch.randn(3, 10, 32, device=DEVICE)
-    y, d_x, grads = loss_and_grads(module, x)
+    step = y, d_x, grads = loss_and_grads(module, x)
     module.backend = Backend.REFERENCE
-    y_ref, d_x_ref, grads_ref = loss_and_grads(module, x)
     assert y.shape == x.shape and y.dtype == x.dtype
-    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
-    assert_close(d_x, d_x_ref, dtype=torch.bfloat16, name="d_x")
     assert set(grads) == {"router.weight", "w_gate", "w_up", "w_down", "shared_gate",
                           "shared_up", "shared_down"}
-    for name in grads:
-        assert grads[name].dtype == torch.float32
-        assert_close(grads[name], grads_ref[name], dtype=torch.bfloat16, name=name)
+    assert all(grad.dtype == torch.float32 for grad in grads.values())
+    assert_steps_close(step, loss_and_grads(module, x))
 
 
 def test_moe_experts_with_strided_weight_views():
@@ -114,14 +127,7 @@ def test_aux_and_z_losses():
 def test_torch_compile_fullgraph_traces_the_module(recompute_gate_up):
     module = make_module(seed=3, recompute_gate_up=recompute_gate_up)
     x = torch.randn(2, 9, 32, device=DEVICE)
-    y, d_x, grads = loss_and_grads(module, x)
-    compiled = torch.compile(module, fullgraph=True,
-                             backend="inductor" if DEVICE.type == "cuda" else "aot_eager")
-    y_c, d_x_c, grads_c = loss_and_grads(compiled, x)
-    assert_close(y_c, y, dtype=torch.bfloat16, name="y")
-    assert_close(d_x_c, d_x, dtype=torch.bfloat16, name="d_x")
-    for name in grads:
-        assert_close(grads_c[name], grads[name], dtype=torch.bfloat16, name=name)
+    assert_steps_close(compiled_step(module, x), loss_and_grads(module, x))
 
 
 def test_autocast_runs_in_the_autocast_dtype():
@@ -228,19 +234,12 @@ def test_torch_compile_with_strided_parameters():
         module.w_up = torch.nn.Parameter(relayout(module.w_up, Layout.TRANSPOSED))
         module.shared_down = torch.nn.Parameter(relayout(module.shared_down, Layout.TRANSPOSED))
     x = torch.randn(2, 9, 32, device=DEVICE)
-    y, d_x, grads = loss_and_grads(module, x)
-    compiled = torch.compile(module, fullgraph=True,
-                             backend="inductor" if DEVICE.type == "cuda" else "aot_eager")
-    y_c, d_x_c, grads_c = loss_and_grads(compiled, x)
-    module.backend = Backend.REFERENCE
-    y_ref, _, grads_ref = loss_and_grads(module, x)
+    eager = loss_and_grads(module, x)
     # (Compiled, the casts and the router's fp32 math around the op may round differently:
     # close, not bitwise; a gradient read with the wrong strides is off by O(1).)
-    assert_close(y_c, y, dtype=torch.bfloat16, name="y")
-    assert_close(d_x_c, d_x, dtype=torch.bfloat16, name="d_x")
-    for name in grads:
-        assert_close(grads_c[name], grads[name], dtype=torch.bfloat16, name=name)
-        assert_close(grads[name], grads_ref[name], dtype=torch.bfloat16, name=name)
+    assert_steps_close(compiled_step(module, x), eager)
+    module.backend = Backend.REFERENCE
+    assert_steps_close(eager, loss_and_grads(module, x))
 
 
 def _fsdp_body(rank, world_size):
@@ -288,13 +287,9 @@ def _ep_module_body(rank, world_size):
             weight.uniform_(-0.25, 0.25, generator=generator)
     x = torch.randn(2, 12 - 2 * rank, 32, device=device,  # ranks pass different token counts
                     generator=torch.Generator(device=device).manual_seed(rank))
-    y, d_x, grads = loss_and_grads(module, x)
+    step = loss_and_grads(module, x)
     module.backend = Backend.REFERENCE
-    y_ref, d_x_ref, grads_ref = loss_and_grads(module, x)
-    assert_close(y, y_ref, dtype=torch.bfloat16, name="y")
-    assert_close(d_x, d_x_ref, dtype=torch.bfloat16, name="d_x")
-    for name in grads:
-        assert_close(grads[name], grads_ref[name], dtype=torch.bfloat16, name=name)
+    assert_steps_close(step, loss_and_grads(module, x))
 
 
 @distributed_test(world_sizes=(2,))
