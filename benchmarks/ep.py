@@ -1,6 +1,6 @@
 """Expert-parallel benchmark: `python -m mok bench --ep N` (N processes, one GPU each).
 
-For each shape (DESIGN.md section 4, tokens per GPU as listed; E in total, except kimi whose 6
+For each shape (docs/design.md section 4, tokens per GPU as listed; E in total, except kimi whose 6
 experts are per GPU), on the same inputs on every rank:
 - mok: build_schedule + forward (+ backward) over the group (symmetric memory, pulls beside the
   GEMMs);
@@ -483,10 +483,10 @@ def print_host_profile(fn, group, quiet=False, top=14):
 def dispatch_only(layer, inputs, iters, warmup, group):
     """Time the forward's publish + pull alone (fwd_copy_rows: publish + copies); bytes that
     crossed NVLink into this rank."""
-    from mok.expert_parallel import Phase
+    from mok.exchange import Phase
 
     workspace, config = layer.workspace, layer.config
-    ep = workspace.ep
+    ep = workspace.exchange
     schedule = layer.schedule()
     x = inputs.x
     weights = inputs.router_weights.contiguous()
@@ -540,7 +540,7 @@ def down_scatter_and_local(layer, inputs, iters, warmup, group):
 
     workspace = layer.workspace
     config = dataclasses.replace(layer.config, recompute_gate_up=True)  # a context with h
-    ep = workspace.ep
+    ep = workspace.exchange
     schedule = layer.schedule()
     _, context = layer.F.forward(config, workspace, schedule, *inputs.layer_args)
     w_down = inputs.w_routed_down

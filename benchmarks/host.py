@@ -24,7 +24,7 @@ for scale the same
 per-GPU work on one GPU without a group. Medians and least of --repeats calls, the slowest
 rank's, in ms (on a machine whose ranks share one GPU the host times move by some 10% between
 runs); then rank 0's host time per wrapped function (mok.ops' launchers, mok.ops.comm's functions,
-ExpertParallel's methods; each exclusive of the others it calls; "the rest of the step" is
+SymmetricExchange's methods; each exclusive of the others it calls; "the rest of the step" is
 mok.functional's own Python and the torch calls it makes itself);
 --profile N: the N functions with the most host time of their own in one call, rank 0's.
 """
@@ -189,15 +189,16 @@ class _StackTimer:
 
 
 def _patched(timer: _StackTimer) -> list[tuple[object, str, object]]:
-    """Wrap mok.ops' launchers, mok.ops.comm's functions and ExpertParallel's methods in timer;
+    """Wrap mok.ops' launchers, mok.ops.comm's functions and SymmetricExchange's methods in timer;
     returns what to restore."""
-    from mok.expert_parallel import ExpertParallel
+    from mok.exchange import SymmetricExchange
     from mok.ops import comm
 
     targets = [(ops, name, f"ops.{name}") for name in _launchers()]
     targets += [(comm, name, f"comm.{name}") for name, fn in vars(comm).items()
                 if inspect.isfunction(fn) and fn.__module__ == comm.__name__]
-    targets += [(ExpertParallel, name, f"ep.{name}") for name, fn in vars(ExpertParallel).items()
+    targets += [(SymmetricExchange, name, f"ep.{name}")
+                for name, fn in vars(SymmetricExchange).items()
                 if inspect.isfunction(fn) and name != "__init__"]
     saved = []
     for owner, name, label in targets:

@@ -2,13 +2,13 @@
 
     python -m mok bench [--shapes ...] [--impls ...] [--modes ...] [--repeats N] [--out DIR]
 
-For each shape (DESIGN.md section 4; `tiny` is a small one for CPU runs) and each mode (forward,
-backward, forward+backward), every implementation of benchmarks/implementations.py is first
-compared with the mok.testing reference on the first input set (y for forward; y and every
+For each shape (docs/design.md section 4; `tiny` is a small one for CPU runs) and each mode
+(forward, backward, forward+backward), every implementation of benchmarks/implementations.py is
+first compared with the mok.testing reference on the first input set (y for forward; y and every
 gradient for the training modes, bf16 tolerances of mok.testing.tolerance), then timed: median
 over --repeats calls, rotating several input sets so the L2 holds none of them, CUDA events
 around each call (wall clock on CPU), the device idle before each. Backward times the backward
-alone; its forward runs untimed just before. TFLOP/s counts FLOPs as DESIGN.md section 4:
+alone; its forward runs untimed just before. TFLOP/s counts FLOPs as docs/design.md section 4:
 forward 6*T*k*H*I (+ 6*T*H*I_s), backward twice that, forward+backward three times. Peak memory
 is the most allocated during a timed call above what was allocated before the timing (inputs,
 weights and workspaces; CUDA only).
@@ -39,6 +39,7 @@ import torch
 
 from benchmarks import append_rows, commit_id, finish_chart, newest_gpu_rows
 from benchmarks.implementations import IMPLEMENTATIONS, REPO_ROOT, Implementation, Settings
+from mok import ops
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
@@ -338,7 +339,7 @@ def draw_chart(path: Path, rows: list[dict]) -> None:
         axes.margins(y=0.25)
         axes.grid(axis="y", alpha=0.3)
     finish_chart(figure, rows, len(impls), "MoE layer, {gpu}, commit {commits}: counted "
-                 "TFLOP/s (DESIGN.md section 4)", path)
+                 "TFLOP/s (docs/design.md section 4)", path)
 
 
 def newest_rows(csv_path: Path) -> list[dict]:
@@ -357,8 +358,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=list(BENCH_SHAPES), metavar="SHAPE",
                         default=[s.name for s in SHAPES] if cuda else [TINY.name],
-                        help=f"of {', '.join(BENCH_SHAPES)} (default: the DESIGN.md shapes on a "
-                             "GPU, tiny on CPU)")
+                        help=f"of {', '.join(BENCH_SHAPES)} (default: the docs/design.md shapes "
+                             "on a GPU, tiny on CPU)")
     parser.add_argument("--impls", nargs="+", choices=list(IMPLEMENTATIONS), metavar="IMPL",
                         default=list(IMPLEMENTATIONS),
                         help=f"of {', '.join(IMPLEMENTATIONS)} (default: all, in this order)")
@@ -401,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
         [Mode(mode) for mode in dict.fromkeys(args.modes)], repeats=args.repeats,
         warmup=args.warmup, num_input_sets=args.input_sets, csv_path=csv_path,
         liger_autotune=args.liger_autotune, host_ahead=args.host_ahead)
+    for launch, reason in ops.fallbacks():
+        print(f"fallback: mok's {launch} ran the Triton kernel on Gluon tiles ({reason})")
     print(f"rows appended to {csv_path}; chart {csv_path.with_suffix('.png')}")
 
 

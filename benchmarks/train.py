@@ -2,8 +2,8 @@
 
     python -m benchmarks.train                      # on a GPU: the 1b model, about 2-3 minutes
 
-One process trains the byte-level language model of `mok.train` (`--size 1b` on a GPU: Qwen3-MoE's
-expert layout, hidden 1024, 5 layers, 128 experts, top-8, expert intermediate 512; 1.02B
+One process trains the byte-level language model of `mok.app.train` (`--size 1b` on a GPU:
+Qwen3-MoE's expert layout, hidden 1024, 5 layers, 128 experts, top-8, expert intermediate 512; 1.02B
 parameters, 77M active; 16 x 1024 = 16,384 tokens a step) once per backend of its feed-forward,
 each from the same initial weights (the seed's, copied into Hugging Face's layout for the hf
 backends) on the same batches (a function of seed and step) with the same learning-rate schedule:
@@ -19,7 +19,7 @@ backends) on the same batches (a function of seed and step) with the same learni
                  "Hugging Face default MoE block" of the target. It is several times slower, so it
                  runs fewer steps (--eager-steps) on the same schedule.
 
-Precision as in `mok.train`: fp32 master weights, bf16 autocast on CUDA (every backend's experts
+Precision as in `mok.app.train`: fp32 master weights, bf16 autocast on CUDA (every backend's experts
 compute in bf16), fp32 on CPU. The auxiliary load-balancing loss is off (--aux-loss-coef 0)
 because the hf blocks add none (transformers computes it at the model level): all backends then
 minimize the same loss, and mok does no extra work.
@@ -29,7 +29,7 @@ clock between CUDA synchronizations at the edges of --window-step windows (the s
 window are queued without waiting); the training loss of every step; the peak memory allocated
 during the run above what was allocated before the model was built.
 
-Targets (DESIGN.md section 5, end to end): mok >= 1.4x hf_eager and >= 1.0x hf_grouped_mm in
+Targets (docs/design.md section 5, end to end): mok >= 1.4x hf_eager and >= 1.0x hf_grouped_mm in
 tokens/s; loss curves that agree within noise. Loss criterion: over the steps both runs have, the
 means of each --loss-window consecutive steps' losses differ by at most
 loss_atol + loss_rtol * (their mean) (defaults 0.02 nats + 2%), for mok against every other
@@ -60,7 +60,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import append_rows, commit_id
-from mok import train as mok_train
+from mok.app import train as mok_train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BACKENDS = ("mok", "hf_grouped_mm", "hf_eager")

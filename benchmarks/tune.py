@@ -1,4 +1,5 @@
-"""Measure candidate tiles of every grouped GEMM at the DESIGN.md shapes; write the best per shape.
+"""Measure candidate tiles of every grouped GEMM at the docs/design.md shapes; write the best
+per shape.
 
     python -m benchmarks.tune --out mok/ops/tuned_tiles.json
 

@@ -5,7 +5,7 @@ Code written against MoK's functional API runs unchanged; `group=None` means one
 Legend: T local tokens, H hidden size, I expert intermediate size, I_s shared-expert intermediate
 size, E_local local experts, k experts per token (topk), C schedule rows (see mok.ops.Routing).
 
-The layer computes, per token t (DESIGN.md section 1):
+The layer computes, per token t (docs/design.md section 1):
     y[t] = shared(x[t]) + sum_j router_weights[t, j] * expert_{topk_experts[t, j]}(x[t])
     mlp(x) = W_down @ swiglu(W_gate @ x, W_up @ x),  swiglu(g, u) = silu(g) * u
 with, when swiglu_limit L is given, swiglu(g, u) = silu(min(g, L)) * clamp(u, -L, L).
@@ -23,9 +23,7 @@ weight gradients of the experts t routes to; other tokens' outputs are unaffecte
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,11 +36,9 @@ from mok.errors import (
     MoKDataError,
     MoKInputError,
 )
-from mok.expert_parallel import ExchangePlan, ExpertParallel, Phase
-
-if TYPE_CHECKING:
-    from mok.cross_node import CrossNodePlan
-from mok.ops import GemmTiles, Routing, TileConfig
+from mok.exchange import BackwardRows, Exchange, Phase, create_exchange
+from mok.ops import Routing, TileConfig
+from mok.plan import BackwardPlan, backward_plan, forward_plan
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -82,9 +78,9 @@ class MoKConfig:
         copies of every rank's whole published buffers on a side stream (on a GPU the copy
         engines, which take no SM from the GEMMs), a flag per rank raised as its rows land,
         while the gate/up GEMM runs; its tiles wait on their rows' ranks
-        (mok.expert_parallel.ExpertParallel.forward_copy), taking the blocks of local rows first.
+        (mok.exchange.SymmetricExchange.forward_copy), taking the blocks of local rows first.
         Moves T_max rows a rank where the pull moves those with a route here.
-    bwd_copy_rows: the same for the backward's d_output and x rows (ExpertParallel.
+    bwd_copy_rows: the same for the backward's d_output and x rows (SymmetricExchange.
         backward_copy), which lets the Gluon dSwiGLU kernel take its first GEMM.
     """
 
@@ -145,28 +141,12 @@ class Workspace:
         self.hidden_size = int(hidden_size)
         self.topk = int(topk)
         self.error_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device)
-        self.ep: ExpertParallel | None = None
-        self.cross_node = None
-        self._ghost_expert = False  # set on the one-node workspace inside a cross-node one
-        self.ep_size, self.ep_rank = 1, 0
-        if group is not None and dist.get_world_size(group) > 1:
-            if device.type == "cpu" and not _env.INTERPRET:
-                raise MoKInputError("expert parallelism on CPU needs Triton's interpreter")
-            from mok import cross_node
-
-            self.ep_size, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
-            per_node = ranks_per_node or cross_node.ranks_per_node_of(group)
-            if per_node < 1 or self.ep_size % per_node:
-                raise MoKInputError(f"ranks_per_node={per_node} does not divide the group of "
-                                    f"{self.ep_size} ranks")
-            if per_node < self.ep_size:
-                self.cross_node = cross_node.CrossNode(
-                    config, group, device, num_tokens=self.num_local_tokens,
-                    hidden_size=self.hidden_size, topk=self.topk, ranks_per_node=per_node)
-            else:
-                self.ep = ExpertParallel(group, device, num_tokens=self.num_local_tokens,
-                                         hidden_size=self.hidden_size, topk=self.topk,
-                                         timeout_s=config.peer_timeout_s)
+        # How rows reach the experts (mok.exchange): one GPU, a node, or nodes.
+        self.exchange: Exchange = create_exchange(
+            group, device, num_tokens=self.num_local_tokens, hidden_size=self.hidden_size,
+            topk=self.topk, timeout_s=config.peer_timeout_s, errors=self.error_flags,
+            ranks_per_node=ranks_per_node)
+        self.ep_size, self.ep_rank = self.exchange.num_ranks, self.exchange.rank
         pin = device.type == "cuda"
         self._host_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, pin_memory=pin)
         self._flags_event: torch.cuda.Event | None = None
@@ -203,8 +183,6 @@ class Workspace:
         """Synchronize with the device and raise MoKDataError if any data error was flagged."""
         self._flags_pending = False
         self._raise_if_set(self.error_flags.tolist())
-        if self.cross_node is not None:
-            self.cross_node.inner.check_errors()
 
     def _raise_if_set(self, flags: list[int]) -> None:
         raised = [ErrorFlag(i) for i, value in enumerate(flags)
@@ -294,7 +272,7 @@ class Schedule:
     tiles: TileConfig
     num_experts: int
     workspace: Workspace = field(repr=False)
-    exchange: ExchangePlan | CrossNodePlan | None = field(default=None, repr=False)
+    exchange: object = field(default=None, repr=False)  # the exchange's plan (mok.exchange)
 
     @property
     def num_tokens(self) -> int:
@@ -324,7 +302,7 @@ class Schedule:
         tiles: TileConfig | None = None,
     ) -> Schedule:
         """Rebuild a schedule from `Schedule.tensors()` (no kernel runs; one GPU only)."""
-        if workspace.ep is not None:
+        if workspace.ep_size > 1:
             raise NotImplementedError("Schedule.from_tensors with expert parallelism")
         tiles = tiles or ops.default_tiles(workspace.device)
         routing = Routing(*tensors, num_tokens=num_tokens, topk=workspace.topk,
@@ -342,14 +320,11 @@ class ForwardContext:
     h_shared [T_pad, I_s] or None: the shared expert's SwiGLU output (None without one).
     gate_up, gate_up_shared [C, 2I], [T_pad, 2 I_s] or None: the pre-activations [gate, up] of
         the routed and shared experts, kept (in place of h, h_shared: the backward rebuilds
-        those from them) when the config does not recompute them (across nodes the shared
-        expert keeps h_shared and recomputes).
-    weights_group [P * T_max * k] fp32 (expert parallelism only): the router weights of the
-        group's routes, pulled with their tokens (those of the routes scheduled here; by route,
-        as the schedule's rows read them). The pulled token rows are not kept: the backward
-        pulls them again with d_output.
-    inner (expert parallelism across nodes): the one-node context of the tokens gathered from
-        the other nodes.
+        those from them) when the config does not recompute them.
+    weights_group [P * T_max * k] fp32 (expert parallelism with symmetric memory only): the
+        router weights of the group's routes, pulled with their tokens (those of the routes
+        scheduled here; by route, as the schedule's rows read them). The pulled token rows are
+        not kept: the backward pulls them again with d_output.
     Without gate_up, the gate/up projections are recomputed inside the backward kernel; expert
     outputs are never kept (the router-weight gradient is computed from h).
     """
@@ -357,15 +332,13 @@ class ForwardContext:
     h: torch.Tensor | None
     h_shared: torch.Tensor | None
     weights_group: torch.Tensor | None = None
-    inner: ForwardContext | None = None
     gate_up: torch.Tensor | None = None
     gate_up_shared: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         parts = (self.h, self.h_shared, self.weights_group, self.gate_up, self.gate_up_shared)
-        own = sum(t.numel() * t.element_size() for t in parts if t is not None)
-        return own + (self.inner.nbytes if self.inner is not None else 0)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def kept_for_backward(self) -> ForwardContext:
         """This context without the h that kept pre-activations make redundant (what the
@@ -477,7 +450,7 @@ def build_schedule(
     workspace._poll_errors()
     if not isinstance(topk_experts, torch.Tensor) or topk_experts.dim() != 2:
         raise MoKInputError("topk_experts must be a 2-d tensor [num_tokens, topk]")
-    num_tokens, topk = topk_experts.shape
+    num_tokens = topk_experts.shape[0]
     _check_tensor("topk_experts", topk_experts, (num_tokens, workspace.topk), INDEX_DTYPES,
                   workspace.device)
     if num_tokens > workspace.num_local_tokens:
@@ -486,82 +459,62 @@ def build_schedule(
     if int(num_local_experts) < 1:
         raise MoKInputError(f"num_local_experts must be positive, got {num_local_experts}")
     tiles = tiles or ops.default_tiles(workspace.device)
-    num_routes = num_tokens * topk
-    route_capacity = min(num_routes * workspace.ep_size,
-                         math.ceil(config.schedule_capacity_multiplier * num_routes))
-    exchange = None
-    if workspace.cross_node is not None:
-        schedule = workspace.cross_node.build_schedule(
-            workspace, config, topk_experts, num_local_experts=int(num_local_experts),
-            tiles=tiles)
-        workspace._publish_errors()
-        if validate or (validate is None and _env.VALIDATE):
-            workspace.check_errors()
-        return schedule
-    ghost = int(workspace._ghost_expert)
-    if workspace.ep is not None:
-        exchange = workspace.ep.build_plan(
-            workspace.ep.peer_flags(workspace.error_flags), topk_experts,
-            num_local_experts=int(num_local_experts), align=tiles.align,
-            route_capacity=route_capacity, ghost_expert=bool(ghost),
-            pulls=not (config.fwd_copy_rows and config.bwd_copy_rows))
-        routing = exchange.group_routing
-    else:
-        routing = ops.build_routing(
-            topk_experts, workspace.error_flags, num_experts=int(num_local_experts) + ghost,
-            first_local_expert=0, num_local_experts=int(num_local_experts), align=tiles.align,
-            route_capacity=route_capacity,
-        )
+    routing, plan = workspace.exchange.build_schedule(
+        topk_experts, config=config, num_local_experts=int(num_local_experts), align=tiles.align)
     workspace._publish_errors()
     if validate or (validate is None and _env.VALIDATE):
         workspace.check_errors()
     return Schedule(routing, workspace.dense_routing(num_tokens, tiles.align), tiles,
-                    num_local_experts * workspace.ep_size, workspace, exchange)
+                    num_local_experts * workspace.ep_size, workspace, plan)
 
 
-def _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up, w_routed_gate,
-             w_routed_up, swiglu_limit):
-    """The gate/up GEMMs; with expert parallelism the routed one pulls its rows (and router
-    weights) from their ranks in its own launch (fwd_copy_rows: they come by copies beside it).
-    The shared expert goes first: it needs no remote rows, and the other ranks have time to
-    publish theirs."""
-    hidden, intermediate = x.shape[1], w_routed_gate.shape[1]
+@dataclass(frozen=True)
+class _Experts:
+    """One group of experts' weights: gate, up [E, I, H] and down [E, H, I] (None where the
+    call does not need it). The shared expert is a group of one ([None] views)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor | None
+
+    @classmethod
+    def shared(cls, gate, up, down) -> _Experts | None:
+        if gate is None:
+            return None
+        return cls(gate[None], up[None], down[None] if down is not None else None)
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate.shape[1]
+
+
+def _gate_up(config, schedule, x, router_weights, shared: _Experts | None, routed: _Experts,
+             swiglu_limit) -> tuple[ForwardContext, torch.Tensor]:
+    """The gate/up GEMMs of this rank's tokens x (and router weights): (context, the router
+    weights the down GEMM scales the routed rows by). The shared expert goes first: it needs no
+    rows of other ranks, and they have time to publish theirs."""
+    exchange, plan = schedule.workspace.exchange, schedule.exchange
+    hidden = x.shape[1]
     keep = not config.recompute_gate_up
-
-    def pick(n: int) -> GemmTiles:  # storing the pre-activations has tiles of its own
-        return schedule.tiles.pick("gate_up_saved" if keep else "gate_up", n, hidden)
-
     h_shared = gate_up_shared = None
-    if w_shared_gate is not None:
-        shared_routing = schedule.shared_routing
-        gate_up_shared = ops.gate_up_buffer(x, w_shared_gate[None], shared_routing) if keep \
-            else None
-        h_shared = ops.gate_up_swiglu(x, w_shared_gate[None], w_shared_up[None], shared_routing,
-                                      pick(w_shared_gate.shape[0]),
+    if shared is not None:
+        tiles = forward_plan(schedule.tiles, hidden=hidden, intermediate=shared.intermediate,
+                             keep_gate_up=keep).gate_up
+        gate_up_shared = (ops.gate_up_buffer(x, shared.gate, schedule.shared_routing) if keep
+                          else None)
+        h_shared = ops.gate_up_swiglu(x, shared.gate, shared.up, schedule.shared_routing, tiles,
                                       swiglu_limit, gate_up=gate_up_shared)
-    ep = schedule.workspace.ep
-    gate_up = ops.gate_up_buffer(x, w_routed_gate, schedule.routing) if keep else None
-    if ep is None:
-        h = ops.gate_up_swiglu(x, w_routed_gate, w_routed_up, schedule.routing,
-                               pick(intermediate), swiglu_limit,
-                               gate_up=gate_up)
-        return ForwardContext(h, h_shared, gate_up=gate_up, gate_up_shared=gate_up_shared)
-    peer = ep.peer_flags(schedule.workspace.error_flags)
-    if config.fwd_copy_rows:
-        x_group, weights_group, pull = ep.forward_copy(peer, schedule.exchange, x,
-                                                       router_weights,
-                                                       block_m=pick(intermediate).block_m)
-    else:
-        x_group, weights_group, pull = ep.forward_pull(
-            peer, schedule.exchange, x, router_weights, minibatch=config.minibatch_size,
-            num_programs=config.fwd_num_comm_sms, in_gluon=config.fwd_pull_in_gluon)
-    h = ops.gate_up_swiglu(x_group, w_routed_gate, w_routed_up, schedule.routing,
-                           pick(intermediate), swiglu_limit, pull=pull,
-                           gate_up=gate_up)
-    ep.copies_joined()
-    ep.pulled(peer, Phase.FORWARD)
-    return ForwardContext(h, h_shared, weights_group=weights_group, gate_up=gate_up,
-                          gate_up_shared=gate_up_shared)
+    tiles = forward_plan(schedule.tiles, hidden=hidden, intermediate=routed.intermediate,
+                         keep_gate_up=keep).gate_up
+    x, router_weights = exchange.tokens(x, router_weights)
+    gate_up = ops.gate_up_buffer(x, routed.gate, schedule.routing) if keep else None
+    rows = exchange.forward_rows(plan, x, router_weights, config=config, block_m=tiles.block_m)
+    h = ops.gate_up_swiglu(rows.x, routed.gate, routed.up, schedule.routing, tiles,
+                           swiglu_limit, pull=rows.pull, gate_up=gate_up)
+    exchange.rows_read(Phase.FORWARD)
+    context = ForwardContext(h, h_shared, weights_group=rows.kept_weights, gate_up=gate_up,
+                             gate_up_shared=gate_up_shared)
+    return context, rows.route_weights
 
 
 def forward(
@@ -593,35 +546,25 @@ def forward(
     _check_router_weights(schedule, router_weights)
     x = _rowmajor(x)
     router_weights = router_weights.contiguous()
-    if workspace.cross_node is not None:
-        return workspace.cross_node.forward(config, schedule, x, router_weights, shared, routed,
-                                            swiglu_limit)
-    context = _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up,
-                       w_routed_gate, w_routed_up, swiglu_limit)
-    pick = schedule.tiles.pick
+    shared, routed = _Experts.shared(*shared), _Experts(*routed)
+    exchange, plan = workspace.exchange, schedule.exchange
     hidden = x.shape[1]
-    ep = workspace.ep
-    # with expert parallelism the Gluon kernel scatters its rows too (mok.kernels.gluon_rows)
-    down_tiles = pick("down", hidden, w_routed_down.shape[2])
-    if ep is None:
-        rows = ops.down_proj(context.h, w_routed_down, schedule.routing, down_tiles,
-                             router_weights)
-        combine_routing = schedule.routing
-    else:  # each weighted row lands in its token's rank's combine buffer
-        rows = ops.down_proj(context.h, w_routed_down, schedule.routing, down_tiles,
-                             context.weights_group, scatter=ep.scatter_rows(schedule.exchange,
-                                                                           x.dtype))
-        combine_routing = schedule.exchange.source_routing
+    # schedule -> rows in -> gate/up
+    context, route_weights = _gate_up(config, schedule, x, router_weights, shared, routed,
+                                      swiglu_limit)
+    # -> down, each weighted row to its token's rank -> combine
+    down = forward_plan(schedule.tiles, hidden=hidden, intermediate=routed.intermediate,
+                        keep_gate_up=not config.recompute_gate_up).down
+    rows = ops.down_proj(context.h, routed.down, schedule.routing, down, route_weights,
+                         scatter=exchange.scatter(plan, x.dtype))
     shared_rows = None
-    if w_shared_down is not None:
-        shared_rows = ops.down_proj(context.h_shared, w_shared_down[None],
-                                    schedule.shared_routing,
-                                    pick("down", hidden, w_shared_down.shape[1]), None)
-    if ep is not None:
-        peer = ep.peer_flags(workspace.error_flags)
-        ep.clear_dropped(peer, schedule.exchange, rows_dtype=x.dtype)
-        ep.finish(peer, Phase.FORWARD)
-    y = ops.combine(rows, combine_routing, shared_rows, x.dtype)
+    if shared is not None:
+        down = forward_plan(schedule.tiles, hidden=hidden, intermediate=shared.intermediate,
+                            keep_gate_up=not config.recompute_gate_up).down
+        shared_rows = ops.down_proj(context.h_shared, shared.down, schedule.shared_routing,
+                                    down, None)
+    exchange.deliveries_done(plan, Phase.FORWARD, x.dtype, values=False, wait=True)
+    y = exchange.combine(plan, rows, schedule.routing, shared_rows, x.dtype)
     return y, context.kept_for_backward()
 
 
@@ -648,24 +591,18 @@ def recompute_forward_context(
     _check_weights(schedule, x, (w_shared_gate, w_shared_up, None),
                    (w_routed_gate, w_routed_up, None), need_down=False)
     x = _rowmajor(x)
-    if workspace.ep is None and workspace.cross_node is None:
-        return _gate_up(config, schedule, x, None, w_shared_gate, w_shared_up, w_routed_gate,
-                        w_routed_up, swiglu_limit).kept_for_backward()
-    if router_weights is None:
-        raise MoKInputError("with expert parallelism, recompute_forward_context needs "
-                            "router_weights= (the experts' ranks pull them with the rows)")
-    _check_router_weights(schedule, router_weights)
-    router_weights = router_weights.contiguous()
-    if workspace.cross_node is not None:
-        return workspace.cross_node.recompute(config, schedule, x, router_weights,
-                                              (w_shared_gate, w_shared_up),
-                                              (w_routed_gate, w_routed_up), swiglu_limit)
-    return _gate_up(config, schedule, x, router_weights, w_shared_gate, w_shared_up,
-                    w_routed_gate, w_routed_up, swiglu_limit).kept_for_backward()
-
-
-def _down_bwd_kind(gate_up: torch.Tensor | None) -> str:
-    return "down_bwd" if gate_up is None else "down_bwd_saved"
+    if workspace.ep_size > 1:
+        if router_weights is None:
+            raise MoKInputError("with expert parallelism, recompute_forward_context needs "
+                                "router_weights= (the experts' ranks pull them with the rows)")
+        _check_router_weights(schedule, router_weights)
+        router_weights = router_weights.contiguous()
+    else:
+        router_weights = None  # one GPU: the gate/up GEMMs do not read them
+    context, _ = _gate_up(config, schedule, x, router_weights,
+                          _Experts.shared(w_shared_gate, w_shared_up, None),
+                          _Experts(w_routed_gate, w_routed_up, None), swiglu_limit)
+    return context.kept_for_backward()
 
 
 def _check_context_rows(h, gate_up, routing, intermediate, suffix) -> None:
@@ -680,62 +617,53 @@ def _check_context_rows(h, gate_up, routing, intermediate, suffix) -> None:
                                 ": it was made for another schedule")
 
 
-def _h_for_backward(h, gate_up, routing, intermediate) -> tuple[torch.Tensor, bool]:
-    """(h, whether the backward's first kernel writes it): a context with kept pre-activations
-    holds no h; that kernel rebuilds it from them for the down projection's weight gradient."""
-    if h is not None:
-        return h, False
-    return torch.empty(routing.capacity_rows, intermediate, dtype=gate_up.dtype,
-                       device=gate_up.device), True
-
-
-def _expert_input_grads(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
-                        swiglu_limit, gate_up=None):
-    """The first half of one group of experts' backward: (d_x rows, d_router_weights or None,
-    what `_expert_weight_grads` needs)."""
-    hidden, intermediate = x.shape[1], w_gate.shape[1]
-    pick = tiles.pick
-    down_bwd_tiles = pick(_down_bwd_kind(gate_up), intermediate, hidden)
-    if down_bwd_tiles.apart and gate_up is None:  # gate/up recomputed in a launch of its own
+def _dswiglu(plan: BackwardPlan, routing: Routing, rows: BackwardRows, h, gate_up,
+             route_weights, experts: _Experts, swiglu_limit):
+    """The backward's first launch(es): (d_gate_up [C, 2I], the router-weight gradients' partial
+    sums or None, h). A context with kept pre-activations holds no h: the launch rebuilds it from
+    them, for the down projection's weight gradient."""
+    h_out = h is None
+    if h_out:
+        h = torch.empty(routing.capacity_rows, experts.intermediate, dtype=gate_up.dtype,
+                        device=gate_up.device)
+    if plan.apart is not None:  # gate/up recomputed in a launch of its own
         d_gate_up, partial = ops.dswiglu_apart(
-            d_output, x, w_down, w_gate, w_up, routing, *tiles.pick_apart(intermediate, hidden),
-            router_weights, swiglu_limit)
+            rows.d_output, rows.x, experts.down, experts.gate, experts.up, routing, *plan.apart,
+            route_weights, swiglu_limit, pull=rows.pull)
     else:
-        h_used, h_out = _h_for_backward(h, gate_up, routing, intermediate)
         d_gate_up, partial = ops.down_bwd_dswiglu(
-            d_output, x, w_down, w_gate, w_up, h_used, routing, down_bwd_tiles, router_weights,
-            swiglu_limit, gate_up=gate_up, h_out=h_out)
-        h = h_used
-    d_router_weights = ops.router_grad(partial, routing) if partial is not None else None
-    d_x_rows = ops.d_x_rows(d_gate_up, w_gate, w_up, routing, pick("d_x", hidden, intermediate))
-    return d_x_rows, d_router_weights, [d_gate_up, h]
+            rows.d_output, rows.x, experts.down, experts.gate, experts.up, h, routing,
+            plan.dswiglu, route_weights, swiglu_limit, pull=rows.pull, gate_up=gate_up,
+            h_out=h_out)
+    return d_gate_up, partial, h
 
 
-def _expert_weight_grads(tiles, routing, d_output, x, saved, router_weights, w_gate, w_down):
-    """The second half: (d_w_gate, d_w_up, d_w_down), from `_expert_input_grads`'s `saved`
-    (emptied: d_gate_up [C, 2I] is freed before d_w_down is allocated)."""
-    hidden, intermediate = x.shape[1], w_gate.shape[1]
-    pick = tiles.pick
+def _weight_grads(plan: BackwardPlan, routing, d_output, x, saved, route_weights,
+                  experts: _Experts):
+    """(d_w_gate, d_w_up, d_w_down) from saved = [d_gate_up, h] (emptied: d_gate_up [C, 2I] is
+    freed before d_w_down is allocated); d_output and x by token."""
     d_gate_up, h = saved
     saved.clear()
     d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
-        d_gate_up, x, routing, pick("wgrad_gate_up", intermediate, hidden), gather_x=True,
-        out_dtype=w_gate.dtype)
+        d_gate_up, x, routing, plan.wgrad_gate_up, gather_x=True, out_dtype=experts.gate.dtype)
     del d_gate_up
-    d_w_down = ops.grouped_wgrad(d_output, h, routing, pick("wgrad_down", hidden, intermediate),
-                                 gather_a=True, gather_b=False, router_weights=router_weights,
-                                 out_dtype=w_down.dtype)
+    d_w_down = ops.grouped_wgrad(d_output, h, routing, plan.wgrad_down, gather_a=True,
+                                 gather_b=False, router_weights=route_weights,
+                                 out_dtype=experts.down.dtype)
     return d_w_gate, d_w_up, d_w_down
 
 
-def _expert_backward(tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down,
-                     swiglu_limit, gate_up=None):
-    """Backward of one group of experts: (d_x rows, d_router_weights or None, weight grads)."""
-    d_x_rows, d_router_weights, saved = _expert_input_grads(
-        tiles, routing, d_output, x, h, router_weights, w_gate, w_up, w_down, swiglu_limit,
-        gate_up)
-    return d_x_rows, d_router_weights, _expert_weight_grads(
-        tiles, routing, d_output, x, saved, router_weights, w_gate, w_down)
+def _shared_backward(tiles, routing, d_output, x, h, gate_up, experts: _Experts, swiglu_limit):
+    """The shared expert's backward on this rank's tokens: (d_x rows, its weight gradients)."""
+    plan = backward_plan(tiles, hidden=x.shape[1], intermediate=experts.intermediate,
+                         kept=gate_up is not None)
+    rows = BackwardRows(d_output, x)
+    d_gate_up, _, h = _dswiglu(plan, routing, rows, h, gate_up, None, experts, swiglu_limit)
+    d_x_rows = ops.d_x_rows(d_gate_up, experts.gate, experts.up, routing, plan.d_x)
+    saved = [d_gate_up, h]
+    del d_gate_up
+    grads = _weight_grads(plan, routing, d_output, x, saved, None, experts)
+    return d_x_rows, tuple(grad[0] for grad in grads)
 
 
 def backward(
@@ -768,124 +696,63 @@ def backward(
     _check_weights(schedule, x, shared, routed)
     _check_router_weights(schedule, router_weights)
     _check_tensor("d_output", d_output, tuple(x.shape), (x.dtype,), workspace.device)
-    if not isinstance(forward_context, ForwardContext):
+    context = forward_context
+    if not isinstance(context, ForwardContext):
         raise MoKInputError("forward_context must come from forward or recompute_forward_context")
-    context_shared = (forward_context.h_shared is not None
-                      or forward_context.gate_up_shared is not None)
-    if context_shared != (w_shared_gate is not None):
+    if (context.h_shared is not None or context.gate_up_shared is not None) != (
+            w_shared_gate is not None):
         raise MoKInputError("the forward context and the shared-expert weights disagree")
+    exchange, plan = workspace.exchange, schedule.exchange
+    if (context.weights_group is None) != exchange.rows_here:
+        raise MoKInputError("the forward context was made for another workspace")
+    shared, routed = _Experts.shared(*shared), _Experts(*routed)
+    _check_context_rows(context.h, context.gate_up, schedule.routing, routed.intermediate, "")
+    if shared is not None:
+        _check_context_rows(context.h_shared, context.gate_up_shared, schedule.shared_routing,
+                            shared.intermediate, "_shared")
     x, d_output = _rowmajor(x), _rowmajor(d_output)
     router_weights = router_weights.contiguous()
-    if workspace.cross_node is not None:
-        if forward_context.inner is None:
-            raise MoKInputError("the forward context was made for another workspace")
-        return workspace.cross_node.backward(config, schedule, forward_context, d_output, x,
-                                             router_weights, shared, routed, swiglu_limit)
-    if (forward_context.weights_group is None) != (workspace.ep is None):
-        raise MoKInputError("the forward context was made for another workspace")
-    _check_context_rows(forward_context.h, forward_context.gate_up, schedule.routing,
-                        w_routed_gate.shape[1], "")
-    if w_shared_gate is not None:
-        _check_context_rows(forward_context.h_shared, forward_context.gate_up_shared,
-                            schedule.shared_routing, w_shared_gate.shape[0], "_shared")
+    dtype = x.dtype
     d_shared = (None, None, None)
     d_x_shared_rows = None
-    if w_shared_gate is not None:  # first: with expert parallelism it overlaps the pulls
-        d_x_shared_rows, _, d_shared = _expert_backward(
-            schedule.tiles, schedule.shared_routing, d_output, x, forward_context.h_shared, None,
-            w_shared_gate[None], w_shared_up[None], w_shared_down[None], swiglu_limit,
-            gate_up=forward_context.gate_up_shared)
-        d_shared = tuple(grad[0] for grad in d_shared)
-    if workspace.ep is None:
-        d_x_rows, d_router_weights, saved = _expert_input_grads(
-            schedule.tiles, schedule.routing, d_output, x, forward_context.h, router_weights,
-            w_routed_gate, w_routed_up, w_routed_down, swiglu_limit,
-            gate_up=forward_context.gate_up)
-        d_x = ops.combine(d_x_rows, schedule.routing, d_x_shared_rows, x.dtype)
+    if shared is not None:  # first: with expert parallelism it overlaps the exchange
+        d_x_shared_rows, d_shared = _shared_backward(
+            schedule.tiles, schedule.shared_routing, d_output, x, context.h_shared,
+            context.gate_up_shared, shared, swiglu_limit)
+    # rows in -> dSwiGLU (gate/up recomputed or kept) -> d_x rows out -> combine; the weight
+    # gradients while the other ranks' rows land.
+    d_output, x, router_weights = exchange.tokens(d_output, x, router_weights)
+    route_weights = context.weights_group if context.weights_group is not None else router_weights
+    routing = schedule.routing
+    kept = context.gate_up is not None
+    launches = backward_plan(schedule.tiles, hidden=x.shape[1],
+                             intermediate=routed.intermediate, kept=kept,
+                             movement=exchange.movement(Phase.BACKWARD, config))
+    rows = exchange.backward_rows(plan, d_output, x, config=config,
+                                  block_m=launches.first_block_m, kept=kept,
+                                  apart=launches.apart is not None)
+    d_gate_up, partial, h = _dswiglu(launches, routing, rows, context.h, context.gate_up,
+                                     route_weights, routed, swiglu_limit)
+    by_route = ops.router_grad(partial, routing)
+    exchange.send_route_values(plan, by_route)
+    d_x_rows = ops.d_x_rows(d_gate_up, routed.gate, routed.up, routing, launches.d_x,
+                            scatter=exchange.scatter(plan, dtype), pull=rows.x_pull,
+                            pulled=rows.x if rows.x_pull is not None else None)
+    exchange.rows_read(Phase.BACKWARD)
+    exchange.deliveries_done(plan, Phase.BACKWARD, dtype, values=True, wait=False)
+    d_x = None
+    if exchange.rows_here:
         # The d_x rows ([C, H], the backward's largest buffer) are freed before the weight
         # gradients are allocated: the step's peak holds one or the other, not both.
-        del d_x_rows, d_x_shared_rows
-        d_routed = _expert_weight_grads(schedule.tiles, schedule.routing, d_output, x, saved,
-                                        router_weights, w_routed_gate, w_routed_down)
-    else:
-        d_x, d_router_weights, d_routed = _expert_parallel_backward(
-            config, schedule, forward_context, d_output, x, d_x_shared_rows,
-            w_routed_gate, w_routed_up, w_routed_down, swiglu_limit)
-    return (d_x, d_router_weights, *d_routed, *d_shared)
-
-
-def _expert_parallel_backward(config, schedule, context, d_output, x, d_x_shared_rows, w_gate,
-                              w_up, w_down, swiglu_limit):
-    """The routed experts' backward when the token rows live on their tokens' ranks: pull d_output
-    and x of the group's tokens in the first GEMM's launch (x in d_x's launch when the forward
-    kept the pre-activations: only the weight gradients read it then), send d_x rows and
-    router-weight gradients back, keep the weight gradients."""
-    workspace, plan = schedule.workspace, schedule.exchange
-    ep = workspace.ep
-    peer = ep.peer_flags(workspace.error_flags)
-    dtype = d_output.dtype
-    hidden, intermediate = d_output.shape[1], w_gate.shape[1]
-    pick = schedule.tiles.pick
-    routing = schedule.routing
-    kept = context.gate_up is not None  # x is read by the weight gradients alone
-    down_bwd_kind = _down_bwd_kind(context.gate_up)
-    down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden)
-    # With GemmTiles.apart gate/up recomputes in a launch of its own first: the launch that
-    # waits on the rows (copied: its row blocks local first; pulled: it pulls x's and
-    # d_output's), the kept dSwiGLU after it (the Gluon kernel where the table says so).
-    apart_tiles = (schedule.tiles.pick_apart(intermediate, hidden,
-                                             pulling=not config.bwd_copy_rows)
-                   if down_bwd_tiles.apart and not kept else None)
-    if config.bwd_copy_rows:
-        # The rows come by copies beside the first launch, which waits on them: the Gluon
-        # kernel where the table says so.
-        first_tiles = apart_tiles[0] if apart_tiles is not None else down_bwd_tiles
-        dy_group, x_group, pull = ep.backward_copy(peer, plan, d_output, x,
-                                                   block_m=first_tiles.block_m, kept=kept)
-        x_pull = None
-    else:
-        # The first launch pulls rows its tiles wait on: the Triton kernel runs it, on the
-        # table's Triton tiles.
-        if apart_tiles is None:
-            down_bwd_tiles = pick(down_bwd_kind, intermediate, hidden, triton=True)
-        dy_group, x_group, pull, x_pull = ep.backward_pull(
-            peer, plan, d_output, x, minibatch=config.minibatch_size,
-            num_programs=config.bwd_num_comm_sms, defer_x=kept,
-            x_first=apart_tiles is not None)
-    h, h_out = _h_for_backward(context.h, context.gate_up, routing, intermediate)
-    # d_x scatters its rows (and with kept pre-activations, unless they were copied, pulls x for
-    # the weight gradients, no tile waiting on it): the Gluon kernel where the table says so.
-    if apart_tiles is not None:
-        d_gate_up, partial = ops.dswiglu_apart(
-            dy_group, x_group, w_down, w_gate, w_up, routing, *apart_tiles,
-            context.weights_group, swiglu_limit, pull=pull)
-    else:
-        d_gate_up, partial = ops.down_bwd_dswiglu(
-            dy_group, x_group, w_down, w_gate, w_up, h, routing, down_bwd_tiles,
-            context.weights_group, swiglu_limit, pull=pull, gate_up=context.gate_up,
-            h_out=h_out)
-    # Router-weight gradients by route of the group, each sent to its token's rank.
-    by_route = ops.router_grad(partial, routing)
-    ops.scatter_route_values(by_route.reshape(-1), routing.route_row, ep.d_weights,
-                             ep.buffer.deltas(torch.float32), plan.routes_per_rank)
-    ops.d_x_rows(d_gate_up, w_gate, w_up, routing,
-                 pick("d_x", hidden, intermediate),
-                 scatter=ep.scatter_rows(plan, dtype), pull=x_pull,
-                 pulled=x_group if x_pull is not None else None)
-    ep.copies_joined()
-    ep.pulled(peer, Phase.BACKWARD)  # after every pull (or copy) of the phase
-    ep.clear_dropped(peer, plan, rows_dtype=dtype, values=True)
-    ep.signal_done(peer, Phase.BACKWARD)
-    # The weight gradients as on one GPU, over the pulled tokens of the group.
+        d_x = exchange.combine(plan, d_x_rows, routing, d_x_shared_rows, dtype)
+        d_x_rows = d_x_shared_rows = None
     saved = [d_gate_up, h]
-    del d_gate_up  # freed inside, before d_w_down is allocated
-    d_routed = _expert_weight_grads(schedule.tiles, routing, dy_group, x_group, saved,
-                                    context.weights_group, w_gate, w_down)
-    del dy_group, x_group
-    ep.finish(peer, Phase.BACKWARD, signal=False)
-    source = plan.source_routing
-    d_x = ops.combine(ep.combine_buffer(dtype), source, d_x_shared_rows, dtype)
-    valid = (source.route_row >= 0).view(source.num_tokens, source.topk)
-    received = ep.d_weights[:source.num_tokens * source.topk].view(valid.shape)
-    d_router_weights = torch.where(valid, received, 0.0)
-    return d_x, d_router_weights, d_routed
+    del d_gate_up, h  # freed inside, before d_w_down is allocated
+    d_routed = _weight_grads(launches, routing, rows.d_output, rows.x, saved, route_weights,
+                             routed)
+    del rows, d_output, x
+    exchange.landed(Phase.BACKWARD)
+    if d_x is None:
+        d_x = exchange.combine(plan, d_x_rows, routing, d_x_shared_rows, dtype)
+    d_router_weights = exchange.route_values(plan, by_route)
+    return (d_x, d_router_weights, *d_routed, *d_shared)

@@ -23,13 +23,14 @@ from torch import nn
 from mok import functional as F
 from mok.errors import MoKInputError
 from mok.ops import capacity_rows, default_tiles
+from mok.reference import moe_reference
 
 
 class Backend(enum.Enum):
     """Which implementation runs the experts."""
 
     MOK = "mok"              # the fused Triton kernels (compiled on GPU, interpreted on CPU)
-    REFERENCE = "reference"  # mok.testing's pure-PyTorch reference, for debugging
+    REFERENCE = "reference"  # mok.reference: the pure-PyTorch layer, for debugging
 
     @classmethod
     def parse(cls, value: Backend | str) -> Backend:
@@ -229,7 +230,7 @@ def moe_experts(
     max_tokens: int | None = None,
     recompute_gate_up: bool = True,
 ) -> torch.Tensor:
-    """The routed + shared experts as a differentiable function (DESIGN.md section 1).
+    """The routed + shared experts as a differentiable function (docs/design.md section 1).
 
     x [T, H] bf16/fp16 (the kernels' dtypes; the reference backend takes any float dtype);
     topk_experts [T, k] int; router_weights [T, k] fp32; weights as mok.functional.forward.
@@ -241,8 +242,6 @@ def moe_experts(
     the backward: faster, more memory).
     """
     if Backend.parse(backend) is Backend.REFERENCE:
-        from mok.testing.reference import moe_reference
-
         return moe_reference(x, topk_experts, router_weights, w_shared_gate, w_shared_up,
                              w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
                              swiglu_limit=swiglu_limit, group=group).to(x.dtype)

@@ -1,8 +1,9 @@
-"""The one pure-PyTorch reference of the MoE layer (DESIGN.md section 1), EP-aware.
+"""The MoE layer in plain PyTorch (docs/design.md section 1), EP-aware: the `reference` backend of
+mok.nn and the reference every test and benchmark compares against.
 
-Every test and benchmark compares against this; nobody copies it. It is written for clarity, not
-speed: it synchronizes with the device, loops over experts and differentiates through autograd
-(all_to_all_single with autograd when the experts are spread over a process group).
+It is written for clarity, not speed: it synchronizes with the device, loops over experts and
+differentiates through autograd (all_to_all_single with autograd when the experts are spread over
+a process group).
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def main(argv=None) -> None:
                           "gate_up saving tma rows persistent", "d_x tma rows persistent")]
     # gate/up by the warp-specialized Gluon kernel (GemmTiles.gluon; its weights and outputs
     # always through TMA), as an sm_90 GPU would run it.
-    experts_ops._is_sm90 = lambda device: True
+    experts_ops._warp_specialized = lambda device: True
     gluon = r(t["gate_up"], block_m=128, block_n=128, block_k=64, num_stages=4, gluon=True)
     runs += [
         ("gate_up gluon tma", gluon,

@@ -32,7 +32,7 @@ from benchmarks.implementations import (
 )
 from benchmarks.layer import CSV_FIELDS, TINY, Mode
 from mok import _env, provenance
-from mok.__main__ import main as mok_main
+from mok.app.cli import main as mok_main
 from mok.testing import SHAPES, TOLERANCES, make_inputs, moe_reference_grads
 from mok.testing.distributed import RANKS_SHARE_GPU
 
@@ -252,12 +252,12 @@ def test_host_times_under_expert_parallelism(capsys):
     # layer, pulled and copied, and of the same work on one GPU, each function's own time;
     # the EP functions appear for the EP variants only, and every wrapper is taken off again.
     from benchmarks import host
-    from mok.expert_parallel import ExpertParallel
+    from mok.exchange import SymmetricExchange
     from mok.ops import comm
 
-    before = (dict(vars(ExpertParallel)), dict(vars(comm)))
+    before = (dict(vars(SymmetricExchange)), dict(vars(comm)))
     host.main(["--ep", "2", "--shapes", TINY.name, "--repeats", "1", "--top", "60"])
-    assert (dict(vars(ExpertParallel)), dict(vars(comm))) == before
+    assert (dict(vars(SymmetricExchange)), dict(vars(comm))) == before
     out = capsys.readouterr().out
     for label in ("one GPU, forward", "pull, forward+backward", "copies, forward+backward",
                   "one GPU, forward, in a row", "copies, forward+backward, in a row"):

@@ -23,8 +23,7 @@ import pytest
 import torch
 
 import mok
-from mok import __main__ as cli
-from mok import train
+from mok.app import cli, train
 
 PACKAGE = Path(mok.__file__).resolve().parent
 TRAIN_FLAGS = ["--device", "cpu", "--no-progress"]

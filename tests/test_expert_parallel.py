@@ -16,6 +16,7 @@ import torch.distributed as dist
 import mok.functional as F
 from mok import ops
 from mok.errors import NUM_ERROR_FLAGS, MoKDataError, MoKInputError
+from mok.exchange import CrossNodeExchange
 from mok.ops import small_tiles
 from mok.testing import (
     GRAD_NAMES,
@@ -216,13 +217,13 @@ def _copy_rows_body(rank, world_size, *, kept):
     assert torch.equal(y, y_copied)
     _assert_equal_grads(grads, grads_copied)
     _check_against_reference(inputs, y_copied, grads_copied, 0.8)
-    # The gate/up takes its row blocks in ExpertParallel.local_first's order: a permutation,
+    # The gate/up takes its row blocks in SymmetricExchange.local_first's order: a permutation,
     # blocks of this rank's rows only, then those with another rank's rows, then the unused
     # ones, each in schedule order.
     routing = schedule.exchange.group_routing
     block_m = schedule.tiles.pick("gate_up", inputs.w_routed_gate.shape[1],
                                   inputs.x.shape[1]).block_m  # the tiles the layer ran
-    order = workspace.ep.local_first(routing, block_m).tolist()
+    order = workspace.exchange.local_first(routing, block_m).tolist()
     blocks = routing.row_route.shape[0] // block_m
     assert sorted(order) == list(range(blocks))
     route = routing.row_route[:blocks * block_m].view(blocks, block_m).tolist()
@@ -475,7 +476,7 @@ def test_persistent_pulling_launches_share_a_tile_counter():
 def _dispatch_body(rank, world_size):
     """The dispatch alone: every token of the group with a route scheduled here lands once, at
     its group row, with its router weights; no other row or weight is written."""
-    from mok.expert_parallel import Phase
+    from mok.exchange import Phase
     from mok.ops import comm
 
     config = SMALL_MINIBATCHES
@@ -488,7 +489,7 @@ def _dispatch_body(rank, world_size):
     schedule = F.build_schedule(workspace, config, inputs.topk_experts,
                                 num_local_experts=inputs.num_local_experts,
                                 tiles=tiles_for_tests())
-    ep = workspace.ep
+    ep = workspace.exchange
     peer = ep.peer_flags(workspace.error_flags)
     _, _, pull = ep.forward_pull(peer, schedule.exchange, inputs.x, inputs.router_weights,
                                  minibatch=config.minibatch_size, num_programs=3)
@@ -544,13 +545,13 @@ def _dispatch_body(rank, world_size):
 def test_ep_gather_peers_takes_blocks_in_turn(rank, world_size):
     # The schedule's gather of every rank's top-k, with more blocks per rank than programs
     # (ops.comm._GATHER_PROGRAMS_PER_RANK): each program takes several, the last one partial.
-    from mok.expert_parallel import ExpertParallel, Phase
+    from mok.exchange import Phase, SymmetricExchange
     from mok.ops import comm
 
     device = _device(rank)
     block = 4096
     numel = (comm._GATHER_PROGRAMS_PER_RANK * 2 + 1) * block + 5
-    ep = ExpertParallel(dist.group.WORLD, device, num_tokens=numel, hidden_size=1, topk=1,
+    ep = SymmetricExchange(dist.group.WORLD, device, num_tokens=numel, hidden_size=1, topk=1,
                         timeout_s=300.0)
     peer = ep.peer_flags(torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device))
     values = torch.randint(-2**30, 2**30, (world_size, numel), dtype=torch.int32,
@@ -639,8 +640,8 @@ def _overflow_body(rank, world_size, pattern, multiplier, tiles=None):
         F.check_errors(workspace)
     # What an earlier call left in the buffers the other ranks deliver into (rows are written
     # there only after this rank publishes in the forward, so filling them now races nothing).
-    workspace.ep.combine_buffer(inputs.x.dtype).fill_(1000.0)
-    workspace.ep.d_weights.fill_(1000.0)
+    workspace.exchange.combine_buffer(inputs.x.dtype).fill_(1000.0)
+    workspace.exchange.d_weights.fill_(1000.0)
     y, context = F.forward(config, workspace, schedule, *inputs.layer_args)
     grads = F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
     dist.all_reduce(dropped, op=dist.ReduceOp.MAX)
@@ -679,7 +680,7 @@ def test_ep_capacity_overflow_leaves_the_routes_out(rank, world_size):
 
 def _layout_body(rank, world_size):
     """One host: the whole group is one node; a group that does not split raises."""
-    from mok.cross_node import ranks_per_node_of
+    from mok.exchange import ranks_per_node_of
 
     assert ranks_per_node_of(dist.group.WORLD) == world_size
     with pytest.raises(MoKInputError, match="ranks_per_node=3"):
@@ -835,7 +836,7 @@ def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES, a
                                    num_local_tokens=MAX_TOKENS,
                                    hidden_size=inputs.x.shape[1], topk=inputs.topk_experts.shape[1],
                                    ranks_per_node=world_size // 2)
-    assert workspace.cross_node is not None and workspace.cross_node.num_nodes == 2
+    assert isinstance(workspace.exchange, CrossNodeExchange) and workspace.exchange.num_nodes == 2
     tiles = tiles_for_tests()
     if apart:
         tiles = dataclasses.replace(tiles or ops.default_tiles(inputs.x.device), use_tuned=False)

@@ -166,7 +166,7 @@ def test_gluon_gate_up_matches_reference_and_is_deterministic(kept, limit):
     # one without rows, N not a multiple of the tile (I = 320).
     from mok.ops import experts
 
-    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
     inputs = make_inputs(6000, 1024, 320, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=6, routing=RoutingPattern.SKEWED)
     config = F.MoKConfig(recompute_gate_up=not kept)
@@ -196,7 +196,7 @@ def test_gluon_gate_up_pulling_its_rows(kept, limit):
     from mok.ops import experts
     from mok.testing.pull import local_pull
 
-    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
     inputs = make_inputs(6000, 1024, 320, 16, 4, device="cuda", seed=8,
                          routing=RoutingPattern.SKEWED)
     tiles = _gluon_gate_up(dataclasses.replace(ops.default_tiles(torch.device("cuda")),
@@ -242,7 +242,7 @@ def test_gluon_kernels_waiting_on_copied_rows(kept):
     from mok.ops import experts
     from mok.testing.pull import local_copied
 
-    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
     inputs = make_inputs(6000, 1344, 352, 16, 4, device="cuda", seed=10,
                          routing=RoutingPattern.SKEWED)
     base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
@@ -305,7 +305,7 @@ def test_gluon_rows_scatter_their_rows(wide):
     from mok.ops import comm, experts
     from mok.testing.pull import local_pull
 
-    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
     inputs = make_inputs(6000, 1344, 320, 16, 4, device="cuda", seed=9,
                          routing=RoutingPattern.SKEWED)
     tiles = _gluon_rows(dataclasses.replace(ops.default_tiles(torch.device("cuda")),
@@ -351,7 +351,7 @@ def test_gluon_rows_match_reference_and_are_deterministic(wide, monkeypatch):
     # block_k: its down projection reads TMA's zero fill past K, its d_x runs the Triton kernel.
     from mok.ops import experts
 
-    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
     launches = []
 
     def counted(name):
@@ -416,7 +416,7 @@ def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, pingp
     # pingpong: two MMA partitions take every other tile of a CTA, each CTA several.
     from mok.ops import experts
 
-    assert experts._is_sm90(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
     launches = _gluon_dswiglu_launches(monkeypatch)
     inputs = _dswiglu_inputs(seed=8)
     config = F.MoKConfig(recompute_gate_up=not kept)

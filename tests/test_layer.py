@@ -188,7 +188,7 @@ def test_tile_options_are_checked(monkeypatch):
     # block_n 256 is for down and d_x: the gate/up launcher leaves it to the Triton kernel
     from mok.ops import experts
 
-    monkeypatch.setattr(experts, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(experts, "_warp_specialized", lambda device: True)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
     assert experts._gluon_runs(x, w, w, ops.GemmTiles(128, 128, 64, gluon=True))

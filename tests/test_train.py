@@ -1,4 +1,4 @@
-"""The training job (`python -m mok train`, mok/train.py): summary, learning, exact resume, the
+"""The training job (`python -m mok train`, mok/app/train.py): summary, learning, exact resume, the
 mok backend in a model, the hf comparison and its shared initial weights, stopping on a signal,
 and checkpoints written atomically and recognized on load.
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mok import __main__ as cli
-from mok import provenance, train
+from mok import provenance
+from mok.app import cli, train
 from mok.nn import MoE
 
 COMMON = ["--device", "cpu", "--no-progress"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks import train as bench
-from mok import train
+from mok.app import train
 
 TINY = ["--device", "cpu", "--size", "tiny", "--batch-size", "4", "--seq-len", "32",
         "--steps", "12", "--eager-steps", "6", "--warmup", "2", "--window", "3",

@@ -2,7 +2,7 @@
 
 train  the main job: train a small mixture-of-experts byte-level language model with mok.nn.MoE
        feed-forwards on the bundled public-domain corpus, print the loss and tokens/s, write
-       summary.json, loss.png and checkpoint.pt (mok/train.py; `python -m mok train --help`). On
+       summary.json, loss.png and checkpoint.pt (mok/app/train.py; `python -m mok train --help`). On
        CPU it trains the tiny model with the pure-PyTorch reference experts unless --backend mok
        is given, since Triton's interpreter takes seconds per layer and step. Ctrl-C or SIGTERM
        saves a checkpoint after the step in progress and prints the command that resumes.
@@ -51,7 +51,7 @@ def _usage_error(message: str) -> SystemExit:
 
 def demo(argv: list[str]) -> None:
     """`python -m mok demo`: one fused forward and backward, checked against the reference."""
-    from mok.train import int_at_least, seed_value
+    from mok.app.train import int_at_least, seed_value
 
     parser = argparse.ArgumentParser(prog=f"{PROG} demo")
     parser.add_argument("--tokens", type=int_at_least(1), default=256)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         raise _usage_error(f"unknown command {command!r}")
     try:
         if command == "train":
-            from mok import train
+            from mok.app import train
 
             train.main(rest)
         elif command == "demo":

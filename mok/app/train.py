@@ -3,7 +3,7 @@
 The model is a decoder-only transformer in Qwen3-MoE's style (RMSNorm before each sublayer,
 causal self-attention with grouped key/value heads, per-head RMSNorm on queries and keys, rotary
 positions, residual connections) whose feed-forward in every block is `mok.nn.MoE`. It reads bytes
-(vocabulary 256) of the public-domain English text shipped in `mok/data/corpus.txt`: the King
+(vocabulary 256) of the public-domain English text shipped in `mok/app/data/corpus.txt`: the King
 James Bible (Genesis 1-3, Psalms, Ecclesiastes, Matthew 5-7, Luke 2, 1 Corinthians 13),
 Shakespeare's sonnets and speeches, Lewis Carroll's Alice (chapter 1, verses), the first chapters
 of Austen's Pride and Prejudice, Lincoln's Gettysburg Address and Aesop's fables.
@@ -11,7 +11,7 @@ of Austen's Pride and Prejudice, Lincoln's Gettysburg Address and Aesop's fables
 Backends of the feed-forward (`--backend`):
   mok        the fused Triton kernels (compiled on a GPU; on CPU, Triton's interpreter, which takes
              seconds per layer and step even for the tiny model).
-  reference  mok.testing's pure-PyTorch reference behind the same module and parameters.
+  reference  mok.reference, the pure-PyTorch layer, behind the same module and parameters.
   hf         Hugging Face's Qwen3MoeSparseMoeBlock, built with the same sizes and started from the
              same weights (copied from a mok.nn.MoE created with the same seed), with transformers'
              grouped_mm experts (--hf-experts eager: its loop over experts). Its load-balancing

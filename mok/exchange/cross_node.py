@@ -11,11 +11,12 @@ Rank (n, l) exchanges tokens with its "rail": the ranks (m, l) of the other node
   backward), each rank's T tokens padded to the workspace's T_max: N * T_max "group tokens" in
   node order (padding routes to no expert). A fixed size, known on the host, so no host sync
   and no dropped token, at the cost of sending each token to every node once.
-- Inside the node, the group tokens go through the one-node layer (symmetric memory when L > 1,
-  one GPU when L == 1) against the node's experts; a route to another node's expert is a ghost
-  (an id no rank of the node owns), left out.
+- Inside the node, the group tokens go through the one-node exchange (symmetric memory when
+  L > 1, one GPU when L == 1) against the node's experts; a route to another node's expert is a
+  ghost (an id no rank of the node owns), left out.
 - Combine: an all_to_all returns each node's partial output of a token to the token's rank, which
-  adds the shared expert and the N partials in a fixed order (node 0 first). The backward returns
+  adds the shared expert (computed on its own tokens) and the N partials in a fixed order (node 0
+  first). The backward returns
   d_x and the router-weight gradients the same way; weight gradients stay with the experts.
 
 Deterministic as long as the collectives are (they only move data; every sum is ours).
@@ -29,9 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mok import functional as F
-from mok import ops
 from mok.errors import MoKInputError
+from mok.exchange.base import Exchange
+from mok.exchange.local import LocalExchange
+from mok.exchange.symmetric import SymmetricExchange
 
 
 def ranks_per_node_of(group: dist.ProcessGroup) -> int:
@@ -78,21 +80,27 @@ def _return_and_sum(partial: torch.Tensor, group: dist.ProcessGroup, rows: int,
 
 @dataclass(frozen=True)
 class CrossNodePlan:
-    """The one-node schedule of the group tokens (and the ranks' layout)."""
+    """The one-node exchange's plan of the group tokens' schedule; num_tokens: this rank's."""
 
-    inner: F.Schedule
+    inner: object
     num_nodes: int
+    num_tokens: int
 
 
-class CrossNode:
-    """The cross-node state of a workspace: subgroups and the one-node workspace inside."""
+class CrossNodeExchange(Exchange):
+    """Collectives between the nodes around the one-node exchange `inner` of the node's ranks.
 
-    def __init__(self, config: F.MoKConfig, group: dist.ProcessGroup, device: torch.device, *,
-                 num_tokens: int, hidden_size: int, topk: int, ranks_per_node: int) -> None:
+    errors: the workspace's error flags. The subgroups are created here, on every rank alike.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, *, num_tokens: int,
+                 hidden_size: int, topk: int, ranks_per_node: int, timeout_s: float,
+                 errors: torch.Tensor) -> None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         per_node = int(ranks_per_node)
         if per_node < 1 or world % per_node:
             raise MoKInputError(f"ranks_per_node={per_node} does not divide the group of {world}")
+        self.num_ranks, self.rank = world, rank
         self.num_nodes = world // per_node
         self.ranks_per_node = per_node
         self.node, self.local_rank = divmod(rank, per_node)
@@ -106,17 +114,23 @@ class CrossNode:
             subgroup = dist.new_group(ranks[local::per_node])
             if local == self.local_rank:
                 self.rail_group = subgroup
-        self.inner = F.create_workspace(
-            config, self.node_group if per_node > 1 else None, device=device,
-            num_local_tokens=self.num_nodes * num_tokens, hidden_size=hidden_size, topk=topk,
-            ranks_per_node=per_node)
-        self.inner._ghost_expert = True
         self.max_tokens = num_tokens
+        group_tokens = self.num_nodes * num_tokens
+        if per_node > 1:
+            self.inner: Exchange = SymmetricExchange(
+                self.node_group, device, num_tokens=group_tokens, hidden_size=hidden_size,
+                topk=topk, timeout_s=timeout_s, errors=errors, ghost_expert=True)
+        else:
+            self.inner = LocalExchange(errors, ghost_expert=True)
 
-    # -- the phases --------------------------------------------------------------------------
-    def build_schedule(self, workspace: F.Workspace, config: F.MoKConfig,
-                       topk_experts: torch.Tensor, *, num_local_experts: int,
-                       tiles) -> F.Schedule:
+    @property
+    def rows_here(self) -> bool:
+        return self.inner.rows_here
+
+    def movement(self, phase, config):
+        return self.inner.movement(phase, config)
+
+    def build_schedule(self, topk_experts, *, config, num_local_experts, align):
         node_experts = num_local_experts * self.ranks_per_node
         num_experts = node_experts * self.num_nodes
         group_topk = _gather(topk_experts.to(torch.int64), self.rail_group, self.max_tokens,
@@ -128,72 +142,46 @@ class CrossNode:
         # ghost id node_experts (no rank owns it); ids out of range become -1 (an error).
         node_topk = torch.where(here, group_topk - first,
                                 torch.where(elsewhere, node_experts, -1))
-        inner = F.build_schedule(self.inner, config, node_topk,
-                                 num_local_experts=num_local_experts, tiles=tiles,
-                                 validate=False)
-        return F.Schedule(inner.routing, workspace.dense_routing(topk_experts.shape[0],
-                                                                  inner.tiles.align),
-                          inner.tiles, num_experts, workspace,
-                          CrossNodePlan(inner, self.num_nodes))
+        routing, inner = self.inner.build_schedule(node_topk, config=config,
+                                                   num_local_experts=num_local_experts,
+                                                   align=align)
+        return routing, CrossNodePlan(inner, self.num_nodes, topk_experts.shape[0])
 
-    def forward(self, config, schedule, x, router_weights, shared, routed, swiglu_limit):
-        inner = schedule.exchange.inner
-        x_group = _gather(x, self.rail_group, self.max_tokens)
-        weights_group = _gather(router_weights, self.rail_group, self.max_tokens)
-        partial, context = F.forward(config, self.inner, inner, x_group, weights_group,
-                                     None, None, None, *routed, swiglu_limit=swiglu_limit)
-        shared_rows, h_shared = None, None
-        if shared[0] is not None:
-            h_shared, shared_rows = _shared_forward(schedule, x, shared, swiglu_limit)
-        y = _return_and_sum(partial, self.rail_group, x.shape[0],
-                            shared_rows[:x.shape[0]] if shared_rows is not None else None)
-        return y, F.ForwardContext(context.h, h_shared, inner=context)
+    def tokens(self, *tensors):
+        """Every rail rank's tokens, each rank's padded to T_max rows: [N * T_max, ...]."""
+        return tuple(_gather(t, self.rail_group, self.max_tokens) for t in tensors)
 
-    def recompute(self, config, schedule, x, router_weights, shared, routed, swiglu_limit):
-        """The forward context again (gate/up only), every rank of the group taking part."""
-        x_group = _gather(x, self.rail_group, self.max_tokens)
-        weights_group = _gather(router_weights, self.rail_group, self.max_tokens)
-        context = F.recompute_forward_context(
-            config, self.inner, schedule.exchange.inner, x_group, None, None, *routed,
-            swiglu_limit=swiglu_limit, router_weights=weights_group)
-        h_shared = None
-        if shared[0] is not None:
-            h_shared = _shared_gate_up(schedule, x, shared, swiglu_limit)
-        return F.ForwardContext(context.h, h_shared, inner=context)
+    def forward_rows(self, plan, x, router_weights, *, config, block_m):
+        return self.inner.forward_rows(plan.inner, x, router_weights, config=config,
+                                       block_m=block_m)
 
-    def backward(self, config, schedule, context, d_output, x, router_weights, shared, routed,
-                 swiglu_limit):
-        inner = schedule.exchange.inner
-        # The group tokens are gathered again rather than kept from the forward (N x T rows).
-        d_output_group = _gather(d_output, self.rail_group, self.max_tokens)
-        x_group = _gather(x, self.rail_group, self.max_tokens)
-        weights_group = _gather(router_weights, self.rail_group, self.max_tokens)
-        d_x_part, d_w_part, *d_routed = F.backward(
-            config, self.inner, inner, context.inner, d_output_group, x_group, weights_group,
-            None, None, None, *routed, swiglu_limit=swiglu_limit)[:5]
-        d_shared, d_x_shared = (None, None, None), None
-        if shared[0] is not None:
-            d_x_shared_rows, _, grads = F._expert_backward(
-                schedule.tiles, schedule.shared_routing, d_output, x, context.h_shared, None,
-                shared[0][None], shared[1][None], shared[2][None], swiglu_limit)
-            d_shared = tuple(grad[0] for grad in grads)
-            d_x_shared = d_x_shared_rows[:x.shape[0]]  # the shared rows are the tokens
-        tokens = x.shape[0]
-        d_x = _return_and_sum(d_x_part, self.rail_group, tokens, d_x_shared)
-        d_router_weights = _return_and_sum(d_w_part, self.rail_group, tokens)  # one node each
-        return (d_x, d_router_weights, *d_routed, *d_shared)
+    def backward_rows(self, plan, d_output, x, *, config, block_m, kept, apart):
+        return self.inner.backward_rows(plan.inner, d_output, x, config=config, block_m=block_m,
+                                        kept=kept, apart=apart)
 
+    def rows_read(self, phase):
+        self.inner.rows_read(phase)
 
-def _shared_gate_up(schedule, x, shared, swiglu_limit):
-    """h of the shared expert on this rank's own tokens."""
-    return ops.gate_up_swiglu(x, shared[0][None], shared[1][None], schedule.shared_routing,
-                              schedule.tiles.pick("gate_up", shared[0].shape[0], x.shape[1]),
-                              swiglu_limit)
+    def scatter(self, plan, dtype):
+        return self.inner.scatter(plan.inner, dtype)
 
+    def send_route_values(self, plan, by_route):
+        self.inner.send_route_values(plan.inner, by_route)
 
-def _shared_forward(schedule, x, shared, swiglu_limit):
-    """The shared expert on this rank's own tokens: (h_shared, its output rows)."""
-    h = _shared_gate_up(schedule, x, shared, swiglu_limit)
-    rows = ops.down_proj(h, shared[2][None], schedule.shared_routing,
-                         schedule.tiles.pick("down", x.shape[1], shared[0].shape[0]), None)
-    return h, rows
+    def deliveries_done(self, plan, phase, dtype, *, values, wait):
+        self.inner.deliveries_done(plan.inner, phase, dtype, values=values, wait=wait)
+
+    def landed(self, phase):
+        self.inner.landed(phase)
+
+    def combine(self, plan, rows, routing, shared_rows, dtype):
+        """The node's partial outputs of the group tokens go back to their ranks, which add the
+        shared expert's rows first and the nodes' partials in node order."""
+        partial = self.inner.combine(plan.inner, rows, routing, None, dtype)
+        own = plan.num_tokens
+        return _return_and_sum(partial, self.rail_group, own,
+                               shared_rows[:own] if shared_rows is not None else None)
+
+    def route_values(self, plan, by_route):
+        return _return_and_sum(self.inner.route_values(plan.inner, by_route), self.rail_group,
+                               plan.num_tokens)

@@ -1,10 +1,10 @@
-"""Expert parallelism inside a node: the symmetric workspace and the exchange of each phase.
+"""Expert parallelism inside a node: the symmetric buffer and the exchange of each phase.
 
-Used by mok.functional when its group has more than one rank. Legend: P ranks, T tokens of this
-rank (each rank its own, at most the workspace's T_max), k slots, H hidden, E_local experts per
-rank, TK = T_max * k route slots per rank; a route of the group is g = rank * TK + t * k + j, and
-the slots past a rank's T * k routes hold the ghost id E, which no rank owns. C = schedule rows
-of this rank.
+The exchange of mok.functional when its group has more than one rank on one node. Legend: P
+ranks, T tokens of this rank (each rank its own, at most the workspace's T_max), k slots, H
+hidden, E_local experts per rank, TK = T_max * k route slots per rank; a route of the group is
+g = rank * TK + t * k + j, and the slots past a rank's T * k routes hold the ghost id E, which no
+rank owns. C = schedule rows of this rank.
 
 Each rank's symmetric buffer holds what it publishes (topk ids, x and router weights, d_output)
 and what the other ranks deliver to it (expert output rows and d_x rows in its combine buffer,
@@ -36,7 +36,6 @@ acknowledgements of both); buffers written by other ranks are read after their "
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass
 
 import torch
@@ -44,16 +43,17 @@ import torch.distributed as dist
 import triton
 
 from mok import ops
+from mok.errors import NUM_ERROR_FLAGS
+from mok.exchange.base import (
+    NUM_PHASES,
+    BackwardRows,
+    Exchange,
+    ForwardRows,
+    Movement,
+    Phase,
+    route_capacity,
+)
 from mok.ops import Routing, comm
-
-
-class Phase(enum.IntEnum):
-    SCHEDULE = 0
-    FORWARD = 1
-    BACKWARD = 2
-
-
-NUM_PHASES = len(Phase)
 
 
 class FlagSlots:
@@ -102,14 +102,22 @@ class ExchangePlan:
     pull_moving: torch.Tensor | None
 
 
-class ExpertParallel:
-    """The expert-parallel state of a workspace: the symmetric buffer, its views and the flags."""
+class SymmetricExchange(Exchange):
+    """The expert-parallel state of a workspace: the symmetric buffer, its views and the flags.
+
+    errors: the workspace's error flags (default: a vector of its own); ghost_expert: the expert
+    id E passes as an expert no rank owns (mok.exchange.cross_node).
+    """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, *, num_tokens: int,
-                 hidden_size: int, topk: int, timeout_s: float) -> None:
+                 hidden_size: int, topk: int, timeout_s: float,
+                 errors: torch.Tensor | None = None, ghost_expert: bool = False) -> None:
+        self.errors = (errors if errors is not None
+                       else torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device))
+        self.ghost_expert = ghost_expert
         self.group = group
         self.rank = dist.get_rank(group)
-        self.world_size = world = dist.get_world_size(group)
+        self.world_size = self.num_ranks = world = dist.get_world_size(group)
         self.device = device
         self.num_tokens, self.hidden_size, self.topk = num_tokens, hidden_size, topk
         self.routes_per_rank = routes = num_tokens * topk
@@ -428,6 +436,91 @@ class ExpertParallel:
         """The first half of `finish`, for work to run before waiting for the other ranks."""
         comm.signal_peers(peer, phase, self.slots.done(phase))
 
+    # -- the exchange protocol (mok.exchange.base) -------------------------------------------
+    @property
+    def rows_here(self) -> bool:
+        return False
+
+    def movement(self, phase: Phase, config) -> Movement:
+        copied = config.fwd_copy_rows if phase is Phase.FORWARD else config.bwd_copy_rows
+        return Movement.COPIED if copied else Movement.PULLED
+
+    def build_schedule(self, topk_experts, *, config, num_local_experts, align):
+        num_routes = topk_experts.shape[0] * topk_experts.shape[1]
+        plan = self.build_plan(
+            self.peer_flags(self.errors), topk_experts, num_local_experts=num_local_experts,
+            align=align, route_capacity=route_capacity(num_routes, self.world_size,
+                                                       config.schedule_capacity_multiplier),
+            ghost_expert=self.ghost_expert,
+            pulls=not (config.fwd_copy_rows and config.bwd_copy_rows))
+        return plan.group_routing, plan
+
+    def tokens(self, *tensors):
+        return tensors
+
+    def forward_rows(self, plan, x, router_weights, *, config, block_m):
+        """Publish x and the router weights; the group's rows come by copies beside the gate/up
+        launch (fwd_copy_rows; its row blocks of block_m rows local first) or by its pull."""
+        peer = self.peer_flags(self.errors)
+        if config.fwd_copy_rows:
+            x_group, weights_group, pull = self.forward_copy(peer, plan, x, router_weights,
+                                                             block_m=block_m)
+        else:
+            x_group, weights_group, pull = self.forward_pull(
+                peer, plan, x, router_weights, minibatch=config.minibatch_size,
+                num_programs=config.fwd_num_comm_sms, in_gluon=config.fwd_pull_in_gluon)
+        return ForwardRows(x_group, weights_group, pull, kept_weights=weights_group)
+
+    def backward_rows(self, plan, d_output, x, *, config, block_m, kept, apart):
+        """Publish d_output and x; the group's rows come by copies (bwd_copy_rows; the first
+        launch's row blocks of block_m rows local first) or by the first launch's pull (kept:
+        x's rows by the d_x launch's, for the weight gradients alone; apart: x's first, as the
+        gate/up launch reads them)."""
+        peer = self.peer_flags(self.errors)
+        if config.bwd_copy_rows:
+            dy_group, x_group, pull = self.backward_copy(peer, plan, d_output, x,
+                                                         block_m=block_m, kept=kept)
+            return BackwardRows(dy_group, x_group, pull)
+        dy_group, x_group, pull, x_pull = self.backward_pull(
+            peer, plan, d_output, x, minibatch=config.minibatch_size,
+            num_programs=config.bwd_num_comm_sms, defer_x=kept, x_first=apart)
+        return BackwardRows(dy_group, x_group, pull, x_pull)
+
+    def rows_read(self, phase):
+        """After every pull (or copy) of the phase: the published rows may be overwritten."""
+        self.copies_joined()
+        self.pulled(self.peer_flags(self.errors), phase)
+
+    def scatter(self, plan, dtype):
+        return self.scatter_rows(plan, dtype)
+
+    def send_route_values(self, plan, by_route):
+        """Each route's router-weight gradient into its token's rank's buffer."""
+        ops.scatter_route_values(by_route.reshape(-1), plan.group_routing.route_row,
+                                 self.d_weights, self.buffer.deltas(torch.float32),
+                                 plan.routes_per_rank)
+
+    def deliveries_done(self, plan, phase, dtype, *, values, wait):
+        peer = self.peer_flags(self.errors)
+        self.clear_dropped(peer, plan, rows_dtype=dtype, values=values)
+        if wait:
+            self.finish(peer, phase)
+        else:
+            self.signal_done(peer, phase)
+
+    def landed(self, phase):
+        self.finish(self.peer_flags(self.errors), phase, signal=False)
+
+    def combine(self, plan, rows, routing, shared_rows, dtype):
+        """rows: the combine buffer the other ranks delivered into."""
+        return ops.combine(rows, plan.source_routing, shared_rows, dtype)
+
+    def route_values(self, plan, by_route):
+        source = plan.source_routing
+        valid = (source.route_row >= 0).view(source.num_tokens, source.topk)
+        received = self.d_weights[:source.num_tokens * source.topk].view(valid.shape)
+        return torch.where(valid, received, 0.0)
+
     # -- the schedule ------------------------------------------------------------------------
     def build_plan(self, peer: comm.PeerFlags, topk_experts: torch.Tensor, *,
                    num_local_experts: int, align: int, route_capacity: int,
@@ -437,8 +530,8 @@ class ExpertParallel:
         topk_experts [T, k], T <= T_max. Ids outside [0, E) are published as -1, so every rank
         reports them (an int64 id is never wrapped into range by the int32 buffer); with
         ghost_expert the id E passes as the ghost (routes to experts of other nodes, see
-        mok.cross_node), as do the slots past T * k. pulls=False: no pull order (its sort is
-        needed only where a GEMM pulls rows, not where copies move them all).
+        mok.exchange.cross_node), as do the slots past T * k. pulls=False: no pull order (its
+        sort is needed only where a GEMM pulls rows, not where copies move them all).
         """
         world, routes = self.world_size, self.routes_per_rank
         num_experts = num_local_experts * world

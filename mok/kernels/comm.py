@@ -195,7 +195,7 @@ def pull_tokens(
 
     order[i] (i < moving[0]) lists those tokens by their first schedule row (the schedule's
     rows are in expert order: a token's first row is its earliest; see
-    mok.expert_parallel.ExchangePlan). Programs take minibatches of MINIBATCH of them in turn,
+    mok.exchange.ExchangePlan). Programs take minibatches of MINIBATCH of them in turn,
     in that order, and set ready[minibatch] = seq[phase] once one has landed; GEMM tiles wait
     on the minibatches of their rows' tokens (`wait_tokens_ready`), which come no later than
     the tiles' own rows in the order, so the first tiles start while later tokens are in

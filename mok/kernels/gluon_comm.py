@@ -151,7 +151,7 @@ def wait_ranks_landed(row_route_ptr, r0, topk, ready_ptr, seq_ptr, phase, timeou
                       landed, world_size, BLOCK_M: gl.constexpr, TOKENS_PER_RANK: gl.constexpr,
                       WARPS: gl.constexpr):
     """In a loader partition of WARPS warps, before gathering the rows r0 .. r0 + BLOCK_M of
-    rows copied by rank (mok.expert_parallel.ExpertParallel.forward_copy: ready[p] >= seq[phase]
+    rows copied by rank (mok.exchange.SymmetricExchange.forward_copy: ready[p] >= seq[phase]
     once rank p's rows landed, group token u from rank u // TOKENS_PER_RANK): wait on the flags
     of the ranks of its rows not yet in `landed` (a bit per rank seen landed, carried over the
     loader's tiles, so each flag is waited on once per program); returns the new bits. Every

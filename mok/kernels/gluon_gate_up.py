@@ -254,7 +254,7 @@ def gate_up_swiglu_ws_kernel(
     program (mok.kernels.gluon_comm.pull_partition; the pull_* arguments as the Triton
     kernels' pull, mok.ops.comm.Pull), the loader gathering a tile's rows once they landed.
     WAIT_ROWS (without PULL): the rows land by copies outside the kernel (copy engines, see
-    mok.expert_parallel.ExpertParallel.forward_copy), a flag per rank, which the loader waits on
+    mok.exchange.SymmetricExchange.forward_copy), a flag per rank, which the loader waits on
     (mok.kernels.gluon_comm.wait_ranks_landed); the row blocks are taken in the order of
     pull_order_ptr (those of this rank's rows first, so the copies land while they run)."""
     dtype: gl.constexpr = w_gate_desc.dtype

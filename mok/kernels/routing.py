@@ -173,7 +173,7 @@ def exchange_routes_kernel(
     GHOST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """What a rank publishes of its routes and where they come back (mok.expert_parallel):
+    """What a rank publishes of its routes and where they come back (mok.exchange.symmetric):
     published[r] = the expert id of route r when in [0, E) (or E with GHOST), -1 when out of
     range, E (no rank's) past num_routes up to routes_per_rank; source_route_row[r] = r, or -1
     when the id is out of range (the ghost's routes included: no rank computes them)."""

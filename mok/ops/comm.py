@@ -346,12 +346,12 @@ class Pull:
     the GEMM's A operand [P * tokens_per_rank, H], row p * tokens_per_rank + t = rank p's token
     t, read from that rank's copy of `src`, for the group's tokens with a route scheduled here:
     order[:moving[0]], by first schedule row, position[u] being token u's index there (see
-    mok.expert_parallel.ExchangePlan); the GEMM gathers them by route as on one GPU. With weights,
+    mok.exchange.ExchangePlan); the GEMM gathers them by route as on one GPU. With weights,
     dst_weights[g] = route g's router weight for those tokens' routes; with second_src (a buffer
     of the same symmetric allocation and row layout as src), the GEMM's second token-row operand
     likewise. in_gluon: a Gluon GEMM pulls in a partition of each of its programs rather than
     in a launch of its own before it (MoKConfig.fwd_pull_in_gluon). copied: the rows land by
-    copies outside the GEMM (mok.expert_parallel.ExpertParallel.forward_copy and
+    copies outside the GEMM (mok.exchange.SymmetricExchange.forward_copy and
     backward_copy, on the copy engines): the GEMM pulls nothing (num_programs 0) and its tiles
     only wait on their rows' ready flags, there one per rank (position[u] = u, minibatch =
     tokens_per_rank)."""

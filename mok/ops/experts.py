@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 import triton
@@ -15,6 +16,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok import _env
+from mok.arch import HOPPER, arch_of
 from mok.kernels import combine as combine_kernels
 from mok.kernels import gluon_dswiglu, gluon_gate_up, gluon_rows
 from mok.kernels import grouped_gemm as gemm_kernels
@@ -190,13 +192,14 @@ def gate_up_swiglu(
                    or pulled_second.stride(1) != 1):
         raise ValueError(f"pulled_second must be a row-major {tuple(x.shape)} {x.dtype} tensor "
                          f"as x, got {tuple(pulled_second.shape)} {pulled_second.dtype}")
-    if (tiles.gluon and not second and h.shape[0] > 0
-            and _gluon_runs(x, w_gate, w_up, tiles)):
-        if pull is not None and not (pull.in_gluon or pull.copied):
-            pull.run_apart(x, _num_programs(x.device))
-            pull = None
-        _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up, pull)
-        return h
+    if tiles.gluon and not second and h.shape[0] > 0:
+        if _gluon_runs(x, w_gate, w_up, tiles):
+            if pull is not None and not (pull.in_gluon or pull.copied):
+                pull.run_apart(x, _num_programs(x.device))
+                pull = None
+            _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up, pull)
+            return h
+        _fallback("gate_up", x.device)
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     limit, has_limit = _limit_args(swiglu_limit)
@@ -234,10 +237,29 @@ _GLUON_PULL_LOAD_REGS = 48
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-@functools.cache
-def _is_sm90(device: torch.device) -> bool:
-    return (device.type == "cuda" and not UPCAST
-            and torch.cuda.get_device_capability(device) == (9, 0))
+def _warp_specialized(device: torch.device) -> bool:
+    """Whether the Gluon kernels run on device (mok.arch)."""
+    return arch_of(device).warp_specialized
+
+
+_LOG = logging.getLogger("mok")
+_FALLBACKS: set[tuple[str, str]] = set()
+
+
+def fallbacks() -> list[tuple[str, str]]:
+    """(launch, reason) of every launch whose tiles asked for a Gluon kernel that could not take
+    it, so that the Triton kernel ran it instead (each is also logged once)."""
+    return sorted(_FALLBACKS)
+
+
+def _fallback(launch: str, device: torch.device) -> None:
+    """Record (and log, once) that `launch` runs the Triton kernel on Gluon tiles."""
+    reason = (f"{arch_of(device).name} does not run the Gluon kernels"
+              if not _warp_specialized(device)
+              else "operands the Gluon kernel cannot take (dtype, layout, alignment or sizes)")
+    if (launch, reason) not in _FALLBACKS:
+        _FALLBACKS.add((launch, reason))
+        _LOG.warning("mok: %s runs the Triton kernel on Gluon tiles: %s", launch, reason)
 
 
 def _gluon_runs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -254,7 +276,7 @@ def _gluon_operands(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     """An sm_90 GPU, rows of a 16-bit dtype with 16-byte aligned rows (read by TMA or
     cp.async), weights of that dtype, contiguous and 16-byte aligned (TMA over [E * R, C]),
     experts present."""
-    return (_is_sm90(rows.device) and rows.dtype in _GLUON_DTYPES and rows.stride(1) == 1
+    return (_warp_specialized(rows.device) and rows.dtype in _GLUON_DTYPES and rows.stride(1) == 1
             and (rows.stride(0) * rows.element_size()) % 16 == 0 and rows.data_ptr() % 16 == 0
             and all(w.dtype == rows.dtype and w.is_contiguous() and w.data_ptr() % 16 == 0
                     and w.shape[0] > 0 for w in weights))
@@ -305,8 +327,8 @@ def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
 
 # The Gluon row GEMMs' loader partition (one warp issuing TMA copies): registers per thread.
 _GLUON_ROWS_LOAD_REGS = 24
-# Shared memory one sm_90 CTA may hold.
-_SM90_SMEM = 227 * 1024
+# Shared memory one program of the Gluon kernels (sm_90) may hold.
+_SM90_SMEM = HOPPER.shared_memory
 
 
 def _gluon_rows_split(tiles: GemmTiles, stages: int, size: int) -> int:
@@ -418,10 +440,11 @@ def down_proj(
         out = torch.empty(routing.capacity_rows, hidden, dtype=h.dtype, device=h.device)
     else:
         out = scatter.out
-    if (tiles.gluon and routing.capacity_rows > 0
-            and _gluon_rows_runs(h, (w_down,), (hidden, intermediate))):
-        _down_gluon(h, w_down, routing, tiles, router_weights, out, scatter)
-        return out
+    if tiles.gluon and routing.capacity_rows > 0:
+        if _gluon_rows_runs(h, (w_down,), (hidden, intermediate)):
+            _down_gluon(h, w_down, routing, tiles, router_weights, out, scatter)
+            return out
+        _fallback("down", h.device)
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
     weights, tma = _weights_operand(w_down, tiles)
@@ -510,12 +533,13 @@ def down_bwd_dswiglu(
     copied = pull is not None and pull.copied
     if copied:
         _check_block_order(pull, rows, tiles)
-    if (tiles.gluon and (pull is None or copied) and rows > 0
-            and _gluon_dswiglu_runs(d_out, x, w_down, w_gate, w_up, h, d_gate_up, tiles,
-                                    gate_up, h_out)):
-        _down_bwd_gluon(d_out, x, w_down, w_gate, w_up, h, routing, tiles, router_weights,
-                        swiglu_limit, gate_up, d_gate_up, partial, pull)
-        return d_gate_up, partial
+    if tiles.gluon and (pull is None or copied) and rows > 0:
+        if _gluon_dswiglu_runs(d_out, x, w_down, w_gate, w_up, h, d_gate_up, tiles, gate_up,
+                               h_out):
+            _down_bwd_gluon(d_out, x, w_down, w_gate, w_up, h, routing, tiles, router_weights,
+                            swiglu_limit, gate_up, d_gate_up, partial, pull)
+            return d_gate_up, partial
+        _fallback("down_bwd_saved" if gate_up is not None else "down_bwd", d_out.device)
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     limit, has_limit = _limit_args(swiglu_limit)
@@ -567,10 +591,10 @@ def dswiglu_apart(
     gradients in place, and h, of the kept pre-activations as a kept backward does, into a
     buffer of its own (the router-weight gradients' partial sums read it). Returns what
     down_bwd_dswiglu does, bitwise what the backward of a forward that kept its pre-activations
-    with gate_up_tiles gets. pull: a copied pull (ExpertParallel.backward_copy, both x's and
+    with gate_up_tiles gets. pull: a copied pull (SymmetricExchange.backward_copy, both x's and
     d_out's rows under each rank's flag): the gate/up launch waits on it, and the dSwiGLU
     launch too where its row blocks are of the same size. Or a pull by the gate/up launch's
-    first programs of x's rows (pull.src) with d_out's (pull.second_src; ExpertParallel.
+    first programs of x's rows (pull.src) with d_out's (pull.second_src; SymmetricExchange.
     backward_pull's x_first), its tiles waiting on them (the Triton kernel runs it: give
     Triton tiles, TileConfig.pick's triton); the dSwiGLU launch reads them after it, in stream
     order, and waits on nothing."""
@@ -728,10 +752,12 @@ def d_x_rows(
                           device=d_gate_up.device)
     else:
         out = scatter.out
-    if (tiles.gluon and routing.capacity_rows > 0 and intermediate % tiles.block_k == 0
-            and _gluon_rows_runs(d_gate_up, (w_gate, w_up), (hidden,))):
-        _d_x_gluon(d_gate_up, w_gate, w_up, routing, tiles, out, scatter, pull, pulled)
-        return out
+    if tiles.gluon and routing.capacity_rows > 0:
+        if (intermediate % tiles.block_k == 0
+                and _gluon_rows_runs(d_gate_up, (w_gate, w_up), (hidden,))):
+            _d_x_gluon(d_gate_up, w_gate, w_up, routing, tiles, out, scatter, pull, pulled)
+            return out
+        _fallback("d_x", d_gate_up.device)
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
@@ -839,17 +865,10 @@ def copy_rows(
     return out
 
 
-@functools.cache
-def _grouped_mm_device(device: torch.device) -> bool:
-    """torch._grouped_mm runs there: CPU, or a GPU of compute capability 9.0 or newer."""
-    return device.type == "cpu" or (device.type == "cuda"
-                                    and torch.cuda.get_device_capability(device) >= (9, 0))
-
-
 def _use_grouped_mm(tiles: GemmTiles, a: torch.Tensor, b: torch.Tensor) -> bool:
     """tiles.grouped_mm where torch._grouped_mm takes the operands: bf16 on a Hopper or newer
     GPU (any dtype on CPU), rows 16-byte aligned."""
-    if not (tiles.grouped_mm and _grouped_mm_device(a.device)):
+    if not (tiles.grouped_mm and arch_of(a.device).grouped_mm):
         return False
     dtype_ok = a.device.type == "cpu" or a.dtype == b.dtype == torch.bfloat16
     return dtype_ok and all((t.shape[1] * t.element_size()) % 16 == 0 for t in (a, b))

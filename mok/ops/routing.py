@@ -139,7 +139,7 @@ def dense_routing(num_tokens: int, align: int, device: torch.device) -> Routing:
 def exchange_routes(topk_experts: torch.Tensor, routes_per_rank: int, num_experts: int, *,
                     ghost_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(published [routes_per_rank] int32, source_route_row [T * k] int32) of a rank's routes
-    under expert parallelism (mok.expert_parallel.ExpertParallel.build_plan): the expert id of
+    under expert parallelism (mok.exchange.SymmetricExchange.build_plan): the expert id of
     each route, -1 when outside [0, num_experts) (ghost_expert: num_experts passes as the
     ghost), num_experts past the T * k routes; route r's own row r, -1 when its id is outside
     [0, num_experts). One launch."""

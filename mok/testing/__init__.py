@@ -1,5 +1,6 @@
 """Reference, inputs, tolerances and a multi-process launcher for testing mok."""
 
+from mok.reference import expert_mlp, moe_reference, moe_reference_grads, swiglu
 from mok.testing.distributed import distributed_test, free_port, rank_device, run_distributed
 from mok.testing.graphs import eager_and_captured
 from mok.testing.inputs import (
@@ -9,7 +10,6 @@ from mok.testing.inputs import (
     make_shape_inputs,
     make_topk,
 )
-from mok.testing.reference import expert_mlp, moe_reference, moe_reference_grads, swiglu
 from mok.testing.shapes import SHAPES, SHAPES_BY_NAME, MoEShape
 from mok.testing.tolerance import TOLERANCES, ErrorReport, Tolerance, assert_close, error_report
 

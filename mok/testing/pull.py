@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from mok.expert_parallel import pull_order
+from mok.exchange import pull_order
 from mok.ops import Routing, comm, local_first_blocks
 
 _PHASE = 1
@@ -121,7 +121,7 @@ def local_copied(rows: torch.Tensor, routing: Routing, block_m: int, *, ranks: i
     landed = torch.zeros(ranks, **i64)
     zero = torch.zeros(1, **i64)
     identity = torch.arange(tokens, dtype=torch.int32, device=device)  # position[u] = u
-    # as ExpertParallel._copied_pull: `moving` a stand-in (nothing is pulled)
+    # as SymmetricExchange._copied_pull: `moving` a stand-in (nothing is pulled)
     pull = comm.Pull(peer, rows, zero, None, None, None, order, identity, identity, landed,
                      0, 0, per_rank, routing.topk, 0, per_rank, copied=True)
     return LocalCopied(pull, landed)

@@ -1,4 +1,4 @@
-"""The benchmark shapes of DESIGN.md section 4 (per GPU)."""
+"""The benchmark shapes of docs/design.md section 4 (per GPU)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Programs built on the library: the command line (`python -m mok`) and the training job."""
