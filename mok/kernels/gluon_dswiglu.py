@@ -66,6 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mok.kernels import gluon_activation as activation
 from mok.kernels.gluon_comm import wait_ranks_landed
 from mok.kernels.gluon_gate_up import (
     _ordered_coords,
@@ -158,16 +159,9 @@ def _dswiglu_slice(dh0, gate, up, weight, in_smem, j, r0, c0, h_desc, d_gate_des
         gate = in_smem.index(j).load(layout).to(gl.float32)
         up = in_smem.index(EPI_SPLIT + j).load(layout).to(gl.float32)
     if HAS_LIMIT:
-        if SAVED_GATE_UP:  # the forward stored clamped values as +-inf
-            gate_pass = gate != float("inf")
-            up_pass = (up != float("inf")) & (up != float("-inf"))
-        else:
-            gate_pass = gate <= swiglu_limit
-            up_pass = (up >= -swiglu_limit) & (up <= swiglu_limit)
-        gate = gl.minimum(gate, swiglu_limit)
-        up = gl.minimum(gl.maximum(up, -swiglu_limit), swiglu_limit)
-    sig = 1 / (1 + gl.exp(-gate))  # tl.sigmoid
-    silu = gate * sig
+        gate_pass, up_pass = activation.passes(gate, up, swiglu_limit, SAVED_GATE_UP)
+        gate, up = activation.clamp(gate, up, swiglu_limit)
+    sig, silu = activation.silu(gate)
     if SAVED_GATE_UP:  # h of the kept pre-activations, for the down projection's weight grad
         h = silu * up
         _put(h_desc, h, r0, c0, c_smem)
@@ -178,8 +172,7 @@ def _dswiglu_slice(dh0, gate, up, weight, in_smem, j, r0, c0, h_desc, d_gate_des
             h = in_smem.index(j).load(layout).to(gl.float32)
         partial = gl.sum(dh0 * h, axis=1)
         dh0 = dh0 * weight[:, None]
-    d_gate = dh0 * up * (sig * (1.0 + gate * (1.0 - sig)))
-    d_up = dh0 * silu
+    d_gate, d_up = activation.dswiglu(dh0, gate, up, sig, silu)
     if HAS_LIMIT:
         d_gate = gl.where(gate_pass, d_gate, 0.0)
         d_up = gl.where(up_pass, d_up, 0.0)

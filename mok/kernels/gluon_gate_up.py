@@ -45,9 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mok.kernels import gluon_activation as activation
 from mok.kernels.gluon_comm import pull_partition, wait_ranks_landed, wait_rows_ready
-
-LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -212,16 +211,12 @@ def _mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars, empty
             gate_kept = gate
             up_kept = up
             if HAS_LIMIT:
-                gate_kept = gl.where(gate > swiglu_limit, float("inf"), gate)  # NaN stays
-                up_kept = gl.where(up > swiglu_limit, float("inf"), up)
-                up_kept = gl.where(up < -swiglu_limit, float("-inf"), up_kept)
+                gate_kept, up_kept = activation.kept(gate, up, swiglu_limit)
             _put(gate_desc, gate_kept, r0, c0, c_smem)
             _put(up_desc, up_kept, r0, c0, c_smem)
         if HAS_LIMIT:
-            gate = gl.minimum(gate, swiglu_limit)
-            up = gl.minimum(gl.maximum(up, -swiglu_limit), swiglu_limit)
-        # silu(g) * u = g * u / (1 + 2^(-g * log2(e))), fp32
-        h = gl.fdiv(gate * up, 1.0 + gl.exp2(gate * -LOG2E), ieee_rounding=False)
+            gate, up = activation.clamp(gate, up, swiglu_limit)
+        h = activation.swiglu(gate, up)
         _put(h_desc, h, r0, c0, c_smem)  # waited on only before c_smem's next use
     tma.store_wait(pendings=0)
 

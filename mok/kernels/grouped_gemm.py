@@ -50,6 +50,7 @@ routes_per_rank of that rank's combine buffer, g = dest_route[row] (a route of t
 import triton
 import triton.language as tl
 
+from mok.kernels import activation
 from mok.kernels.comm import pull_tokens, wait_ranks_landed, wait_tokens_ready
 from mok.kernels.common import cast_to, mma
 
@@ -239,14 +240,6 @@ def _up_offsets(w_offsets, expert, cols, ks, stride_ue, stride_un, stride_uk,
 
 
 @triton.jit
-def _swiglu(gate, up, limit, HAS_LIMIT: tl.constexpr):
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    return gate * tl.sigmoid(gate) * up
-
-
-@triton.jit
 def gate_up_swiglu_kernel(
     x_ptr, x2_ptr, w_gate_ptr, w_up_ptr, h_ptr, gate_up_ptr, row_route_ptr, block_expert_ptr,
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
@@ -403,13 +396,11 @@ def _gate_up_slice(acc_gate, acc_up, rows, r0, c0, N, h_ptr, gate_up_ptr, stride
         gate_kept = acc_gate
         up_kept = acc_up
         if HAS_LIMIT:
-            gate_kept = tl.where(acc_gate > swiglu_limit, float("inf"), acc_gate)  # NaN stays
-            up_kept = tl.where(acc_up > swiglu_limit, float("inf"), acc_up)
-            up_kept = tl.where(acc_up < -swiglu_limit, float("-inf"), up_kept)
+            gate_kept, up_kept = activation.kept(acc_gate, acc_up, swiglu_limit)
         _put_tile(gate_up_ptr, gate_kept, rows, cols, N, 0, stride_gum, r0, c0, ROWS_TMA,
                   UPCAST)
         _put_tile(gate_up_ptr, up_kept, rows, cols, N, N, stride_gum, r0, c0, ROWS_TMA, UPCAST)
-    h = _swiglu(acc_gate, acc_up, swiglu_limit, HAS_LIMIT)
+    h = activation.swiglu(acc_gate, acc_up, swiglu_limit, HAS_LIMIT)
     _put_tile(h_ptr, h, rows, cols, N, 0, stride_hm, r0, c0, ROWS_TMA, UPCAST)
 
 
@@ -700,16 +691,9 @@ def _dswiglu_slice(
         gate = acc_gate
         up = acc_up
     if HAS_LIMIT:
-        if SAVED_GATE_UP:  # the forward stored clamped values as +-inf
-            gate_pass = gate != float("inf")
-            up_pass = (up != float("inf")) & (up != float("-inf"))
-        else:
-            gate_pass = gate <= swiglu_limit
-            up_pass = (up >= -swiglu_limit) & (up <= swiglu_limit)
-        gate = tl.minimum(gate, swiglu_limit)
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
+        gate_pass, up_pass = activation.passes(gate, up, swiglu_limit, SAVED_GATE_UP)
+        gate, up = activation.clamp(gate, up, swiglu_limit)
+    sig, silu = activation.silu(gate)
     if H_OUT:  # h from the kept pre-activations, for the down projection's weight gradient
         h = silu * up
         _put_tile(h_ptr, h, rows, cols, N, 0, stride_hm, r0, c0, ROWS_TMA, UPCAST)
@@ -723,8 +707,7 @@ def _dswiglu_slice(
         partial = tl.sum(acc_dh * h, axis=1)
         weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
         acc_dh = acc_dh * weight[:, None]
-    d_gate = acc_dh * up * (sig * (1.0 + gate * (1.0 - sig)))
-    d_up = acc_dh * silu
+    d_gate, d_up = activation.dswiglu(acc_dh, gate, up, sig, silu)
     if HAS_LIMIT:
         d_gate = tl.where(gate_pass, d_gate, 0.0)
         d_up = tl.where(up_pass, d_up, 0.0)

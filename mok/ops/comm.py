@@ -392,67 +392,76 @@ class Pull:
                     src_deltas=self.src_deltas, weights_deltas=self.weights_deltas)
 
     @staticmethod
-    def kernel_args(pull: Pull | None, fallback: torch.Tensor,
-                    num_warps: int) -> tuple[tuple, tuple, dict]:
-        """(pointers, scalars, constexprs) of a GEMM's pull, in the kernels' order; num_warps:
-        the launch's."""
+    def kernel_args(pull: Pull | None, fallback: torch.Tensor, num_warps: int) -> dict:
+        """The pull's arguments of a Triton GEMM kernel (mok.kernels.grouped_gemm), by the
+        kernel's parameter names; stand-ins (fallback, 0) without a pull. num_warps: the
+        launch's."""
         if pull is None:
-            return ((fallback,) * 14, (0,) * 8, dict(
+            return (dict.fromkeys(_POINTERS + ("pull_src2_ptr",) + _FLAG_POINTERS, fallback)
+                    | dict.fromkeys(_SCALARS, 0) | dict(
                 PULL=False, PULL_WEIGHTS=False, PULL_SECOND=False, MINIBATCH=1, PULL_BLOCK_R=1,
                 PULL_BLOCK_W=1, PULL_K_PAD=1, PULL_ROW_ALIGN=1, HAS_TIMER=HAS_TIMER))
         peer = pull.peer
-        has_weights = pull.weights is not None
         block_r, block_w = pull_blocks(pull.src.shape[1], pull.minibatch,
                                        pull.src.element_size(), num_warps)
-        pointers = (pull.src, pull.src_deltas, *pull._weight_pointers(),
-                    pull.second_src if pull.second_src is not None else pull.src,
-                    *pull._flag_pointers())
-        scalars = (pull.num_programs, pull.phase, pull.publish_slot, pull.tokens_per_rank,
-                   pull.topk, peer.world_size, peer.timeout, pull.src.stride(0))
-        return pointers, scalars, dict(
-            PULL=True, PULL_WEIGHTS=has_weights, PULL_SECOND=pull.second_src is not None,
-            MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w,
-            PULL_K_PAD=_k_pad(pull.topk),
+        return dict(
+            pull_src_ptr=pull.src, pull_src_delta_ptr=pull.src_deltas, **pull._weight_pointers(),
+            pull_src2_ptr=pull.second_src if pull.second_src is not None else pull.src,
+            **pull._flag_pointers(),
+            num_pull_programs=pull.num_programs, phase=pull.phase,
+            publish_slot=pull.publish_slot, tokens_per_rank=pull.tokens_per_rank,
+            pull_topk=pull.topk, world_size=peer.world_size, timeout=peer.timeout,
+            stride_pull_src=pull.src.stride(0),
+            PULL=True, PULL_WEIGHTS=pull.weights is not None,
+            PULL_SECOND=pull.second_src is not None, MINIBATCH=pull.minibatch,
+            PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w, PULL_K_PAD=_k_pad(pull.topk),
             PULL_ROW_ALIGN=row_align(pull.src.element_size(), pull.src.stride(0)),
             HAS_TIMER=HAS_TIMER)
 
-    def _weight_pointers(self) -> tuple:
-        """(weights, their deltas, dst_weights), or stand-ins without router weights."""
+    def _weight_pointers(self) -> dict:
+        """weights, their deltas and dst_weights, or stand-ins without router weights."""
         if self.weights is None:
-            return (self.src, self.src_deltas, self.src)
-        return (self.weights, self.weights_deltas, self.dst_weights)
+            return dict(pull_w_ptr=self.src, pull_w_delta_ptr=self.src_deltas,
+                        pull_dst_w_ptr=self.src)
+        return dict(pull_w_ptr=self.weights, pull_w_delta_ptr=self.weights_deltas,
+                    pull_dst_w_ptr=self.dst_weights)
 
-    def _flag_pointers(self) -> tuple:
-        """The pull order and the flags, in the kernels' order."""
+    def _flag_pointers(self) -> dict:
+        """The pull order and the flags."""
         peer = self.peer
-        return (self.order, self.position, self.moving, self.ready, peer.seq, peer.flags,
-                peer.flag_deltas, peer.errors)
+        return dict(pull_order_ptr=self.order, pull_position_ptr=self.position,
+                    pull_moving_ptr=self.moving, ready_ptr=self.ready, seq_ptr=peer.seq,
+                    flags_ptr=peer.flags, flag_delta_ptr=peer.flag_deltas, error_ptr=peer.errors)
 
     @staticmethod
-    def gluon_args(pull: Pull | None, fallback: torch.Tensor) -> tuple[tuple, tuple, dict]:
-        """(pointers, scalars, constexprs) of a warp-specialized Gluon GEMM's pull (its pulling
-        partition, mok.kernels.gluon_comm), in the kernels' order; dummies without a pull."""
+    def gluon_args(pull: Pull | None, fallback: torch.Tensor) -> dict:
+        """The arguments of a warp-specialized Gluon GEMM's pull (its pulling partition,
+        mok.kernels.gluon_comm), by name; stand-ins without a pull."""
         if pull is None or pull.copied:
             constexprs = dict(
                 PULL=False, PULL_WEIGHTS=False, MINIBATCH=1, PULL_BLOCK_R=1, PULL_BLOCK_W=8,
                 PULL_K_PAD=1, PULL_ROW_ALIGN=1, PULL_WARPS=GLUON_PULL_WARPS,
                 PULL_REGS=GLUON_PULL_REGS, WAIT_ROWS=False)
+            scalars = dict.fromkeys(_GLUON_SCALARS, 0)
             if pull is None:
-                return (fallback,) * 13, (0,) * 6, constexprs
+                return dict.fromkeys(_POINTERS + _FLAG_POINTERS, fallback) | scalars | constexprs
             # A copied pull: the loader's waits alone (position, ready, seq, errors; phase,
             # timeout).
-            scalars = (pull.phase, 0, 0, pull.peer.world_size, pull.peer.timeout, 0)
-            return ((fallback,) * 5 + pull._flag_pointers(), scalars,
-                    constexprs | dict(MINIBATCH=pull.minibatch, WAIT_ROWS=True))
+            return (dict.fromkeys(_POINTERS, fallback) | pull._flag_pointers() | scalars
+                    | dict(phase=pull.phase, world_size=pull.peer.world_size,
+                           timeout=pull.peer.timeout)
+                    | constexprs | dict(MINIBATCH=pull.minibatch, WAIT_ROWS=True))
         if pull.second_src is not None:
             raise ValueError("a Gluon GEMM's pull moves one token-row buffer (second_src is set)")
         peer = pull.peer
         block_r, block_w = pull_blocks(pull.src.shape[1], pull.minibatch,
                                        pull.src.element_size(), GLUON_PULL_WARPS)
-        pointers = (pull.src, pull.src_deltas, *pull._weight_pointers(), *pull._flag_pointers())
-        scalars = (pull.phase, pull.publish_slot, pull.tokens_per_rank, peer.world_size,
-                   peer.timeout, pull.src.stride(0))
-        return pointers, scalars, dict(
+        return dict(
+            pull_src_ptr=pull.src, pull_src_delta_ptr=pull.src_deltas, **pull._weight_pointers(),
+            **pull._flag_pointers(),
+            phase=pull.phase, publish_slot=pull.publish_slot,
+            tokens_per_rank=pull.tokens_per_rank, world_size=peer.world_size,
+            timeout=peer.timeout, stride_pull_src=pull.src.stride(0),
             PULL=True, PULL_WEIGHTS=pull.weights is not None, MINIBATCH=pull.minibatch,
             PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w, PULL_K_PAD=_k_pad(pull.topk),
             PULL_ROW_ALIGN=row_align(pull.src.element_size(), pull.src.stride(0)),
@@ -460,27 +469,48 @@ class Pull:
 
     @staticmethod
     def gluon_rows_args(pull: Pull | None, pulled: torch.Tensor | None,
-                        fallback: torch.Tensor) -> tuple[tuple, dict]:
-        """(pointers and scalars, constexprs) of a Gluon row GEMM's pulling partition
-        (mok.kernels.gluon_rows, PULL): token rows into `pulled`, no router weights, no tile
-        waiting on them (so no position); dummies without a pull."""
+                        fallback: torch.Tensor) -> dict:
+        """The arguments of a Gluon row GEMM's pulling partition (mok.kernels.gluon_rows,
+        PULL), by name: token rows into `pulled`, no router weights, no tile waiting on them (so
+        no position); stand-ins without a pull."""
         if pull is None:
-            return (fallback,) * 3 + (0,) + (fallback,) * 7 + (0,) * 7, dict(
-                PULL=False, MINIBATCH=1, PULL_BLOCK_R=1, PULL_BLOCK_W=8, PULL_ROW_ALIGN=1,
-                PULL_WARPS=GLUON_PULL_WARPS, PULL_REGS=GLUON_PULL_REGS)
+            return (dict.fromkeys(("pull_src_ptr", "pull_src_delta_ptr", "pulled_ptr",
+                                   "pull_order_ptr", "pull_moving_ptr", "ready_ptr", "seq_ptr",
+                                   "flags_ptr", "flag_delta_ptr", "error_ptr"), fallback)
+                    | dict.fromkeys(("stride_pulled", "phase", "publish_slot",
+                                     "tokens_per_rank", "world_size", "timeout",
+                                     "stride_pull_src", "pull_width"), 0)
+                    | dict(PULL=False, MINIBATCH=1, PULL_BLOCK_R=1, PULL_BLOCK_W=8,
+                           PULL_ROW_ALIGN=1, PULL_WARPS=GLUON_PULL_WARPS,
+                           PULL_REGS=GLUON_PULL_REGS))
         if pull.weights is not None or pull.second_src is not None:
             raise ValueError("a Gluon row GEMM pulls one token-row buffer, without router "
                              "weights")
         peer, src = pull.peer, pull.src
         block_r, block_w = pull_blocks(src.shape[1], pull.minibatch, src.element_size(),
                                        GLUON_PULL_WARPS)
-        return (src, pull.src_deltas, pulled, pulled.stride(0), pull.order, pull.moving,
-                pull.ready, peer.seq, peer.flags, peer.flag_deltas, peer.errors, pull.phase,
-                pull.publish_slot, pull.tokens_per_rank, peer.world_size, peer.timeout,
-                src.stride(0), src.shape[1]), dict(
+        return dict(
+            pull_src_ptr=src, pull_src_delta_ptr=pull.src_deltas, pulled_ptr=pulled,
+            stride_pulled=pulled.stride(0), pull_order_ptr=pull.order,
+            pull_moving_ptr=pull.moving, ready_ptr=pull.ready, seq_ptr=peer.seq,
+            flags_ptr=peer.flags, flag_delta_ptr=peer.flag_deltas, error_ptr=peer.errors,
+            phase=pull.phase, publish_slot=pull.publish_slot,
+            tokens_per_rank=pull.tokens_per_rank, world_size=peer.world_size,
+            timeout=peer.timeout, stride_pull_src=src.stride(0), pull_width=src.shape[1],
             PULL=True, MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w,
             PULL_ROW_ALIGN=row_align(src.element_size(), src.stride(0)),
             PULL_WARPS=GLUON_PULL_WARPS, PULL_REGS=GLUON_PULL_REGS)
+
+
+# The parameter names of a pull in the GEMM kernels (Pull.kernel_args, Pull.gluon_args).
+_POINTERS = ("pull_src_ptr", "pull_src_delta_ptr", "pull_w_ptr", "pull_w_delta_ptr",
+             "pull_dst_w_ptr")
+_FLAG_POINTERS = ("pull_order_ptr", "pull_position_ptr", "pull_moving_ptr", "ready_ptr",
+                  "seq_ptr", "flags_ptr", "flag_delta_ptr", "error_ptr")
+_SCALARS = ("num_pull_programs", "phase", "publish_slot", "tokens_per_rank", "pull_topk",
+            "world_size", "timeout", "stride_pull_src")
+_GLUON_SCALARS = ("phase", "publish_slot", "tokens_per_rank", "world_size", "timeout",
+                  "stride_pull_src")
 
 
 @dataclass(frozen=True)

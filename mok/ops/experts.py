@@ -28,11 +28,19 @@ from mok.ops.tuning import GemmTiles
 UPCAST = _env.INTERPRET
 
 
-def _scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> tuple[tuple, int, dict]:
+def _strides(names: str, t: torch.Tensor) -> dict:
+    """t's strides as keyword arguments, one name each (in t's dimension order)."""
+    return dict(zip(names.split(), t.stride(), strict=True))
+
+
+def _scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> dict:
+    """A Triton row GEMM's SCATTER arguments (stand-ins without a scatter), by name."""
     if scatter is None:
-        return (out, out), 1, dict(SCATTER=False, ROW_ALIGN=1)
-    return (scatter.dest_route, scatter.deltas), scatter.routes_per_rank, dict(
-        SCATTER=True, ROW_ALIGN=comm.row_align(out.element_size(), out.stride(0)))
+        return dict(dest_route_ptr=out, out_delta_ptr=out, routes_per_rank=1, SCATTER=False,
+                    ROW_ALIGN=1)
+    return dict(dest_route_ptr=scatter.dest_route, out_delta_ptr=scatter.deltas,
+                routes_per_rank=scatter.routes_per_rank, SCATTER=True,
+                ROW_ALIGN=comm.row_align(out.element_size(), out.stride(0)))
 
 
 @functools.cache
@@ -149,8 +157,11 @@ def _tile_counter(tiles: GemmTiles, pull: Pull | None, routing: Routing) -> tupl
     return torch.zeros(1, dtype=torch.int32, device=routing.used_rows.device), True
 
 
-def _limit_args(swiglu_limit: float | None) -> tuple[float, bool]:
-    return (0.0, False) if swiglu_limit is None else (float(swiglu_limit), True)
+def _limit_args(swiglu_limit: float | None) -> dict:
+    """swiglu_limit and HAS_LIMIT, by name."""
+    if swiglu_limit is None:
+        return dict(swiglu_limit=0.0, HAS_LIMIT=False)
+    return dict(swiglu_limit=float(swiglu_limit), HAS_LIMIT=True)
 
 
 def gate_up_swiglu(
@@ -202,25 +213,26 @@ def gate_up_swiglu(
         _fallback("gate_up", x.device)
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
-    limit, has_limit = _limit_args(swiglu_limit)
-    pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, h, tiles.num_warps)
+    pull_args = Pull.kernel_args(pull, h, tiles.num_warps)
     gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
     outs = [_out_spec(h, intermediate, tiles)]
     if gate_up is not None:
         outs.append(_out_spec(gate_up, intermediate, tiles))
     (h_out, *gate_up_out), rows_tma = _rows_operands(tiles, *outs)
     x2 = pulled_second if second else x
-    gemm_kernels.gate_up_swiglu_kernel[(grid + pull_scalars[0],)](
-        x, x2, gate, up, h_out, gate_up_out[0] if gate_up_out else h_out, routing.row_route,
-        routing.block_expert, *pull_ptrs,
-        routing.used_rows, tile_counter, num_m_blocks, intermediate, hidden, routing.topk,
-        *pull_scalars, x.stride(0), x2.stride(0), *w_gate.stride(), *w_up.stride(),
-        h.stride(0),
-        gate_up.stride(0) if gate_up is not None else 0,
-        limit, HAS_LIMIT=has_limit, ALIGN=routing.align, W_TMA=tma,
-        UP_STRIDES=_up_strides(w_gate, w_up, tma),
-        SAVE_GATE_UP=gate_up is not None, ROWS_TMA=rows_tma, DYNAMIC=dynamic, **pull_meta,
-        BLOCK_ORDER=pull is not None and pull.copied, **_gemm_meta(tiles),
+    gemm_kernels.gate_up_swiglu_kernel[(grid + pull_args["num_pull_programs"],)](
+        x_ptr=x, x2_ptr=x2, w_gate_ptr=gate, w_up_ptr=up, h_ptr=h_out,
+        gate_up_ptr=gate_up_out[0] if gate_up_out else h_out, row_route_ptr=routing.row_route,
+        block_expert_ptr=routing.block_expert, used_rows_ptr=routing.used_rows,
+        tile_counter_ptr=tile_counter, num_m_blocks=num_m_blocks, N=intermediate, K=hidden,
+        topk=routing.topk, stride_xm=x.stride(0), stride_x2m=x2.stride(0),
+        **_strides("stride_we stride_wn stride_wk", w_gate),
+        **_strides("stride_ue stride_un stride_uk", w_up), stride_hm=h.stride(0),
+        stride_gum=gate_up.stride(0) if gate_up is not None else 0,
+        **_limit_args(swiglu_limit), ALIGN=routing.align, W_TMA=tma,
+        UP_STRIDES=_up_strides(w_gate, w_up, tma), SAVE_GATE_UP=gate_up is not None,
+        ROWS_TMA=rows_tma, DYNAMIC=dynamic, BLOCK_ORDER=pull is not None and pull.copied,
+        **pull_args, **_gemm_meta(tiles),
     )
     return h
 
@@ -309,19 +321,19 @@ def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     if gate_up is not None:
         gate_desc = _gluon_descriptor(gate_up[:, :intermediate], [bm, bn], dtype)
         up_desc = _gluon_descriptor(gate_up[:, intermediate:], [bm, bn], dtype)
-    limit, has_limit = _limit_args(swiglu_limit)
-    pull_ptrs, pull_scalars, pull_meta = Pull.gluon_args(pull, x)
     load_warps, load_regs = ((_GLUON_LOAD_WARPS, _GLUON_LOAD_REGS)
                              if pull is None or pull.copied
                              else (_GLUON_PULL_LOAD_WARPS, _GLUON_PULL_LOAD_REGS))
     gluon_gate_up.gate_up_swiglu_ws_kernel[(_num_programs(x.device),)](
-        x, w_gate_desc, w_up_desc, h_desc, gate_desc, up_desc, routing.row_route,
-        routing.block_expert, routing.used_rows, intermediate, hidden, routing.topk,
-        x.stride(0), limit, *pull_ptrs, *pull_scalars,
+        x_ptr=x, w_gate_desc=w_gate_desc, w_up_desc=w_up_desc, h_desc=h_desc,
+        gate_desc=gate_desc, up_desc=up_desc, row_route_ptr=routing.row_route,
+        block_expert_ptr=routing.block_expert, used_rows_ptr=routing.used_rows, N=intermediate,
+        K=hidden, topk=routing.topk, stride_xm=x.stride(0), **_limit_args(swiglu_limit),
+        **Pull.gluon_args(pull, x),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=tiles.num_stages, LOAD_WARPS=load_warps, LOAD_REGS=load_regs,
-        HAS_LIMIT=has_limit, SAVE_GATE_UP=gate_up is not None,
-        A_LAYOUT=_nvmma_layout((bm, bk), dtype), num_warps=bm // 16, **pull_meta,
+        SAVE_GATE_UP=gate_up is not None, A_LAYOUT=_nvmma_layout((bm, bk), dtype),
+        num_warps=bm // 16,
     )
 
 
@@ -349,13 +361,15 @@ def _gluon_rows_runs(rows: torch.Tensor, weights: tuple[torch.Tensor, ...],
     return _gluon_operands(rows, *weights) and all((w * size) % 16 == 0 for w in widths)
 
 
-def _gluon_scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> tuple[tuple, dict]:
-    """(pointers and scalars, constexprs) of a Gluon row GEMM's SCATTER (mok.kernels.gluon_rows)
-    into `out` (scatter.out)."""
+def _gluon_scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> dict:
+    """The arguments of a Gluon row GEMM's SCATTER (mok.kernels.gluon_rows) into `out`
+    (scatter.out), by name; stand-ins without a scatter."""
     if scatter is None:
-        return (out, out, 1, 0), dict(SCATTER=False, ROW_ALIGN=1)
-    return ((out, scatter.deltas, scatter.routes_per_rank, out.stride(0)),
-            dict(SCATTER=True, ROW_ALIGN=comm.row_align(out.element_size(), out.stride(0))))
+        return dict(out_ptr=out, out_delta_ptr=out, routes_per_rank=1, stride_out=0,
+                    SCATTER=False, ROW_ALIGN=1)
+    return dict(out_ptr=out, out_delta_ptr=scatter.deltas,
+                routes_per_rank=scatter.routes_per_rank, stride_out=out.stride(0), SCATTER=True,
+                ROW_ALIGN=comm.row_align(out.element_size(), out.stride(0)))
 
 
 def _down_gluon(h: torch.Tensor, w_down: torch.Tensor, routing: Routing, tiles: GemmTiles,
@@ -367,16 +381,17 @@ def _down_gluon(h: torch.Tensor, w_down: torch.Tensor, routing: Routing, tiles: 
     dtype = _GLUON_DTYPES[h.dtype]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     split = _gluon_rows_split(tiles, tiles.num_stages, h.element_size())
-    scatter_args, scatter_meta = _gluon_scatter_args(scatter, out)
     gluon_rows.down_proj_ws_kernel[(_num_programs(h.device),)](
-        _gluon_descriptor(h, [bm, bk], dtype),
-        _gluon_descriptor(w_down.view(experts * hidden, intermediate), [bn, bk], dtype),
-        _gluon_descriptor(out, [bm, bn // split], dtype),
-        router_weights if router_weights is not None else h, routing.row_route,
-        routing.block_expert, routing.used_rows, hidden, intermediate, *scatter_args,
+        h_desc=_gluon_descriptor(h, [bm, bk], dtype),
+        w_desc=_gluon_descriptor(w_down.view(experts * hidden, intermediate), [bn, bk], dtype),
+        out_desc=_gluon_descriptor(out, [bm, bn // split], dtype),
+        router_weights_ptr=router_weights if router_weights is not None else h,
+        row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
+        used_rows_ptr=routing.used_rows, N=hidden, K=intermediate,
+        **_gluon_scatter_args(scatter, out),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=tiles.num_stages, EPI_SPLIT=split, LOAD_REGS=_GLUON_ROWS_LOAD_REGS,
-        HAS_WEIGHT=router_weights is not None, num_warps=bm // 16, **scatter_meta,
+        HAS_WEIGHT=router_weights is not None, num_warps=bm // 16,
     )
 
 
@@ -398,15 +413,16 @@ def _d_x_gluon(d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     def weights(w: torch.Tensor) -> GluonDescriptor:
         return _gluon_descriptor(w.view(experts * intermediate, hidden), [bk, bn], dtype)
 
-    scatter_args, scatter_meta = _gluon_scatter_args(scatter, out)
-    pull_args, pull_meta = Pull.gluon_rows_args(pull, pulled, out)
     gluon_rows.d_x_rows_ws_kernel[(_num_programs(out.device),)](
-        _gluon_descriptor(d_gate_up, [bm, bk], dtype), weights(w_gate), weights(w_up),
-        _gluon_descriptor(out, [bm, bn // split], dtype), routing.block_expert,
-        routing.used_rows, hidden, intermediate, routing.row_route, *scatter_args, *pull_args,
+        d_gate_up_desc=_gluon_descriptor(d_gate_up, [bm, bk], dtype),
+        w_gate_desc=weights(w_gate), w_up_desc=weights(w_up),
+        out_desc=_gluon_descriptor(out, [bm, bn // split], dtype),
+        block_expert_ptr=routing.block_expert, used_rows_ptr=routing.used_rows, N=hidden,
+        K=intermediate, row_route_ptr=routing.row_route, **_gluon_scatter_args(scatter, out),
+        **Pull.gluon_rows_args(pull, pulled, out),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=stages, EPI_SPLIT=split, LOAD_REGS=_GLUON_ROWS_LOAD_REGS,
-        num_warps=bm // 16, **scatter_meta, **pull_meta,
+        num_warps=bm // 16,
     )
 
 
@@ -446,18 +462,18 @@ def down_proj(
             return out
         _fallback("down", h.device)
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
-    scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
     weights, tma = _weights_operand(w_down, tiles)
     (h_in, out_arg), rows_tma = _rows_operands(
         tiles, _a_spec(h, intermediate, tiles), _out_spec(out, hidden, tiles),
         wanted=scatter is None)
     gemm_kernels.down_proj_kernel[(grid,)](
-        h_in, weights, out_arg, router_weights if router_weights is not None else h,
-        routing.row_route, routing.block_expert, *scatter_ptrs,
-        routing.used_rows, num_m_blocks, hidden, intermediate, routes_per_rank,
-        h.stride(0), w_down.stride(0), w_down.stride(1), w_down.stride(2), out.stride(0),
-        HAS_WEIGHT=router_weights is not None, ALIGN=routing.align, W_TMA=tma,
-        ROWS_TMA=rows_tma, **scatter_meta,
+        h_ptr=h_in, w_down_ptr=weights, out_ptr=out_arg,
+        router_weights_ptr=router_weights if router_weights is not None else h,
+        row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
+        used_rows_ptr=routing.used_rows, num_m_blocks=num_m_blocks, N=hidden, K=intermediate,
+        stride_hm=h.stride(0), **_strides("stride_we stride_wn stride_wk", w_down),
+        stride_om=out.stride(0), HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
+        W_TMA=tma, ROWS_TMA=rows_tma, **_scatter_args(scatter, out),
         # (GemmTiles.flatten stays off where rows go to other ranks: not yet run on two GPUs.)
         **_gemm_meta(tiles if scatter is None else dataclasses.replace(tiles, flatten=False)),
     )
@@ -542,8 +558,7 @@ def down_bwd_dswiglu(
         _fallback("down_bwd_saved" if gate_up is not None else "down_bwd", d_out.device)
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
-    limit, has_limit = _limit_args(swiglu_limit)
-    pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, d_gate_up, tiles.num_warps)
+    pull_args = Pull.kernel_args(pull, d_gate_up, tiles.num_warps)
     if gate_up is None:
         gate, up, tma = _gate_up_operands(w_gate, w_up, tiles)
     else:
@@ -553,21 +568,26 @@ def down_bwd_dswiglu(
     if gate_up is not None:
         specs.append(_out_spec(gate_up, intermediate, tiles))
     (d_gate_up_arg, h_arg, *gate_up_arg), rows_tma = _rows_operands(tiles, *specs)
-    gemm_kernels.down_bwd_dswiglu_kernel[(grid + pull_scalars[0],)](
-        d_out, x, down_weights, gate, up, h_arg, gate_up_arg[0] if gate_up_arg else h_arg,
-        router_weights if router_weights is not None else h,
-        d_gate_up_arg, partial if partial is not None else d_gate_up,
-        routing.row_route, routing.block_expert, *pull_ptrs,
-        routing.used_rows, tile_counter, num_m_blocks, intermediate, hidden, routing.topk,
-        *pull_scalars, d_out.stride(0), x.stride(0), w_down.stride(0), w_down.stride(1),
-        w_down.stride(2),
-        *w_gate.stride(), *w_up.stride(), h.stride(0),
-        gate_up.stride(0) if gate_up is not None else 0, d_gate_up.stride(0),
-        partial.stride(0) if partial is not None else 0,
-        limit, HAS_LIMIT=has_limit, HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
-        W_TMA=tma, UP_STRIDES=gate_up is None and _up_strides(w_gate, w_up, tma),
+    gemm_kernels.down_bwd_dswiglu_kernel[(grid + pull_args["num_pull_programs"],)](
+        d_out_ptr=d_out, x_ptr=x, w_down_ptr=down_weights, w_gate_ptr=gate, w_up_ptr=up,
+        h_ptr=h_arg, gate_up_ptr=gate_up_arg[0] if gate_up_arg else h_arg,
+        router_weights_ptr=router_weights if router_weights is not None else h,
+        d_gate_up_ptr=d_gate_up_arg,
+        d_weight_partial_ptr=partial if partial is not None else d_gate_up,
+        row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
+        used_rows_ptr=routing.used_rows, tile_counter_ptr=tile_counter,
+        num_m_blocks=num_m_blocks, N=intermediate, K=hidden, topk=routing.topk,
+        stride_dm=d_out.stride(0), stride_xm=x.stride(0),
+        **_strides("stride_wd_e stride_wd_k stride_wd_n", w_down),
+        **_strides("stride_we stride_wn stride_wk", w_gate),
+        **_strides("stride_ue stride_un stride_uk", w_up), stride_hm=h.stride(0),
+        stride_gum=gate_up.stride(0) if gate_up is not None else 0,
+        stride_gm=d_gate_up.stride(0), stride_pm=partial.stride(0) if partial is not None else 0,
+        **_limit_args(swiglu_limit), HAS_WEIGHT=router_weights is not None,
+        ALIGN=routing.align, W_TMA=tma,
+        UP_STRIDES=gate_up is None and _up_strides(w_gate, w_up, tma),
         SAVED_GATE_UP=gate_up is not None, H_OUT=h_out, ROWS_TMA=rows_tma, WK_TMA=wk_tma,
-        DYNAMIC=dynamic, **pull_meta, BLOCK_ORDER=copied, **_gemm_meta(tiles),
+        DYNAMIC=dynamic, BLOCK_ORDER=copied, **pull_args, **_gemm_meta(tiles),
     )
     return d_gate_up, partial
 
@@ -695,22 +715,28 @@ def _down_bwd_gluon(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
         w_gate_desc, w_up_desc = (
             _gluon_descriptor(w.view(experts * intermediate, hidden), [bn, bk], dtype)
             for w in (w_gate, w_up))
-    limit, has_limit = _limit_args(swiglu_limit)
-    if pull is None:
-        waits = (d_gate_up,) * 3 + (0, d_gate_up, 0, 1)
+    if pull is None:  # stand-ins: nothing is waited on
+        waits = dict(block_order_ptr=d_gate_up, ready_ptr=d_gate_up, seq_ptr=d_gate_up,
+                     phase=0, error_ptr=d_gate_up, timeout=0, world_size=1)
     else:
-        waits = (pull.order, pull.ready, pull.peer.seq, pull.phase, pull.peer.errors,
-                 pull.peer.timeout, pull.peer.world_size)
+        waits = dict(block_order_ptr=pull.order, ready_ptr=pull.ready, seq_ptr=pull.peer.seq,
+                     phase=pull.phase, error_ptr=pull.peer.errors, timeout=pull.peer.timeout,
+                     world_size=pull.peer.world_size)
     gluon_dswiglu.down_bwd_dswiglu_ws_kernel[(_num_programs(d_out.device),)](
-        d_out, x, w_down_desc, w_gate_desc, w_up_desc, h_desc, gate_desc, up_desc,
-        rows(d_gate_up[:, :intermediate]), rows(d_gate_up[:, intermediate:]),
-        router_weights if router_weights is not None else d_gate_up,
-        partial if partial is not None else d_gate_up, routing.row_route, routing.block_expert,
-        routing.used_rows, intermediate, hidden, routing.topk, d_out.stride(0), x.stride(0),
-        partial.stride(0) if partial is not None else 0, limit, *waits,
+        d_out_ptr=d_out, x_ptr=x, w_down_desc=w_down_desc, w_gate_desc=w_gate_desc,
+        w_up_desc=w_up_desc, h_desc=h_desc, gate_desc=gate_desc, up_desc=up_desc,
+        d_gate_desc=rows(d_gate_up[:, :intermediate]),
+        d_up_desc=rows(d_gate_up[:, intermediate:]),
+        router_weights_ptr=router_weights if router_weights is not None else d_gate_up,
+        d_weight_partial_ptr=partial if partial is not None else d_gate_up,
+        row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
+        used_rows_ptr=routing.used_rows, N=intermediate, K=hidden, topk=routing.topk,
+        stride_dm=d_out.stride(0), stride_xm=x.stride(0),
+        stride_pm=partial.stride(0) if partial is not None else 0,
+        **_limit_args(swiglu_limit), **waits,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=tiles.num_stages, EPI_SPLIT=split, LOAD_WARPS=_GLUON_DSWIGLU_LOAD_WARPS,
-        LOAD_REGS=_GLUON_DSWIGLU_LOAD_REGS[kept], HAS_LIMIT=has_limit,
+        LOAD_REGS=_GLUON_DSWIGLU_LOAD_REGS[kept],
         HAS_WEIGHT=router_weights is not None, SAVED_GATE_UP=kept,
         A_LAYOUT=_nvmma_layout((bm, bk), dtype),
         PINGPONG=tiles.pingpong, MMA_REGS=_gluon_mma_regs(bm, 2, _GLUON_DSWIGLU_LOAD_WARPS,
@@ -760,8 +786,7 @@ def d_x_rows(
         _fallback("d_x", d_gate_up.device)
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
-    scatter_ptrs, routes_per_rank, scatter_meta = _scatter_args(scatter, out)
-    pull_ptrs, pull_scalars, pull_meta = Pull.kernel_args(pull, out, tiles.num_warps)
+    pull_args = Pull.kernel_args(pull, out, tiles.num_warps)
     (d_gate_up_in, out_arg), rows_tma = _rows_operands(
         tiles, _a_spec(d_gate_up, intermediate, tiles), _out_spec(out, hidden, tiles),
         wanted=scatter is None)
@@ -769,14 +794,16 @@ def d_x_rows(
     up, up_tma = _weights_k_rows_operand(w_up, tiles)
     wk_tma = gate_tma and up_tma
     pulled = out if pulled is None else pulled
-    gemm_kernels.d_x_rows_kernel[(grid + pull_scalars[0],)](
-        d_gate_up_in, gate if wk_tma else w_gate, up if wk_tma else w_up, out_arg,
-        routing.block_expert, *scatter_ptrs, pulled, pulled.stride(0), *pull_ptrs,
-        routing.used_rows, tile_counter, num_m_blocks, hidden, intermediate, routes_per_rank,
-        *pull_scalars, d_gate_up.stride(0), *w_gate.stride(), *w_up.stride(), out.stride(0),
+    gemm_kernels.d_x_rows_kernel[(grid + pull_args["num_pull_programs"],)](
+        d_gate_up_ptr=d_gate_up_in, w_gate_ptr=gate if wk_tma else w_gate,
+        w_up_ptr=up if wk_tma else w_up, out_ptr=out_arg, block_expert_ptr=routing.block_expert,
+        pulled_ptr=pulled, stride_pulled=pulled.stride(0), used_rows_ptr=routing.used_rows,
+        tile_counter_ptr=tile_counter, num_m_blocks=num_m_blocks, N=hidden, K=intermediate,
+        stride_gm=d_gate_up.stride(0), **_strides("stride_we stride_wk stride_wn", w_gate),
+        **_strides("stride_ue stride_uk stride_un", w_up), stride_om=out.stride(0),
         ALIGN=routing.align, ROWS_TMA=rows_tma, WK_TMA=wk_tma,
-        UP_STRIDES=_up_strides(w_gate, w_up, wk_tma), DYNAMIC=dynamic, **scatter_meta,
-        **pull_meta, **_gemm_meta(tiles),
+        UP_STRIDES=_up_strides(w_gate, w_up, wk_tma), DYNAMIC=dynamic,
+        **_scatter_args(scatter, out), **pull_args, **_gemm_meta(tiles),
     )
     return out
 
@@ -895,11 +922,13 @@ def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, ro
                  * triton.cdiv(width_q, tiles.block_n))
     grid = min(num_tiles, _num_programs(a.device)) if tiles.persistent else num_tiles
     gemm_kernels.grouped_wgrad_kernel[(grid,)](
-        a, a2 if a2 is not None else a, b, out, out2 if out2 is not None else out,
-        routing.row_route, router_weights if router_weights is not None else a,
-        routing.expert_counts, routing.expert_offsets,
-        width_p, width_q, routing.topk, routing.capacity_rows, num_tiles,
-        a.stride(0), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        a_ptr=a, a2_ptr=a2 if a2 is not None else a, b_ptr=b, out_ptr=out,
+        out2_ptr=out2 if out2 is not None else out, row_route_ptr=routing.row_route,
+        router_weights_ptr=router_weights if router_weights is not None else a,
+        expert_counts_ptr=routing.expert_counts, expert_offsets_ptr=routing.expert_offsets,
+        P=width_p, Q=width_q, topk=routing.topk, num_rows=routing.capacity_rows,
+        num_tiles=num_tiles, stride_am=a.stride(0), stride_bm=b.stride(0),
+        **_strides("stride_oe stride_op stride_oq", out),
         GATHER_A=gather_a, SCALE_A=router_weights is not None, GATHER_B=gather_b,
         PAIR=a2 is not None, BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,
         BLOCK_R=tiles.block_k, PERSISTENT=tiles.persistent, UPCAST=UPCAST,
