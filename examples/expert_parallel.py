@@ -13,8 +13,8 @@ the mean of the ranks' losses):
   them, so they are only divided by P; nothing is communicated for them.
 
 `train` returns each step's mean loss and how much every parameter moved (experts gathered from
-all ranks); tests/test_examples.py checks them against one process that holds every expert and
-trains on the union of the ranks' batches.
+all ranks); tests/integrations/test_examples.py checks them against one process that holds every
+expert and trains on the union of the ranks' batches.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 Code written against MoK's functional API runs unchanged; `group=None` means one GPU.
 
+A call reads as the data flows: schedule -> rows in -> gate/up -> down -> rows out -> combine. The
+workspace's exchange (mok.exchange: one GPU, a node, nodes) moves the rows and owns the order of
+its phases; mok.plan picks the tiles of every GEMM; mok.ops launches the kernels.
+
 Legend: T local tokens, H hidden size, I expert intermediate size, I_s shared-expert intermediate
 size, E_local local experts, k experts per token (topk), C schedule rows (see mok.ops.Routing).
 

@@ -3,7 +3,8 @@
 # benchmark (with the tiles just measured), host time per launcher, per-stage breakdown, the
 # expert-parallel launches' pulls and scatters on one GPU. Each step has its own time limit and
 # writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_TUNE RUN_BENCH RUN_HOST
-# RUN_BREAKDOWN RUN_EP_LOCAL (1 runs it); *_TIMEOUT seconds; *_ARGS extra arguments.
+# RUN_BREAKDOWN RUN_EP_LOCAL (1 runs it); *_TIMEOUT seconds; *_ARGS extra arguments; TESTS_JOBS
+# groups of tests side by side, TESTS_BY_ID=1 dealt by test rather than by file.
 # The tests also leave $OUT/gpu-tests/<date>_<commit>.log (benchmarks.gpu_test_log: commit, date,
 # GPU, versions, the pytest commands, each group's failures and counts). It is meant to be
 # committed under benchmarks/results/gpu-tests/, the record of which commit passed on a GPU. The
@@ -23,16 +24,31 @@ step() {  # step NAME TIMEOUT LOG command...
 }
 if [ "${RUN_TESTS:-1}" = 1 ]; then
   # The test files in TESTS_JOBS groups run side by side (compiling is most of their time);
-  # one log per group, each group under the same time limit.
-  jobs=${TESTS_JOBS:-4} files=(tests/test_*.py) pids=() commands=() summary=()
+  # one log per group, each group under the same time limit. TESTS_BY_ID=1 deals the tests
+  # themselves (node ids, TESTS_ARGS applied when collecting) instead of whole files, so that
+  # one long file is spread over the groups too; each group's ids go to $OUT/pytest.J.ids.
+  shopt -s nullglob
+  jobs=${TESTS_JOBS:-4} files=(tests/test_*.py tests/*/test_*.py) pids=() commands=() summary=()
+  shopt -u nullglob
+  if [ "${TESTS_BY_ID:-0}" = 1 ]; then
+    mapfile -t files < <(python3 -m pytest --collect-only -q -p no:cacheprovider \
+                         ${TESTS_ARGS:-} 2>/dev/null | grep '::')
+  fi
   echo "== tests in $jobs groups (limit ${TESTS_TIMEOUT:-330}s each)"
   for ((j = 0; j < jobs; j++)); do
     group=()
     for ((i = j; i < ${#files[@]}; i += jobs)); do group+=("${files[$i]}"); done
     # -rfE: every failure and error listed at the end, where the test log picks them up.
-    cmd=(timeout -s KILL "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -rfE -p no:cacheprovider
-         "${group[@]}" ${TESTS_ARGS:-})
-    printf -v "commands[$j]" '%q ' "${cmd[@]}"
+    cmd=(timeout -s KILL "${TESTS_TIMEOUT:-330}" python3 -m pytest -q -rfE -p no:cacheprovider)
+    if [ "${TESTS_BY_ID:-0}" = 1 ]; then
+      printf '%s\n' "${group[@]}" > "$OUT/pytest.$j.ids"
+      printf -v "commands[$j]" '%q ' "${cmd[@]}"
+      commands[$j]+="<the ${#group[@]} tests of pytest.$j.ids>"
+      cmd+=("${group[@]}")
+    else
+      cmd+=("${group[@]}" ${TESTS_ARGS:-})
+      printf -v "commands[$j]" '%q ' "${cmd[@]}"
+    fi
     "${cmd[@]}" > "$OUT/pytest.$j.log" 2>&1 &
     pids[$j]=$!
   done

@@ -120,18 +120,21 @@ def distributed_test(world_sizes: Sequence[int] = (2,), backend: str | None = No
     the body by name). gpu_world_sizes: the world sizes where the cases run on a GPU (default
     world_sizes), e.g. 4 and 8 ranks that CPU processes would take too long for: on NCCL (one
     GPU a rank, the cases skipped when fewer GPUs than ranks are present), or with
-    MOK_RANKS_SHARE_GPU every rank on the one GPU (unless backend pins gloo).
+    MOK_RANKS_SHARE_GPU every rank on the one GPU (unless backend pins gloo). Cases of more than
+    two CPU processes are marked `slow` (the long tier, `pytest -m slow`).
     """
     import pytest
 
     on_gpus = ((backend or default_backend()) == "nccl"
                or (backend is None and RANKS_SHARE_GPU and torch.cuda.is_available()))
     sizes = list(gpu_world_sizes if on_gpus and gpu_world_sizes is not None else world_sizes)
+    params = [pytest.param(size, marks=pytest.mark.slow) if size > 2 and not on_gpus else size
+              for size in sizes]
 
     def decorate(fn):
         _BODIES[(fn.__module__, fn.__qualname__)] = fn
 
-        @pytest.mark.parametrize("world_size", sizes)
+        @pytest.mark.parametrize("world_size", params)
         @functools.wraps(fn)
         def test(world_size):
             chosen = backend or default_backend()

@@ -20,7 +20,7 @@ from mok.ops.tuning import (
 )
 from mok.testing import SHAPES, make_inputs
 
-from .conftest import DEVICE
+from ..conftest import DEVICE
 
 # (n, k) of each kind for the routed experts (mok.ops.tuning.KINDS).
 KEYS = {"gate_up": "IH", "gate_up_saved": "IH", "down": "HI", "down_bwd": "IH",

@@ -23,7 +23,7 @@ from torch import nn
 from mok.integrations.huggingface import MokSparseMoeBlock, patch_moe_blocks
 from mok.testing import TOLERANCES, Tolerance, assert_close, distributed_test, error_report
 
-from .conftest import DEVICE
+from ..conftest import DEVICE
 
 VOCAB, BATCH, SEQ = 64, 2, 8
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,

@@ -29,7 +29,7 @@ from mok.testing import (
     rank_device,
 )
 
-from .conftest import DEVICE, tiles_for_tests, with_row_tiles
+from ..conftest import DEVICE, tiles_for_tests, with_row_tiles
 
 REF_DTYPE = torch.float32 if DEVICE.type == "cuda" else torch.float64
 pytestmark = pytest.mark.timeout(900)

@@ -19,7 +19,7 @@ from mok.testing import (
     moe_reference_grads,
 )
 
-from .conftest import run_layer, with_row_tiles
+from ..conftest import run_layer, with_row_tiles
 
 pytestmark = pytest.mark.gpu
 

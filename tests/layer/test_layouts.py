@@ -3,7 +3,7 @@ tensor argument, the layer gives the reference's answer, and bitwise the answer 
 contiguous arguments. Through mok.functional, mok.nn.moe_experts and mok.nn.MoE.
 
 Cases come from a seeded generator (`draw`): a failure names its seed, and
-`pytest tests/test_layouts.py -k 'seed-N'` runs it again. Views are padded with NaN (integer
+`pytest tests/layer/test_layouts.py -k 'seed-N'` runs it again. Views are padded with NaN (integer
 ids with out-of-range values), so a kernel reading outside a view or with another tensor's
 strides shows as a wrong or non-finite result.
 """
@@ -23,7 +23,7 @@ from mok.ops import small_tiles
 from mok.testing import GRAD_NAMES, RoutingPattern, assert_close, make_inputs, moe_reference_grads
 from mok.testing.layouts import Layout, layouts_for, relayout
 
-from .conftest import DEVICE, run_layer, with_row_tiles
+from ..conftest import DEVICE, run_layer, with_row_tiles
 
 REF_DTYPE = torch.float32 if DEVICE.type == "cuda" else torch.float64
 TENSOR_NAMES = ("x", "topk_experts", "router_weights", "w_shared_gate", "w_shared_up",

@@ -36,7 +36,7 @@ from mok.app.cli import main as mok_main
 from mok.testing import SHAPES, TOLERANCES, make_inputs, moe_reference_grads
 from mok.testing.distributed import RANKS_SHARE_GPU
 
-from .conftest import DEVICE
+from ..conftest import DEVICE
 
 MODES = [mode.value for mode in Mode]
 
@@ -247,6 +247,7 @@ def test_host_times_cover_every_launcher_of_a_step(capsys):
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2
                     and not RANKS_SHARE_GPU,
                     reason="two ranks need two GPUs, or MOK_RANKS_SHARE_GPU=1")
+@pytest.mark.slow
 def test_host_times_under_expert_parallelism(capsys):
     # Two processes (gloo on CPU): the host time of one forward and forward+backward of the EP
     # layer, pulled and copied, and of the same work on one GPU, each function's own time;
@@ -336,7 +337,7 @@ def test_ncu_summary_reads_ncu_details_csv():
 
 # -- provenance: the commit of the mok that ran -----------------------------------------------
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 

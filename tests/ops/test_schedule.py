@@ -10,7 +10,7 @@ from mok import MoKDataError, ops
 from mok.ops import build_routing, capacity_rows, small_tiles
 from mok.testing import RoutingPattern, make_topk
 
-from .conftest import DEVICE
+from ..conftest import DEVICE
 
 
 def expected_routing(topk_experts, num_experts, align, rows):

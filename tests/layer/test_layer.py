@@ -16,7 +16,7 @@ from mok.testing import (
     moe_reference_grads,
 )
 
-from .conftest import DEVICE, run_layer, tiles_for_tests, with_row_tiles, with_tma_rows
+from ..conftest import DEVICE, run_layer, tiles_for_tests, with_row_tiles, with_tma_rows
 
 REF_DTYPE = torch.float32 if DEVICE.type == "cuda" else torch.float64
 
@@ -125,7 +125,7 @@ def _persistent_tma(tiles):
 
 def _flattened(tiles):
     # (The interpreter runs the flattened loop nest as written: this checks the plumbing; the
-    # compiled loop is compared on the GPU, tests/test_gpu.py.)
+    # compiled loop is compared on the GPU, tests/gpu/test_gpu.py.)
     return with_row_tiles(tiles, persistent=True, tma=True, tma_rows=True, flatten=True)
 
 
@@ -153,13 +153,13 @@ def test_tile_variants_equal_plain_tiles(case, variant):
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on an sm_90 GPU the Gluon kernel runs: "
-                    "tests/test_gpu.py")
+                    "tests/gpu/test_gpu.py")
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_gluon_tiles_run_the_triton_kernel_off_sm90(kept):
     # GemmTiles.gluon asks for the warp-specialized Gluon kernels of gate/up, down, the
     # dSwiGLU backward (recomputing, or kept: down's tiles) and d_x, which only an sm_90 GPU runs
-    # (compiled for sm_90 by tests/test_sm90_compile.py, checked on the GPU by
-    # tests/test_gpu.py); elsewhere the Triton kernels run the same tiles: the same layer, the
+    # (compiled for sm_90 by tests/ops/test_sm90_compile.py, checked on the GPU by
+    # tests/gpu/test_gpu.py); elsewhere the Triton kernels run the same tiles: the same layer, the
     # shared expert's GEMMs included.
     case = CASES[1]
     tile = ops.GemmTiles(64, 64, 32, group_m=4, num_warps=4, num_stages=1)

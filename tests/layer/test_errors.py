@@ -9,7 +9,7 @@ import mok.functional as F
 from mok import MoKInputError
 from mok.testing import make_inputs
 
-from .conftest import DEVICE, tiles_for_tests
+from ..conftest import DEVICE, tiles_for_tests
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ from mok.testing.tolerance import TOLERANCES
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark")
 @pytest.mark.parametrize(("world_size", "kept", "copied"),
-                         [(2, "", ""), (2, "_kept", ""), (2, "", "_copy_bcopy"), (4, "", ""),
-                          (8, "", "")],
+                         [(2, "", ""), (2, "_kept", ""), (2, "", "_copy_bcopy"),
+                          pytest.param(4, "", "", marks=pytest.mark.slow),
+                          pytest.param(8, "", "", marks=pytest.mark.slow)],
                          ids=["ep2", "ep2_kept_gate_up", "ep2_copied_rows", "ep4", "ep8"])
 def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, world_size, kept, copied):
     # At 4 and 8 ranks the tiny shape has one expert a rank (top-2): its compute-only run takes

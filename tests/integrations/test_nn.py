@@ -8,7 +8,7 @@ import torch
 from mok.nn import Backend, MoE, Router, RouterConfig, RouterScoring, moe_experts
 from mok.testing import assert_close, distributed_test, make_inputs, moe_reference, rank_device
 
-from .conftest import DEVICE
+from ..conftest import DEVICE
 
 
 def make_module(shared=16, router=None, seed=0, **kwargs):

@@ -1,0 +1,1 @@
+"""Tests of mok.app: the command line and the training job."""

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks (repository tools)."""

@@ -1,0 +1,1 @@
+"""Tests of mok.exchange: expert parallelism on CPU processes."""

@@ -1,0 +1,1 @@
+"""Tests of compiled kernels at real shapes (needs a CUDA GPU)."""

@@ -1,0 +1,1 @@
+"""Tests of mok.nn, the Hugging Face patch, the examples."""

@@ -1,0 +1,1 @@
+"""Tests of mok.ops: routing, tile table, sm_90 compilation."""
