@@ -33,8 +33,8 @@ if [ "${EP_TESTS:-1}" = 1 ]; then
   echo "== ep tests (limit ${EP_TESTS_TIMEOUT:-420}s)"
   # -rfE: every failure and error listed at the end, where the test log picks them up.
   cmd=(timeout -s KILL "${EP_TESTS_TIMEOUT:-420}" python3 -m pytest -q -rfE -p no:cacheprovider
-       tests/exchange/test_expert_parallel.py tests/integrations/test_examples.py tests/integrations/test_nn.py
-       tests/integrations/test_huggingface.py -k "${EP_TESTS_K:-expert_parallel or test_ep_}"
+       tests/exchange/test_expert_parallel.py tests/integrations/test_examples.py
+       tests/integrations/test_nn.py tests/integrations/test_huggingface.py -k "${EP_TESTS_K:-expert_parallel or test_ep_}"
        ${EP_TESTS_ARGS:-})
   printf -v command '%q ' "${cmd[@]}"
   "${cmd[@]}" > "$OUT/ep_tests.log" 2>&1
