@@ -42,7 +42,7 @@ from mok.errors import (
 )
 from mok.exchange import BackwardRows, Exchange, Phase, create_exchange
 from mok.ops import Routing, TileConfig
-from mok.plan import BackwardPlan, backward_plan, forward_plan
+from mok.plan import BackwardPlan, ForwardPlan, backward_plan, forward_plan
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -492,24 +492,33 @@ class _Experts:
         return self.gate.shape[1]
 
 
+def _forward_plans(config, schedule, hidden, shared: _Experts | None,
+                   routed: _Experts) -> tuple[ForwardPlan, ForwardPlan | None]:
+    """The forward's tiles of the routed experts and of the shared expert (None without one)."""
+    keep = not config.recompute_gate_up
+    routed_plan = forward_plan(schedule.tiles, hidden=hidden, intermediate=routed.intermediate,
+                               keep_gate_up=keep)
+    if shared is None:
+        return routed_plan, None
+    return routed_plan, forward_plan(schedule.tiles, hidden=hidden,
+                                     intermediate=shared.intermediate, keep_gate_up=keep)
+
+
 def _gate_up(config, schedule, x, router_weights, shared: _Experts | None, routed: _Experts,
-             swiglu_limit) -> tuple[ForwardContext, torch.Tensor]:
-    """The gate/up GEMMs of this rank's tokens x (and router weights): (context, the router
-    weights the down GEMM scales the routed rows by). The shared expert goes first: it needs no
-    rows of other ranks, and they have time to publish theirs."""
+             swiglu_limit, plans) -> tuple[ForwardContext, torch.Tensor]:
+    """The gate/up GEMMs of this rank's tokens x (and router weights), on `_forward_plans`'
+    tiles: (context, the router weights the down GEMM scales the routed rows by). The shared
+    expert goes first: it needs no rows of other ranks, and they have time to publish theirs."""
     exchange, plan = schedule.workspace.exchange, schedule.exchange
-    hidden = x.shape[1]
+    routed_plan, shared_plan = plans
     keep = not config.recompute_gate_up
     h_shared = gate_up_shared = None
     if shared is not None:
-        tiles = forward_plan(schedule.tiles, hidden=hidden, intermediate=shared.intermediate,
-                             keep_gate_up=keep).gate_up
         gate_up_shared = (ops.gate_up_buffer(x, shared.gate, schedule.shared_routing) if keep
                           else None)
-        h_shared = ops.gate_up_swiglu(x, shared.gate, shared.up, schedule.shared_routing, tiles,
-                                      swiglu_limit, gate_up=gate_up_shared)
-    tiles = forward_plan(schedule.tiles, hidden=hidden, intermediate=routed.intermediate,
-                         keep_gate_up=keep).gate_up
+        h_shared = ops.gate_up_swiglu(x, shared.gate, shared.up, schedule.shared_routing,
+                                      shared_plan.gate_up, swiglu_limit, gate_up=gate_up_shared)
+    tiles = routed_plan.gate_up
     x, router_weights = exchange.tokens(x, router_weights)
     gate_up = ops.gate_up_buffer(x, routed.gate, schedule.routing) if keep else None
     rows = exchange.forward_rows(plan, x, router_weights, config=config, block_m=tiles.block_m)
@@ -552,21 +561,18 @@ def forward(
     router_weights = router_weights.contiguous()
     shared, routed = _Experts.shared(*shared), _Experts(*routed)
     exchange, plan = workspace.exchange, schedule.exchange
-    hidden = x.shape[1]
+    plans = routed_plan, shared_plan = _forward_plans(config, schedule, x.shape[1], shared,
+                                                      routed)
     # schedule -> rows in -> gate/up
     context, route_weights = _gate_up(config, schedule, x, router_weights, shared, routed,
-                                      swiglu_limit)
+                                      swiglu_limit, plans)
     # -> down, each weighted row to its token's rank -> combine
-    down = forward_plan(schedule.tiles, hidden=hidden, intermediate=routed.intermediate,
-                        keep_gate_up=not config.recompute_gate_up).down
-    rows = ops.down_proj(context.h, routed.down, schedule.routing, down, route_weights,
-                         scatter=exchange.scatter(plan, x.dtype))
+    rows = ops.down_proj(context.h, routed.down, schedule.routing, routed_plan.down,
+                         route_weights, scatter=exchange.scatter(plan, x.dtype))
     shared_rows = None
     if shared is not None:
-        down = forward_plan(schedule.tiles, hidden=hidden, intermediate=shared.intermediate,
-                            keep_gate_up=not config.recompute_gate_up).down
         shared_rows = ops.down_proj(context.h_shared, shared.down, schedule.shared_routing,
-                                    down, None)
+                                    shared_plan.down, None)
     exchange.deliveries_done(plan, Phase.FORWARD, x.dtype, values=False, wait=True)
     y = exchange.combine(plan, rows, schedule.routing, shared_rows, x.dtype)
     return y, context.kept_for_backward()
@@ -603,9 +609,10 @@ def recompute_forward_context(
         router_weights = router_weights.contiguous()
     else:
         router_weights = None  # one GPU: the gate/up GEMMs do not read them
-    context, _ = _gate_up(config, schedule, x, router_weights,
-                          _Experts.shared(w_shared_gate, w_shared_up, None),
-                          _Experts(w_routed_gate, w_routed_up, None), swiglu_limit)
+    shared = _Experts.shared(w_shared_gate, w_shared_up, None)
+    routed = _Experts(w_routed_gate, w_routed_up, None)
+    context, _ = _gate_up(config, schedule, x, router_weights, shared, routed, swiglu_limit,
+                          _forward_plans(config, schedule, x.shape[1], shared, routed))
     return context.kept_for_backward()
 
 

@@ -16,8 +16,8 @@ Rank (n, l) exchanges tokens with its "rail": the ranks (m, l) of the other node
   ghost (an id no rank of the node owns), left out.
 - Combine: an all_to_all returns each node's partial output of a token to the token's rank, which
   adds the shared expert (computed on its own tokens) and the N partials in a fixed order (node 0
-  first). The backward returns
-  d_x and the router-weight gradients the same way; weight gradients stay with the experts.
+  first). The backward returns d_x and the router-weight gradients the same way; weight
+  gradients stay with the experts.
 
 Deterministic as long as the collectives are (they only move data; every sum is ours).
 """
