@@ -9,9 +9,24 @@ from pathlib import Path
 
 
 def append_rows(path: Path, fields: Iterable[str], rows: Iterable[dict]) -> None:
-    """Append rows to a CSV (the header first when the file is new or empty)."""
+    """Append rows to a CSV (the header first when the file is new or empty). A file whose
+    header lacks some of `fields` (written before they existed) is rewritten first with the new
+    header, its rows' new cells empty."""
+    fields = list(fields)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            old_fields, old_rows = reader.fieldnames or [], list(reader)
+        if old_fields != fields:
+            missing = [name for name in old_fields if name not in fields]
+            if missing:
+                raise ValueError(f"{path} has columns {missing} these rows do not")
+            with path.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=fields)
+                writer.writeheader()
+                writer.writerows(old_rows)
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(fields))
         if new:

@@ -79,7 +79,7 @@ def breakdown(shape, stages_wanted=(), repeats: int = 20, warmup: int = 3,
     gemm = 2.0 * routes * hid * inter
     h = ops.gate_up_swiglu(x, w_g, w_u, routing, t_gate_up, None)
     rows = ops.down_proj(h, w_d, routing, t_down, rw)
-    def down_bwd():  # GemmTiles.apart: gate/up and the kept dSwiGLU, as the layer runs them
+    def down_bwd():  # DswigluTiles.apart: gate/up and the kept dSwiGLU, as the layer runs them
         if t_down_bwd.apart:
             return ops.dswiglu_apart(d_out, x, w_d, w_g, w_u, routing, t_gate_up_saved,
                                      t_down_bwd_saved, rw, None)

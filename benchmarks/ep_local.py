@@ -22,7 +22,7 @@ has queued it: GPU time alone) of:
   pre-activations): `gluon` reading d_output and x directly; `triton pulling` (the EP launch
   without MoKConfig.bwd_copy_rows: its first MoKConfig.bwd_num_comm_sms programs pull d_output,
   recomputing x too, the tiles waiting on them); recomputing, `apart, triton pulling`
-  (GemmTiles.apart as the EP backward runs it when rows are pulled: gate/up on the table's
+  (DswigluTiles.apart as the EP backward runs it when rows are pulled: gate/up on the table's
   Triton tiles pulling x's and d_output's rows, then the kept dSwiGLU pulling nothing).
 - rows moved by copies (MoKConfig.fwd_copy_rows and bwd_copy_rows, mok.testing.pull.
   local_copied), gate/up and both dSwiGLU, Gluon: the tokens split as if over two ranks, this
@@ -182,7 +182,7 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
     apart_tiles = schedule.tiles.pick_apart(inter, hidden)
 
     def first_block_m(kept):
-        """Row blocks of the backward's first launch (GemmTiles.apart: gate/up's)."""
+        """Row blocks of the backward's first launch (DswigluTiles.apart: gate/up's)."""
         tiles = pick(_dswiglu_kind(kept), inter, hidden)
         return apart_tiles[0].block_m if tiles.apart and not kept else tiles.block_m
 
@@ -202,7 +202,7 @@ def measure(shape, repeats: int, warmup: int, minibatch: int, only: str = "",
         return run
 
     def dswiglu_apart_pulling():
-        """GemmTiles.apart with rows pulled by kernels: gate/up (the table's Triton tiles)
+        """DswigluTiles.apart with rows pulled by kernels: gate/up (the table's Triton tiles)
         pulls x's rows and d_output's, the kept dSwiGLU after it pulls nothing."""
         pulled_x = local_pull(x, routing, minibatch=config.minibatch_size,
                               num_programs=config.bwd_num_comm_sms)

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks import append_rows, commit_id, finish_chart, newest_gpu_rows
 from benchmarks.implementations import IMPLEMENTATIONS, REPO_ROOT, Implementation, Settings
-from mok import ops
+from mok import plan
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
@@ -54,8 +54,10 @@ from mok.testing.tolerance import TOLERANCES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CPU_RESULTS = REPO_ROOT / "runs" / "bench"
+# fallbacks: the GEMMs whose planned kernel could not run in mok's rows (mok.plan.fallbacks:
+# "kind (what ran instead)"; empty where none did, and for the anchors).
 CSV_FIELDS = ("gpu", "commit", "date", "shape", "impl", "mode", "ms", "tflops", "peak_mem_gb",
-              "max_rel_err")
+              "max_rel_err", "fallbacks")
 TINY = MoEShape("tiny", 4, 64, 32, 2, 64, 32)  # every path, shared expert included, in seconds
 BENCH_SHAPES = {shape.name: shape for shape in (*SHAPES, TINY)}
 
@@ -211,6 +213,7 @@ def bench_implementation(impl_name: str, shape: MoEShape, settings: Settings,
         def prepare(i, mode=mode):
             return timed_call(impl, mode, input_sets[i % len(input_sets)])
 
+        before = plan.fallbacks()
         try:
             ms, peak, host_ms = measure(prepare, repeats, warmup, settings.device,
                                         host_ahead=settings.host_ahead)
@@ -224,8 +227,15 @@ def bench_implementation(impl_name: str, shape: MoEShape, settings: Settings,
         record(dict(shape=shape.name, impl=name, mode=mode.value, ms=float(f"{ms:.5g}"),
                     tflops=float(f"{tflops:.4g}"),
                     peak_mem_gb="" if peak is None else round(peak, 3),
-                    max_rel_err="n/a" if worst is None else f"{worst.max_rel:.2e}"),
+                    max_rel_err="n/a" if worst is None else f"{worst.max_rel:.2e}",
+                    fallbacks=_fallbacks_since(before)),
                host_ms)
+
+
+def _fallbacks_since(before: dict) -> str:
+    """The fallbacks planned since `before` (mok.plan.fallbacks), one "kind (reason)" each."""
+    return "; ".join(f"{kind} ({reason})" for (kind, reason), count in plan.fallbacks().items()
+                     if count > before.get((kind, reason), 0))
 
 
 def run(shapes: list[MoEShape], impl_names: list[str], modes: list[Mode], *, repeats: int = 20,
@@ -402,8 +412,8 @@ def main(argv: list[str] | None = None) -> None:
         [Mode(mode) for mode in dict.fromkeys(args.modes)], repeats=args.repeats,
         warmup=args.warmup, num_input_sets=args.input_sets, csv_path=csv_path,
         liger_autotune=args.liger_autotune, host_ahead=args.host_ahead)
-    for launch, reason in ops.fallbacks():
-        print(f"fallback: mok's {launch} ran the Triton kernel on Gluon tiles ({reason})")
+    for (kind, reason), count in plan.fallbacks().items():
+        print(f"fallback: mok's {kind}: {reason} ({count} plans)")
     print(f"rows appended to {csv_path}; chart {csv_path.with_suffix('.png')}")
 
 

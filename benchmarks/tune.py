@@ -23,19 +23,30 @@ import torch
 
 from benchmarks.breakdown import median_ms, shape_setup
 from mok import ops
-from mok.ops.tuning import HOPPER_TILES, TRITON, GemmTiles, table_to_json, tuned_table
+from mok.arch import arch_of
+from mok.ops.tuning import (
+    HOPPER_TILES,
+    TRITON,
+    DswigluTiles,
+    RowTiles,
+    Tiles,
+    TileTable,
+    WgradTiles,
+    table_to_json,
+    tuned_table,
+)
 from mok.testing import SHAPES, SHAPES_BY_NAME
 
-T = GemmTiles
+R, D, W = RowTiles, DswigluTiles, WgradTiles
 # Deeper pipelines for the weight gradients (shared memory per CTA from scripts/sm90_compile.py:
 # 128x128x64 takes 96 KB at 3 stages, 128 at 4, 160 at 5; paired, 144 at 3 and 192 at 4).
-PERSISTENT_WGRAD = [T(128, 128, 64, 1, 8, 3, persistent=True),
-                    T(128, 128, 64, 1, 8, 4, persistent=True),
-                    T(128, 256, 64, 1, 8, 3, persistent=True)]
-DEEP_WGRAD = [T(128, 128, 64, 1, 8, 4), T(128, 128, 64, 1, 8, 5)]
+PERSISTENT_WGRAD = [W(128, 128, 64, 1, 8, 3, persistent=True),
+                    W(128, 128, 64, 1, 8, 4, persistent=True),
+                    W(128, 256, 64, 1, 8, 3, persistent=True)]
+DEEP_WGRAD = [W(128, 128, 64, 1, 8, 4), W(128, 128, 64, 1, 8, 5)]
 
 
-def _persistent(*tiles: GemmTiles, split: int = 1) -> list[GemmTiles]:
+def _persistent(*tiles: RowTiles, split: int = 1) -> list[RowTiles]:
     """The row-GEMM tiles as persistent loops (one program per SM), every row tile and weight
     through TMA, as Triton's persistent TMA GEMMs are fastest on Hopper; split: their
     epilogues in that many column slices."""
@@ -43,98 +54,98 @@ def _persistent(*tiles: GemmTiles, split: int = 1) -> list[GemmTiles]:
                                 epilogue_split=split) for t in tiles]
 
 
-CANDIDATES: dict[str, list[GemmTiles]] = {
-    "gate_up": [T(128, 64, 64, 8, 8, 4), T(128, 128, 64, 8, 8, 3), T(64, 128, 64, 8, 4, 4),
-                T(128, 64, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 4),
-                T(128, 128, 64, 8, 8, 3, tma=True), T(128, 128, 64, 8, 8, 4, tma=True),
-                T(128, 128, 64, 8, 8, 3, tma_rows=True),
-                T(128, 128, 64, 8, 8, 3, tma=True, tma_rows=True),
-                T(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True),
-                *_persistent(T(128, 128, 64, 8, 8, 3), T(128, 128, 64, 8, 8, 4),
-                             T(128, 64, 64, 8, 8, 4), T(128, 128, 32, 8, 8, 4)),
-                T(128, 128, 64, 8, 8, 3, persistent=True),
-                *_persistent(T(128, 128, 64, 8, 8, 3), split=2),
-                T(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True, epilogue_split=2)],
-    "down": [T(128, 128, 64, 8, 8, 4), T(128, 256, 64, 8, 8, 3), T(128, 128, 64, 8, 4, 4),
-             T(64, 256, 64, 8, 8, 3), T(128, 128, 128, 8, 8, 3),
-             T(128, 256, 64, 8, 8, 3, tma=True), T(128, 128, 64, 8, 8, 4, tma=True),
-             T(128, 256, 64, 8, 8, 3, tma_rows=True),
-             T(128, 256, 64, 8, 8, 3, tma=True, tma_rows=True),
-             T(128, 256, 64, 8, 8, 4, tma=True, tma_rows=True),
-             T(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True),
-             *_persistent(T(128, 256, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 4),
-                          T(128, 128, 64, 8, 8, 4), T(128, 128, 64, 8, 4, 4)),
-             T(128, 256, 64, 8, 8, 3, persistent=True),
-             *_persistent(T(128, 256, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 4), split=2)],
-    "down_bwd": [T(128, 64, 64, 8, 8, 3), T(64, 128, 64, 8, 8, 3), T(128, 64, 32, 8, 8, 4),
-                 T(64, 64, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 3),
-                 T(128, 128, 32, 8, 8, 3, tma=True), T(128, 128, 32, 8, 8, 4, tma=True),
-                 T(128, 128, 32, 8, 8, 3, tma_rows=True),
-                 T(128, 128, 32, 8, 8, 3, tma=True, tma_rows=True),
-                 T(128, 64, 64, 8, 8, 3, tma_rows=True),
-                 *_persistent(T(128, 128, 32, 8, 8, 3), T(128, 64, 64, 8, 8, 3),
-                              T(128, 128, 32, 8, 8, 4)),
-                 *_persistent(T(128, 128, 32, 8, 8, 3), split=2)],
-    "down_bwd_saved": [T(128, 128, 64, 8, 8, 4), T(128, 128, 64, 8, 8, 3),
-                       T(128, 256, 64, 8, 8, 3), T(128, 64, 64, 8, 4, 4),
-                       T(64, 128, 64, 8, 4, 4), T(128, 128, 32, 8, 8, 4),
-                       T(128, 128, 64, 8, 8, 4, tma_rows=True),
-                       T(128, 128, 64, 8, 8, 3, tma_rows=True),
-                       T(128, 256, 64, 8, 8, 3, tma_rows=True),
-                       T(64, 128, 64, 8, 4, 4, tma_rows=True),
-                       T(64, 128, 64, 8, 4, 4, tma=True),
-                       T(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True),
-                       T(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True),
-                       *_persistent(T(64, 128, 64, 8, 4, 4), T(128, 128, 64, 8, 8, 4),
-                                    T(128, 128, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 3),
-                                    T(128, 128, 64, 8, 4, 3)),
-                       *_persistent(T(128, 256, 64, 8, 8, 3), T(128, 128, 64, 8, 8, 4),
+CANDIDATES: dict[str, list[Tiles]] = {
+    "gate_up": [R(128, 64, 64, 8, 8, 4), R(128, 128, 64, 8, 8, 3), R(64, 128, 64, 8, 4, 4),
+                R(128, 64, 64, 8, 4, 4), R(128, 128, 32, 8, 8, 4),
+                R(128, 128, 64, 8, 8, 3, tma=True), R(128, 128, 64, 8, 8, 4, tma=True),
+                R(128, 128, 64, 8, 8, 3, tma_rows=True),
+                R(128, 128, 64, 8, 8, 3, tma=True, tma_rows=True),
+                R(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True),
+                *_persistent(R(128, 128, 64, 8, 8, 3), R(128, 128, 64, 8, 8, 4),
+                             R(128, 64, 64, 8, 8, 4), R(128, 128, 32, 8, 8, 4)),
+                R(128, 128, 64, 8, 8, 3, persistent=True),
+                *_persistent(R(128, 128, 64, 8, 8, 3), split=2),
+                R(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True, epilogue_split=2)],
+    "down": [R(128, 128, 64, 8, 8, 4), R(128, 256, 64, 8, 8, 3), R(128, 128, 64, 8, 4, 4),
+             R(64, 256, 64, 8, 8, 3), R(128, 128, 128, 8, 8, 3),
+             R(128, 256, 64, 8, 8, 3, tma=True), R(128, 128, 64, 8, 8, 4, tma=True),
+             R(128, 256, 64, 8, 8, 3, tma_rows=True),
+             R(128, 256, 64, 8, 8, 3, tma=True, tma_rows=True),
+             R(128, 256, 64, 8, 8, 4, tma=True, tma_rows=True),
+             R(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True),
+             *_persistent(R(128, 256, 64, 8, 8, 3), R(128, 256, 64, 8, 8, 4),
+                          R(128, 128, 64, 8, 8, 4), R(128, 128, 64, 8, 4, 4)),
+             R(128, 256, 64, 8, 8, 3, persistent=True),
+             *_persistent(R(128, 256, 64, 8, 8, 3), R(128, 256, 64, 8, 8, 4), split=2)],
+    "down_bwd": [D(128, 64, 64, 8, 8, 3), D(64, 128, 64, 8, 8, 3), D(128, 64, 32, 8, 8, 4),
+                 D(64, 64, 64, 8, 4, 4), D(128, 128, 32, 8, 8, 3),
+                 D(128, 128, 32, 8, 8, 3, tma=True), D(128, 128, 32, 8, 8, 4, tma=True),
+                 D(128, 128, 32, 8, 8, 3, tma_rows=True),
+                 D(128, 128, 32, 8, 8, 3, tma=True, tma_rows=True),
+                 D(128, 64, 64, 8, 8, 3, tma_rows=True),
+                 *_persistent(D(128, 128, 32, 8, 8, 3), D(128, 64, 64, 8, 8, 3),
+                              D(128, 128, 32, 8, 8, 4)),
+                 *_persistent(D(128, 128, 32, 8, 8, 3), split=2)],
+    "down_bwd_saved": [D(128, 128, 64, 8, 8, 4), D(128, 128, 64, 8, 8, 3),
+                       D(128, 256, 64, 8, 8, 3), D(128, 64, 64, 8, 4, 4),
+                       D(64, 128, 64, 8, 4, 4), D(128, 128, 32, 8, 8, 4),
+                       D(128, 128, 64, 8, 8, 4, tma_rows=True),
+                       D(128, 128, 64, 8, 8, 3, tma_rows=True),
+                       D(128, 256, 64, 8, 8, 3, tma_rows=True),
+                       D(64, 128, 64, 8, 4, 4, tma_rows=True),
+                       D(64, 128, 64, 8, 4, 4, tma=True),
+                       D(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True),
+                       D(128, 128, 64, 8, 8, 4, tma=True, tma_rows=True),
+                       *_persistent(D(64, 128, 64, 8, 4, 4), D(128, 128, 64, 8, 8, 4),
+                                    D(128, 128, 64, 8, 8, 3), D(128, 256, 64, 8, 8, 3),
+                                    D(128, 128, 64, 8, 4, 3)),
+                       *_persistent(D(128, 256, 64, 8, 8, 3), D(128, 128, 64, 8, 8, 4),
                                     split=2),
-                       T(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True, epilogue_split=2),
+                       D(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True, epilogue_split=2),
                        # each gathered d_out row tile feeding 256 columns; 128 x 64 two to an SM
-                       T(64, 256, 64, 8, 8, 3, tma=True, tma_rows=True),
-                       T(128, 64, 64, 8, 4, 4, tma=True, tma_rows=True),
+                       D(64, 256, 64, 8, 8, 3, tma=True, tma_rows=True),
+                       D(128, 64, 64, 8, 4, 4, tma=True, tma_rows=True),
                        # 128 x 128 at 4 warps: half the weight-tile traffic from L2 of 64 x 128
                        # (512 KB a 64-row tile at qwen3, K = 2048), one warpgroup. Timed on one
                        # H200: 1.63 ms at qwen3 against 64 x 128's 1.43 (its whole-tile epilogue:
                        # 4.30); best only for deepseek's shared expert, by 2%.
-                       T(128, 128, 64, 8, 4, 3, tma=True, tma_rows=True, epilogue_split=2)],
-    "d_x": [T(128, 128, 64, 8, 8, 3), T(128, 256, 64, 8, 8, 2), T(128, 128, 32, 8, 8, 4),
-            T(128, 128, 64, 8, 4, 3), T(64, 256, 32, 8, 8, 3),
-            T(128, 128, 64, 8, 8, 3, tma_rows=True), T(128, 256, 64, 8, 8, 2, tma_rows=True),
-            T(128, 128, 64, 8, 4, 3, tma_rows=True),
-            T(128, 128, 64, 8, 8, 3, tma=True), T(128, 128, 64, 8, 4, 3, tma=True),
-            T(128, 128, 64, 8, 4, 3, tma=True, tma_rows=True), T(128, 256, 64, 8, 8, 2, tma=True),
-            *_persistent(T(128, 128, 64, 8, 4, 3), T(128, 128, 64, 8, 8, 3),
-                         T(128, 256, 64, 8, 8, 2), T(128, 256, 64, 8, 8, 3),
-                         T(128, 128, 64, 8, 8, 4)),
-            *_persistent(T(128, 256, 64, 8, 8, 2), T(128, 128, 64, 8, 4, 3), split=2)],
-    "wgrad_gate_up": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
-                      T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
-                      T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,
-                      T(128, 128, 64, 1, 8, 3, pair=True), T(128, 128, 64, 1, 8, 4, pair=True),
-                      T(128, 128, 32, 1, 8, 4, pair=True),
-                      T(128, 128, 64, 1, 8, 3, persistent=True, pair=True),
-                      T(128, 128, 64, 1, 8, 3, grouped_mm=True)],
-    "wgrad_down": [T(128, 128, 64, 1, 8, 3), T(128, 256, 64, 1, 8, 3),
-                   T(128, 128, 128, 1, 8, 3), T(256, 128, 64, 1, 8, 3),
-                   T(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,
-                   T(128, 128, 64, 1, 8, 3, grouped_mm=True)],
+                       D(128, 128, 64, 8, 4, 3, tma=True, tma_rows=True, epilogue_split=2)],
+    "d_x": [R(128, 128, 64, 8, 8, 3), R(128, 256, 64, 8, 8, 2), R(128, 128, 32, 8, 8, 4),
+            R(128, 128, 64, 8, 4, 3), R(64, 256, 32, 8, 8, 3),
+            R(128, 128, 64, 8, 8, 3, tma_rows=True), R(128, 256, 64, 8, 8, 2, tma_rows=True),
+            R(128, 128, 64, 8, 4, 3, tma_rows=True),
+            R(128, 128, 64, 8, 8, 3, tma=True), R(128, 128, 64, 8, 4, 3, tma=True),
+            R(128, 128, 64, 8, 4, 3, tma=True, tma_rows=True), R(128, 256, 64, 8, 8, 2, tma=True),
+            *_persistent(R(128, 128, 64, 8, 4, 3), R(128, 128, 64, 8, 8, 3),
+                         R(128, 256, 64, 8, 8, 2), R(128, 256, 64, 8, 8, 3),
+                         R(128, 128, 64, 8, 8, 4)),
+            *_persistent(R(128, 256, 64, 8, 8, 2), R(128, 128, 64, 8, 4, 3), split=2)],
+    "wgrad_gate_up": [W(128, 128, 64, 1, 8, 3), W(128, 256, 64, 1, 8, 3),
+                      W(128, 128, 128, 1, 8, 3), W(256, 128, 64, 1, 8, 3),
+                      W(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,
+                      W(128, 128, 64, 1, 8, 3, pair=True), W(128, 128, 64, 1, 8, 4, pair=True),
+                      W(128, 128, 32, 1, 8, 4, pair=True),
+                      W(128, 128, 64, 1, 8, 3, persistent=True, pair=True),
+                      W(128, 128, 64, 1, 8, 3, grouped_mm=True)],
+    "wgrad_down": [W(128, 128, 64, 1, 8, 3), W(128, 256, 64, 1, 8, 3),
+                   W(128, 128, 128, 1, 8, 3), W(256, 128, 64, 1, 8, 3),
+                   W(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,
+                   W(128, 128, 64, 1, 8, 3, grouped_mm=True)],
 }
 # gate/up also storing its pre-activations: the gate/up tiles, and epilogues in halves or
 # through TMA (the tile stores three outputs: h, gate, up).
 CANDIDATES["gate_up_saved"] = [
-    *CANDIDATES["gate_up"], T(128, 128, 64, 8, 8, 4, tma_rows=True),
-    T(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True),
-    T(128, 128, 64, 8, 8, 3, tma=True, tma_rows=True, epilogue_split=2),
-    *_persistent(T(128, 128, 64, 8, 8, 4), split=2)]
+    *CANDIDATES["gate_up"], R(128, 128, 64, 8, 8, 4, tma_rows=True),
+    R(64, 128, 64, 8, 4, 4, tma=True, tma_rows=True),
+    R(128, 128, 64, 8, 8, 3, tma=True, tma_rows=True, epilogue_split=2),
+    *_persistent(R(128, 128, 64, 8, 8, 4), split=2)]
 
-# gate/up by the warp-specialized Gluon kernel (GemmTiles.gluon; one program per SM, num_warps
+# gate/up by the warp-specialized Gluon kernel (RowTiles.gluon; one program per SM, num_warps
 # unused: block_m // 16 MMA warps and 4 loader warps). 128 x 128 x 64 at 4 stages takes 224 KB.
 # Where the Triton kernel runs these tiles instead (a launch that pulls rows from other ranks)
 # its weight tiles come through TMA.
-GLUON = [T(128, 128, 64, g, 8, s, tma=True, gluon=True) for g, s in ((8, 4), (8, 3), (4, 4))]
-GLUON.append(T(64, 128, 64, 8, 4, 5, tma=True, gluon=True))
+GLUON = [R(128, 128, 64, g, 8, s, tma=True, gluon=True) for g, s in ((8, 4), (8, 3), (4, 4))]
+GLUON.append(R(64, 128, 64, 8, 4, 5, tma=True, gluon=True))
 CANDIDATES["gate_up"] += GLUON
 CANDIDATES["gate_up_saved"] += GLUON
 # down and d_x by the warp-specialized Gluon row kernels (every tile through TMA, one loader
@@ -144,8 +155,8 @@ CANDIDATES["gate_up_saved"] += GLUON
 # kernel runs these tiles instead (a launch that scatters rows to other ranks, or d_x pulling
 # them) it keeps TMA rows and persistent programs; the 128 x 256 tiles at 192 KB of stages
 # have their epilogues in halves, which the Triton kernels need there.
-def _gluon_rows(*shapes: tuple[int, int, int, int]) -> list[GemmTiles]:
-    return [T(128, n, 64, g, 8, s, persistent=True, tma=True, tma_rows=True, epilogue_split=split,
+def _gluon_rows(*shapes: tuple[int, int, int, int]) -> list[RowTiles]:
+    return [R(128, n, 64, g, 8, s, persistent=True, tma=True, tma_rows=True, epilogue_split=split,
               gluon=True) for n, s, g, split in shapes]
 
 
@@ -159,8 +170,8 @@ CANDIDATES["d_x"] += _gluon_rows((256, 2, 8, 2), (256, 2, 4, 2), (128, 3, 8, 1),
 # to 64, 128 x 64 x 64 takes 200 KB at 3 stages, 128 x 64 x 32 as much at 6. Where the Triton
 # kernel runs these tiles instead (a launch that pulls rows) it keeps persistent programs and
 # TMA.
-def _gluon_dswiglu(*shapes: tuple[int, int, int, int, int]) -> list[GemmTiles]:
-    return [T(m, n, k, g, m // 16, s, persistent=True, tma=True, tma_rows=True, gluon=True)
+def _gluon_dswiglu(*shapes: tuple[int, int, int, int, int]) -> list[DswigluTiles]:
+    return [D(m, n, k, g, m // 16, s, persistent=True, tma=True, tma_rows=True, gluon=True)
             for m, n, k, s, g in shapes]
 
 
@@ -169,17 +180,17 @@ CANDIDATES["down_bwd_saved"] += _gluon_dswiglu((128, 128, 64, 4, 8), (128, 128, 
                                                (128, 64, 64, 6, 8))
 CANDIDATES["down_bwd"] += _gluon_dswiglu((128, 64, 64, 3, 8), (128, 64, 64, 3, 4),
                                          (128, 64, 32, 6, 8), (64, 64, 64, 4, 8))
-# 64-row tiles with two MMA partitions taking turns (GemmTiles.pingpong; each its own epilogue
+# 64-row tiles with two MMA partitions taking turns (DswigluTiles.pingpong; each its own epilogue
 # buffers: 200 KB kept at 64 x 128 x 64, 5 stages; 192 KB recomputing at 64 x 64 x 64, 4).
 CANDIDATES["down_bwd_saved"] += [dataclasses.replace(t, pingpong=True) for t in _gluon_dswiglu(
     (64, 128, 64, 5, 8), (64, 128, 64, 4, 8), (64, 128, 64, 5, 4), (64, 64, 64, 6, 8))]
 CANDIDATES["down_bwd"] += [dataclasses.replace(t, pingpong=True) for t in _gluon_dswiglu(
     (64, 64, 64, 4, 8), (64, 64, 64, 3, 8), (64, 64, 32, 6, 8))]
-# Every persistent row-GEMM candidate also with its tile and K loops flattened (GemmTiles.flatten).
+# Every persistent row-GEMM candidate also with its tile and K loops flattened (RowTiles.flatten).
 for _kind in ("gate_up", "gate_up_saved", "down", "down_bwd", "down_bwd_saved", "d_x"):
     CANDIDATES[_kind] += [dataclasses.replace(t, flatten=True) for t in CANDIDATES[_kind]
                           if t.persistent and not t.gluon]
-# The recomputing dSwiGLU as two launches (GemmTiles.apart): gate/up storing the
+# The recomputing dSwiGLU as two launches (DswigluTiles.apart): gate/up storing the
 # pre-activations, then the kept dSwiGLU over them, each on the table's tiles of its kind
 # (gate_up_saved, down_bwd_saved) in use when the tuner starts; its own fields are the fallback's.
 CANDIDATES["down_bwd"].append(dataclasses.replace(CANDIDATES["down_bwd"][0], apart=True))
@@ -234,30 +245,39 @@ def stage_runners(shape) -> list[tuple[str, str, tuple[int, int], object]]:
 
 
 # GemmTiles options (beyond the tile's sizes) that `--only` can ask for, with their defaults.
-OPTIONS = {f.name: f.default for f in dataclasses.fields(GemmTiles)
+OPTIONS = {f.name: f.default for cls in (DswigluTiles, WgradTiles) for f in dataclasses.fields(cls)
            if f.name not in ("block_m", "block_n", "block_k", "group_m", "num_warps",
                              "num_stages")}
 
 
-def candidates(kind: str, current: GemmTiles | None, only: tuple[str, ...] = (),
-               current_triton: GemmTiles | None = None) -> list:
+def candidates(kind: str, current: Tiles | None, only: tuple[str, ...] = (),
+               current_triton: Tiles | None = None) -> list:
     """The fallback tiles first, then those of CANDIDATES[kind] with every option of `only`
     set (not its default), then the table's current entries, its best and its best Triton
     tiles (so tuning a subset never loses a faster earlier pick)."""
     fallback, *others = CANDIDATES[kind]
-    chosen = [fallback] + [t for t in others
-                           if all(getattr(t, name) != OPTIONS[name] for name in only)]
+    chosen = [fallback] + [t for t in others if all(
+        getattr(t, name, OPTIONS[name]) != OPTIONS[name] for name in only)]
     for tiles in (current, current_triton):
         if tiles is not None and tiles not in chosen:
             chosen.append(tiles)
     return chosen
 
 
+# The dtypes a table measured in bf16 serves: those of the same element size.
+TABLE_DTYPES = ("bfloat16", "float16")
+
+
+def _not_triton(tiles: Tiles) -> bool:
+    """Tiles of a Gluon kernel or of two launches (RowTiles.gluon, DswigluTiles.apart)."""
+    return getattr(tiles, "gluon", False) or getattr(tiles, "apart", False)
+
+
 def tune(shapes, table: dict | None = None, out: Path | None = None,
          kinds=tuple(CANDIDATES), verbose: bool = False, only: tuple[str, ...] = ()) -> dict:
     """Tune `shapes` into `table` (entries of other shapes kept); with `out`, the table is
     written after each shape, so a run cut short keeps what it measured. verbose: print every
-    candidate's time, not only the best. only: try just the candidates with these GemmTiles
+    candidate's time, not only the best. only: try just the candidates with these tile
     flags set (besides the fallback and the table's entry)."""
     table = dict(table or {})
     for shape in shapes:
@@ -280,15 +300,15 @@ def tune(shapes, table: dict | None = None, out: Path | None = None,
             table[(kind, n, k)] = best
             # Gluon (or apart) tiles win: keep the best Triton ones for the launches Gluon
             # cannot take (and those that pull rows: one launch).
-            triton = min((r for r in results if not (r[1].gluon or r[1].apart)),
-                         key=lambda r: r[0])[1]
+            triton = min((r for r in results if not _not_triton(r[1])), key=lambda r: r[0])[1]
             table.pop((kind + TRITON, n, k), None)
-            if best.gluon or best.apart:
+            if _not_triton(best):
                 table[(kind + TRITON, n, k)] = triton
             print(f"   {group:6s} {kind:14s} n={n:6d} k={k:6d} fallback {fallback:7.3f} ms -> best "
                   f"{best_ms:7.3f} ms ({fallback / best_ms:4.2f}x) {best}", flush=True)
         if out is not None:
-            out.write_text(table_to_json(table))
+            out.write_text(table_to_json(TileTable(arch_of(torch.device("cuda")).name,
+                                                   TABLE_DTYPES, table)))
             print(f"wrote {out}", flush=True)
     return table
 
@@ -309,7 +329,7 @@ def main(argv=None) -> None:
                              "and the table's entry)")
     args = parser.parse_args(argv)
     tune([SHAPES_BY_NAME[name] for name in args.shapes],
-         {} if args.fresh else tuned_table(), Path(args.out), kinds=args.kinds,
+         {} if args.fresh else tuned_table().entries, Path(args.out), kinds=args.kinds,
          verbose=args.verbose, only=tuple(args.only))
 
 

@@ -40,9 +40,9 @@ from mok.errors import (
     MoKDataError,
     MoKInputError,
 )
-from mok.exchange import BackwardRows, Exchange, Phase, create_exchange
+from mok.exchange import BackwardRows, Exchange, Movement, Phase, create_exchange
 from mok.ops import Routing, TileConfig
-from mok.plan import BackwardPlan, ForwardPlan, backward_plan, forward_plan
+from mok.plan import BackwardPlan, ForwardPlan, Operands, backward_plan, forward_plan
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -491,16 +491,25 @@ class _Experts:
     def intermediate(self) -> int:
         return self.gate.shape[1]
 
+    def operands(self, x: torch.Tensor, d_output: torch.Tensor | None = None,
+                 moved: bool = False) -> Operands:
+        """mok.plan's facts of these weights and the token rows (moved: they reach the experts
+        in the exchange's buffers)."""
+        return Operands.of(x, self.gate, self.up, self.down, d_output=d_output, moved=moved)
 
-def _forward_plans(config, schedule, hidden, shared: _Experts | None,
+
+def _forward_plans(config, schedule, x, shared: _Experts | None,
                    routed: _Experts) -> tuple[ForwardPlan, ForwardPlan | None]:
-    """The forward's tiles of the routed experts and of the shared expert (None without one)."""
+    """The forward's kernels and tiles of the routed experts and of the shared expert (None
+    without one), for this rank's tokens x."""
     keep = not config.recompute_gate_up
-    routed_plan = forward_plan(schedule.tiles, hidden=hidden, intermediate=routed.intermediate,
+    moved = schedule.workspace.exchange.movement(Phase.FORWARD, config) is not Movement.HERE
+    routed_plan = forward_plan(schedule.tiles, routed.operands(x, moved=moved),
+                               hidden=x.shape[1], intermediate=routed.intermediate,
                                keep_gate_up=keep)
     if shared is None:
         return routed_plan, None
-    return routed_plan, forward_plan(schedule.tiles, hidden=hidden,
+    return routed_plan, forward_plan(schedule.tiles, shared.operands(x), hidden=x.shape[1],
                                      intermediate=shared.intermediate, keep_gate_up=keep)
 
 
@@ -561,8 +570,7 @@ def forward(
     router_weights = router_weights.contiguous()
     shared, routed = _Experts.shared(*shared), _Experts(*routed)
     exchange, plan = workspace.exchange, schedule.exchange
-    plans = routed_plan, shared_plan = _forward_plans(config, schedule, x.shape[1], shared,
-                                                      routed)
+    plans = routed_plan, shared_plan = _forward_plans(config, schedule, x, shared, routed)
     # schedule -> rows in -> gate/up
     context, route_weights = _gate_up(config, schedule, x, router_weights, shared, routed,
                                       swiglu_limit, plans)
@@ -612,7 +620,7 @@ def recompute_forward_context(
     shared = _Experts.shared(w_shared_gate, w_shared_up, None)
     routed = _Experts(w_routed_gate, w_routed_up, None)
     context, _ = _gate_up(config, schedule, x, router_weights, shared, routed, swiglu_limit,
-                          _forward_plans(config, schedule, x.shape[1], shared, routed))
+                          _forward_plans(config, schedule, x, shared, routed))
     return context.kept_for_backward()
 
 
@@ -666,7 +674,8 @@ def _weight_grads(plan: BackwardPlan, routing, d_output, x, saved, route_weights
 
 def _shared_backward(tiles, routing, d_output, x, h, gate_up, experts: _Experts, swiglu_limit):
     """The shared expert's backward on this rank's tokens: (d_x rows, its weight gradients)."""
-    plan = backward_plan(tiles, hidden=x.shape[1], intermediate=experts.intermediate,
+    plan = backward_plan(tiles, experts.operands(x, d_output), hidden=x.shape[1],
+                         intermediate=experts.intermediate,
                          kept=gate_up is not None)
     rows = BackwardRows(d_output, x)
     d_gate_up, _, h = _dswiglu(plan, routing, rows, h, gate_up, None, experts, swiglu_limit)
@@ -736,9 +745,11 @@ def backward(
     route_weights = context.weights_group if context.weights_group is not None else router_weights
     routing = schedule.routing
     kept = context.gate_up is not None
-    launches = backward_plan(schedule.tiles, hidden=x.shape[1],
-                             intermediate=routed.intermediate, kept=kept,
-                             movement=exchange.movement(Phase.BACKWARD, config))
+    movement = exchange.movement(Phase.BACKWARD, config)
+    launches = backward_plan(schedule.tiles,
+                             routed.operands(x, d_output, moved=movement is not Movement.HERE),
+                             hidden=x.shape[1], intermediate=routed.intermediate, kept=kept,
+                             movement=movement)
     rows = exchange.backward_rows(plan, d_output, x, config=config,
                                   block_m=launches.first_block_m, kept=kept,
                                   apart=launches.apart is not None)

@@ -1,40 +1,77 @@
-"""The launch plan of one layer call: the tiles of every GEMM, decided here and nowhere else.
+"""The launch plan of one layer call: which kernel runs every GEMM, on which tiles, decided here
+and nowhere else.
 
-The tiles come from the TileConfig (its measured table first, then its own tiles, see
-mok.ops.tuning), at the problem's sizes, for how the rows of the phase move (mok.exchange.
-Movement): a launch whose own programs pull rows takes the table's Triton tiles, since the Gluon
-kernels cannot pull and wait at once. The launchers in mok.ops run the tiles they are given.
+The tiles come from the TileConfig (its measured table for the GPU's architecture and the dtype
+first, then its own tiles, see mok.ops.tuning), at the problem's sizes, for how the rows of the
+phase move (mok.exchange.Movement): a launch whose own programs pull rows takes the table's
+Triton tiles, since the Gluon kernels cannot pull and wait at once. Where tiles ask for a
+kernel that cannot take the launch (a Gluon kernel off sm_90 or on operands it cannot read,
+torch._grouped_mm on a dtype it does not take), the plan hands the launchers the same tiles for
+the Triton kernel and records the fallback (`fallbacks`, logged once). The launchers in mok.ops
+run the kernel and tiles they are given.
 
 Legend: H hidden, I intermediate (of the routed or of the shared expert).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
+import torch
+
+from mok.arch import arch_of
 from mok.exchange.base import Movement
-from mok.ops import GemmTiles, TileConfig
+from mok.ops import DswigluTiles, RowTiles, TileConfig, WgradTiles
+from mok.ops.experts import gluon_reads_rows, gluon_reads_weights, gluon_takes, grouped_mm_takes
+
+
+@dataclass(frozen=True)
+class Operands:
+    """What the plan reads of a call's tensors (host-known facts, never device values): their
+    device and dtype, and whether the Gluon kernels can read each of them (mok.ops.experts.
+    gluon_reads_rows, gluon_reads_weights): the token rows x and d_output (the backward's; rows
+    that move arrive in buffers of mok's own) and the expert weights gate, up and down."""
+
+    device: torch.device
+    dtype: torch.dtype
+    x: bool
+    d_output: bool
+    gate: bool
+    up: bool
+    down: bool
+
+    @classmethod
+    def of(cls, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+           down: torch.Tensor | None, *, d_output: torch.Tensor | None = None,
+           moved: bool = False) -> Operands:
+        """The facts of token rows x and d_output (None in the forward; moved: both reach the
+        experts in the exchange's buffers) and of the weights (down None: not read)."""
+        rows = [moved or gluon_reads_rows(t) for t in (x, d_output if d_output is not None else x)]
+        return cls(x.device, x.dtype, *rows,
+                   *(w is not None and gluon_reads_weights(x.dtype, w) for w in (gate, up, down)))
 
 
 @dataclass(frozen=True)
 class ForwardPlan:
     """gate_up: the gate/up GEMM with SwiGLU (storing the pre-activations when kept); down."""
 
-    gate_up: GemmTiles
-    down: GemmTiles
+    gate_up: RowTiles
+    down: RowTiles
 
 
 @dataclass(frozen=True)
 class BackwardPlan:
     """dswiglu: the backward's first launch (down's input gradient, then dSwiGLU); apart: instead
     of it, two launches (gate/up storing the pre-activations, then the kept dSwiGLU over them;
-    GemmTiles.apart); d_x; the weight gradients."""
+    DswigluTiles.apart); d_x; the weight gradients."""
 
-    dswiglu: GemmTiles
-    apart: tuple[GemmTiles, GemmTiles] | None
-    d_x: GemmTiles
-    wgrad_gate_up: GemmTiles
-    wgrad_down: GemmTiles
+    dswiglu: DswigluTiles
+    apart: tuple[RowTiles, DswigluTiles] | None
+    d_x: RowTiles
+    wgrad_gate_up: WgradTiles
+    wgrad_down: WgradTiles
 
     @property
     def first_block_m(self) -> int:
@@ -42,27 +79,110 @@ class BackwardPlan:
         return (self.apart[0] if self.apart is not None else self.dswiglu).block_m
 
 
-def forward_plan(tiles: TileConfig, *, hidden: int, intermediate: int,
+def forward_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,
                  keep_gate_up: bool) -> ForwardPlan:
-    """The forward's tiles; keep_gate_up: gate/up also stores its pre-activations (its tiles are
-    the table's gate_up_saved ones)."""
+    """The forward's kernels and tiles; keep_gate_up: gate/up also stores its pre-activations
+    (its tiles are the table's gate_up_saved ones)."""
     kind = "gate_up_saved" if keep_gate_up else "gate_up"
-    return ForwardPlan(tiles.pick(kind, intermediate, hidden),
-                       tiles.pick("down", hidden, intermediate))
+    sizes = dict(hidden=hidden, intermediate=intermediate)
+    pick = _picker(tiles, operands.dtype, sizes)
+    return ForwardPlan(
+        _kernel(kind, pick(kind), operands, operands.x and operands.gate and operands.up, **sizes),
+        _kernel("down", pick("down"), operands, operands.down, **sizes))
 
 
-def backward_plan(tiles: TileConfig, *, hidden: int, intermediate: int, kept: bool,
-                  movement: Movement = Movement.HERE) -> BackwardPlan:
-    """The backward's tiles; kept: the forward kept the pre-activations; movement: how the rows
-    its first launch reads arrive."""
+def backward_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,
+                  kept: bool, movement: Movement = Movement.HERE) -> BackwardPlan:
+    """The backward's kernels and tiles; kept: the forward kept the pre-activations (the context
+    holds them, not h); movement: how the rows its first launch reads arrive."""
     kind = "down_bwd_saved" if kept else "down_bwd"
+    sizes = dict(hidden=hidden, intermediate=intermediate)
+    pick = _picker(tiles, operands.dtype, sizes)
     pulling = movement is Movement.PULLED
-    dswiglu = tiles.pick(kind, intermediate, hidden)
+    dswiglu = pick(kind)
     apart = None
     if dswiglu.apart and not kept:
-        apart = tiles.pick_apart(intermediate, hidden, pulling=pulling)
-    elif pulling:
-        dswiglu = tiles.pick(kind, intermediate, hidden, triton=True)
-    return BackwardPlan(dswiglu, apart, tiles.pick("d_x", hidden, intermediate),
-                        tiles.pick("wgrad_gate_up", intermediate, hidden),
-                        tiles.pick("wgrad_down", hidden, intermediate))
+        gate_up, kept_tiles = tiles.pick_apart(intermediate, hidden, dtype=operands.dtype,
+                                               pulling=pulling)
+        apart = (_kernel("gate_up_saved", gate_up, operands,
+                         operands.x and operands.gate and operands.up, pulls=pulling, **sizes),
+                 _kernel("down_bwd_saved", kept_tiles, operands,
+                         operands.d_output and operands.down, **sizes))
+    else:
+        if pulling:
+            dswiglu = pick(kind, triton=True)
+        readable = operands.d_output and operands.down and (
+            kept or (operands.x and operands.gate and operands.up))
+        dswiglu = _kernel(kind, dswiglu, operands, readable, pulls=pulling, **sizes)
+    return BackwardPlan(dswiglu, apart,
+                        _kernel("d_x", pick("d_x"), operands, operands.gate and operands.up,
+                                **sizes),
+                        _wgrad("wgrad_gate_up", pick("wgrad_gate_up"), operands, **sizes),
+                        _wgrad("wgrad_down", pick("wgrad_down"), operands, **sizes))
+
+
+# Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).
+_KEYS = {"gate_up": ("intermediate", "hidden"), "gate_up_saved": ("intermediate", "hidden"),
+         "down": ("hidden", "intermediate"), "down_bwd": ("intermediate", "hidden"),
+         "down_bwd_saved": ("intermediate", "hidden"), "d_x": ("hidden", "intermediate"),
+         "wgrad_gate_up": ("intermediate", "hidden"), "wgrad_down": ("hidden", "intermediate")}
+
+
+def _picker(tiles: TileConfig, dtype: torch.dtype, sizes: dict):
+    def pick(kind: str, triton: bool = False):
+        n, k = (sizes[name] for name in _KEYS[kind])
+        return tiles.pick(kind, n, k, dtype=dtype, triton=triton)
+    return pick
+
+
+def _kernel(kind: str, tiles: RowTiles, operands: Operands, readable: bool, *,
+            hidden: int, intermediate: int, pulls: bool = False) -> RowTiles:
+    """tiles where the kernel they name takes the launch; else the same tiles for the Triton
+    kernel. readable: the launch's operands can be read by the Gluon kernel; pulls: the launch's
+    own programs pull rows its tiles wait on (the Triton kernel runs such a launch)."""
+    if not tiles.gluon:
+        return tiles
+    if pulls:
+        return dataclasses.replace(tiles, gluon=False)
+    arch = arch_of(operands.device)
+    if not arch.warp_specialized:
+        reason = f"{arch.name} does not run the Gluon kernels"
+    elif not (readable and gluon_takes(kind, tiles, hidden=hidden, intermediate=intermediate,
+                                       dtype=operands.dtype)):
+        reason = "operands the Gluon kernel cannot take (dtype, layout, alignment or sizes)"
+    else:
+        return tiles
+    _fallback(kind, f"the Triton kernel runs its Gluon tiles: {reason}")
+    return dataclasses.replace(tiles, gluon=False)
+
+
+def _wgrad(kind: str, tiles: WgradTiles, operands: Operands, *, hidden: int,
+           intermediate: int) -> WgradTiles:
+    """tiles where torch._grouped_mm takes the launch they ask it for; else the Triton kernel's
+    (the widths: d_gate_up's 2I and x's H; d_output's H and h's I)."""
+    if not tiles.grouped_mm:
+        return tiles
+    widths = (2 * intermediate, hidden) if kind == "wgrad_gate_up" else (hidden, intermediate)
+    if grouped_mm_takes(operands.device, operands.dtype, *widths):
+        return tiles
+    _fallback(kind, f"the Triton kernel runs instead of torch._grouped_mm, which does not take "
+                    f"{operands.dtype} on {arch_of(operands.device).name} at these sizes")
+    return dataclasses.replace(tiles, grouped_mm=False)
+
+
+_LOG = logging.getLogger("mok")
+_FALLBACKS: dict[tuple[str, str], int] = {}
+
+
+def fallbacks() -> dict[tuple[str, str], int]:
+    """{(GEMM kind, what ran instead and why): plans that fell back so} since the process
+    started: every launch whose tiles asked for a kernel that could not take it (each case is
+    also logged once)."""
+    return dict(sorted(_FALLBACKS.items()))
+
+
+def _fallback(kind: str, reason: str) -> None:
+    key = (kind, reason)
+    if key not in _FALLBACKS:
+        _LOG.warning("mok: %s: %s", kind, reason)
+    _FALLBACKS[key] = _FALLBACKS.get(key, 0) + 1

@@ -37,14 +37,16 @@ def tiles_for_tests(block: int = 16, align: int | None = None):
 
 
 def with_row_tiles(tiles, **fields):
-    """`tiles` with `fields` set in the tiles of every row GEMM (gate_up, down, down_bwd, d_x)."""
+    """`tiles` with `fields` set in the tiles of every row GEMM (gate_up, down, down_bwd, d_x,
+    and gate_up_saved, down_bwd_saved where the config has tiles of their own)."""
     return dataclasses.replace(tiles, **{
         name: dataclasses.replace(getattr(tiles, name), **fields)
-        for name in ("gate_up", "down", "down_bwd", "d_x")})
+        for name in ("gate_up", "down", "down_bwd", "d_x", "gate_up_saved", "down_bwd_saved")
+        if getattr(tiles, name) is not None})
 
 
 def with_tma_rows(tiles):
-    """`tiles` with every row GEMM's whole row tiles through TMA (GemmTiles.tma_rows)."""
+    """`tiles` with every row GEMM's whole row tiles through TMA (RowTiles.tma_rows)."""
     return with_row_tiles(tiles, tma_rows=True)
 
 

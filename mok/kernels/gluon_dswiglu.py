@@ -3,7 +3,7 @@ Gluon.
 
 The tiles of mok.kernels.grouped_gemm.down_bwd_dswiglu_kernel without PULL (same rows, tiles, K
 order and epilogue math), N = I, K = H, for GPUs only (mok.ops picks this kernel where
-GemmTiles.gluon asks for it and an sm_90 GPU runs it): dh0 = d_out[token(r)] @ w_down[e]
+RowTiles.gluon asks for it and an sm_90 GPU runs it): dh0 = d_out[token(r)] @ w_down[e]
 (w_down [E, K, N]), token(r) = row_route[r] // topk, e = block_expert[r // ALIGN]; the dSwiGLU
 epilogue writes d_gate_up[r] = [d_gate, d_up] for dh = w[route] * dh0 (w = router_weights, 0 on
 padding rows) and, HAS_WEIGHT, d_weight_partial[r, pid_n] = sum over the tile's columns of

@@ -4,7 +4,7 @@ h[r, n] = silu(g) * u, g = x[token(r)] . w_gate[e, n], u = x[token(r)] . w_up[e,
 e = block_expert[r // ALIGN], token(r) = row_route[r] // topk, h = 0 on padding rows (route -1):
 the gate/up GEMM of mok.kernels.grouped_gemm.gate_up_swiglu_kernel (same rows, tiles and
 K order), for GPUs only (Gluon kernels do not run under Triton's interpreter; mok.ops picks
-this kernel where GemmTiles.gluon asks for it and an sm_90 GPU runs it). HAS_LIMIT: gate
+this kernel where RowTiles.gluon asks for it and an sm_90 GPU runs it). HAS_LIMIT: gate
 clamped from above and up on both sides at the swiglu limit first. SAVE_GATE_UP: the
 pre-activations also go to gate_up (descriptors of its gate and up halves), a clamped value
 stored as +-inf, as the Triton kernel does.

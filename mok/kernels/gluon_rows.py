@@ -23,7 +23,7 @@ in every program pulls token rows from their ranks for a later kernel (the weigh
 x), mok.kernels.gluon_comm.pull_partition; no tile here waits on them.
 
 Same rows, tiles and K order as the Triton kernels; GPUs only (mok.ops picks these kernels where
-GemmTiles.gluon asks for them and an sm_90 GPU runs them). The structure is that of
+RowTiles.gluon asks for them and an sm_90 GPU runs them). The structure is that of
 mok.kernels.gluon_gate_up: one CTA per SM strides over the [BLOCK_M, BLOCK_N] output tiles of
 the used rows (GROUP_M row blocks at a time), two partitions share a ring of NUM_STAGES stages,
 continuous across tiles:

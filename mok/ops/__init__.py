@@ -16,7 +16,6 @@ from mok.ops.experts import (
     down_bwd_dswiglu,
     down_proj,
     dswiglu_apart,
-    fallbacks,
     gate_up_buffer,
     gate_up_swiglu,
     grouped_wgrad,
@@ -31,16 +30,27 @@ from mok.ops.routing import (
     exchange_routes,
     local_first_blocks,
 )
-from mok.ops.tuning import GemmTiles, TileConfig, default_tiles, small_tiles
+from mok.ops.tuning import (
+    DswigluTiles,
+    RowTiles,
+    TileConfig,
+    Tiles,
+    WgradTiles,
+    default_tiles,
+    small_tiles,
+)
 
 __all__ = [
-    "GemmTiles",
+    "DswigluTiles",
     "PeerFlags",
     "Pull",
     "ScatterRows",
     "SymmetricBuffer",
     "Routing",
+    "RowTiles",
     "TileConfig",
+    "Tiles",
+    "WgradTiles",
     "build_routing",
     "capacity_rows",
     "combine",
@@ -52,7 +62,6 @@ __all__ = [
     "down_proj",
     "dswiglu_apart",
     "exchange_routes",
-    "fallbacks",
     "gate_up_buffer",
     "gate_up_swiglu",
     "grouped_wgrad",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import torch
 import triton
@@ -23,7 +22,7 @@ from mok.kernels import grouped_gemm as gemm_kernels
 from mok.ops import comm
 from mok.ops.comm import Pull, ScatterRows
 from mok.ops.routing import Routing
-from mok.ops.tuning import GemmTiles
+from mok.ops.tuning import DswigluTiles, RowTiles, WgradTiles
 
 UPCAST = _env.INTERPRET
 
@@ -65,14 +64,14 @@ def _experts_descriptor(w: torch.Tensor, box: list[int], wanted: bool) -> tuple[
     return TensorDescriptor(flat, [experts * rows, cols], [w.stride(1), 1], box), True
 
 
-def _weights_operand(w: torch.Tensor, tiles: GemmTiles) -> tuple[object, bool]:
+def _weights_operand(w: torch.Tensor, tiles: RowTiles) -> tuple[object, bool]:
     """w [E, N, K] as a descriptor with [block_n, block_k] boxes (_experts_descriptor) when
     tiles.tma asks for it and the boxes hold at most 128 bytes along K."""
     return _experts_descriptor(w, [tiles.block_n, tiles.block_k],
                                tiles.tma and tiles.block_k * w.element_size() <= 128)
 
 
-def _weights_k_rows_operand(w: torch.Tensor, tiles: GemmTiles) -> tuple[object, bool]:
+def _weights_k_rows_operand(w: torch.Tensor, tiles: RowTiles) -> tuple[object, bool]:
     """w [E, K, N] as a descriptor with [block_k, block_n] boxes (_experts_descriptor) when
     tiles.tma asks for it and block_k divides K, so that no box reaches the next expert's rows."""
     return _experts_descriptor(w, [tiles.block_k, tiles.block_n],
@@ -80,7 +79,7 @@ def _weights_k_rows_operand(w: torch.Tensor, tiles: GemmTiles) -> tuple[object, 
 
 
 def _gate_up_operands(w_gate: torch.Tensor, w_up: torch.Tensor,
-                      tiles: GemmTiles) -> tuple[object, object, bool]:
+                      tiles: RowTiles) -> tuple[object, object, bool]:
     """Both gate/up weights as TMA descriptors, or both as pointers (see _weights_operand)."""
     gate, gate_tma = _weights_operand(w_gate, tiles)
     up, up_tma = _weights_operand(w_up, tiles)
@@ -95,7 +94,7 @@ def _up_strides(w_gate: torch.Tensor, w_up: torch.Tensor, tma: bool) -> bool:
     return not tma and w_up.stride() != w_gate.stride()
 
 
-def _rows_operands(tiles: GemmTiles, *specs, wanted: bool = True) -> tuple[list, bool]:
+def _rows_operands(tiles: RowTiles, *specs, wanted: bool = True) -> tuple[list, bool]:
     """(operands, whether they are TMA descriptors), one per spec (t, part, span, box_n): t a
     [rows, width] tensor whose columns are blocks of `part` columns each, covered by tiles
     `span` columns wide (block_k for an A operand, block_n for an output) and read or written in
@@ -114,17 +113,17 @@ def _rows_operands(tiles: GemmTiles, *specs, wanted: bool = True) -> tuple[list,
             for t, _, _, box_n in specs], True
 
 
-def _a_spec(t: torch.Tensor, part: int, tiles: GemmTiles) -> tuple:
+def _a_spec(t: torch.Tensor, part: int, tiles: RowTiles) -> tuple:
     """_rows_operands' spec of an A operand read whole, [block_m, block_k] per K step."""
     return t, part, tiles.block_k, tiles.block_k
 
 
-def _out_spec(t: torch.Tensor, part: int, tiles: GemmTiles) -> tuple:
+def _out_spec(t: torch.Tensor, part: int, tiles: RowTiles) -> tuple:
     """_rows_operands' spec of a tile-shaped epilogue operand, in tiles.epilogue_split boxes."""
     return t, part, tiles.block_n, tiles.block_n // tiles.epilogue_split
 
 
-def _gemm_meta(tiles: GemmTiles) -> dict:
+def _gemm_meta(tiles: RowTiles) -> dict:
     return dict(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, PERSISTENT=tiles.persistent, FLATTEN=tiles.flatten,
@@ -134,7 +133,7 @@ def _gemm_meta(tiles: GemmTiles) -> dict:
     )
 
 
-def _row_grid(routing: Routing, tiles: GemmTiles, n: int) -> tuple[int, int]:
+def _row_grid(routing: Routing, tiles: RowTiles, n: int) -> tuple[int, int]:
     """(row blocks of the schedule, GEMM programs): a program per tile, or with
     tiles.persistent at most one per SM, striding over the tiles of the rows in use."""
     num_m_blocks = routing.capacity_rows // tiles.block_m
@@ -144,7 +143,7 @@ def _row_grid(routing: Routing, tiles: GemmTiles, n: int) -> tuple[int, int]:
     return num_m_blocks, num_tiles
 
 
-def _tile_counter(tiles: GemmTiles, pull: Pull | None, routing: Routing) -> tuple:
+def _tile_counter(tiles: RowTiles, pull: Pull | None, routing: Routing) -> tuple:
     """(tile_counter, DYNAMIC) of a row GEMM launch. A launch that pulls rows from other ranks
     and runs persistent programs hands its tiles out from a counter (zeroed here, on the
     device's stream: no sync) rather than in fixed shares: a persistent program that finds its
@@ -169,7 +168,7 @@ def gate_up_swiglu(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     routing: Routing,
-    tiles: GemmTiles,
+    tiles: RowTiles,
     swiglu_limit: float | None,
     pull: Pull | None = None,
     gate_up: torch.Tensor | None = None,
@@ -178,7 +177,7 @@ def gate_up_swiglu(
     """h [C, I] = swiglu(x[token] @ w_gate[e].T, x[token] @ w_up[e].T); x [T, H], w [E, I, H].
 
     pull: x's rows come from the other ranks, pulled by this launch's first programs; where
-    the Gluon kernel takes the launch (GemmTiles.gluon), by a launch of their own just before it
+    the Gluon kernel takes the launch (RowTiles.gluon), by a launch of their own just before it
     over every SM or, with pull.in_gluon, by a partition of each of its programs while the tiles
     run (mok.kernels.gluon_comm). With pull.copied they land by copies outside the launch, its
     tiles waiting on them. pulled_second (x's shape and dtype): where the pull has a second
@@ -203,14 +202,17 @@ def gate_up_swiglu(
                    or pulled_second.stride(1) != 1):
         raise ValueError(f"pulled_second must be a row-major {tuple(x.shape)} {x.dtype} tensor "
                          f"as x, got {tuple(pulled_second.shape)} {pulled_second.dtype}")
-    if tiles.gluon and not second and h.shape[0] > 0:
-        if _gluon_runs(x, w_gate, w_up, tiles):
-            if pull is not None and not (pull.in_gluon or pull.copied):
-                pull.run_apart(x, _num_programs(x.device))
-                pull = None
-            _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up, pull)
-            return h
-        _fallback("gate_up", x.device)
+    if tiles.gluon and h.shape[0] > 0:
+        if second:
+            raise ValueError("gate_up_swiglu: a launch pulling a second buffer runs the Triton "
+                             "kernel: give it tiles without RowTiles.gluon")
+        _check_gluon("gate_up", tiles, (x,), (w_gate, w_up), hidden=hidden,
+                     intermediate=intermediate)
+        if pull is not None and not (pull.in_gluon or pull.copied):
+            pull.run_apart(x, _num_programs(x.device))
+            pull = None
+        _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h, gate_up, pull)
+        return h
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     pull_args = Pull.kernel_args(pull, h, tiles.num_warps)
@@ -249,49 +251,60 @@ _GLUON_PULL_LOAD_REGS = 48
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def _warp_specialized(device: torch.device) -> bool:
-    """Whether the Gluon kernels run on device (mok.arch)."""
-    return arch_of(device).warp_specialized
+def gluon_reads_rows(t: torch.Tensor) -> bool:
+    """Rows the Gluon kernels can read (TMA or cp.async): unit column stride, rows and start
+    16-byte aligned."""
+    return (t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
 
 
-_LOG = logging.getLogger("mok")
-_FALLBACKS: set[tuple[str, str]] = set()
+def gluon_reads_weights(dtype: torch.dtype, *weights: torch.Tensor) -> bool:
+    """Expert weights the Gluon kernels can read (TMA over [E * R, C]): of dtype, contiguous,
+    16-byte aligned, experts present."""
+    return all(w.dtype == dtype and w.is_contiguous() and w.data_ptr() % 16 == 0
+               and w.shape[0] > 0 for w in weights)
 
 
-def fallbacks() -> list[tuple[str, str]]:
-    """(launch, reason) of every launch whose tiles asked for a Gluon kernel that could not take
-    it, so that the Triton kernel ran it instead (each is also logged once)."""
-    return sorted(_FALLBACKS)
+def gluon_takes(kind: str, tiles: RowTiles, *, hidden: int, intermediate: int,
+                dtype: torch.dtype) -> bool:
+    """Whether the Gluon kernel of GEMM `kind` (mok.ops.tuning.KINDS) takes these tiles at these
+    sizes, its operands aside (gluon_reads_rows, gluon_reads_weights): a 16-bit dtype, and
+    - gate/up: H a multiple of block_k, I of 8, block_n at most 128 (gate and up share one
+      wgmma of 2 * block_n columns);
+    - down: rows of H and of I elements 16-byte aligned (TMA);
+    - d_x: I a multiple of block_k, rows of H elements 16-byte aligned;
+    - the dSwiGLU: rows of I elements 16-byte aligned, H a multiple of block_k, block_n at most
+      128 kept and 64 recomputing (three accumulators).
+    """
+    if dtype not in _GLUON_DTYPES:
+        return False
+
+    def aligned(*widths: int) -> bool:
+        return all((w * dtype.itemsize) % 16 == 0 for w in widths)
+
+    if kind in ("gate_up", "gate_up_saved"):
+        return hidden % tiles.block_k == 0 and intermediate % 8 == 0 and tiles.block_n <= 128
+    if kind == "down":
+        return aligned(hidden, intermediate)
+    if kind == "d_x":
+        return intermediate % tiles.block_k == 0 and aligned(hidden, 2 * intermediate)
+    if kind in ("down_bwd", "down_bwd_saved"):
+        widest = 128 if kind == "down_bwd_saved" else 64
+        return tiles.block_n <= widest and hidden % tiles.block_k == 0 and aligned(intermediate)
+    raise ValueError(f"no Gluon kernel for {kind!r}")
 
 
-def _fallback(launch: str, device: torch.device) -> None:
-    """Record (and log, once) that `launch` runs the Triton kernel on Gluon tiles."""
-    reason = (f"{arch_of(device).name} does not run the Gluon kernels"
-              if not _warp_specialized(device)
-              else "operands the Gluon kernel cannot take (dtype, layout, alignment or sizes)")
-    if (launch, reason) not in _FALLBACKS:
-        _FALLBACKS.add((launch, reason))
-        _LOG.warning("mok: %s runs the Triton kernel on Gluon tiles: %s", launch, reason)
-
-
-def _gluon_runs(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                tiles: GemmTiles) -> bool:
-    """Whether the Gluon gate/up kernel can take this launch (GemmTiles.gluon): an sm_90 GPU,
-    16-bit weights laid out as TMA wants them, x rows 16-byte aligned, K a multiple of block_k,
-    block_n at most 128 (gate and up share one wgmma of 2 * block_n columns)."""
-    intermediate, hidden = w_gate.shape[1:]
-    return (_gluon_operands(x, w_gate, w_up) and hidden % tiles.block_k == 0
-            and intermediate % 8 == 0 and tiles.block_n <= 128)
-
-
-def _gluon_operands(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """An sm_90 GPU, rows of a 16-bit dtype with 16-byte aligned rows (read by TMA or
-    cp.async), weights of that dtype, contiguous and 16-byte aligned (TMA over [E * R, C]),
-    experts present."""
-    return (_warp_specialized(rows.device) and rows.dtype in _GLUON_DTYPES and rows.stride(1) == 1
-            and (rows.stride(0) * rows.element_size()) % 16 == 0 and rows.data_ptr() % 16 == 0
-            and all(w.dtype == rows.dtype and w.is_contiguous() and w.data_ptr() % 16 == 0
-                    and w.shape[0] > 0 for w in weights))
+def _check_gluon(kind: str, tiles: RowTiles, rows: tuple[torch.Tensor, ...],
+                 weights: tuple[torch.Tensor, ...], *, hidden: int, intermediate: int) -> None:
+    """Raise unless the Gluon kernel of `kind` takes this launch (the launchers run the kernel
+    the tiles name; mok.plan gives Gluon tiles only where it does)."""
+    dtype = rows[0].dtype
+    if not (arch_of(rows[0].device).warp_specialized and all(gluon_reads_rows(t) for t in rows)
+            and gluon_reads_weights(dtype, *weights)
+            and gluon_takes(kind, tiles, hidden=hidden, intermediate=intermediate, dtype=dtype)):
+        raise ValueError(f"{kind}: the tiles ask for the Gluon kernel (RowTiles.gluon), which "
+                         f"does not take this launch (GPU, dtype, layout, alignment or sizes); "
+                         f"mok.plan gives Gluon tiles only where it does")
 
 
 def _gluon_descriptor(t: torch.Tensor, box: list[int], dtype) -> GluonDescriptor:
@@ -307,7 +320,7 @@ def _nvmma_layout(box: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
 
 
 def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   routing: Routing, tiles: GemmTiles, swiglu_limit: float | None,
+                   routing: Routing, tiles: RowTiles, swiglu_limit: float | None,
                    h: torch.Tensor, gate_up: torch.Tensor | None, pull: Pull | None) -> None:
     """gate_up_swiglu by the warp-specialized Gluon kernel (mok.kernels.gluon_gate_up), which
     pulls x's rows itself with a pull (or, copied, waits on them)."""
@@ -343,22 +356,13 @@ _GLUON_ROWS_LOAD_REGS = 24
 _SM90_SMEM = HOPPER.shared_memory
 
 
-def _gluon_rows_split(tiles: GemmTiles, stages: int, size: int) -> int:
+def _gluon_rows_split(tiles: RowTiles, stages: int, size: int) -> int:
     """The Gluon row GEMMs' epilogue slices: tiles.epilogue_split, or 2 where a ring of `stages`
     stages and a whole-tile epilogue buffer would not fit in shared memory."""
     ring = stages * (tiles.block_m + tiles.block_n) * tiles.block_k * size
     if ring + tiles.block_m * tiles.block_n * size > _SM90_SMEM - 1024:
         return 2
     return tiles.epilogue_split
-
-
-def _gluon_rows_runs(rows: torch.Tensor, weights: tuple[torch.Tensor, ...],
-                     widths: tuple[int, ...]) -> bool:
-    """Whether a Gluon row GEMM (down, d_x) can take this launch (GemmTiles.gluon):
-    _gluon_operands, and rows of `widths` elements (the output's, the weights' last dimension)
-    16-byte aligned for TMA."""
-    size = rows.element_size()
-    return _gluon_operands(rows, *weights) and all((w * size) % 16 == 0 for w in widths)
 
 
 def _gluon_scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> dict:
@@ -372,7 +376,7 @@ def _gluon_scatter_args(scatter: ScatterRows | None, out: torch.Tensor) -> dict:
                 ROW_ALIGN=comm.row_align(out.element_size(), out.stride(0)))
 
 
-def _down_gluon(h: torch.Tensor, w_down: torch.Tensor, routing: Routing, tiles: GemmTiles,
+def _down_gluon(h: torch.Tensor, w_down: torch.Tensor, routing: Routing, tiles: RowTiles,
                 router_weights: torch.Tensor | None, out: torch.Tensor,
                 scatter: ScatterRows | None) -> None:
     """down_proj by the warp-specialized Gluon kernel (mok.kernels.gluon_rows); with scatter,
@@ -396,7 +400,7 @@ def _down_gluon(h: torch.Tensor, w_down: torch.Tensor, routing: Routing, tiles: 
 
 
 def _d_x_gluon(d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-               routing: Routing, tiles: GemmTiles, out: torch.Tensor,
+               routing: Routing, tiles: RowTiles, out: torch.Tensor,
                scatter: ScatterRows | None, pull: Pull | None,
                pulled: torch.Tensor | None) -> None:
     """d_x_rows by the warp-specialized Gluon kernel (mok.kernels.gluon_rows); with scatter,
@@ -443,7 +447,7 @@ def down_proj(
     h: torch.Tensor,
     w_down: torch.Tensor,
     routing: Routing,
-    tiles: GemmTiles,
+    tiles: RowTiles,
     router_weights: torch.Tensor | None,
     scatter: ScatterRows | None = None,
 ) -> torch.Tensor:
@@ -457,10 +461,9 @@ def down_proj(
     else:
         out = scatter.out
     if tiles.gluon and routing.capacity_rows > 0:
-        if _gluon_rows_runs(h, (w_down,), (hidden, intermediate)):
-            _down_gluon(h, w_down, routing, tiles, router_weights, out, scatter)
-            return out
-        _fallback("down", h.device)
+        _check_gluon("down", tiles, (h,), (w_down,), hidden=hidden, intermediate=intermediate)
+        _down_gluon(h, w_down, routing, tiles, router_weights, out, scatter)
+        return out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     weights, tma = _weights_operand(w_down, tiles)
     (h_in, out_arg), rows_tma = _rows_operands(
@@ -474,7 +477,7 @@ def down_proj(
         stride_hm=h.stride(0), **_strides("stride_we stride_wn stride_wk", w_down),
         stride_om=out.stride(0), HAS_WEIGHT=router_weights is not None, ALIGN=routing.align,
         W_TMA=tma, ROWS_TMA=rows_tma, **_scatter_args(scatter, out),
-        # (GemmTiles.flatten stays off where rows go to other ranks: not yet run on two GPUs.)
+        # (RowTiles.flatten stays off where rows go to other ranks: not yet run on two GPUs.)
         **_gemm_meta(tiles if scatter is None else dataclasses.replace(tiles, flatten=False)),
     )
     return out
@@ -512,7 +515,7 @@ def down_bwd_dswiglu(
     w_up: torch.Tensor,
     h: torch.Tensor,
     routing: Routing,
-    tiles: GemmTiles,
+    tiles: DswigluTiles,
     router_weights: torch.Tensor | None,
     swiglu_limit: float | None,
     pull: Pull | None = None,
@@ -549,13 +552,24 @@ def down_bwd_dswiglu(
     copied = pull is not None and pull.copied
     if copied:
         _check_block_order(pull, rows, tiles)
-    if tiles.gluon and (pull is None or copied) and rows > 0:
-        if _gluon_dswiglu_runs(d_out, x, w_down, w_gate, w_up, h, d_gate_up, tiles, gate_up,
-                               h_out):
-            _down_bwd_gluon(d_out, x, w_down, w_gate, w_up, h, routing, tiles, router_weights,
-                            swiglu_limit, gate_up, d_gate_up, partial, pull)
-            return d_gate_up, partial
-        _fallback("down_bwd_saved" if gate_up is not None else "down_bwd", d_out.device)
+    if tiles.gluon and rows > 0:
+        if pull is not None and not copied:
+            raise ValueError("down_bwd_dswiglu: a launch whose programs pull rows runs the "
+                             "Triton kernel: give it tiles without RowTiles.gluon")
+        if gate_up is None:
+            kind, gluon_rows_in, weights = "down_bwd", (d_out, x, h, d_gate_up), (w_down, w_gate,
+                                                                                 w_up)
+        else:
+            if not h_out:
+                raise ValueError("down_bwd_dswiglu: the Gluon kernel's kept form writes h "
+                                 "(h_out=True)")
+            kind, gluon_rows_in, weights = "down_bwd_saved", (d_out, gate_up, h, d_gate_up), (
+                w_down,)
+        _check_gluon(kind, tiles, gluon_rows_in, weights, hidden=hidden,
+                     intermediate=intermediate)
+        _down_bwd_gluon(d_out, x, w_down, w_gate, w_up, h, routing, tiles, router_weights,
+                        swiglu_limit, gate_up, d_gate_up, partial, pull)
+        return d_gate_up, partial
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     num_m_blocks, grid = _row_grid(routing, tiles, intermediate)
     pull_args = Pull.kernel_args(pull, d_gate_up, tiles.num_warps)
@@ -599,13 +613,13 @@ def dswiglu_apart(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     routing: Routing,
-    gate_up_tiles: GemmTiles,
-    kept_tiles: GemmTiles,
+    gate_up_tiles: RowTiles,
+    kept_tiles: DswigluTiles,
     router_weights: torch.Tensor | None,
     swiglu_limit: float | None,
     pull: Pull | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """down_bwd_dswiglu recomputing gate/up in a launch of its own (GemmTiles.apart): gate/up
+    """down_bwd_dswiglu recomputing gate/up in a launch of its own (DswigluTiles.apart): gate/up
     stores the pre-activations into the d_gate_up buffer (gate_up_tiles, as the forward with
     kept pre-activations), then the kept dSwiGLU (kept_tiles) reads them and writes their
     gradients in place, and h, of the kept pre-activations as a kept backward does, into a
@@ -632,7 +646,7 @@ def dswiglu_apart(
                             gate_up=d_gate_up, h_out=True, out=d_gate_up)
 
 
-def _check_block_order(pull: Pull, rows: int, tiles: GemmTiles) -> None:
+def _check_block_order(pull: Pull, rows: int, tiles: RowTiles) -> None:
     if pull.order.shape[0] != rows // tiles.block_m:
         raise ValueError(f"a copied pull's block order has {pull.order.shape[0]} row blocks, the "
                          f"schedule {rows // tiles.block_m} of {tiles.block_m} rows")
@@ -652,27 +666,7 @@ _GLUON_DSWIGLU_LOAD_WARPS = 4
 _GLUON_DSWIGLU_LOAD_REGS = {True: 48, False: 56}
 
 
-def _gluon_dswiglu_runs(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
-                        w_gate: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor,
-                        d_gate_up: torch.Tensor, tiles: GemmTiles, gate_up: torch.Tensor | None,
-                        h_out: bool) -> bool:
-    """Whether the Gluon dSwiGLU kernel can take this launch (GemmTiles.gluon): _gluon_rows_runs
-    of d_out, h, d_gate_up (and gate_up kept, x recomputing) with w_down (and w_gate, w_up
-    recomputing), I elements a row 16-byte aligned, H a multiple of block_k, block_n at most 128
-    kept and 64 recomputing (three accumulators), and the kept form writing h (h_out: it reads
-    no h)."""
-    intermediate, hidden = w_gate.shape[1:]
-    widths = (intermediate,)
-    if gate_up is None:
-        rows, weights, widest = (d_out, x, h, d_gate_up), (w_down, w_gate, w_up), 64
-    else:
-        rows, weights, widest = (d_out, gate_up, h, d_gate_up), (w_down,), 128
-    return ((h_out or gate_up is None) and tiles.block_n <= widest
-            and hidden % tiles.block_k == 0
-            and all(_gluon_rows_runs(t, weights, widths) for t in rows))
-
-
-def _gluon_dswiglu_split(tiles: GemmTiles, kept: bool, weighted: bool, size: int) -> int:
+def _gluon_dswiglu_split(tiles: DswigluTiles, kept: bool, weighted: bool, size: int) -> int:
     """The Gluon dSwiGLU epilogue's column slices: tiles.epilogue_split, or 2 where slices of
     128 columns would spill registers (a thread holds 64 of dh0 and 64 of each of gate, up and
     what they make) or the ring, the epilogue's input boxes (the kept gate and up, or h) and a
@@ -690,7 +684,7 @@ def _gluon_dswiglu_split(tiles: GemmTiles, kept: bool, weighted: bool, size: int
 
 def _down_bwd_gluon(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
                     w_gate: torch.Tensor, w_up: torch.Tensor, h: torch.Tensor, routing: Routing,
-                    tiles: GemmTiles, router_weights: torch.Tensor | None,
+                    tiles: DswigluTiles, router_weights: torch.Tensor | None,
                     swiglu_limit: float | None, gate_up: torch.Tensor | None,
                     d_gate_up: torch.Tensor, partial: torch.Tensor | None,
                     pull: Pull | None = None) -> None:
@@ -759,7 +753,7 @@ def d_x_rows(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     routing: Routing,
-    tiles: GemmTiles,
+    tiles: RowTiles,
     scatter: ScatterRows | None = None,
     pull: Pull | None = None,
     pulled: torch.Tensor | None = None,
@@ -779,11 +773,10 @@ def d_x_rows(
     else:
         out = scatter.out
     if tiles.gluon and routing.capacity_rows > 0:
-        if (intermediate % tiles.block_k == 0
-                and _gluon_rows_runs(d_gate_up, (w_gate, w_up), (hidden,))):
-            _d_x_gluon(d_gate_up, w_gate, w_up, routing, tiles, out, scatter, pull, pulled)
-            return out
-        _fallback("d_x", d_gate_up.device)
+        _check_gluon("d_x", tiles, (d_gate_up,), (w_gate, w_up), hidden=hidden,
+                     intermediate=intermediate)
+        _d_x_gluon(d_gate_up, w_gate, w_up, routing, tiles, out, scatter, pull, pulled)
+        return out
     num_m_blocks, grid = _row_grid(routing, tiles, hidden)
     tile_counter, dynamic = _tile_counter(tiles, pull, routing)
     pull_args = Pull.kernel_args(pull, out, tiles.num_warps)
@@ -812,7 +805,7 @@ def grouped_wgrad(
     a: torch.Tensor,
     b: torch.Tensor,
     routing: Routing,
-    tiles: GemmTiles,
+    tiles: WgradTiles,
     *,
     gather_a: bool,
     gather_b: bool,
@@ -826,7 +819,8 @@ def grouped_wgrad(
     row-indexed b holds zeros on padding rows, as the row GEMMs' outputs (h) do: with
     tiles.grouped_mm it is read as it is, padding included (a is copied, see copy_rows).
     """
-    if _use_grouped_mm(tiles, a, b):
+    if tiles.grouped_mm:
+        _check_grouped_mm(a, b)
         a_rows = copy_rows(a, routing, gather=gather_a, router_weights=router_weights)
         b_rows = copy_rows(b, routing, gather=True) if gather_b else b
         return _grouped_mm_wgrad(a_rows, b_rows, _group_ends(routing), out_dtype)
@@ -841,7 +835,7 @@ def grouped_wgrad_gate_up(
     d_gate_up: torch.Tensor,
     x: torch.Tensor,
     routing: Routing,
-    tiles: GemmTiles,
+    tiles: WgradTiles,
     *,
     gather_x: bool,
     out_dtype: torch.dtype,
@@ -852,7 +846,8 @@ def grouped_wgrad_gate_up(
     With tiles.grouped_mm x's rows are copied into schedule order (copy_rows)."""
     intermediate = d_gate_up.shape[1] // 2
     d_gate, d_up = d_gate_up[:, :intermediate], d_gate_up[:, intermediate:]
-    if _use_grouped_mm(tiles, d_gate_up, x):
+    if tiles.grouped_mm:
+        _check_grouped_mm(d_gate_up, x)
         x_rows = copy_rows(x, routing, gather=gather_x)
         ends = _group_ends(routing)
         return (_grouped_mm_wgrad(d_gate, x_rows, ends, out_dtype),
@@ -892,13 +887,20 @@ def copy_rows(
     return out
 
 
-def _use_grouped_mm(tiles: GemmTiles, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """tiles.grouped_mm where torch._grouped_mm takes the operands: bf16 on a Hopper or newer
-    GPU (any dtype on CPU), rows 16-byte aligned."""
-    if not (tiles.grouped_mm and arch_of(a.device).grouped_mm):
+def grouped_mm_takes(device: torch.device, dtype: torch.dtype, *widths: int) -> bool:
+    """Whether torch._grouped_mm takes weight-gradient operands of dtype with rows of `widths`
+    elements (WgradTiles.grouped_mm): bf16 on a Hopper or newer GPU (any dtype on CPU), rows
+    16-byte aligned."""
+    if not arch_of(device).grouped_mm:
         return False
-    dtype_ok = a.device.type == "cpu" or a.dtype == b.dtype == torch.bfloat16
-    return dtype_ok and all((t.shape[1] * t.element_size()) % 16 == 0 for t in (a, b))
+    dtype_ok = device.type == "cpu" or dtype == torch.bfloat16
+    return dtype_ok and all((w * dtype.itemsize) % 16 == 0 for w in widths)
+
+
+def _check_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype != b.dtype or not grouped_mm_takes(a.device, a.dtype, a.shape[1], b.shape[1]):
+        raise ValueError("the tiles ask for torch._grouped_mm (WgradTiles.grouped_mm), which "
+                         "does not take these operands; mok.plan asks for it only where it does")
 
 
 def _group_ends(routing: Routing) -> torch.Tensor:

@@ -1,9 +1,13 @@
-"""Tile shapes of the grouped GEMMs: fixed per device and problem shape, never tuned at run time.
+"""Tile shapes of the grouped GEMMs: fixed per GPU architecture, dtype and problem shape, never
+tuned at run time.
 
 A fixed choice per shape keeps results bitwise reproducible from one process to the next (a
 run-time autotuner may pick another tile, and so another reduction order). `TileConfig.pick`
 looks the problem up in the table measured by `python -m benchmarks.tune` (mok/ops/
-tuned_tiles.json, or the file MOK_TILES_FILE names) and falls back to the config's own tiles.
+tuned_tiles.json, or the file MOK_TILES_FILE names), which holds the tiles of one architecture
+and the dtypes it names, and falls back to the config's own tiles. Each GEMM kind has a tile
+record of its own type: `RowTiles` (the row GEMMs), `DswigluTiles` (the dSwiGLU backward),
+`WgradTiles` (the weight gradients); `Tiles` holds what they share.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import torch
 
 from mok import _env
+from mok.arch import arch_of
 
 TUNED_TILES_PATH = Path(__file__).with_name("tuned_tiles.json")
 
@@ -33,8 +38,10 @@ KINDS = {
 
 
 @dataclass(frozen=True)
-class GemmTiles:
-    """One GEMM's tile: block_m rows x block_n columns, block_k deep (wgrad: P x Q, R deep)."""
+class Tiles:
+    """One GEMM's tile: block_m rows x block_n columns, block_k deep (wgrad: P x Q, R deep);
+    group_m: row blocks walked together (L2 reuse of weight tiles); num_warps, num_stages: the
+    Triton kernel's; persistent: one program per SM, a grid-stride loop of tiles."""
 
     block_m: int
     block_n: int
@@ -42,63 +49,110 @@ class GemmTiles:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    persistent: bool = False  # one program per SM, a grid-stride loop of tiles
-    tma: bool = False  # gate_up, down, down_bwd(_saved), d_x: weight tiles through TMA
-    pair: bool = False  # wgrad_gate_up only: gate and up in one launch, x's tiles loaded once
-    # gate_up, down, down_bwd(_saved), d_x: the row tiles read or written whole (not gathered by
-    # token, not scattered to other ranks) through TMA: the epilogues' outputs, the kept
-    # pre-activations, and the A operands of down and d_x.
+    persistent: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.block_m, self.block_n, self.block_k) < 16:
+            raise ValueError(f"{type(self).__name__}: tl.dot needs tiles of at least 16 in every "
+                             f"dimension, got {self.block_m}x{self.block_n}x{self.block_k}")
+
+
+@dataclass(frozen=True)
+class RowTiles(Tiles):
+    """Tiles of a row GEMM (gate_up, gate_up_saved, down, d_x): rows of the schedule times one
+    expert's weights.
+
+    tma: the weight tiles through TMA. tma_rows: the row tiles read or written whole (not
+    gathered by token, not scattered to other ranks) through TMA: the epilogues' outputs, the
+    kept pre-activations, and the A operands of down and d_x. epilogue_split: the epilogue takes
+    the output tile in this many column slices (1 or 2), one after the other: fewer live
+    registers, half-width TMA boxes. flatten (with persistent): the tile loop and the K loop
+    flattened into one, so the next tile's loads start during this tile's last K blocks and
+    epilogue (a launch that pulls rows takes its tiles from a counter and ignores it).
+
+    gluon: the warp-specialized Gluon kernel (one program per SM, a loader partition filling a
+    ring of num_stages stages, wgmma and the epilogue in the other; mok.kernels.gluon_gate_up
+    and mok.kernels.gluon_dswiglu: token rows gathered by cp.async, weight tiles by TMA;
+    mok.kernels.gluon_rows: every tile by TMA) with this tile's block_m (64 or 128), block_n (at
+    most 128 for gate/up, whose wgmma takes gate and up at once, and for down_bwd_saved; 64 for
+    down_bwd, whose three accumulators must fit the registers; else 256), block_k, num_stages
+    (d_x: K steps of both products, two ring stages each, as its Triton kernel's stages hold
+    both), group_m and (down, down_bwd(_saved), d_x) epilogue_split, 2 where a whole-tile
+    epilogue buffer would not fit (and for down_bwd_saved at block_n 128, whose whole-tile
+    epilogue would spill registers) (num_warps unused: block_m // 16 warps multiply, the loader
+    has its own; persistent implied). mok.plan decides where the Gluon kernel runs a launch
+    whose tiles ask for it (an sm_90 GPU, operands and sizes it takes, a launch that does not
+    pull rows in its own programs) and hands the launchers tiles without it elsewhere: the
+    Triton kernel then runs the same tiles.
+    """
+
+    tma: bool = False
     tma_rows: bool = False
-    # wgrad only: torch._grouped_mm (one K-split group per expert) over the rows copied into
-    # schedule order (mok.ops.copy_rows); the tile fields are unused then.
-    grouped_mm: bool = False
-    # gate_up, down, down_bwd(_saved), d_x: the epilogue takes the output tile in this many
-    # column slices (1 or 2), one after the other: fewer live registers, half-width TMA boxes.
     epilogue_split: int = 1
-    # gate_up, down, down_bwd(_saved), d_x with persistent: the tile loop and the K loop
-    # flattened into one, so the next tile's loads start during this tile's last K blocks and
-    # epilogue (a launch that pulls rows takes its tiles from a counter and ignores it).
     flatten: bool = False
-    # gate_up, gate_up_saved, down, down_bwd, down_bwd_saved and d_x on an sm_90 GPU: a
-    # warp-specialized Gluon kernel (one program per SM, a loader partition filling a ring of
-    # num_stages stages, wgmma and the epilogue in the other; mok.kernels.gluon_gate_up and
-    # mok.kernels.gluon_dswiglu: token rows gathered by cp.async, weight tiles by TMA;
-    # mok.kernels.gluon_rows: every tile by TMA) with this tile's block_m (64 or 128), block_n
-    # (at most 128 for gate/up, whose wgmma takes gate and up at once, and for down_bwd_saved;
-    # 64 for down_bwd, whose three accumulators must fit the registers; else 256), block_k,
-    # num_stages (d_x: K steps of both products, two ring stages each, as its Triton kernel's
-    # stages hold both), group_m and (down, down_bwd(_saved), d_x) epilogue_split, 2 where a
-    # whole-tile epilogue buffer would not fit (and for down_bwd_saved at block_n 128, whose
-    # whole-tile epilogue would spill registers) (num_warps unused: block_m // 16 warps
-    # multiply, the loader has its own; persistent implied). Elsewhere (no sm_90 GPU, a launch
-    # that pulls or scatters rows, operands TMA cannot take, block_n above those limits,
-    # down_bwd_saved reading h rather than writing it) the Triton kernel runs these tiles;
-    # launches that pull or scatter rows ask the table for its Triton tiles (TileConfig.pick's
-    # triton), except gate/up's, whose rows a launch of their own pulls before the Gluon kernel.
     gluon: bool = False
-    # down_bwd and down_bwd_saved with gluon, block_m 64: two MMA partitions (a warpgroup each,
-    # epilogue buffers of their own) take the CTA's tiles in turn, one's epilogue running during
-    # the other's K loop (mok.kernels.gluon_dswiglu's PINGPONG). Where the Triton kernel runs
-    # these tiles it is ignored.
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.flatten and not self.persistent:
+            raise ValueError(f"{type(self).__name__}(flatten=True) needs persistent=True")
+        if self.epilogue_split not in (1, 2):
+            raise ValueError(f"{type(self).__name__}: epilogue_split={self.epilogue_split} must "
+                             f"be 1 or 2")
+        if self.gluon and (self.block_m not in (64, 128) or self.block_n > 256
+                           or self.block_k not in (32, 64)):
+            raise ValueError(f"{type(self).__name__}(gluon=True): block_m 64 or 128, block_n <= "
+                             f"256, block_k 32 or 64; got "
+                             f"{self.block_m}x{self.block_n}x{self.block_k}")
+
+
+@dataclass(frozen=True)
+class DswigluTiles(RowTiles):
+    """Tiles of the dSwiGLU backward (down_bwd recomputing gate/up, down_bwd_saved reading the
+    kept pre-activations): down's input gradient, then dSwiGLU.
+
+    pingpong (with gluon, block_m 64): two MMA partitions (a warpgroup each, epilogue buffers of
+    their own) take the CTA's tiles in turn, one's epilogue running during the other's K loop
+    (mok.kernels.gluon_dswiglu's PINGPONG); the Triton kernel ignores it.
+    apart (down_bwd only): the recomputing dSwiGLU as two launches instead of one, gate/up
+    storing the pre-activations (the config's gate_up_saved tiles) into the d_gate_up buffer,
+    then the kept dSwiGLU over them in place (down_bwd_saved's tiles): where one launch's three
+    accumulators cost more than the second pass over the pre-activations (mok.ops.
+    dswiglu_apart). The other fields are unused then. Under expert parallelism with rows pulled
+    by kernels, the gate/up launch pulls them (x's and d_output's) on the table's Triton
+    gate_up_saved tiles and the kept dSwiGLU after it pulls nothing.
+    """
+
     pingpong: bool = False
-    # down_bwd only: the recomputing dSwiGLU as two launches instead of one, gate/up storing the
-    # pre-activations (the config's gate_up_saved tiles) into the d_gate_up buffer, then the kept
-    # dSwiGLU over them in place (down_bwd_saved's tiles): where one launch's three accumulators
-    # cost more than the second pass over the pre-activations (mok.ops.dswiglu_apart). The
-    # other fields are unused then. Under expert parallelism with rows pulled by kernels, the
-    # gate/up launch pulls them (x's and d_output's) on the table's Triton gate_up_saved tiles
-    # and the kept dSwiGLU after it pulls nothing.
     apart: bool = False
 
     def __post_init__(self) -> None:
-        if self.flatten and not self.persistent:
-            raise ValueError("GemmTiles(flatten=True) needs persistent=True")
-        if self.gluon and (self.block_m not in (64, 128) or self.block_n > 256
-                           or self.block_k not in (32, 64)):
-            raise ValueError(f"GemmTiles(gluon=True): block_m 64 or 128, block_n <= 256, block_k "
-                             f"32 or 64; got {self.block_m}x{self.block_n}x{self.block_k}")
+        super().__post_init__()
         if self.pingpong and self.block_m != 64:
-            raise ValueError(f"GemmTiles(pingpong=True) needs block_m 64, got {self.block_m}")
+            raise ValueError(f"DswigluTiles(pingpong=True) needs block_m 64, got {self.block_m}")
+
+
+@dataclass(frozen=True)
+class WgradTiles(Tiles):
+    """Tiles of a weight-gradient GEMM (wgrad_gate_up, wgrad_down): out [E, P, Q] in block_m x
+    block_n tiles over R = the expert's rows in block_k steps.
+
+    pair (wgrad_gate_up only): gate and up in one launch, x's tiles loaded once. grouped_mm:
+    torch._grouped_mm (one K-split group per expert) over the rows copied into schedule order
+    (mok.ops.copy_rows) where it takes the operands (mok.plan decides); the tile fields are
+    unused then.
+    """
+
+    pair: bool = False
+    grouped_mm: bool = False
+
+
+# The record type of each kind's tiles.
+KIND_TILES: dict[str, type[Tiles]] = {
+    "gate_up": RowTiles, "gate_up_saved": RowTiles, "down": RowTiles, "d_x": RowTiles,
+    "down_bwd": DswigluTiles, "down_bwd_saved": DswigluTiles,
+    "wgrad_gate_up": WgradTiles, "wgrad_down": WgradTiles,
+}
 
 
 @dataclass(frozen=True)
@@ -107,106 +161,137 @@ class TileConfig:
 
     align: each expert's rows are padded to a multiple of align; every block_m of the row GEMMs
     must divide it, so a row tile never straddles two experts.
-    use_tuned: consult the measured table first (the GPU defaults do; test tiles don't).
+    gate_up_saved, down_bwd_saved: the tiles of those kinds; None (the default): gate_up's, and
+    down's as the dSwiGLU's record (the kept dSwiGLU is one accumulator over K = H, like down).
+    use_tuned: consult the measured table first (the GPU defaults do; test tiles don't), where
+    it was measured on this config's architecture `arch` and names the problem's dtype.
     """
 
     align: int
-    gate_up: GemmTiles
-    down: GemmTiles
-    down_bwd: GemmTiles
-    d_x: GemmTiles
-    wgrad: GemmTiles
+    gate_up: RowTiles
+    down: RowTiles
+    down_bwd: DswigluTiles
+    d_x: RowTiles
+    wgrad: WgradTiles
+    gate_up_saved: RowTiles | None = None
+    down_bwd_saved: DswigluTiles | None = None
     use_tuned: bool = False
+    arch: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("gate_up", "down", "down_bwd", "d_x"):
-            _check_row_tiles(name, getattr(self, name), self.align)
-        for name in ("gate_up", "down", "down_bwd", "d_x", "wgrad"):
-            _check_dot_tiles(name, getattr(self, name))
+        for name in ("gate_up", "down", "down_bwd", "d_x", "wgrad", "gate_up_saved",
+                     "down_bwd_saved"):
+            wanted = KIND_TILES[name if name != "wgrad" else "wgrad_down"]
+            tiles = getattr(self, name)
+            if tiles is None and name.endswith("_saved"):
+                continue
+            if not isinstance(tiles, wanted):
+                raise TypeError(f"TileConfig.{name} must be {wanted.__name__}, got "
+                                f"{type(tiles).__name__}")
+            if name != "wgrad" and self.align % tiles.block_m != 0:
+                raise ValueError(f"{name}.block_m={tiles.block_m} must divide align={self.align}")
 
-    def pick(self, kind: str, n: int, k: int, triton: bool = False) -> GemmTiles:
-        """Tiles for GEMM `kind` (see KINDS) at problem size (n, k). triton: for a launch the
-        Gluon kernels cannot take (the expert-parallel dSwiGLU, whose tiles wait on rows its
-        own programs pull): where the table's tiles are Gluon (or apart) ones, its best Triton
-        tiles (TRITON)."""
-        if self.use_tuned:
-            table = tuned_table()
-            tuned = table.get((kind, n, k))
-            if triton and tuned is not None and (tuned.gluon or tuned.apart):
-                tuned = table.get((kind + TRITON, n, k), tuned)
+    def pick(self, kind: str, n: int, k: int, *, dtype: torch.dtype = torch.bfloat16,
+             triton: bool = False) -> Tiles:
+        """Tiles for GEMM `kind` (see KINDS; a record of KIND_TILES[kind]) at problem size
+        (n, k) in dtype. triton: for a launch the Gluon kernels cannot take (the expert-parallel
+        dSwiGLU, whose tiles wait on rows its own programs pull): where the table's tiles are
+        Gluon (or apart) ones, its best Triton tiles (TRITON)."""
+        table = tuned_table() if self.use_tuned else None
+        if table is not None and table.serves(self.arch, dtype):
+            tuned = table.entries.get((kind, n, k))
+            if (triton and isinstance(tuned, RowTiles)
+                    and (tuned.gluon or getattr(tuned, "apart", False))):
+                tuned = table.entries.get((kind + TRITON, n, k), tuned)
             if tuned is not None and (kind.startswith("wgrad") or self.align % tuned.block_m == 0):
                 return tuned
         if kind.startswith("wgrad"):
             return self.wgrad
-        return getattr(self, _FALLBACK_KINDS.get(kind, kind))
+        own = getattr(self, kind)
+        if own is not None:
+            return own
+        if kind == "gate_up_saved":
+            return self.gate_up
+        return DswigluTiles(**asdict(self.down))
 
-    def pick_apart(self, n: int, k: int, pulling: bool = False) -> tuple[GemmTiles, GemmTiles]:
-        """The tiles of GemmTiles.apart's two launches at (n, k) = (I, H): gate/up storing the
+    def pick_apart(self, n: int, k: int, *, dtype: torch.dtype = torch.bfloat16,
+                   pulling: bool = False) -> tuple[RowTiles, DswigluTiles]:
+        """The tiles of DswigluTiles.apart's two launches at (n, k) = (I, H): gate/up storing the
         pre-activations (pulling: it pulls rows its tiles wait on, the table's Triton tiles),
         then the kept dSwiGLU."""
-        return (self.pick("gate_up_saved", n, k, triton=pulling),
-                self.pick("down_bwd_saved", n, k))
+        return (self.pick("gate_up_saved", n, k, dtype=dtype, triton=pulling),
+                self.pick("down_bwd_saved", n, k, dtype=dtype))
 
 
 # The table's key suffix of a kind's best Triton tiles, kept where its best are Gluon ones
-# (GemmTiles.gluon): the Triton kernel runs the launches the Gluon kernels cannot take, and the
+# (RowTiles.gluon): the Triton kernel runs the launches the Gluon kernels cannot take, and the
 # Gluon tiles need not suit it.
 TRITON = "@triton"
 
-# Kinds without tiles of their own in a TileConfig: down_bwd reading saved gate/up
-# pre-activations is one accumulator over K = H, like the down projection; gate/up also storing
-# its pre-activations (MoKConfig(recompute_gate_up=False)) is the gate/up GEMM.
-_FALLBACK_KINDS = {"down_bwd_saved": "down", "gate_up_saved": "gate_up"}
+
+@dataclass(frozen=True)
+class TileTable:
+    """Measured tiles of one architecture (arch, mok.arch's name) for the dtypes it names:
+    {(kind, n, k): tiles} (kinds with TRITON's suffix: the best Triton tiles)."""
+
+    arch: str
+    dtypes: tuple[str, ...]
+    entries: dict[tuple[str, int, int], Tiles]
+
+    def serves(self, arch: str | None, dtype: torch.dtype) -> bool:
+        return arch == self.arch and str(dtype).removeprefix("torch.") in self.dtypes
 
 
-def _check_row_tiles(name: str, tiles: GemmTiles, align: int) -> None:
-    if align % tiles.block_m != 0:
-        raise ValueError(f"{name}.block_m={tiles.block_m} must divide align={align}")
-    if tiles.epilogue_split not in (1, 2):
-        raise ValueError(f"{name}.epilogue_split={tiles.epilogue_split} must be 1 or 2")
-
-
-def _check_dot_tiles(name: str, tiles: GemmTiles) -> None:
-    if min(tiles.block_m, tiles.block_n, tiles.block_k) < 16:
-        raise ValueError(f"{name}: tl.dot needs tiles of at least 16 in every dimension")
+def _record(kind: str, fields: dict) -> Tiles:
+    """kind's tile record (KIND_TILES; TRITON's suffix aside) from its fields."""
+    return KIND_TILES[kind.removesuffix(TRITON)](**fields)
 
 
 @cache
-def tuned_table() -> dict[tuple[str, int, int], GemmTiles]:
-    """{(kind, n, k): tiles} from the tuned-tiles JSON ({kind: {"n,k": {tile fields}}})."""
+def tuned_table() -> TileTable | None:
+    """The tuned-tiles JSON ({"arch", "dtypes", "tiles": {kind: {"n,k": {tile fields}}}}), or
+    None where the file is missing."""
     path = Path(_env.TILES_FILE) if _env.TILES_FILE else TUNED_TILES_PATH
     if not path.exists():
-        return {}
-    table = {}
-    for kind, entries in json.loads(path.read_text()).items():
-        for key, fields in entries.items():
+        return None
+    data = json.loads(path.read_text())
+    if "tiles" not in data:
+        raise ValueError(f"{path}: a tile table holds 'arch', 'dtypes' and 'tiles' "
+                         f"(as benchmarks.tune writes it)")
+    entries = {}
+    for kind, by_size in data["tiles"].items():
+        for key, fields in by_size.items():
             n, k = (int(v) for v in key.split(","))
-            table[(kind, n, k)] = GemmTiles(**fields)
-    return table
+            entries[(kind, n, k)] = _record(kind, fields)
+    return TileTable(data["arch"], tuple(data["dtypes"]), entries)
 
 
-def table_to_json(table: dict[tuple[str, int, int], GemmTiles]) -> str:
-    out: dict[str, dict[str, dict]] = {}
-    for (kind, n, k), tiles in sorted(table.items()):
-        out.setdefault(kind, {})[f"{n},{k}"] = asdict(tiles)
-    return json.dumps(out, indent=1, sort_keys=True) + "\n"
+def table_to_json(table: TileTable) -> str:
+    tiles: dict[str, dict[str, dict]] = {}
+    for (kind, n, k), record in sorted(table.entries.items()):
+        tiles.setdefault(kind, {})[f"{n},{k}"] = asdict(record)
+    data = {"arch": table.arch, "dtypes": list(table.dtypes), "tiles": tiles}
+    return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
 def _uniform(block: int, align: int) -> TileConfig:
-    tiles = GemmTiles(block, block, block, group_m=4, num_warps=4, num_stages=1)
-    return TileConfig(align, tiles, tiles, tiles, tiles, tiles)
+    sizes = dict(block_m=block, block_n=block, block_k=block, group_m=4, num_warps=4,
+                 num_stages=1)
+    rows = RowTiles(**sizes)
+    return TileConfig(align, rows, rows, DswigluTiles(**sizes), rows, WgradTiles(**sizes))
 
 
 # Hopper (H100/H200), bf16: the fallback when the table has no entry. Two or three fp32
 # accumulators in gate/up and its backward keep block_n at 64 there, so they fit the registers.
 HOPPER_TILES = TileConfig(
     align=128,
-    gate_up=GemmTiles(128, 64, 64, group_m=8, num_warps=8, num_stages=4),
-    down=GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
-    down_bwd=GemmTiles(128, 64, 64, group_m=8, num_warps=8, num_stages=3),
-    d_x=GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
-    wgrad=GemmTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3),
+    gate_up=RowTiles(128, 64, 64, group_m=8, num_warps=8, num_stages=4),
+    down=RowTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
+    down_bwd=DswigluTiles(128, 64, 64, group_m=8, num_warps=8, num_stages=3),
+    d_x=RowTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
+    wgrad=WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3),
     use_tuned=True,
+    arch="sm_90",
 )
 
 # Triton's CPU interpreter: one program is one numpy step, so fewer, larger tiles run faster.
@@ -219,4 +304,16 @@ def small_tiles(block: int = 16, align: int | None = None) -> TileConfig:
 
 
 def default_tiles(device: torch.device) -> TileConfig:
-    return HOPPER_TILES if device.type == "cuda" else INTERPRETER_TILES
+    """The interpreter's tiles on CPU; on a GPU, Hopper's, whose measured table only a GPU of
+    that architecture reads."""
+    if device.type != "cuda":
+        return INTERPRETER_TILES
+    arch = arch_of(device).name
+    return HOPPER_TILES if arch == HOPPER_TILES.arch else _other_gpu(arch)
+
+
+@cache
+def _other_gpu(arch: str) -> TileConfig:
+    from dataclasses import replace
+
+    return replace(HOPPER_TILES, arch=arch)

@@ -7,6 +7,7 @@ Triton's interpreter: the same kernels and flag logic as on GPUs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 import mok.functional as F
 from mok import ops
+from mok import plan as mok_plan
 from mok.errors import NUM_ERROR_FLAGS, MoKDataError, MoKInputError
 from mok.exchange import CrossNodeExchange
 from mok.ops import small_tiles
@@ -257,7 +259,7 @@ def test_ep_copy_rows_kept(rank, world_size):
 
 @distributed_test(world_sizes=(2, 4), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_dswiglu_apart(rank, world_size):
-    # GemmTiles.apart under expert parallelism: the recomputing backward's gate/up launch
+    # DswigluTiles.apart under expert parallelism: the recomputing backward's gate/up launch
     # stores the pre-activations, then the kept dSwiGLU reads them. With copied rows the
     # gate/up launch waits on the copies (its row blocks local first); with pulled rows it
     # pulls x's and d_output's rows itself, its tiles waiting on them, and the dSwiGLU after it
@@ -288,7 +290,7 @@ def test_ep_dswiglu_apart(rank, world_size):
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_kept_gate_up_tile_variants(rank, world_size):
-    # The same with the row tiles and the weights through TMA (GemmTiles.tma_rows, tma) while
+    # The same with the row tiles and the weights through TMA (RowTiles.tma_rows, tma) while
     # rows are pulled and scattered (h and the pre-activations written so in the forward, read
     # and written so in the backward), with persistent tiles asked for every GEMM (the launches
     # that pull take their tiles from a shared counter: ops.experts._tile_counter).
@@ -301,10 +303,10 @@ def test_ep_kept_gate_up_tile_variants(rank, world_size):
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
-    # The row GEMMs as persistent loops (GemmTiles.persistent; those that pull rows take their
+    # The row GEMMs as persistent loops (Tiles.persistent; those that pull rows take their
     # tiles from a shared counter) while rows are pulled and scattered, epilogues in halves
-    # (GemmTiles.epilogue_split), gate/up recomputed in the backward; the weight gradients of the
-    # pulled rows by torch._grouped_mm (GemmTiles.grouped_mm: the rows copied with their padding
+    # (RowTiles.epilogue_split), gate/up recomputed in the backward; the weight gradients of the
+    # pulled rows by torch._grouped_mm (WgradTiles.grouped_mm: the rows copied with their padding
     # zeroed, d_out's scaled by the pulled router weights).
     tiles = with_row_tiles(small_tiles(16), persistent=True, epilogue_split=2)
     tiles = dataclasses.replace(tiles, wgrad=dataclasses.replace(tiles.wgrad, grouped_mm=True))
@@ -313,16 +315,38 @@ def test_ep_persistent_rows_grouped_mm_wgrad(rank, world_size):
 
 
 
+@contextlib.contextmanager
+def _gluon_stand_ins(kinds, **launches):
+    """The plan takes the Gluon kernels of `kinds` as an sm_90 GPU would (mok.plan), and the
+    launchers run `launches` (name in mok.ops.experts: stand-in) instead of them."""
+    from mok import arch
+    from mok.ops import experts
+
+    saved_plan = mok_plan.arch_of, mok_plan.gluon_takes
+    saved = {name: getattr(experts, name) for name in ("_check_gluon", *launches)}
+    mok_plan.arch_of = lambda device: arch.HOPPER
+    mok_plan.gluon_takes = lambda kind, *args, **kwargs: kind in kinds
+    experts._check_gluon = lambda *args, **kwargs: None
+    for name, stand_in in launches.items():
+        setattr(experts, name, stand_in)
+    try:
+        yield
+    finally:
+        mok_plan.arch_of, mok_plan.gluon_takes = saved_plan
+        for name, launch in saved.items():
+            setattr(experts, name, launch)
+
+
 @distributed_test(world_sizes=(2,))
 def test_ep_gluon_rows_take_the_scatters(rank, world_size):
-    # Where the Gluon down and d_x kernels take launches (GemmTiles.gluon on an sm_90 GPU), they
+    # Where the Gluon down and d_x kernels take launches (RowTiles.gluon on an sm_90 GPU), they
     # also take the expert-parallel ones: the layer hands them the scatter of their rows to the
     # tokens' ranks and, with kept pre-activations, d_x the pull of x. The Triton kernel stands
     # in for the Gluon ones here (given the same scatter and pull): the layer is bitwise the
     # one run by the Triton kernels, and matches the reference.
     from mok.ops import experts
 
-    tile = ops.GemmTiles(64, 64, 32, group_m=4, num_warps=4, num_stages=1)
+    tile = ops.RowTiles(64, 64, 32, group_m=4, num_warps=4, num_stages=1)
     plain = dataclasses.replace(small_tiles(16, 64), down=tile, d_x=tile)
     gluon = dataclasses.replace(plain, down=dataclasses.replace(tile, gluon=True),
                                 d_x=dataclasses.replace(tile, gluon=True))
@@ -351,18 +375,11 @@ def test_ep_gluon_rows_take_the_scatters(rank, world_size):
                                        hidden_size=inputs.x.shape[1],
                                        topk=inputs.topk_experts.shape[1])
         y, grads, _ = _run(workspace, config, inputs, swiglu_limit=0.8, tiles=plain)
-        saved = (experts._gluon_rows_runs, experts._gluon_dswiglu_runs, experts._down_gluon,
-                 experts._d_x_gluon)
-        (experts._gluon_rows_runs, experts._gluon_dswiglu_runs, experts._down_gluon,
-         experts._d_x_gluon) = (lambda *args: True), (lambda *args: False), down_stand_in, \
-            d_x_stand_in
         launches.clear()
-        try:
+        with _gluon_stand_ins(("down", "d_x"), _down_gluon=down_stand_in,
+                              _d_x_gluon=d_x_stand_in):
             y_gluon, grads_gluon, _ = _run(workspace, config, inputs, swiglu_limit=0.8,
                                            tiles=gluon)
-        finally:
-            (experts._gluon_rows_runs, experts._gluon_dswiglu_runs, experts._down_gluon,
-             experts._d_x_gluon) = saved
         F.check_errors(workspace)
         # the routed down (scattered), the shared expert's (local rows); the shared expert's
         # d_x, the routed one (scattered, pulling x when kept)
@@ -375,14 +392,14 @@ def test_ep_gluon_rows_take_the_scatters(rank, world_size):
 
 @distributed_test(world_sizes=(2,))
 def test_ep_gluon_gate_up_pulls_apart(rank, world_size):
-    # Where the Gluon gate/up kernel takes a launch that pulls rows (GemmTiles.gluon on an sm_90
+    # Where the Gluon gate/up kernel takes a launch that pulls rows (RowTiles.gluon on an sm_90
     # GPU), the rows land first, in a pull of its own over every SM (Pull.run_apart), and the
     # kernel then reads them without pulling. The Triton kernel stands in for the Gluon one
     # here (run without a pull): the layer is bitwise the one whose gate/up pulls in its own
     # launch, and matches the reference.
     from mok.ops import experts
 
-    tile = ops.GemmTiles(64, 64, 32, group_m=4, num_warps=4, num_stages=1)
+    tile = ops.RowTiles(64, 64, 32, group_m=4, num_warps=4, num_stages=1)
     plain = dataclasses.replace(small_tiles(16, 64), gate_up=tile)
     gluon = dataclasses.replace(plain, gate_up=dataclasses.replace(tile, gluon=True))
     inputs = _rank_inputs(rank, world_size, shared=16, seed=4)
@@ -399,13 +416,9 @@ def test_ep_gluon_gate_up_pulls_apart(rank, world_size):
                                        dataclasses.replace(tiles, gluon=False), swiglu_limit,
                                        gate_up=gate_up))
 
-    saved = experts._gluon_runs, experts._gate_up_gluon
-    experts._gluon_runs, experts._gate_up_gluon = (lambda *args: True), triton_stand_in
-    try:
+    with _gluon_stand_ins(("gate_up",), _gate_up_gluon=triton_stand_in):
         y_apart, grads_apart, _ = _run(workspace, SMALL_MINIBATCHES, inputs, swiglu_limit=0.8,
                                        tiles=gluon)
-    finally:
-        experts._gluon_runs, experts._gate_up_gluon = saved
     F.check_errors(workspace)
     assert launches == [(1, 16, 32), tuple(inputs.w_routed_gate.shape)]  # shared, then routed
     assert torch.equal(y, y_apart)
@@ -414,7 +427,7 @@ def test_ep_gluon_gate_up_pulls_apart(rank, world_size):
 
 @pytest.mark.parametrize("limit", [None, 0.8], ids=["no_limit", "limit"])
 def test_gate_up_pulls_d_output_along_for_the_dswiglu_after_it(limit):
-    # The pulling backward's first launch under GemmTiles.apart: gate/up pulls x's rows and
+    # The pulling backward's first launch under DswigluTiles.apart: gate/up pulls x's rows and
     # d_output's (Pull.second_src into pulled_second), here a rank's own tokens from its own
     # memory (mok.testing.pull), its tiles waiting on both; both land as at the source, and
     # dswiglu_apart with that pull is bitwise dswiglu_apart reading them directly.
@@ -758,13 +771,14 @@ def test_ep_no_host_sync_and_cuda_graph(rank, world_size):
 
 
 def _gluon_tiles():
-    """Gluon tiles (GemmTiles.gluon) for every row GEMM."""
-    gluon = ops.GemmTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True,
-                          tma=True, tma_rows=True, gluon=True)
+    """Gluon tiles (RowTiles.gluon) for every row GEMM."""
+    gluon = ops.RowTiles(128, 128, 64, group_m=8, num_warps=8, num_stages=4, persistent=True,
+                         tma=True, tma_rows=True, gluon=True)
+    down_bwd = dataclasses.replace(gluon, block_n=64, num_stages=3)
     return dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False,
                                gate_up=gluon, down=gluon,
                                d_x=dataclasses.replace(gluon, num_stages=3),
-                               down_bwd=dataclasses.replace(gluon, block_n=64, num_stages=3))
+                               down_bwd=ops.DswigluTiles(**dataclasses.asdict(down_bwd)))
 
 
 @pytest.mark.gpu
@@ -790,7 +804,7 @@ def test_ep_gluon_kept_no_host_sync_and_cuda_graph(rank, world_size):
 @pytest.mark.gpu
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
 def test_ep_gluon_apart_no_host_sync_and_cuda_graph(rank, world_size):
-    # The same with GemmTiles.apart: the recomputing backward's gate/up launch (the Triton
+    # The same with DswigluTiles.apart: the recomputing backward's gate/up launch (the Triton
     # kernel on these tiles) pulls x's and d_output's rows, then the Gluon kept dSwiGLU.
     tiles = _gluon_tiles()
     _graph_body(rank, world_size, tiles=dataclasses.replace(
@@ -828,7 +842,7 @@ def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES, a
     """Two "nodes" of world_size // 2 ranks: collectives between them, the one-node protocol
     (symmetric buffers when a node has 2 ranks, one device when 1) inside. uneven: rank r holds
     _uneven_tokens(rank) tokens. apart: the recomputing dSwiGLU as two launches
-    (GemmTiles.apart)."""
+    (DswigluTiles.apart)."""
     tokens = _uneven_tokens(rank) if uneven else MAX_TOKENS
     inputs = _rank_inputs(rank, world_size, tokens=tokens, shared=16,
                           pattern=RoutingPattern.SKEWED, seed=5)
@@ -879,7 +893,7 @@ def test_ep_across_nodes_kept_gate_up(rank, world_size):
 @distributed_test(world_sizes=(4,))
 def test_ep_across_nodes_dswiglu_apart(rank, world_size):
     # Inside each node of two ranks the recomputing backward's gate/up launch pulls x's and
-    # d_output's rows (GemmTiles.apart), the kept dSwiGLU after it.
+    # d_output's rows (DswigluTiles.apart), the kept dSwiGLU after it.
     _cross_node_body(rank, world_size, uneven=True, apart=True)
 
 

@@ -7,7 +7,8 @@ import torch
 
 import mok.functional as F
 from mok import ops
-from mok.ops.tuning import GemmTiles
+from mok.arch import arch_of
+from mok.ops.tuning import DswigluTiles, RowTiles
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
@@ -102,7 +103,7 @@ def _persistent_grouped_mm(tiles):
 
 def _gluon_gate_up(tiles):
     """gate/up (and gate/up storing its pre-activations) by the Gluon kernel."""
-    return dataclasses.replace(tiles, use_tuned=False, gate_up=GemmTiles(
+    return dataclasses.replace(tiles, use_tuned=False, gate_up=RowTiles(
         128, 128, 64, group_m=8, num_warps=8, num_stages=4, gluon=True))
 
 
@@ -111,9 +112,9 @@ def _gluon_rows(tiles, wide=True):
     stages, d_x at 2, each a K step's gate and up tiles; epilogues in halves, as the Triton
     kernels need them at these tiles) or, not wide, 128 x 128 x 64."""
     def gluon(block_n, stages, split=1):
-        return GemmTiles(128, block_n, 64, group_m=8, num_warps=8, num_stages=stages,
-                         persistent=True, tma=True, tma_rows=True, epilogue_split=split,
-                         gluon=True)
+        return RowTiles(128, block_n, 64, group_m=8, num_warps=8, num_stages=stages,
+                        persistent=True, tma=True, tma_rows=True, epilogue_split=split,
+                        gluon=True)
 
     down, d_x = ((gluon(256, 4, 2), gluon(256, 2, 2)) if wide
                  else (gluon(128, 4), gluon(128, 3)))
@@ -123,17 +124,22 @@ def _gluon_rows(tiles, wide=True):
 def _gluon_dswiglu(tiles, pingpong=False):
     """The dSwiGLU backward by the Gluon kernel: recomputing at 128 x 64 x 64 (3 stages), kept
     at down's tiles, 128 x 128 x 64 (4 stages; down by its Gluon kernel too). pingpong: 64-row
-    tiles, two MMA partitions taking turns (GemmTiles.pingpong): recomputing 64 x 64 x 64 (4
+    tiles, two MMA partitions taking turns (DswigluTiles.pingpong): recomputing 64 x 64 x 64 (4
     stages), kept 64 x 128 x 64 (5 stages)."""
     def gluon(block_n, stages):
-        return GemmTiles(64 if pingpong else 128, block_n, 64, group_m=8,
-                         num_warps=4 if pingpong else 8, num_stages=stages, persistent=True,
-                         tma=True, tma_rows=True, gluon=True, pingpong=pingpong)
+        return DswigluTiles(64 if pingpong else 128, block_n, 64, group_m=8,
+                            num_warps=4 if pingpong else 8, num_stages=stages, persistent=True,
+                            tma=True, tma_rows=True, gluon=True, pingpong=pingpong)
 
-    if pingpong:
-        return dataclasses.replace(tiles, use_tuned=False, down_bwd=gluon(64, 4),
-                                   down=gluon(128, 5))
-    return dataclasses.replace(tiles, use_tuned=False, down_bwd=gluon(64, 3), down=gluon(128, 4))
+    def as_down(tiles):  # down's Gluon tiles, of the kept dSwiGLU's sizes
+        fields = dataclasses.asdict(tiles)
+        del fields["pingpong"], fields["apart"]
+        return RowTiles(**fields)
+
+    recompute, kept = (gluon(64, 4), gluon(128, 5)) if pingpong else (gluon(64, 3),
+                                                                        gluon(128, 4))
+    return dataclasses.replace(tiles, use_tuned=False, down_bwd=recompute, down=as_down(kept),
+                               down_bwd_saved=kept)
 
 
 def _gluon_dswiglu_pingpong(tiles):
@@ -161,12 +167,11 @@ def _repeatable_and_close_to_reference(inputs, config, limit, tiles):
 @pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_gluon_gate_up_matches_reference_and_is_deterministic(kept, limit):
-    # The warp-specialized Gluon gate/up kernel (GemmTiles.gluon) inside the layer: against the
+    # The warp-specialized Gluon gate/up kernel (RowTiles.gluon) inside the layer: against the
     # reference, the Triton kernel's results, and itself run to run; experts of uneven sizes,
     # one without rows, N not a multiple of the tile (I = 320).
-    from mok.ops import experts
 
-    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert arch_of(torch.device("cuda")).warp_specialized, "these GPU tests expect an sm_90 GPU"
     inputs = make_inputs(6000, 1024, 320, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=6, routing=RoutingPattern.SKEWED)
     config = F.MoKConfig(recompute_gate_up=not kept)
@@ -193,10 +198,9 @@ def test_gluon_gate_up_pulling_its_rows(kept, limit):
     # and weights land as they are at the source, and h (with the kept pre-activations) is
     # bitwise the kernel's reading x directly, in a second round too (new flags to wait on).
     # Experts of uneven sizes, one without rows, N not a multiple of the tile (I = 320).
-    from mok.ops import experts
     from mok.testing.pull import local_pull
 
-    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert arch_of(torch.device("cuda")).warp_specialized, "these GPU tests expect an sm_90 GPU"
     inputs = make_inputs(6000, 1024, 320, 16, 4, device="cuda", seed=8,
                          routing=RoutingPattern.SKEWED)
     tiles = _gluon_gate_up(dataclasses.replace(ops.default_tiles(torch.device("cuda")),
@@ -239,10 +243,9 @@ def test_gluon_kernels_waiting_on_copied_rows(kept):
     # stream (cuStreamWriteValue32) or by a copy from pinned host memory (as the layer does);
     # every result is bitwise the kernel's with no waits, no wait times out. Experts of uneven
     # sizes, I = 352.
-    from mok.ops import experts
     from mok.testing.pull import local_copied
 
-    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert arch_of(torch.device("cuda")).warp_specialized, "these GPU tests expect an sm_90 GPU"
     inputs = make_inputs(6000, 1344, 352, 16, 4, device="cuda", seed=10,
                          routing=RoutingPattern.SKEWED)
     base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
@@ -302,10 +305,10 @@ def test_gluon_rows_scatter_their_rows(wide):
     # parallelism; here one rank, every delta 0): each route's row lands at the route (out
     # starts as NaN), bitwise the row the kernel writes in schedule order. H = 1344 is no
     # multiple of the tiles.
-    from mok.ops import comm, experts
+    from mok.ops import comm
     from mok.testing.pull import local_pull
 
-    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert arch_of(torch.device("cuda")).warp_specialized, "these GPU tests expect an sm_90 GPU"
     inputs = make_inputs(6000, 1344, 320, 16, 4, device="cuda", seed=9,
                          routing=RoutingPattern.SKEWED)
     tiles = _gluon_rows(dataclasses.replace(ops.default_tiles(torch.device("cuda")),
@@ -351,7 +354,7 @@ def test_gluon_rows_match_reference_and_are_deterministic(wide, monkeypatch):
     # block_k: its down projection reads TMA's zero fill past K, its d_x runs the Triton kernel.
     from mok.ops import experts
 
-    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert arch_of(torch.device("cuda")).warp_specialized, "these GPU tests expect an sm_90 GPU"
     launches = []
 
     def counted(name):
@@ -414,9 +417,8 @@ def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, pingp
     # sums and kept h directly). I = 352 and the shared expert's 288 are no multiples of
     # block_n (the stores clip, TMA zero-fills the weight and pre-activation tiles past I).
     # pingpong: two MMA partitions take every other tile of a CTA, each CTA several.
-    from mok.ops import experts
 
-    assert experts._warp_specialized(torch.device("cuda")), "these GPU tests expect an sm_90 GPU"
+    assert arch_of(torch.device("cuda")).warp_specialized, "these GPU tests expect an sm_90 GPU"
     launches = _gluon_dswiglu_launches(monkeypatch)
     inputs = _dswiglu_inputs(seed=8)
     config = F.MoKConfig(recompute_gate_up=not kept)
@@ -459,7 +461,7 @@ def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, pingp
 
 @pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])
 def test_gluon_dswiglu_apart_equals_the_kept_backward(limit, monkeypatch):
-    # GemmTiles.apart by the Gluon kernels: gate/up storing the pre-activations into the
+    # DswigluTiles.apart by the Gluon kernels: gate/up storing the pre-activations into the
     # d_gate_up buffer, then the kept dSwiGLU reading them and writing their gradients in
     # place (each tile's pre-activations land by TMA before its gradients are stored there).
     # Bitwise the backward of a forward that kept its pre-activations, but the down weights'
@@ -482,7 +484,7 @@ def test_gluon_dswiglu_apart_equals_the_kept_backward(limit, monkeypatch):
 
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_flattened_tile_loops_equal_persistent_tiles(kept):
-    # GemmTiles.flatten compiles each program's tile loop and K loop into one pipelined loop
+    # RowTiles.flatten compiles each program's tile loop and K loop into one pipelined loop
     # (the interpreter runs them as written): the same sums in the same order, so bitwise what
     # the persistent tiles give, on several tiles per program.
     inputs = make_inputs(8192, 1024, 768, 32, 4, shared_intermediate_size=512, device="cuda",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mok.functional as F
-from mok import ops
+from mok import ops, plan
 from mok.testing import (
     GRAD_NAMES,
     RoutingPattern,
@@ -156,17 +156,19 @@ def test_tile_variants_equal_plain_tiles(case, variant):
                     "tests/gpu/test_gpu.py")
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 def test_gluon_tiles_run_the_triton_kernel_off_sm90(kept):
-    # GemmTiles.gluon asks for the warp-specialized Gluon kernels of gate/up, down, the
+    # RowTiles.gluon asks for the warp-specialized Gluon kernels of gate/up, down, the
     # dSwiGLU backward (recomputing, or kept: down's tiles) and d_x, which only an sm_90 GPU runs
     # (compiled for sm_90 by tests/ops/test_sm90_compile.py, checked on the GPU by
     # tests/gpu/test_gpu.py); elsewhere the Triton kernels run the same tiles: the same layer, the
     # shared expert's GEMMs included.
     case = CASES[1]
-    tile = ops.GemmTiles(64, 64, 32, group_m=4, num_warps=4, num_stages=1)
+    sizes = dict(block_m=64, block_n=64, block_k=32, group_m=4, num_warps=4, num_stages=1)
     names = ("gate_up", "down", "down_bwd", "d_x")
-    plain = dataclasses.replace(ops.small_tiles(16, 64), **{name: tile for name in names})
+    plain = dataclasses.replace(ops.small_tiles(16, 64), gate_up=ops.RowTiles(**sizes),
+                                down=ops.RowTiles(**sizes), down_bwd=ops.DswigluTiles(**sizes),
+                                d_x=ops.RowTiles(**sizes))
     gluon = dataclasses.replace(plain, **{
-        name: dataclasses.replace(tile, gluon=True) for name in names})
+        name: dataclasses.replace(getattr(plain, name), gluon=True) for name in names})
     config = F.MoKConfig(recompute_gate_up=not kept)
     y, grads, _, _ = run_layer(case.inputs(), config=config, swiglu_limit=case.limit,
                                tiles=plain)
@@ -176,36 +178,60 @@ def test_gluon_tiles_run_the_triton_kernel_off_sm90(kept):
     for name, a, b in zip(GRAD_NAMES, grads, grads_gluon, strict=True):
         assert (a is None and b is None) or torch.equal(a, b), name
     check_against_reference(case, y_gluon, grads_gluon)
+    # the plan chose the Triton kernel and said why
+    assert ("gate_up_saved" if kept else "gate_up",
+            "the Triton kernel runs its Gluon tiles: interpreter does not run the Gluon kernels"
+            ) in plan.fallbacks()
 
 
-def test_tile_options_are_checked(monkeypatch):
+def test_tile_options_are_checked():
     with pytest.raises(ValueError, match="flatten=True"):
-        ops.GemmTiles(128, 128, 64, flatten=True)
+        ops.RowTiles(128, 128, 64, flatten=True)
     for block in ((32, 64, 64), (128, 512, 64), (128, 128, 128)):
         with pytest.raises(ValueError, match="gluon=True"):
-            ops.GemmTiles(*block, gluon=True)
-    ops.GemmTiles(64, 128, 32, gluon=True)  # a tile the Gluon kernels take
-    # block_n 256 is for down and d_x: the gate/up launcher leaves it to the Triton kernel
+            ops.RowTiles(*block, gluon=True)
+    ops.RowTiles(64, 128, 32, gluon=True)  # a tile the Gluon kernels take
+    with pytest.raises(ValueError, match="pingpong=True"):
+        ops.DswigluTiles(128, 64, 64, pingpong=True)
+    # each kind's record type: the dSwiGLU's tiles are not a row GEMM's
+    with pytest.raises(TypeError, match="DswigluTiles"):
+        dataclasses.replace(ops.small_tiles(16), down_bwd=ops.RowTiles(16, 16, 16))
+    # block_n 256 is for down and d_x: the Gluon gate/up kernel does not take it
     from mok.ops import experts
 
-    monkeypatch.setattr(experts, "_warp_specialized", lambda device: True)
-    x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
-    assert experts._gluon_runs(x, w, w, ops.GemmTiles(128, 128, 64, gluon=True))
-    assert not experts._gluon_runs(x, w, w, ops.GemmTiles(128, 256, 64, gluon=True))
-    # the dSwiGLU backward: block_n up to 128 kept (writing h), 64 recomputing
-    w_down = torch.zeros(2, 64, 32, dtype=torch.bfloat16)
-    rows = torch.zeros(128, 32, dtype=torch.bfloat16)
-    gate_up = torch.zeros(128, 64, dtype=torch.bfloat16)
+    def takes(kind, block_n):
+        return experts.gluon_takes(kind, ops.RowTiles(128, block_n, 64, gluon=True), hidden=64,
+                                   intermediate=32, dtype=torch.bfloat16)
 
-    def dswiglu_runs(block_n, kept, h_out=True):
-        return experts._gluon_dswiglu_runs(x, x, w_down, w, w, rows, gate_up,
-                                           ops.GemmTiles(128, block_n, 64, gluon=True),
-                                           gate_up if kept else None, h_out and kept)
+    assert takes("gate_up", 128) and not takes("gate_up", 256)
+    # the dSwiGLU backward: block_n up to 128 kept, 64 recomputing
+    assert takes("down_bwd_saved", 128) and takes("down_bwd", 64)
+    assert not takes("down_bwd_saved", 256) and not takes("down_bwd", 128)
+    assert not experts.gluon_takes("down", ops.RowTiles(128, 128, 64, gluon=True), hidden=64,
+                                   intermediate=32, dtype=torch.float32)
 
-    assert dswiglu_runs(128, kept=True) and dswiglu_runs(64, kept=False)
-    assert not dswiglu_runs(256, kept=True) and not dswiglu_runs(128, kept=False)
-    assert not dswiglu_runs(128, kept=True, h_out=False)
+
+def test_launchers_run_the_kernel_their_tiles_name():
+    # mok.plan decides the kernel; a launcher given Gluon tiles it cannot run raises instead of
+    # running another kernel (here: off sm_90, and the kept form that does not write h).
+    inputs = CASES[0].inputs()
+    x, (w_gate, w_up, w_down) = inputs.x, inputs.routed_weights
+    workspace = F.create_workspace(F.MoKConfig(), None, device=DEVICE,
+                                   num_local_tokens=x.shape[0], hidden_size=x.shape[1],
+                                   topk=inputs.topk_experts.shape[1])
+    schedule = F.build_schedule(workspace, F.MoKConfig(), inputs.topk_experts,
+                                num_local_experts=w_gate.shape[0],
+                                tiles=ops.small_tiles(16, 64))
+    gluon = ops.RowTiles(64, 64, 32, gluon=True)
+    with pytest.raises(ValueError, match="Gluon kernel"):
+        ops.gate_up_swiglu(x, w_gate, w_up, schedule.routing, gluon, None)
+    gate_up = ops.gate_up_buffer(x, w_gate, schedule.routing)
+    h = ops.gate_up_swiglu(x, w_gate, w_up, schedule.routing, ops.RowTiles(16, 16, 16), None,
+                           gate_up=gate_up)
+    with pytest.raises(ValueError, match="h_out=True"):
+        ops.down_bwd_dswiglu(inputs.d_output, x, w_down, w_gate, w_up, h, schedule.routing,
+                             ops.DswigluTiles(64, 64, 32, gluon=True), None, None,
+                             gate_up=gate_up)
 
 
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
@@ -345,7 +371,7 @@ def test_tma_variants_equal_plain_tiles_with_kept_gate_up(case, variant):
 @pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
 @pytest.mark.parametrize("case", [CASES[1], CASES[8], CASES[10]], ids=lambda c: c.name)
 def test_split_epilogue_equals_plain_tiles(case, kept, variant):
-    # GemmTiles.epilogue_split: every row GEMM's epilogue in two column halves. Elementwise, so
+    # RowTiles.epilogue_split: every row GEMM's epilogue in two column halves. Elementwise, so
     # bitwise the same outputs; only the router-weight gradient adds its per-tile partial sums
     # as two half sums, so it is close rather than equal.
     base = tiles_for_tests(case.block, case.align) or ops.default_tiles(DEVICE)
@@ -377,7 +403,7 @@ def _grouped_mm_wgrad(tiles):
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4], CASES[8], CASES[9], CASES[10]],
                          ids=lambda c: c.name)
 def test_grouped_mm_weight_gradients(case, kept):
-    # GemmTiles.grouped_mm: the weight gradients by torch._grouped_mm over rows copied into
+    # WgradTiles.grouped_mm: the weight gradients by torch._grouped_mm over rows copied into
     # schedule order. Another summation order than the Triton kernel's, so close rather than
     # equal to it; everything else is bitwise the same, and it is deterministic.
     base = tiles_for_tests(case.block, case.align) or ops.default_tiles(DEVICE)
@@ -474,7 +500,7 @@ def test_kept_gate_up_matches_reference(case):
 
 def with_dswiglu_apart(tiles):
     """`tiles` (the table left out) with the recomputing dSwiGLU in two launches
-    (GemmTiles.apart)."""
+    (DswigluTiles.apart)."""
     return dataclasses.replace(tiles, use_tuned=False,
                                down_bwd=dataclasses.replace(tiles.down_bwd, apart=True))
 
@@ -482,7 +508,7 @@ def with_dswiglu_apart(tiles):
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[3], CASES[4], CASES[9]],
                          ids=lambda c: c.name)
 def test_dswiglu_apart_equals_the_kept_backward(case):
-    # GemmTiles.apart: the recomputing backward's gate/up in a launch of its own, storing the
+    # DswigluTiles.apart: the recomputing backward's gate/up in a launch of its own, storing the
     # pre-activations, then the kept dSwiGLU over them in place. The forward still keeps h
     # alone; d_x, the router-weight and the gate/up weight gradients are bitwise those of the
     # backward of a forward that kept its pre-activations (the same tiles compute them), the

@@ -9,12 +9,14 @@ import torch
 import mok.functional as F
 from mok import _env
 from mok.ops.tuning import (
-    _FALLBACK_KINDS,
     HOPPER_TILES,
     KINDS,
     TRITON,
     TUNED_TILES_PATH,
-    GemmTiles,
+    DswigluTiles,
+    RowTiles,
+    TileTable,
+    _record,
     small_tiles,
     table_to_json,
 )
@@ -28,8 +30,8 @@ KEYS = {"gate_up": "IH", "gate_up_saved": "IH", "down": "HI", "down_bwd": "IH",
 
 
 def committed() -> dict:
-    return {(kind, int(key.split(",")[0]), int(key.split(",")[1])): GemmTiles(**fields)
-            for kind, entries in json.loads(TUNED_TILES_PATH.read_text()).items()
+    return {(kind, int(key.split(",")[0]), int(key.split(",")[1])): _record(kind, fields)
+            for kind, entries in json.loads(TUNED_TILES_PATH.read_text())["tiles"].items()
             for key, fields in entries.items()}
 
 
@@ -55,13 +57,16 @@ def test_every_benchmark_shape_has_measured_tiles_that_are_used(shape):
 
 def test_table_file_is_what_table_to_json_writes():
     # So `benchmarks.tune` rewriting the table changes only the entries it measured.
-    assert table_to_json(committed()) == TUNED_TILES_PATH.read_text()
+    data = json.loads(TUNED_TILES_PATH.read_text())
+    table = TileTable(data["arch"], tuple(data["dtypes"]), committed())
+    assert table_to_json(table) == TUNED_TILES_PATH.read_text()
 
 
 def test_pick_falls_back_to_the_config_tiles():
     assert HOPPER_TILES.pick("d_x", 12345, 678) == HOPPER_TILES.d_x
     assert HOPPER_TILES.pick("wgrad_down", 12345, 678) == HOPPER_TILES.wgrad
-    assert HOPPER_TILES.pick("down_bwd_saved", 12345, 678) == HOPPER_TILES.down
+    assert HOPPER_TILES.pick("down_bwd_saved", 12345, 678) == DswigluTiles(
+        **dataclasses.asdict(HOPPER_TILES.down))
     assert HOPPER_TILES.pick("gate_up_saved", 12345, 678) == HOPPER_TILES.gate_up
     untuned = dataclasses.replace(HOPPER_TILES, use_tuned=False)
     shape = SHAPES[0]
@@ -92,21 +97,24 @@ def test_tuner_runs_every_kind_for_routed_and_shared_experts():
         used = int(routing.expert_offsets[-1])  # rows past these are never written
         for kind, ((n, k), run) in runners.items():
             assert (n, k) == ((inter, 32) if KEYS[kind] == "IH" else (32, inter)), kind
-            out = run(tiles.wgrad if kind.startswith("wgrad") else getattr(
-                tiles, _FALLBACK_KINDS.get(kind, kind)))
+            out = run(tiles.pick(kind, n, k))
             first = out[0] if isinstance(out, tuple) else out
             if first.shape[0] == routing.capacity_rows:
                 first = first[:used]
             assert bool(torch.isfinite(first.float()).all()) and first.abs().max() > 0, kind
-        # down_bwd in two launches (GemmTiles.apart), on the setup's gate_up_saved and
+        # down_bwd in two launches (DswigluTiles.apart), on the setup's gate_up_saved and
         # down_bwd_saved tiles
         d_gate_up, _ = runners["down_bwd"][1](dataclasses.replace(tiles.down_bwd, apart=True))
         assert bool(torch.isfinite(d_gate_up[:used].float()).all())
         assert d_gate_up[:used].abs().max() > 0
 
 
+def _not_triton(tiles) -> bool:
+    return getattr(tiles, "gluon", False) or getattr(tiles, "apart", False)
+
+
 def test_triton_tiles_stand_beside_gluon_ones():
-    # Where the table's tiles are Gluon ones (GemmTiles.gluon) or two launches (apart), it
+    # Where the table's tiles are Gluon ones (RowTiles.gluon) or two launches (apart), it
     # keeps the best Triton tiles too, for the launches the Gluon kernels cannot take (expert
     # parallelism's pulls and scatters ask for them: TileConfig.pick(triton=True)); elsewhere
     # triton changes nothing.
@@ -115,15 +123,13 @@ def test_triton_tiles_stand_beside_gluon_ones():
     assert with_triton
     for kind, n, k in with_triton:
         base = kind.removesuffix(TRITON)
-        assert base in KINDS and (table[(base, n, k)].gluon or table[(base, n, k)].apart), \
-            (kind, n, k)
-        assert not (table[(kind, n, k)].gluon or table[(kind, n, k)].apart), (kind, n, k)
+        assert base in KINDS and _not_triton(table[(base, n, k)]), (kind, n, k)
+        assert not _not_triton(table[(kind, n, k)]), (kind, n, k)
     for (kind, n, k), tiles in table.items():
         if kind in KINDS and not _env.TILES_FILE:
             expected = table.get((kind + TRITON, n, k), tiles)
             assert HOPPER_TILES.pick(kind, n, k, triton=True) == expected, (kind, n, k)
-            assert (kind + TRITON, n, k) in table or not (tiles.gluon or tiles.apart), \
-                (kind, n, k)
+            assert (kind + TRITON, n, k) in table or not _not_triton(tiles), (kind, n, k)
 
 
 def test_tuner_keeps_the_best_triton_tiles_where_gluon_ones_win(monkeypatch, capsys):
@@ -143,7 +149,7 @@ def test_tuner_keeps_the_best_triton_tiles_where_gluon_ones_win(monkeypatch, cap
         ("routed", kind, (7, 9), lambda tiles, kind=kind: (kind, tiles))
         for kind in ("d_x", "down")])
     monkeypatch.setattr(tune, "median_ms", timing)
-    stale = GemmTiles(64, 64, 32)
+    stale = RowTiles(64, 64, 32)
     table = tune.tune([SHAPES[0]], {("down" + TRITON, 7, 9): stale}, kinds=("d_x", "down"))
     capsys.readouterr()
     d_x = [t for t in tune.CANDIDATES["d_x"] if not t.gluon]
@@ -156,7 +162,7 @@ def test_tuner_keeps_the_best_triton_tiles_where_gluon_ones_win(monkeypatch, cap
 
 def test_tuner_keeps_triton_tiles_where_the_two_launch_dswiglu_wins(monkeypatch, capsys):
     # benchmarks.tune on made-up timings where the recomputing dSwiGLU in two launches
-    # (GemmTiles.apart) is fastest: the table takes it, and its best one-launch Triton tiles
+    # (DswigluTiles.apart) is fastest: the table takes it, and its best one-launch Triton tiles
     # beside it (launches that pull rows run one launch).
     import benchmarks.tune as tune
 
