@@ -10,6 +10,7 @@ here raises Unavailable with the reason, which the benchmark prints and records 
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
+- grouped_mm_compile: the same pipeline under torch.compile (fullgraph), as torchtitan runs it.
 - liger: Liger-Kernel's fused MoE (liger_kernel.ops.fused_moe.LigerFusedMoEFunction, 0.8.5:
   Triton grouped GEMMs with the gather and SwiGLU fused, backward recomputing instead of storing
   the expert outputs). Its layout: gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I],
@@ -202,6 +203,13 @@ def grouped_mm_implementation(shape: MoEShape, settings: Settings) -> Implementa
     return autograd_implementation("grouped_mm", grouped_mm_moe, fuse_gate_up=True)
 
 
+def grouped_mm_compile_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    if settings.device.type != "cuda":
+        raise Unavailable("torch.compile of the grouped_mm pipeline is measured on a GPU")
+    compiled = torch.compile(grouped_mm_moe, fullgraph=True)
+    return autograd_implementation("grouped_mm_compile", compiled, fuse_gate_up=True)
+
+
 def _import_liger_fused_moe(autotune: bool):
     """(LigerFusedMoEFunction, whether it autotunes), from an installed liger_kernel or from
     .whl/liger_kernel-*.whl (unpacked beside it). Liger reads LIGER_FUSED_MOE_AUTOTUNE once, at
@@ -333,6 +341,7 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "dense": dense_implementation,
     "triton_dense": triton_dense_implementation,
     "grouped_mm": grouped_mm_implementation,
+    "grouped_mm_compile": grouped_mm_compile_implementation,
     "liger": liger_implementation,
     "loop": loop_implementation,
     "compile": compile_implementation,

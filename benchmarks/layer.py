@@ -43,6 +43,7 @@ from mok import plan
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
+    UNTUNED_SHAPES,
     ErrorReport,
     MoEInputs,
     MoEShape,
@@ -59,7 +60,7 @@ CPU_RESULTS = REPO_ROOT / "runs" / "bench"
 CSV_FIELDS = ("gpu", "commit", "date", "shape", "impl", "mode", "ms", "tflops", "peak_mem_gb",
               "max_rel_err", "fallbacks")
 TINY = MoEShape("tiny", 4, 64, 32, 2, 64, 32)  # every path, shared expert included, in seconds
-BENCH_SHAPES = {shape.name: shape for shape in (*SHAPES, TINY)}
+BENCH_SHAPES = {shape.name: shape for shape in (*SHAPES, *UNTUNED_SHAPES, TINY)}
 
 
 class Mode(enum.Enum):

@@ -194,17 +194,24 @@ class TileConfig:
     def pick(self, kind: str, n: int, k: int, *, dtype: torch.dtype = torch.bfloat16,
              triton: bool = False) -> Tiles:
         """Tiles for GEMM `kind` (see KINDS; a record of KIND_TILES[kind]) at problem size
-        (n, k) in dtype. triton: for a launch the Gluon kernels cannot take (the expert-parallel
-        dSwiGLU, whose tiles wait on rows its own programs pull): where the table's tiles are
-        Gluon (or apart) ones, its best Triton tiles (TRITON)."""
+        (n, k) in dtype: with use_tuned, the measured table's, else the rule of the config's
+        architecture (RULES) for 16-bit dtypes; else the config's own. triton: for a launch the
+        Gluon kernels cannot take (the expert-parallel dSwiGLU, whose tiles wait on rows its own
+        programs pull): where the table's tiles are Gluon (or apart) ones, its best Triton tiles
+        (TRITON), and the rule's Triton tiles."""
         table = tuned_table() if self.use_tuned else None
         if table is not None and table.serves(self.arch, dtype):
             tuned = table.entries.get((kind, n, k))
             if (triton and isinstance(tuned, RowTiles)
                     and (tuned.gluon or getattr(tuned, "apart", False))):
                 tuned = table.entries.get((kind + TRITON, n, k), tuned)
-            if tuned is not None and (kind.startswith("wgrad") or self.align % tuned.block_m == 0):
+            if tuned is not None and self._fits(kind, tuned):
                 return tuned
+        rule = RULES.get(self.arch) if self.use_tuned and dtype.itemsize == 2 else None
+        if rule is not None:
+            ruled = rule(kind, n, k, triton)
+            if self._fits(kind, ruled):
+                return ruled
         if kind.startswith("wgrad"):
             return self.wgrad
         own = getattr(self, kind)
@@ -213,6 +220,10 @@ class TileConfig:
         if kind == "gate_up_saved":
             return self.gate_up
         return DswigluTiles(**asdict(self.down))
+
+    def _fits(self, kind: str, tiles: Tiles) -> bool:
+        """A row GEMM's tiles fit the schedule when their block_m divides align."""
+        return kind.startswith("wgrad") or self.align % tiles.block_m == 0
 
     def pick_apart(self, n: int, k: int, *, dtype: torch.dtype = torch.bfloat16,
                    pulling: bool = False) -> tuple[RowTiles, DswigluTiles]:
@@ -272,6 +283,54 @@ def table_to_json(table: TileTable) -> str:
         tiles.setdefault(kind, {})[f"{n},{k}"] = asdict(record)
     data = {"arch": table.arch, "dtypes": list(table.dtypes), "tiles": tiles}
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles:
+    """sm_90, 16-bit dtypes: the tiles of `kind` at (n, k) where the table has none, and with
+    triton the Triton kernel's (TileConfig.pick's triton). The measured table's choice at most
+    of its shapes (mok/ops/tuned_tiles.json, six expert sizes from I = 768 to 14336): Gluon
+    kernels for the row GEMMs, 128 rows a tile, 128 columns (gate/up's two products, the kept
+    dSwiGLU) or 256 (down, d_x: epilogues in halves), 64 deep; the recomputing dSwiGLU as two
+    launches (DswigluTiles.apart); the weight gradients by torch._grouped_mm. The kept dSwiGLU
+    of experts up to 768 wide: 64-row tiles, two MMA partitions taking turns (pingpong), as the
+    table's I = 768. Where a Gluon kernel does not take a launch, mok.plan runs the same tiles
+    on the Triton kernel."""
+    rows = dict(block_m=128, group_m=8, num_warps=8)
+    persistent = dict(persistent=True, tma=True, tma_rows=True)
+    if kind in ("gate_up", "gate_up_saved"):
+        if triton:
+            return RowTiles(block_n=128, block_k=64, num_stages=4, tma=True,
+                            tma_rows=kind == "gate_up_saved", **rows)
+        return RowTiles(block_n=128, block_k=64, num_stages=4, tma=True, gluon=True, **rows)
+    if kind == "down":
+        return RowTiles(block_n=256, block_k=64, num_stages=3 if triton else 4, epilogue_split=2,
+                        flatten=triton, gluon=not triton, **persistent, **rows)
+    if kind == "d_x":
+        if triton:
+            return RowTiles(block_n=128, block_k=64, num_stages=3, **persistent, **rows)
+        return RowTiles(block_n=256, block_k=64, num_stages=2, epilogue_split=2, gluon=True,
+                        **persistent, **rows)
+    if kind == "down_bwd":
+        if triton:
+            return DswigluTiles(block_n=128, block_k=32, num_stages=3, epilogue_split=2,
+                                **persistent, **rows)
+        return DswigluTiles(block_n=64, block_k=64, num_stages=3, apart=True, **rows)
+    if kind == "down_bwd_saved":
+        if triton:
+            return DswigluTiles(block_n=128, block_k=64, num_stages=4, **persistent, **rows)
+        if n <= 768:
+            return DswigluTiles(64, 128, 64, group_m=8, num_warps=4, num_stages=5, gluon=True,
+                                pingpong=True, **persistent)
+        return DswigluTiles(block_n=128, block_k=64, num_stages=4, gluon=True, **persistent,
+                            **{**rows, "group_m": 4})
+    if kind in ("wgrad_gate_up", "wgrad_down"):
+        return WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3, grouped_mm=True)
+    raise ValueError(f"no tiles for {kind!r}")
+
+
+# The tile rule of each architecture (mok.arch's name): (kind, n, k, triton) -> tiles, for the
+# problems its measured table does not hold.
+RULES = {"sm_90": hopper_rule}
 
 
 def _uniform(block: int, align: int) -> TileConfig:

@@ -10,7 +10,7 @@ from mok.testing.inputs import (
     make_shape_inputs,
     make_topk,
 )
-from mok.testing.shapes import SHAPES, SHAPES_BY_NAME, MoEShape
+from mok.testing.shapes import SHAPES, SHAPES_BY_NAME, UNTUNED_SHAPES, MoEShape
 from mok.testing.tolerance import TOLERANCES, ErrorReport, Tolerance, assert_close, error_report
 
 GRAD_NAMES = (
@@ -21,6 +21,7 @@ GRAD_NAMES = (
 __all__ = [
     "GRAD_NAMES",
     "SHAPES",
+    "UNTUNED_SHAPES",
     "SHAPES_BY_NAME",
     "MoEShape",
     "TOLERANCES",

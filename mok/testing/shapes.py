@@ -30,4 +30,20 @@ SHAPES = (
     MoEShape("kimi-ep64-slice", 6, 7168, 2048, 2, 8192),
 )
 
-SHAPES_BY_NAME = {shape.name: shape for shape in SHAPES}
+# Shapes outside the tile table (the tile rule's, mok.ops.tuning.RULES), from public configs:
+# SonicMoE's two benchmark shapes (arXiv 2512.14080), the training job's small model
+# (python -m mok train), and MoE layers of released models (hidden, moe intermediate, experts,
+# top-k as their configs give them; tokens a training microbatch's).
+UNTUNED_SHAPES = (
+    MoEShape("sonicmoe-7b", 128, 1536, 256, 8, 24576),
+    MoEShape("sonicmoe-30b", 128, 4096, 512, 8, 32768),
+    MoEShape("mok-small", 32, 768, 256, 4, 16384),
+    MoEShape("granite-3.0-1b-a400m", 32, 1024, 512, 8, 16384),
+    MoEShape("qwen3-next-80b-a3b", 512, 2048, 512, 10, 16384, 512),
+    MoEShape("qwen3-235b-a22b", 128, 4096, 1536, 8, 16384),
+    MoEShape("gpt-oss-20b", 32, 2880, 2880, 4, 16384),
+    MoEShape("phi-3.5-moe", 16, 4096, 6400, 2, 16384),
+    MoEShape("llama4-scout", 16, 5120, 8192, 1, 8192, 8192),
+)
+
+SHAPES_BY_NAME = {shape.name: shape for shape in (*SHAPES, *UNTUNED_SHAPES)}

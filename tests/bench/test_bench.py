@@ -573,3 +573,22 @@ def test_gpu_check_script_writes_the_test_log(tmp_path):
     assert "FAILED tests/test_bad.py::test_bad - assert 1 == 2" in text
     assert "== group 1 (pytest.1.log): exit status 0: passed" in text
     assert "1 passed in " in text
+
+
+def test_rows_gain_new_columns_without_losing_old_ones(tmp_path):
+    # A CSV written before a column existed (here: fallbacks) is rewritten with the new header
+    # when rows with it are appended: the old rows keep every value, their new cell empty.
+    csv_path = tmp_path / "layer.csv"
+    old_fields = [name for name in CSV_FIELDS if name != "fallbacks"]
+    old = dict(gpu="NVIDIA H200", commit="old", date="2026-01-01T00:00:00", shape="tiny",
+               impl="mok", mode="forward", ms="1.0", tflops="2.0", peak_mem_gb="0.5",
+               max_rel_err="1e-02")
+    layer.append_rows(csv_path, old_fields, [old])
+    new = {**old, "commit": "new", "fallbacks": "d_x (the Triton kernel runs its Gluon tiles)"}
+    layer.append_row(csv_path, new)
+    with csv_path.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        assert tuple(reader.fieldnames) == CSV_FIELDS
+        assert list(reader) == [{**old, "fallbacks": ""}, new]
+    with pytest.raises(ValueError, match="columns"):
+        layer.append_rows(csv_path, old_fields[:-1], [old])

@@ -10,6 +10,7 @@ import mok.functional as F
 from mok import _env
 from mok.ops.tuning import (
     HOPPER_TILES,
+    KIND_TILES,
     KINDS,
     TRITON,
     TUNED_TILES_PATH,
@@ -17,6 +18,7 @@ from mok.ops.tuning import (
     RowTiles,
     TileTable,
     _record,
+    hopper_rule,
     small_tiles,
     table_to_json,
 )
@@ -62,15 +64,32 @@ def test_table_file_is_what_table_to_json_writes():
     assert table_to_json(table) == TUNED_TILES_PATH.read_text()
 
 
-def test_pick_falls_back_to_the_config_tiles():
-    assert HOPPER_TILES.pick("d_x", 12345, 678) == HOPPER_TILES.d_x
-    assert HOPPER_TILES.pick("wgrad_down", 12345, 678) == HOPPER_TILES.wgrad
-    assert HOPPER_TILES.pick("down_bwd_saved", 12345, 678) == DswigluTiles(
+def test_pick_falls_back_to_the_rule_then_the_config_tiles():
+    # Outside the table: the architecture's rule for 16-bit dtypes (a record of the kind's type,
+    # fitting the schedule's alignment; Triton tiles where triton asks for them), else the
+    # config's own tiles (other dtypes, or a config that does not consult the table).
+    for kind in KINDS:
+        for triton in (False, True):
+            tiles = HOPPER_TILES.pick(kind, 12345, 678, dtype=torch.float16, triton=triton)
+            assert tiles == hopper_rule(kind, 12345, 678, triton), kind
+            assert isinstance(tiles, KIND_TILES[kind]), kind
+            if not kind.startswith("wgrad"):
+                assert HOPPER_TILES.align % tiles.block_m == 0, kind
+            if triton and not kind.startswith("wgrad"):
+                assert not (tiles.gluon or getattr(tiles, "apart", False)), kind
+    fp32 = dict(dtype=torch.float32)
+    assert HOPPER_TILES.pick("d_x", 12345, 678, **fp32) == HOPPER_TILES.d_x
+    assert HOPPER_TILES.pick("wgrad_down", 12345, 678, **fp32) == HOPPER_TILES.wgrad
+    assert HOPPER_TILES.pick("down_bwd_saved", 12345, 678, **fp32) == DswigluTiles(
         **dataclasses.asdict(HOPPER_TILES.down))
-    assert HOPPER_TILES.pick("gate_up_saved", 12345, 678) == HOPPER_TILES.gate_up
+    assert HOPPER_TILES.pick("gate_up_saved", 12345, 678, **fp32) == HOPPER_TILES.gate_up
     untuned = dataclasses.replace(HOPPER_TILES, use_tuned=False)
     shape = SHAPES[0]
     assert untuned.pick("gate_up", shape.intermediate_size, shape.hidden_size) == untuned.gate_up
+    assert untuned.pick("d_x", 12345, 678) == untuned.d_x
+    # another architecture reads neither the table nor sm_90's rule
+    other = dataclasses.replace(HOPPER_TILES, arch="sm_100")
+    assert other.pick("gate_up", shape.intermediate_size, shape.hidden_size) == other.gate_up
 
 
 def test_tuner_runs_every_kind_for_routed_and_shared_experts():
