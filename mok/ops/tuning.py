@@ -210,7 +210,7 @@ class TileConfig:
         rule = RULES.get(self.arch) if self.use_tuned and dtype.itemsize == 2 else None
         if rule is not None:
             ruled = rule(kind, n, k, triton)
-            if self._fits(kind, ruled):
+            if ruled is not None and self._fits(kind, ruled):
                 return ruled
         if kind.startswith("wgrad"):
             return self.wgrad
@@ -285,7 +285,7 @@ def table_to_json(table: TileTable) -> str:
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
-def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles:
+def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None:
     """sm_90, 16-bit dtypes: the tiles of `kind` at (n, k) where the table has none, and with
     triton the Triton kernel's (TileConfig.pick's triton). The measured table's choice at most
     of its shapes (mok/ops/tuned_tiles.json, six expert sizes from I = 768 to 14336): Gluon
@@ -294,7 +294,11 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles:
     launches (DswigluTiles.apart); the weight gradients by torch._grouped_mm. The kept dSwiGLU
     of experts up to 768 wide: 64-row tiles, two MMA partitions taking turns (pingpong), as the
     table's I = 768. Where a Gluon kernel does not take a launch, mok.plan runs the same tiles
-    on the Triton kernel."""
+    on the Triton kernel. None (the config's own tiles) for experts of fewer than 2**18 weights
+    (H * I): there a layer call's GPU time is near its host time, and the fewer, simpler launches
+    of the config's tiles win (docs/measurements.md, 2026-12-02)."""
+    if n * k < SMALL_EXPERT:
+        return None
     rows = dict(block_m=128, group_m=8, num_warps=8)
     persistent = dict(persistent=True, tma=True, tma_rows=True)
     if kind in ("gate_up", "gate_up_saved"):
@@ -327,6 +331,9 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles:
         return WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3, grouped_mm=True)
     raise ValueError(f"no tiles for {kind!r}")
 
+
+# Weights per expert matrix (H * I) below which hopper_rule leaves the config's tiles.
+SMALL_EXPERT = 2**18
 
 # The tile rule of each architecture (mok.arch's name): (kind, n, k, triton) -> tiles, for the
 # problems its measured table does not hold.

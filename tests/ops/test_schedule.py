@@ -163,7 +163,9 @@ def test_weight_gradient_stops_at_the_rows_of_an_overflowing_schedule(grouped_mm
     placed = route >= 0
     expected = a.cpu().double()[placed].T @ x.cpu().double()[route[placed] // topk]
     assert int(placed.sum()) == rows  # every row of expert 0, no padding left
-    torch.testing.assert_close(out[0].cpu().double(), expected, rtol=1e-3, atol=1e-2)
+    # torch._grouped_mm rounds its bf16 result (to 2**-8 relative) before it becomes fp32
+    rtol, atol = (8e-3, 8e-2) if dtype == torch.bfloat16 else (1e-3, 1e-2)
+    torch.testing.assert_close(out[0].cpu().double(), expected, rtol=rtol, atol=atol)
     assert bool((out[1:] == 0).all())
 
 
