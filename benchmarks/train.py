@@ -19,6 +19,12 @@ backends) on the same batches (a function of seed and step) with the same learni
                  "Hugging Face default MoE block" of the target. It is several times slower, so it
                  runs fewer steps (--eager-steps) on the same schedule.
 
+Every backend's step runs in the same --step-mode (`mok.app.train.Stepper`; on a GPU by default
+`compile`: the model under torch.compile, the whole step captured in one CUDA graph), except
+hf_eager, whose loop over the experts the batch routes to reads the routes on the host and so
+always runs eagerly; a mode that cannot be set up falls back to eager, and the row's step_mode
+says what ran.
+
 Precision as in `mok.app.train`: fp32 master weights, bf16 autocast on CUDA (every backend's experts
 compute in bf16), fp32 on CPU. The auxiliary load-balancing loss is off (--aux-loss-coef 0)
 because the hf blocks add none (transformers computes it at the model level): all backends then
@@ -70,7 +76,7 @@ TARGET_VS_GROUPED_MM = 1.0
 INITIAL_LOSS_TOL = 0.02  # same weights, same batch: the first losses differ by rounding only
 CSV_FIELDS = ("gpu", "commit", "date", "config", "params_total", "params_active", "backend",
               "steps", "timed_steps", "tokens_per_step", "tokens_per_s", "final_loss",
-              "peak_mem_gb", "speedup_vs_eager", "speedup_vs_grouped_mm")
+              "peak_mem_gb", "speedup_vs_eager", "speedup_vs_grouped_mm", "step_mode")
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class BackendRun:
     setup_seconds: float
     train_seconds: float
     error: str | None = None
+    step_mode: str = "eager"  # the mode that ran (mok.app.train.Stepper)
 
     @property
     def final_loss(self) -> float | None:
@@ -192,7 +199,7 @@ def release_memory(device: torch.device) -> None:
 def train_backend(slot: str, model_config: mok_train.ModelConfig,
                   train_config: mok_train.TrainConfig, device: torch.device,
                   train_data: torch.Tensor, *, mok_backend: str, warmup: int, window: int,
-                  progress: bool) -> BackendRun:
+                  progress: bool, step_mode: str = "eager") -> BackendRun:
     """Train the model with one backend for train_config.steps steps; time it and keep every
     step's loss (on the device until a window ends, then read once)."""
     if slot == "mok":
@@ -207,7 +214,9 @@ def train_backend(slot: str, model_config: mok_train.ModelConfig,
     started = time.perf_counter()
     model = mok_train.build_model(model_config, model_backend, train_config.seed, device,
                                   hf_experts)
-    optimizer = mok_train.build_optimizer(model, train_config, device)
+    optimizer = mok_train.build_optimizer(model, train_config, device,
+                                          capturable=step_mode != "eager")
+    stepper = mok_train.Stepper(model, optimizer, train_config, device, step_mode)
     sampler = mok_train.BatchSampler(train_data, train_config.batch_size, train_config.seq_len,
                                      seed=train_config.seed, stream=0, device=device)
     step_losses = torch.zeros(steps, device=device)
@@ -228,8 +237,7 @@ def train_backend(slot: str, model_config: mok_train.ModelConfig,
                                 tokens_per_s=f"{tokens * (s1 - s0) / (t1 - t0):,.0f}")
         inputs, targets = sampler.batch(step)
         lr = train_config.lr * mok_train.lr_multiplier(step, train_config)
-        lm_loss, _ = mok_train.train_step(model, optimizer, inputs, targets, lr=lr,
-                                          grad_clip=train_config.grad_clip, device=device)
+        lm_loss, _ = stepper(inputs, targets, lr=lr)
         step_losses[step] = lm_loss
     mok_train.synchronize(device)
     end = time.perf_counter()
@@ -250,7 +258,7 @@ def train_backend(slot: str, model_config: mok_train.ModelConfig,
     return BackendRun(name=name, slot=slot, steps=steps, timed_steps=timed_steps,
                       tokens_per_s=tokens_per_s, window_tokens_per_s=window_rates, losses=losses,
                       peak_mem_gb=peak, setup_seconds=setup_seconds,
-                      train_seconds=end - train_started)
+                      train_seconds=end - train_started, step_mode=stepper.mode)
 
 
 def failed_run(slot: str, name: str, steps: int, error: BaseException) -> BackendRun:
@@ -348,7 +356,8 @@ def csv_rows(runs: dict[str, BackendRun], stamp: RunStamp, *, config: str,
             tokens_per_s=rounded(run.tokens_per_s, 1), final_loss=rounded(run.final_loss, 5),
             peak_mem_gb=rounded(run.peak_mem_gb, 3),
             speedup_vs_eager=rounded(speedup(run, runs.get("hf_eager")), 3),
-            speedup_vs_grouped_mm=rounded(speedup(run, runs.get("hf_grouped_mm")), 3)))
+            speedup_vs_grouped_mm=rounded(speedup(run, runs.get("hf_grouped_mm")), 3),
+            step_mode=run.step_mode))
     return rows
 
 
@@ -490,6 +499,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--loss-window", type=int, default=LossCriterion.window)
     parser.add_argument("--loss-atol", type=float, default=LossCriterion.atol)
     parser.add_argument("--loss-rtol", type=float, default=LossCriterion.rtol)
+    parser.add_argument("--step-mode", choices=mok_train.STEP_MODES, default="auto",
+                        help="how every backend's step runs (mok.app.train.Stepper): eager, graph, "
+                        "compile; auto: compile on CUDA, eager on CPU (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
     parser.add_argument("--out", default="runs/train_bench",
                         help="folder of summary.json and loss.png (default: %(default)s)")
@@ -527,13 +539,18 @@ def main(argv: list[str] | None = None) -> dict:
         batch_size=args.batch_size or preset.batch_size, seq_len=args.seq_len or preset.seq_len,
         lr=args.lr if args.lr is not None else preset.lr, seed=args.seed)
     criterion = LossCriterion(args.loss_window, args.loss_atol, args.loss_rtol)
+    try:
+        step_mode = mok_train.resolve_step_mode(args.step_mode, device)
+    except ValueError as exc:
+        raise SystemExit(f"--step-mode: {exc}") from None
     train_data, _ = mok_train.split_corpus(mok_train.load_corpus())
     params = parameter_counts(model_config)
     stamp = RunStamp.take(device)  # the one commit and date this run's outputs name
     print(f"training benchmark on {stamp.gpu}: size {size} ({params[0]:,} parameters, "
           f"{params[1]:,} active), {train_config.batch_size} x {train_config.seq_len} = "
           f"{train_config.tokens_per_step:,} tokens a step, {args.steps} steps "
-          f"(hf_eager {min(args.eager_steps, args.steps)}), warm-up {args.warmup}, "
+          f"(hf_eager {min(args.eager_steps, args.steps)}), steps run {step_mode}, "
+          f"warm-up {args.warmup}, "
           f"windows of {args.window}; commit {stamp.commit}")
     print(f"  model: {dataclasses.asdict(model_config)}")
 
@@ -546,10 +563,11 @@ def main(argv: list[str] | None = None) -> dict:
                   "implementation; skipped")
             continue
         config = dataclasses.replace(train_config, steps=steps)
+        mode = "eager" if slot == "hf_eager" else step_mode
         try:
             run = train_backend(slot, model_config, config, device, train_data,
                                 mok_backend=mok_backend, warmup=args.warmup, window=args.window,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, step_mode=mode)
         except Exception as error:  # e.g. out of memory: report it, measure the others
             traceback.print_exc()
             run = failed_run(slot, name, steps, error)

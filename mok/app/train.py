@@ -18,6 +18,10 @@ Backends of the feed-forward (`--backend`):
              loss lives at the model level in transformers, so the hf runs add no auxiliary loss.
   auto       mok on CUDA, reference on CPU.
 
+Steps (`--step-mode`): on CUDA by default the model runs under torch.compile and each step (forward,
+backward, gradient clipping, AdamW) is one CUDA graph replay, so the host issues a step in
+microseconds; `graph` captures the eager step; `eager` runs it as written (the CPU default).
+
 Precision: bf16 autocast on CUDA, where every backend's experts compute in bf16 from the fp32
 weights; fp32 on CPU, where the reference and hf experts compute in fp32 and mok's kernels
 (--backend mok) in bf16.
@@ -488,22 +492,41 @@ def lr_multiplier(step: int, config: TrainConfig) -> float:
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig,
-                    device: torch.device) -> torch.optim.AdamW:
-    """AdamW; matrices (and the experts' 3-D weights) decay, norm weights do not."""
+def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device, *,
+                    capturable: bool = False) -> torch.optim.AdamW:
+    """AdamW; matrices (and the experts' 3-D weights) decay, norm weights do not.
+
+    capturable: safe to capture in a CUDA graph (CUDA only); the learning rate is then one fp32
+    device tensor shared by both groups, set with `set_lr`.
+    """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    lr: float | torch.Tensor = config.lr
+    if capturable:
+        if device.type != "cuda":
+            raise ValueError("a capturable optimizer needs a CUDA device")
+        lr = torch.tensor(config.lr, dtype=torch.float32, device=device)
+    groups = [{"params": decay, "weight_decay": config.weight_decay, "lr": lr},
+              {"params": no_decay, "weight_decay": 0.0, "lr": lr}]
     # The fused CUDA kernel keeps the step count on the device: no host sync in the step.
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2),
-                             fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=lr, betas=(config.beta1, config.beta2),
+                             fused=device.type == "cuda", capturable=capturable)
 
 
-def autocast_context(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; fp32 on CPU."""
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Sets every group's learning rate (in place when it is a device tensor: no host sync)."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def autocast_context(device: torch.device, *,
+                     cache: bool = True) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (cache=False for CUDA-graph capture); fp32 on CPU."""
     if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 
@@ -513,13 +536,15 @@ def synchronize(device: torch.device) -> None:
 
 
 def train_step(model: MoELanguageModel, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
-               targets: torch.Tensor, *, lr: float, grad_clip: float,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+               targets: torch.Tensor, *, lr: float | None, grad_clip: float,
+               device: torch.device,
+               autocast_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on (inputs, targets); returns (cross-entropy, auxiliary loss) as
-    detached device scalars. Nothing in it waits for the GPU (with the mok backend)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    with autocast_context(device):
+    detached device scalars. Nothing in it waits for the GPU (with the mok backend).
+    lr None keeps the optimizer's learning rate."""
+    if lr is not None:
+        set_lr(optimizer, lr)
+    with autocast_context(device, cache=autocast_cache):
         logits = model(inputs)
         lm_loss = torch_f.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         aux_loss = model.aux_loss()
@@ -528,6 +553,127 @@ def train_step(model: MoELanguageModel, optimizer: torch.optim.Optimizer, inputs
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     return lm_loss.detach(), aux_loss.detach()
+
+
+class GraphedStep:
+    """`train_step` captured once in a CUDA graph and replayed: one launch a step, so the host
+    issues a step in microseconds whatever the model's kernel count.
+
+    The optimizer must be built with capturable=True. Capturing runs `warmup` steps on a
+    batch of zeros first (compilation, optimizer state, allocator); the weights and the
+    optimizer's state are put back in place afterwards (also when capturing fails), so the run
+    continues exactly as an eager one from the same state. The call copies the batch into the
+    graph's static inputs, sets the learning rate and replays; it returns the graph's own
+    (cross-entropy, auxiliary loss) tensors, overwritten by the next call.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 config: TrainConfig, device: torch.device, *, warmup: int = 3) -> None:
+        if device.type != "cuda":
+            raise ValueError("a CUDA graph needs a CUDA device")
+        if not all(group.get("capturable") for group in optimizer.param_groups):
+            raise ValueError("GraphedStep needs an optimizer built with capturable=True")
+        for group in optimizer.param_groups:  # e.g. a float restored from a checkpoint
+            if not (isinstance(group["lr"], torch.Tensor) and group["lr"].device == device):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32,
+                                           device=device)
+        self.optimizer = optimizer
+        shape = (config.batch_size, config.seq_len)
+        self.inputs = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.targets = torch.zeros(shape, dtype=torch.int64, device=device)
+        saved_model = {name: t.detach().clone() for name, t in model.state_dict().items()}
+        saved_state = {id(p): {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                               for k, v in state.items()}
+                       for p, state in optimizer.state.items()}
+        saved_lr = [group["lr"].detach().clone() for group in optimizer.param_groups]
+
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            return train_step(model, optimizer, self.inputs, self.targets, lr=None,
+                              grad_clip=config.grad_clip, device=device, autocast_cache=False)
+
+        # Warm-up and capture on one side stream: the autograd nodes kept alive between steps
+        # (the router's losses) then belong to the stream that replays them.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):
+                    step()
+            optimizer.zero_grad(set_to_none=True)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=stream):
+                self.losses = step()
+        finally:
+            torch.cuda.current_stream(device).wait_stream(stream)
+            with torch.no_grad():
+                for name, tensor in model.state_dict().items():
+                    tensor.copy_(saved_model[name])
+                for p, state in optimizer.state.items():
+                    before = saved_state.get(id(p), {})
+                    for key, value in state.items():
+                        if isinstance(value, torch.Tensor):
+                            if key in before:
+                                value.copy_(before[key])
+                            else:
+                                value.zero_()  # fresh state: AdamW's first step starts at zeros
+                for group, lr in zip(optimizer.param_groups, saved_lr, strict=True):
+                    group["lr"].copy_(lr)
+                optimizer.zero_grad(set_to_none=True)
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, *,
+                 lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        self.inputs.copy_(inputs)
+        self.targets.copy_(targets)
+        set_lr(self.optimizer, lr)
+        self.graph.replay()
+        return self.losses
+
+
+STEP_MODES = ("auto", "eager", "graph", "compile")
+
+
+def resolve_step_mode(name: str, device: torch.device) -> str:
+    """auto: compile on CUDA, eager on CPU; graph and compile need CUDA."""
+    if name not in STEP_MODES:
+        raise ValueError(f"step mode {name!r} is not one of {STEP_MODES}")
+    if name == "auto":
+        return "compile" if device.type == "cuda" else "eager"
+    if name != "eager" and device.type != "cuda":
+        raise ValueError(f"step mode {name!r} captures CUDA graphs: it needs a CUDA device")
+    return name
+
+
+class Stepper:
+    """Runs training steps in one mode:
+
+      eager    `train_step` as written.
+      graph    the step captured in a CUDA graph (`GraphedStep`).
+      compile  the model under torch.compile, its step captured as in graph.
+
+    A mode that fails to set up (compilation, capture) falls back to eager with a message;
+    `mode` is the one that runs. graph and compile need the optimizer built with capturable=True.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 config: TrainConfig, device: torch.device, mode: str) -> None:
+        self.model, self.optimizer, self.config, self.device = model, optimizer, config, device
+        self.mode = mode
+        self.graphed: GraphedStep | None = None
+        if mode in ("graph", "compile"):
+            try:
+                stepped = torch.compile(model) if mode == "compile" else model
+                self.graphed = GraphedStep(stepped, optimizer, config, device)
+            except Exception as exc:  # noqa: BLE001 - any failure to set up: run eagerly
+                tqdm.write(f"mok train: the {mode} step could not be set up "
+                           f"({type(exc).__name__}: {_first_line(exc)}); running eagerly")
+                self.mode = "eager"
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, *,
+                 lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphed is not None:
+            return self.graphed(inputs, targets, lr=lr)
+        return train_step(self.model, self.optimizer, inputs, targets, lr=lr,
+                          grad_clip=self.config.grad_clip, device=self.device)
 
 
 @torch.no_grad()
@@ -574,6 +720,7 @@ class RunOptions:
     sample_bytes: int
     hf_experts: str
     progress: bool = True
+    step_mode: str = "eager"  # eager, graph or compile (resolve_step_mode)
 
 
 @dataclass
@@ -591,13 +738,15 @@ class RunResult:
     params_active: int
     start_step: int
     sample: bytes | None
+    step_mode: str = "eager"
 
     def brief(self) -> dict:
         """The entry of this run in summary.json's compare section."""
         return {"backend": self.backend, "initial_loss": self.losses[0],
                 "final_loss": self.losses[-1], "val_loss": self.val_loss,
                 "tokens_per_s": self.tokens_per_s, "timed_steps": self.timed_steps,
-                "train_seconds": self.train_seconds, "losses": self.losses}
+                "train_seconds": self.train_seconds, "step_mode": self.step_mode,
+                "losses": self.losses}
 
 
 class CheckpointError(ValueError):
@@ -792,7 +941,8 @@ def train_run(model_config: ModelConfig, train_config: TrainConfig, backend: str
     (when given) and Interrupted is raised.
     """
     model = build_model(model_config, backend, train_config.seed, device, options.hf_experts)
-    optimizer = build_optimizer(model, train_config, device)
+    optimizer = build_optimizer(model, train_config, device,
+                                capturable=options.step_mode != "eager")
     start, losses, aux_losses = 0, [], []
     if resume is not None:
         model.load_state_dict(resume["model"])
@@ -803,6 +953,7 @@ def train_run(model_config: ModelConfig, train_config: TrainConfig, backend: str
         if resume["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(resume["rng_cuda"])
     params_total, params_active = model.parameter_counts()
+    stepper = Stepper(model, optimizer, train_config, device, options.step_mode)
     sampler = BatchSampler(train_data, train_config.batch_size, train_config.seq_len,
                            seed=train_config.seed, stream=0, device=device)
     steps_to_run = max(0, train_config.steps - start)
@@ -828,8 +979,7 @@ def train_run(model_config: ModelConfig, train_config: TrainConfig, backend: str
                 timer_start = time.perf_counter()
             inputs, targets = sampler.batch(step)
             lr = train_config.lr * lr_multiplier(step, train_config)
-            lm_loss, aux_loss = train_step(model, optimizer, inputs, targets, lr=lr,
-                                           grad_clip=train_config.grad_clip, device=device)
+            lm_loss, aux_loss = stepper(inputs, targets, lr=lr)
             step_losses[local] = lm_loss
             step_aux[local] = aux_loss
             done = step + 1
@@ -875,7 +1025,8 @@ def train_run(model_config: ModelConfig, train_config: TrainConfig, backend: str
     return RunResult(backend=backend, losses=losses, aux_losses=aux_losses, val_loss=val_loss,
                      tokens_per_s=tokens_per_s, timed_steps=max(timed_steps, 0),
                      train_seconds=end - run_start, params_total=params_total,
-                     params_active=params_active, start_step=start, sample=sample)
+                     params_active=params_active, start_step=start, sample=sample,
+                     step_mode=stepper.mode)
 
 
 def plot_losses(path: Path, runs: list[RunResult]) -> None:
@@ -1005,6 +1156,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="transformers' experts implementation for the hf backend: "
                              "grouped_mm (the default of transformers 5 models) or eager (a "
                              "loop over experts)")
+    parser.add_argument("--step-mode", choices=STEP_MODES, default="auto",
+                        help="how a step runs: eager, graph (one CUDA graph a step), compile "
+                        "(torch.compile, then a CUDA graph); auto: compile on CUDA, eager on CPU. "
+                        "graph and compile fall back to eager where they cannot be set up")
     parser.add_argument("--corpus", help="train on this file's bytes instead of the bundled text")
     parser.add_argument("--threads", type=positive, help="CPU threads for torch")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -1115,6 +1270,8 @@ def resume_command(args: argparse.Namespace) -> str:
         words += ["--corpus", args.corpus]
     if args.device != "auto":
         words += ["--device", args.device]
+    if args.step_mode != "auto":
+        words += ["--step-mode", args.step_mode]
     return shlex.join(words)
 
 
@@ -1158,6 +1315,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compare and backend == "hf":
         raise _fail("--compare trains the hf backend beside another one: pick mok or reference")
     hf_experts = resume["hf_experts"] if resume is not None else args.hf_experts
+    try:
+        step_mode = resolve_step_mode(args.step_mode, device)
+    except ValueError as exc:
+        raise _fail(f"--step-mode: {exc}") from None
     options = RunOptions(
         # Short runs log more often, so that a few dozen steps still show a curve.
         log_every=(max(1, min(preset.log_every, train_config.steps // 8))
@@ -1166,11 +1327,11 @@ def main(argv: list[str] | None = None) -> dict:
                           else args.checkpoint_every),
         eval_batches=preset.eval_batches if args.eval_batches is None else args.eval_batches,
         sample_bytes=args.sample_bytes, hf_experts=hf_experts,
-        progress=not args.no_progress)
+        progress=not args.no_progress, step_mode=step_mode)
     train_data, val_data = _load_data(args.corpus, train_config.seq_len)
     _prepare_out(out, args.resume)  # last, so that a refused command leaves no folder behind
 
-    print(f"mok train: size {size}, backend {backend}, device {device}, "
+    print(f"mok train: size {size}, backend {backend}, device {device}, step {step_mode}, "
           f"{train_config.steps} steps of {train_config.batch_size} x {train_config.seq_len} "
           f"bytes ({train_data.numel():,} training bytes, {val_data.numel():,} validation)")
     print(f"  model: {dataclasses.asdict(model_config)}")
@@ -1212,6 +1373,7 @@ def main(argv: list[str] | None = None) -> dict:
         "resumed_from_step": run.start_step if resume is not None else None,
         "device": str(device),
         "backend": backend,
+        "step_mode": run.step_mode,
         "size": size,
         "mok_commit": provenance.commit_id(),
         "params_total": run.params_total,

@@ -318,3 +318,79 @@ def test_checkpoint_format(tmp_path):
     with pytest.raises(SystemExit, match=r"--resume: .* is an incomplete mok checkpoint \(no "
                                          r"optimizer\)"):
         train.main([*COMMON, "--out", str(out), "--resume"])
+
+
+def test_step_modes_on_cpu(tmp_path):
+    cpu = torch.device("cpu")
+    assert train.resolve_step_mode("auto", cpu) == "eager"
+    for mode in ("graph", "compile"):
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            train.resolve_step_mode(mode, cpu)
+        with pytest.raises(SystemExit, match="--step-mode"):
+            run(tmp_path / mode, *MICRO, "--steps", "2", "--step-mode", mode)
+        assert not (tmp_path / mode).exists()
+    with pytest.raises(ValueError, match="capturable"):
+        train.build_optimizer(torch.nn.Linear(2, 2), CONFIG, cpu,
+                              capturable=True)
+    summary = run(tmp_path / "eager", *MICRO, "--steps", "2", "--step-mode", "eager")
+    assert summary["step_mode"] == "eager"
+
+
+CONFIG = train.TrainConfig(steps=4, schedule_steps=4, warmup_steps=1, batch_size=2, seq_len=16,
+                           lr=1e-3)
+
+
+def test_train_step_keeps_the_learning_rate_when_none():
+    cpu = torch.device("cpu")
+    model = train.build_model(train.SIZES["micro"].model, "reference", seed=0, device=cpu)
+    optimizer = train.build_optimizer(model, CONFIG, cpu)
+    inputs = torch.randint(0, 256, (CONFIG.batch_size, CONFIG.seq_len))
+    train.set_lr(optimizer, 2.5e-4)
+    train.train_step(model, optimizer, inputs, inputs, lr=None, grad_clip=1.0, device=cpu)
+    assert [group["lr"] for group in optimizer.param_groups] == [2.5e-4, 2.5e-4]
+    stepper = train.Stepper(model, optimizer, CONFIG, cpu, "eager")
+    stepper(inputs, inputs, lr=1e-4)
+    assert stepper.mode == "eager"
+    assert [group["lr"] for group in optimizer.param_groups] == [1e-4, 1e-4]
+
+
+def _deterministic_steps(mode: str, steps: int) -> tuple[list[float], dict]:
+    """Losses and final weights of `steps` mok steps of the tiny model in one step mode, with
+    attention in its deterministic math kernel (the others add in any order)."""
+    device = torch.device("cuda")
+    preset = train.SIZES["tiny"]
+    config = dataclasses.replace(CONFIG, steps=steps, schedule_steps=steps,
+                                 batch_size=preset.batch_size, seq_len=preset.seq_len)
+    model = train.build_model(preset.model, "mok", seed=0, device=device)
+    optimizer = train.build_optimizer(model, config, device, capturable=True)
+    initial = {name: t.clone() for name, t in model.state_dict().items()}
+    stepper = train.Stepper(model, optimizer, config, device, mode)
+    assert stepper.mode == mode
+    for name, tensor in model.state_dict().items():  # capturing left the weights as they were
+        assert torch.equal(tensor, initial[name]), name
+    sampler = train.BatchSampler(train.split_corpus(train.load_corpus())[0], config.batch_size,
+                                 config.seq_len, seed=0, stream=0, device=device)
+    losses = []
+    for step in range(steps):
+        inputs, targets = sampler.batch(step)
+        losses.append(stepper(inputs, targets, lr=1e-3 * (step + 1))[0].clone())
+    return torch.stack(losses).tolist(), {n: t.clone() for n, t in model.state_dict().items()}
+
+
+@pytest.mark.gpu
+def test_graphed_step_is_the_eager_step_bitwise():
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        eager_losses, eager_weights = _deterministic_steps("eager", 5)
+        graph_losses, graph_weights = _deterministic_steps("graph", 5)
+    assert graph_losses == eager_losses
+    for name, tensor in graph_weights.items():
+        assert torch.equal(tensor, eager_weights[name]), name
+    assert eager_losses[-1] < eager_losses[0]
+
+
+@pytest.mark.gpu
+def test_compiled_step_trains_like_the_eager_one():
+    eager_losses, _ = _deterministic_steps("eager", 5)
+    compiled_losses, _ = _deterministic_steps("compile", 5)
+    # torch.compile fuses the model's fp32 elementwise work: rounding differs, not the run
+    assert compiled_losses == pytest.approx(eager_losses, rel=2e-2)
