@@ -294,11 +294,9 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
     launches (DswigluTiles.apart); the weight gradients by torch._grouped_mm. The kept dSwiGLU
     of experts up to 768 wide: 64-row tiles, two MMA partitions taking turns (pingpong), as the
     table's I = 768. Where a Gluon kernel does not take a launch, mok.plan runs the same tiles
-    on the Triton kernel. None (the config's own tiles) for experts of fewer than 2**18 weights
-    (H * I): there a layer call's GPU time is near its host time, and the fewer, simpler launches
-    of the config's tiles win (docs/measurements.md, 2026-12-02)."""
-    if n * k < SMALL_EXPERT:
-        return None
+    on the Triton kernel. Small experts take the same tiles: their launches cost the host more
+    than the config's tiles do, but the GPU less, and a training step captured in a CUDA graph
+    (`mok.app.train.GraphedStep`) pays only the GPU's time (docs/measurements.md, 2026-12-03)."""
     rows = dict(block_m=128, group_m=8, num_warps=8)
     persistent = dict(persistent=True, tma=True, tma_rows=True)
     if kind in ("gate_up", "gate_up_saved"):
@@ -331,9 +329,6 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
         return WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3, grouped_mm=True)
     raise ValueError(f"no tiles for {kind!r}")
 
-
-# Weights per expert matrix (H * I) below which hopper_rule leaves the config's tiles.
-SMALL_EXPERT = 2**18
 
 # The tile rule of each architecture (mok.arch's name): (kind, n, k, triton) -> tiles, for the
 # problems its measured table does not hold.

@@ -71,9 +71,8 @@ def test_pick_falls_back_to_the_rule_then_the_config_tiles():
     for kind in KINDS:
         for triton in (False, True):
             tiles = HOPPER_TILES.pick(kind, 12345, 678, dtype=torch.float16, triton=triton)
-            small = HOPPER_TILES.pick(kind, 768, 256, dtype=torch.float16, triton=triton)
-            assert hopper_rule(kind, 768, 256, triton) is None  # below SMALL_EXPERT
-            assert small == HOPPER_TILES.pick(kind, 768, 256, dtype=torch.float32), kind
+            small = HOPPER_TILES.pick(kind, 256, 768, dtype=torch.float16, triton=triton)
+            assert small == hopper_rule(kind, 256, 768, triton), kind  # small experts too
             assert tiles == hopper_rule(kind, 12345, 678, triton), kind
             assert isinstance(tiles, KIND_TILES[kind]), kind
             if not kind.startswith("wgrad"):
