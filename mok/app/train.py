@@ -753,6 +753,16 @@ class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable or not one that train_run wrote."""
 
 
+def _portable_state(optimizer: torch.optim.Optimizer) -> dict:
+    """optimizer.state_dict() with each group's learning rate a float, as an optimizer built
+    with or without capturable=True takes it (a capturable one holds it in a device tensor)."""
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"] = group["lr"].item()
+    return state
+
+
 def _save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                      step: int, losses: list[float], aux_losses: list[float],
                      model_config: ModelConfig, train_config: TrainConfig, backend: str,
@@ -761,7 +771,7 @@ def _save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
         "format": CHECKPOINT_FORMAT,
         "format_version": CHECKPOINT_VERSION,
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": _portable_state(optimizer),
         "step": step,  # the next step to run: the schedule position and the data position
         "losses": losses,
         "aux_losses": aux_losses,

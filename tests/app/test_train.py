@@ -394,3 +394,16 @@ def test_compiled_step_trains_like_the_eager_one():
     compiled_losses, _ = _deterministic_steps("compile", 5)
     # torch.compile fuses the model's fp32 elementwise work: rounding differs, not the run
     assert compiled_losses == pytest.approx(eager_losses, rel=2e-2)
+
+
+def test_checkpoints_hold_the_learning_rate_as_a_float():
+    # A capturable optimizer keeps it in a device tensor; a checkpoint must load either way.
+    cpu = torch.device("cpu")
+    model = train.build_model(train.SIZES["micro"].model, "reference", seed=0, device=cpu)
+    optimizer = train.build_optimizer(model, CONFIG, cpu)
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(3e-4)
+    state = train._portable_state(optimizer)
+    assert [group["lr"] for group in state["param_groups"]] == [pytest.approx(3e-4)] * 2
+    assert all(type(group["lr"]) is float for group in state["param_groups"])
+    assert all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups)
