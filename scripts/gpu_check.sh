@@ -2,7 +2,8 @@
 # One call on a GPU machine, in priority order: tests, training comparison, tile sweep, layer
 # benchmark (with the tiles just measured), host time per launcher, per-stage breakdown, the
 # expert-parallel launches' pulls and scatters on one GPU. Each step has its own time limit and
-# writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_TUNE RUN_BENCH RUN_HOST
+# writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_STEP (a training step
+# by kernel kind and step mode) RUN_TRAIN_BENCH (end to end) RUN_TUNE RUN_BENCH RUN_HOST
 # RUN_BREAKDOWN RUN_EP_LOCAL (1 runs it); *_TIMEOUT seconds; *_ARGS extra arguments; TESTS_JOBS
 # groups of tests side by side, TESTS_BY_ID=1 dealt by test rather than by file.
 # The tests also leave $OUT/gpu-tests/<date>_<commit>.log (benchmarks.gpu_test_log: commit, date,
@@ -62,6 +63,14 @@ fi
 if [ "${RUN_TRAIN:-0}" = 1 ]; then
   step train "${TRAIN_TIMEOUT:-150}" train.log python3 -m mok train --out "$OUT/train" \
     ${TRAIN_ARGS:-}
+fi
+if [ "${RUN_STEP:-0}" = 1 ]; then
+  step step "${STEP_TIMEOUT:-300}" step.log python3 -m benchmarks.step --csv "$OUT/step.csv" \
+    ${STEP_ARGS:-}
+fi
+if [ "${RUN_TRAIN_BENCH:-0}" = 1 ]; then
+  step train_bench "${TRAIN_BENCH_TIMEOUT:-240}" train_bench.log python3 -m benchmarks.train \
+    --no-progress --out "$OUT/train_bench" --csv "$OUT/train.csv" ${TRAIN_BENCH_ARGS:-}
 fi
 if [ "${RUN_TUNE:-0}" = 1 ]; then
   step tune "${TUNE_TIMEOUT:-200}" tune.log python3 -m benchmarks.tune \
