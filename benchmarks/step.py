@@ -11,6 +11,7 @@ and batches) and, per mode, times --steps training steps after --warmup:
 The optimizer is the capturable fused AdamW in every mode, so graph and eager losses compare
 bitwise where the backend is deterministic.
 
+A mode that cannot be set up runs eagerly (with a message), and its row says eager.
 Per (backend, mode): ms a step (wall clock between synchronizations, steps queued back to back),
 the host's ms to issue one step that starts on an idle GPU (about the step's time where the host
 is the bottleneck), the peak memory (model and optimizer included), and the GPU time of one
@@ -75,38 +76,31 @@ def kind_of(kernel: str, mok_names: set[str]) -> str:
 
 
 class Runner:
-    """One backend's model, optimizer and batches; runs steps eagerly or as a CUDA graph."""
+    """One backend's model, optimizer and batches; runs its steps through `mok.app.train.Stepper`
+    in one mode (`mode`: the one that runs, eager where the asked one could not be set up)."""
 
     def __init__(self, backend: str, size: str, device: torch.device, data: torch.Tensor,
                  mode: str) -> None:
         preset = mok_train.SIZES[size]
         model_backend, hf_experts = BACKENDS[backend]
-        self.device, self.mode = device, mode
+        self.device = device
         self.config = mok_train.TrainConfig(
             steps=1000, schedule_steps=1000, warmup_steps=10, batch_size=preset.batch_size,
             seq_len=preset.seq_len, lr=preset.lr)
-        self.model = mok_train.build_model(preset.model, model_backend, 0, device, hf_experts)
+        model = mok_train.build_model(preset.model, model_backend, 0, device, hf_experts)
         # The capturable AdamW in every mode, so that graph and eager run the same kernels.
-        self.optimizer = mok_train.build_optimizer(self.model, self.config, device,
-                                                   capturable=True)
-        if mode == "compile":
-            self.model = torch.compile(self.model)
+        optimizer = mok_train.build_optimizer(model, self.config, device, capturable=True)
+        self.stepper = mok_train.Stepper(model, optimizer, self.config, device, mode)
+        self.mode = self.stepper.mode
         self.sampler = mok_train.BatchSampler(data, preset.batch_size, preset.seq_len, seed=0,
                                               stream=0, device=device)
         self.step_index = 0
-        self.graphed = None
-        if mode in ("graph", "compile"):
-            self.graphed = mok_train.GraphedStep(self.model, self.optimizer, self.config, device)
 
     def step(self) -> torch.Tensor:
         inputs, targets = self.sampler.batch(self.step_index)
         lr = self.config.lr * mok_train.lr_multiplier(self.step_index, self.config)
         self.step_index += 1
-        if self.graphed is not None:
-            return self.graphed(inputs, targets, lr=lr)[0]
-        loss, _ = mok_train.train_step(self.model, self.optimizer, inputs, targets, lr=lr,
-                                       grad_clip=self.config.grad_clip, device=self.device)
-        return loss
+        return self.stepper(inputs, targets, lr=lr)[0]
 
 
 def measure(runner: Runner, *, warmup: int, steps: int, mok_names: set[str]) -> dict:
@@ -188,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.reset_peak_memory_stats(device)
             try:
                 runner = Runner(backend, args.size, device, train_data, mode)
+                ran = runner.mode  # the mode that ran names the row
                 result = measure(runner, warmup=args.warmup, steps=args.steps,
                                  mok_names=mok_names)
             except Exception as error:  # noqa: BLE001 - one failed variant, the others go on
@@ -196,15 +191,15 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 runner = None
             kinds = result["by_kind"]
-            losses[backend, mode] = result["losses"]
-            print(f"\n{backend} {mode}: {result['ms']:.2f} ms/step, "
+            losses[backend, ran] = result["losses"]
+            print(f"\n{backend} {ran}: {result['ms']:.2f} ms/step, "
                   f"{tokens / result['ms'] * 1e3:,.0f} tokens/s, host {result['host_ms']:.2f} "
                   f"ms/step, peak {result['peak_gb']:.1f} GiB; GPU busy "
                   f"{sum(kinds.values()):.2f} ms: " +
                   ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items())))
             for name, (count, ms) in result["top"]:
                 print(f"    {ms:8.3f} ms {count:5d}x  {name}")
-            rows.append(dict(stamp, backend=backend, mode=mode, ms_per_step=round(result["ms"], 3),
+            rows.append(dict(stamp, backend=backend, mode=ran, ms_per_step=round(result["ms"], 3),
                              tokens_per_s=round(tokens / result["ms"] * 1e3),
                              host_ms_per_step=round(result["host_ms"], 3),
                              peak_mem_gb=round(result["peak_gb"], 2),

@@ -514,12 +514,15 @@ def build_optimizer(model: nn.Module, config: TrainConfig, device: torch.device,
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Sets every group's learning rate (in place when it is a device tensor: no host sync)."""
+    """Sets every group's learning rate (in place when it is a device tensor: no host sync; a
+    tensor the groups share is filled once)."""
+    filled: set[int] = set()
     for group in optimizer.param_groups:
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
+        if not isinstance(group["lr"], torch.Tensor):
             group["lr"] = lr
+        elif id(group["lr"]) not in filled:
+            filled.add(id(group["lr"]))
+            group["lr"].fill_(lr)
 
 
 def autocast_context(device: torch.device, *,

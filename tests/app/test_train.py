@@ -407,3 +407,15 @@ def test_checkpoints_hold_the_learning_rate_as_a_float():
     assert [group["lr"] for group in state["param_groups"]] == [pytest.approx(3e-4)] * 2
     assert all(type(group["lr"]) is float for group in state["param_groups"])
     assert all(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups)
+
+
+def test_set_lr_fills_a_shared_tensor():
+    cpu = torch.device("cpu")
+    model = train.build_model(train.SIZES["micro"].model, "reference", seed=0, device=cpu)
+    optimizer = train.build_optimizer(model, CONFIG, cpu)
+    shared = torch.tensor(1e-3)
+    for group in optimizer.param_groups:
+        group["lr"] = shared
+    train.set_lr(optimizer, 2e-4)
+    assert all(group["lr"] is shared for group in optimizer.param_groups)
+    assert shared.item() == pytest.approx(2e-4)
