@@ -58,10 +58,10 @@ def shape_setup(shape, seed: int):
 
 
 def breakdown(shape, stages_wanted=(), repeats: int = 20, warmup: int = 3,
-              profile: bool = False) -> None:
+              profile: bool = False, ahead_ms: float = 0.0) -> None:
     """Time every stage (or those named in stages_wanted) at `shape`: the median of `repeats`
     calls after `warmup` (one of each under a profiler such as ncu, which replays every launch
-    it profiles); profile: see median_ms."""
+    it profiles); profile, ahead_ms: see median_ms."""
     inputs, config, workspace, schedule = shape_setup(shape, seed=5)
     routing, tiles = schedule.routing, schedule.tiles
     x, rw, d_out = inputs.x, inputs.router_weights, inputs.d_output
@@ -135,7 +135,7 @@ def breakdown(shape, stages_wanted=(), repeats: int = 20, warmup: int = 3,
         stages = [stage for stage in stages if stage[0] in stages_wanted]
     times = {}
     for name, fn, flops, nbytes in stages:
-        ms = times[name] = median_ms(fn, repeats, warmup, profile)
+        ms = times[name] = median_ms(fn, repeats, warmup, profile, ahead_ms)
         rate = f"{flops / ms / 1e9:7.1f} TFLOP/s" if flops else " " * 15
         bw = f"{nbytes / ms / 1e6:7.1f} GB/s" if nbytes else ""
         print(f"  {name:18s} {ms:8.3f} ms {rate} {bw}", flush=True)
@@ -160,10 +160,13 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profiler-range", action="store_true",
                         help="run each stage's timed calls between cudaProfilerStart and Stop")
+    parser.add_argument("--ahead-ms", type=float, default=0.0,
+                        help="the GPU sleeps this long before each timed call, so a stage's time "
+                             "is the GPU's alone, not the host's issuing it (default: idle GPU)")
     args = parser.parse_args(argv)
     for name in args.shapes:
         breakdown(SHAPES_BY_NAME[name], args.stages, args.repeats, args.warmup,
-                  args.profiler_range)
+                  args.profiler_range, args.ahead_ms)
 
 
 if __name__ == "__main__":

@@ -285,13 +285,20 @@ def table_to_json(table: TileTable) -> str:
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
+# Experts at most this wide (I) take the Triton weight-gradient kernel in hopper_rule, wider
+# ones torch._grouped_mm over copied rows (docs/measurements.md, 2026-12-03: I = 256 and 512).
+SMALL_WGRAD_I = 256
+
+
 def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None:
     """sm_90, 16-bit dtypes: the tiles of `kind` at (n, k) where the table has none, and with
     triton the Triton kernel's (TileConfig.pick's triton). The measured table's choice at most
     of its shapes (mok/ops/tuned_tiles.json, six expert sizes from I = 768 to 14336): Gluon
     kernels for the row GEMMs, 128 rows a tile, 128 columns (gate/up's two products, the kept
     dSwiGLU) or 256 (down, d_x: epilogues in halves), 64 deep; the recomputing dSwiGLU as two
-    launches (DswigluTiles.apart); the weight gradients by torch._grouped_mm. The kept dSwiGLU
+    launches (DswigluTiles.apart); the weight gradients by torch._grouped_mm, except for experts
+    at most SMALL_WGRAD_I wide: there the Triton kernel gathers the rows itself (gate and up in
+    one launch), which beat copying them for torch._grouped_mm. The kept dSwiGLU
     of experts up to 768 wide: 64-row tiles, two MMA partitions taking turns (pingpong), as the
     table's I = 768. Where a Gluon kernel does not take a launch, mok.plan runs the same tiles
     on the Triton kernel. Small experts take the same tiles: their launches cost the host more
@@ -326,6 +333,11 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
         return DswigluTiles(block_n=128, block_k=64, num_stages=4, gluon=True, **persistent,
                             **{**rows, "group_m": 4})
     if kind in ("wgrad_gate_up", "wgrad_down"):
+        intermediate = n if kind == "wgrad_gate_up" else k
+        if intermediate <= SMALL_WGRAD_I:  # the Triton kernel, rows gathered in its loads
+            if kind == "wgrad_gate_up":
+                return WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3, pair=True)
+            return WgradTiles(128, 256, 64, group_m=1, num_warps=8, num_stages=3)
         return WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3, grouped_mm=True)
     raise ValueError(f"no tiles for {kind!r}")
 

@@ -12,6 +12,7 @@ from mok.ops.tuning import DswigluTiles, RowTiles
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
+    SHAPES_BY_NAME,
     RoutingPattern,
     assert_close,
     eager_and_captured,
@@ -29,8 +30,10 @@ def shape_inputs(shape, seed=0, routing=RoutingPattern.RANDOM):
     return make_shape_inputs(shape, device="cuda", seed=seed, routing=routing)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", [*SHAPES, SHAPES_BY_NAME["mok-small"],
+                                   SHAPES_BY_NAME["sonicmoe-7b"]], ids=lambda s: s.name)
 def test_real_shape_matches_reference_and_is_deterministic(shape):
+    # The tuned shapes, and two outside the table with small experts (the tile rule's tiles).
     inputs = shape_inputs(shape, seed=1)
     y, grads, _, context = run_layer(inputs)
     y2, grads2, _, _ = run_layer(inputs)

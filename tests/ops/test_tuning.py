@@ -94,6 +94,21 @@ def test_pick_falls_back_to_the_rule_then_the_config_tiles():
     assert other.pick("gate_up", shape.intermediate_size, shape.hidden_size) == other.gate_up
 
 
+def test_rule_gathers_small_experts_weight_gradient_rows_in_the_triton_kernel():
+    # Experts up to SMALL_WGRAD_I wide: the Triton kernel (gate and up paired), no row copies;
+    # wider ones: torch._grouped_mm. Keys are (P, Q): (I, H) for gate/up, (H, I) for down.
+    from mok.ops.tuning import SMALL_WGRAD_I
+
+    for inter in (128, SMALL_WGRAD_I):
+        gate_up = hopper_rule("wgrad_gate_up", inter, 1536)
+        down = hopper_rule("wgrad_down", 1536, inter)
+        assert not gate_up.grouped_mm and gate_up.pair
+        assert not down.grouped_mm and not down.pair
+    for inter in (SMALL_WGRAD_I + 128, 512, 4096):
+        assert hopper_rule("wgrad_gate_up", inter, 1536).grouped_mm
+        assert hopper_rule("wgrad_down", 1536, inter).grouped_mm
+
+
 def test_tuner_runs_every_kind_for_routed_and_shared_experts():
     # What `python -m benchmarks.tune` times (on a GPU), run once here on a small problem:
     # every kind of both expert groups launches with the keys it is tuned under.
