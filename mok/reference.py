@@ -126,3 +126,45 @@ def moe_reference_grads(inputs, *, swiglu_limit=None, group=None,
                       swiglu_limit=swiglu_limit, group=group, compute_dtype=compute_dtype)
     y.backward(inputs.d_output.to(compute_dtype))
     return y.detach(), tuple(t.grad if t is not None else None for t in leaves)
+
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_e4m3(x: torch.Tensor, block: tuple[int, int], *,
+                  pow2_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise float8_e4m3fn quantization of x [..., M, K] in blocks of block = (rows,
+    columns) (the edge blocks cut short): (q [..., M, K] float8_e4m3fn, scales [..., ceil(M /
+    rows), ceil(K / columns)] fp32), x = q * scale up to e4m3's rounding (mok.kernels.quantize
+    gives the rule). Block (1, 128): activations' scales per row; (128, 128): weights'."""
+    rows, cols = block
+    *batch, m, k = x.shape
+    pad_m, pad_k = -m % rows, -k % cols
+    x32 = F.pad(x.float(), (0, pad_k, 0, pad_m))
+    tiles = x32.reshape(*batch, (m + pad_m) // rows, rows, (k + pad_k) // cols, cols)
+    magnitude = tiles.abs().nan_to_num(nan=0.0, posinf=float("inf"))
+    amax = magnitude.amax(dim=(-3, -1))
+    # Tensor by tensor: `scalar / tensor` multiplies by a reciprocal, rounding twice.
+    largest = torch.full_like(amax, E4M3_MAX)
+    amax = torch.where(amax == 0, largest, amax)  # a block of zeros: scale 1
+    if pow2_scales:
+        bits = (amax / largest).view(torch.int32)
+        exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).int()
+        scale = (exponent << 23).view(torch.float32)
+        inverse = torch.ones_like(scale) / scale
+    else:
+        scale = amax / largest
+        inverse = largest / amax
+    scaled = tiles * inverse[..., :, None, :, None]
+    q = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = q.reshape(*batch, m + pad_m, k + pad_k)[..., :m, :k]
+    return q.contiguous(), scale
+
+
+def dequantize_e4m3(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int],
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale of its block, in dtype (the inverse of quantize_e4m3 up to its rounding)."""
+    rows, cols = block
+    m, k = q.shape[-2:]
+    expanded = scales.repeat_interleave(rows, dim=-2).repeat_interleave(cols, dim=-1)
+    return (q.float() * expanded[..., :m, :k]).to(dtype)

@@ -27,3 +27,33 @@ def cast_to(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+E4M3_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
+
+
+@triton.jit
+def to_e4m3(x, UPCAST: tl.constexpr):
+    """fp32 x -> float8e4nv, rounding to nearest even and saturating: |x| > 448 (inf too) gives
+    +-448, NaN stays NaN, as sm_89+'s cvt.rn.satfinite does. With UPCAST (the interpreter, whose
+    fp8 casts can round the wrong way) the same by integer arithmetic on x's bits."""
+    x = tl.where(x > E4M3_MAX, E4M3_MAX, tl.where(x < -E4M3_MAX, -E4M3_MAX, x))
+    if UPCAST:
+        bits = x.to(tl.uint32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        exponent = (mag >> 23).to(tl.int32)
+        # |x| >= 2**-6 (e4m3's normals): 3 of 23 mantissa bits kept, the exponent rebiased
+        # 127 -> 7 (120 << 3 = 960 in units of the kept bits).
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20).to(tl.int32) - 960
+        # Below: multiples of 2**-9, the mantissa with its implicit bit shifted right by
+        # 14 - (exponent - 127) >= 21, at most 25 (everything below 2**-10 rounds to 0; the
+        # shift of the normals' lanes, unused, kept in range).
+        full = (mag & 0x7FFFFF) | 0x800000
+        shift = tl.maximum(tl.minimum(141 - exponent, 25), 1).to(tl.uint32)
+        one = tl.full(full.shape, 1, tl.uint32)
+        sub = ((full + (one << (shift - 1)) - 1 + ((full >> shift) & 1)) >> shift).to(tl.int32)
+        code = tl.where(exponent >= 121, tl.minimum(normal, 126), sub)
+        code = tl.where(mag > 0x7F800000, 127, code)  # NaN
+        return (code.to(tl.uint32) | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return x.to(tl.float8e4nv)

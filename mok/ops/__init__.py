@@ -22,6 +22,7 @@ from mok.ops.experts import (
     grouped_wgrad_gate_up,
     router_grad,
 )
+from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
 from mok.ops.routing import (
     Routing,
     build_routing,
@@ -41,6 +42,7 @@ from mok.ops.tuning import (
 )
 
 __all__ = [
+    "QUANT_BLOCK",
     "DswigluTiles",
     "PeerFlags",
     "Pull",
@@ -67,6 +69,8 @@ __all__ = [
     "grouped_wgrad",
     "grouped_wgrad_gate_up",
     "local_first_blocks",
+    "quantize_rows",
+    "quantize_weights",
     "router_grad",
     "scatter_route_values",
     "signal_peers",

@@ -1,0 +1,63 @@
+"""Blockwise float8_e4m3fn quantization launchers (mok.kernels.quantize): activations with a
+scale per 1 x 128 block of a row, weights with one per 128 x 128 block."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from mok import _env
+from mok.errors import MoKInputError
+from mok.kernels import quantize as kernels
+
+QUANT_BLOCK = 128  # the scales' block: 1 x 128 for rows, 128 x 128 for weights
+_ROWS_PER_PROGRAM = 32
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_rows(x: torch.Tensor, *, pow2_scales: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] float8_e4m3fn, scales [M, ceil(K / 128)] fp32) of x [M, K]: a scale per 128
+    columns of a row (mok.reference.quantize_e4m3 with block (1, 128)); pow2_scales: scales are
+    powers of two."""
+    _check(x, "x", dims=(2,))
+    return _quantize(x.unsqueeze(0), rows=1, pow2_scales=pow2_scales, squeeze=True)
+
+
+def quantize_weights(w: torch.Tensor, *, pow2_scales: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [..., N, K] float8_e4m3fn, scales [..., ceil(N / 128), ceil(K / 128)] fp32) of w
+    [E, N, K] or [N, K]: a scale per 128 x 128 block of each expert's matrix
+    (mok.reference.quantize_e4m3 with block (128, 128))."""
+    _check(w, "w", dims=(2, 3))
+    batched = w if w.dim() == 3 else w.unsqueeze(0)
+    return _quantize(batched, rows=QUANT_BLOCK, pow2_scales=pow2_scales, squeeze=w.dim() == 2)
+
+
+def _check(x: torch.Tensor, name: str, *, dims: tuple[int, ...]) -> None:
+    if x.dim() not in dims:
+        raise MoKInputError(f"{name} must have {' or '.join(map(str, dims))} dimensions, got "
+                            f"shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise MoKInputError(f"{name} must be bf16, fp16 or fp32 to quantize, got {x.dtype}")
+
+
+def _quantize(x: torch.Tensor, *, rows: int, pow2_scales: bool, squeeze: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, m, k = x.shape
+    q = torch.empty(batch, m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_rows = m if rows == 1 else triton.cdiv(m, rows)
+    scales = torch.empty(batch, scale_rows, triton.cdiv(k, QUANT_BLOCK), dtype=torch.float32,
+                         device=x.device)
+    block_m = _ROWS_PER_PROGRAM if rows == 1 else rows
+    if x.numel() > 0:
+        kernels.quantize_e4m3_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, QUANT_BLOCK),
+                                      batch)](
+            x, q, scales, m, k, x.stride(0), x.stride(1), x.stride(2), q.stride(0), q.stride(1),
+            scales.stride(0), scales.stride(1), BLOCK_M=block_m, BLOCK_K=QUANT_BLOCK,
+            ROW_SCALES=rows == 1, POW2=pow2_scales, UPCAST=_env.INTERPRET,
+            num_warps=4 if rows == 1 else 8,
+        )
+    if squeeze:
+        return q[0], scales[0]
+    return q, scales
