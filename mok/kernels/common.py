@@ -57,3 +57,14 @@ def to_e4m3(x, UPCAST: tl.constexpr):
         code = tl.where(mag > 0x7F800000, 127, code)  # NaN
         return (code.to(tl.uint32) | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def from_e4m3(q, UPCAST: tl.constexpr):
+    """float8e4nv q -> fp32. With UPCAST the NaN codes (0x7F, 0xFF) read as NaN: the interpreter
+    reads them as +-480."""
+    x = q.to(tl.float32)
+    if UPCAST:
+        bits = q.to(tl.uint8, bitcast=True)
+        x = tl.where((bits & 0x7F) == 0x7F, float("nan"), x)
+    return x

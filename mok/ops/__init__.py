@@ -22,7 +22,8 @@ from mok.ops.experts import (
     grouped_wgrad_gate_up,
     router_grad,
 )
-from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
+from mok.ops.fp8 import FP8_TILES, down_proj_fp8, gate_up_swiglu_fp8
+from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_rows, quantize_weights
 from mok.ops.routing import (
     Routing,
     build_routing,
@@ -42,7 +43,9 @@ from mok.ops.tuning import (
 )
 
 __all__ = [
+    "FP8_TILES",
     "QUANT_BLOCK",
+    "Quantized",
     "DswigluTiles",
     "PeerFlags",
     "Pull",
@@ -62,10 +65,12 @@ __all__ = [
     "dense_routing",
     "down_bwd_dswiglu",
     "down_proj",
+    "down_proj_fp8",
     "dswiglu_apart",
     "exchange_routes",
     "gate_up_buffer",
     "gate_up_swiglu",
+    "gate_up_swiglu_fp8",
     "grouped_wgrad",
     "grouped_wgrad_gate_up",
     "local_first_blocks",

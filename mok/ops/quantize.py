@@ -3,6 +3,8 @@ scale per 1 x 128 block of a row, weights with one per 128 x 128 block."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -15,8 +17,14 @@ _ROWS_PER_PROGRAM = 32
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def quantize_rows(x: torch.Tensor, *, pow2_scales: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+class Quantized(NamedTuple):
+    """A float8_e4m3fn tensor and its fp32 scales, one per block (x = data * scale)."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+
+
+def quantize_rows(x: torch.Tensor, *, pow2_scales: bool = False) -> Quantized:
     """(q [M, K] float8_e4m3fn, scales [M, ceil(K / 128)] fp32) of x [M, K]: a scale per 128
     columns of a row (mok.reference.quantize_e4m3 with block (1, 128)); pow2_scales: scales are
     powers of two."""
@@ -24,8 +32,7 @@ def quantize_rows(x: torch.Tensor, *, pow2_scales: bool = False
     return _quantize(x.unsqueeze(0), rows=1, pow2_scales=pow2_scales, squeeze=True)
 
 
-def quantize_weights(w: torch.Tensor, *, pow2_scales: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weights(w: torch.Tensor, *, pow2_scales: bool = False) -> Quantized:
     """(q [..., N, K] float8_e4m3fn, scales [..., ceil(N / 128), ceil(K / 128)] fp32) of w
     [E, N, K] or [N, K]: a scale per 128 x 128 block of each expert's matrix
     (mok.reference.quantize_e4m3 with block (128, 128))."""
@@ -42,8 +49,7 @@ def _check(x: torch.Tensor, name: str, *, dims: tuple[int, ...]) -> None:
         raise MoKInputError(f"{name} must be bf16, fp16 or fp32 to quantize, got {x.dtype}")
 
 
-def _quantize(x: torch.Tensor, *, rows: int, pow2_scales: bool, squeeze: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(x: torch.Tensor, *, rows: int, pow2_scales: bool, squeeze: bool) -> Quantized:
     batch, m, k = x.shape
     q = torch.empty(batch, m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale_rows = m if rows == 1 else triton.cdiv(m, rows)
@@ -59,5 +65,5 @@ def _quantize(x: torch.Tensor, *, rows: int, pow2_scales: bool, squeeze: bool
             num_warps=4 if rows == 1 else 8,
         )
     if squeeze:
-        return q[0], scales[0]
-    return q, scales
+        return Quantized(q[0], scales[0])
+    return Quantized(q, scales)

@@ -1,0 +1,95 @@
+"""Grouped float8_e4m3fn GEMMs over the schedule's rows with blockwise scales (DeepSeek's
+recipe): the forward's gate/up with SwiGLU and down, in Triton.
+
+    out[r, n] = sum over K blocks b of (sum_{k in b} a[src(r), k] * w[e, n, k])
+                * a_scale[src(r), b] * w_scale[e, n // 128, b]
+
+a: the token rows (GATHER: src(r) = row_route[r] // topk) or the schedule's rows (src(r) = r),
+e4m3 with a scale per 1 x 128 block (mok.ops.quantize_rows); w [E, N, K] e4m3 with a scale per
+128 x 128 block (mok.ops.quantize_weights); e = block_expert[r // ALIGN]. BLOCK_K is the scales'
+block (128), so each K step's product (e4m3 wgmma on Hopper, whose accumulator keeps fewer bits
+than fp32) is scaled and added to an fp32 accumulator. BLOCK_N divides 128: one weight scale a
+tile and K step. Padding rows (route -1) read zeros and write zeros.
+
+SWIGLU: a second weight (up) and its accumulator; out = swiglu(gate, up) (with HAS_LIMIT the
+pre-activations clamped first, mok.kernels.activation). WEIGHTED: out scaled by the route's
+router weight (down). QUANTIZE_OUT (BLOCK_N = 128): out stored as e4m3 with a scale per row of
+the tile (a 1 x 128 block, mok.kernels.quantize's rule) into out_scale[r, n // 128]; else out
+rounded to out's dtype. A program per tile, GROUP_M row blocks at a time; every output element
+is summed in one fixed order, so results are bitwise reproducible. UPCAST: under Triton's CPU
+interpreter (mok.kernels.common).
+"""
+
+import triton
+import triton.language as tl
+
+from mok.kernels import activation
+from mok.kernels.common import cast_to, from_e4m3, to_e4m3
+from mok.kernels.grouped_gemm import _tile_coords, _tile_rows
+from mok.kernels.quantize import _block_scale
+
+
+@triton.jit
+def _dot_e4m3(a, b, UPCAST: tl.constexpr):
+    """a @ b in fp32 from e4m3 tiles (products of e4m3 values are exact in fp32)."""
+    if UPCAST:
+        return tl.dot(from_e4m3(a, UPCAST), from_e4m3(b, UPCAST))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def fp8_rows_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w2_ptr, w2_scale_ptr, out_ptr, out_scale_ptr,
+    row_route_ptr, block_expert_ptr, used_rows_ptr, router_weights_ptr,
+    N, K, topk, num_m_blocks, swiglu_limit,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
+    GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    WEIGHTED: tl.constexpr, QUANTIZE_OUT: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of out [C, N] (see the module's docstring)."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(used_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + (pid_m * BLOCK_M) // ALIGN).to(tl.int64)
+    rows, route, valid, token = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
+    src = token if GATHER else rows
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :]
+    a_scale_ptrs = a_scale_ptr + src * stride_asm
+    w_offsets = expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    w_scale_offset = expert * stride_wse + ((pid_n * BLOCK_N) // 128) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = (kb * BLOCK_K + ks) < K
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        a_scale = tl.load(a_scale_ptrs + kb, mask=valid, other=0.0)
+        w_mask = k_mask[:, None] & (cols < N)[None, :]
+        b = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
+        acc += _dot_e4m3(a, b, UPCAST) * (a_scale[:, None]
+                                           * tl.load(w_scale_ptr + w_scale_offset + kb))
+        if SWIGLU:
+            b2 = tl.load(w2_ptr + w_offsets, mask=w_mask, other=0.0)
+            acc2 += _dot_e4m3(a, b2, UPCAST) * (a_scale[:, None]
+                                                 * tl.load(w2_scale_ptr + w_scale_offset + kb))
+        a_ptrs += BLOCK_K
+        w_offsets += BLOCK_K
+    out = acc
+    if SWIGLU:
+        out = activation.swiglu(acc, acc2, swiglu_limit, HAS_LIMIT)
+    if WEIGHTED:
+        out *= tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
+    in_n = cols < N
+    out = tl.where(valid[:, None] & in_n[None, :], out, 0.0)
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    if QUANTIZE_OUT:
+        magnitude = tl.abs(out)
+        magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of amax
+        scale, inverse = _block_scale(tl.max(magnitude, axis=1), False)
+        tl.store(out_ptrs, to_e4m3(out * inverse[:, None], UPCAST), mask=in_n[None, :])
+        tl.store(out_scale_ptr + rows * stride_osm + pid_n, scale)
+    else:
+        tl.store(out_ptrs, cast_to(out, out_ptr.dtype.element_ty, UPCAST), mask=in_n[None, :])
