@@ -4,8 +4,9 @@
 # expert-parallel launches' pulls and scatters on one GPU. Each step has its own time limit and
 # writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_STEP (a training step
 # by kernel kind and step mode) RUN_TRAIN_BENCH (end to end) RUN_TUNE RUN_BENCH RUN_HOST
-# RUN_BREAKDOWN RUN_EP_LOCAL (1 runs it); *_TIMEOUT seconds; *_ARGS extra arguments; TESTS_JOBS
-# groups of tests side by side, TESTS_BY_ID=1 dealt by test rather than by file.
+# RUN_BREAKDOWN RUN_EP_LOCAL RUN_FP8 (the FP8 kernels beside bf16, benchmarks.fp8) (1 runs
+# it); *_TIMEOUT seconds; *_ARGS extra arguments; TESTS_JOBS groups of tests side by side,
+# TESTS_BY_ID=1 dealt by test rather than by file.
 # The tests also leave $OUT/gpu-tests/<date>_<commit>.log (benchmarks.gpu_test_log: commit, date,
 # GPU, versions, the pytest commands, each group's failures and counts). It is meant to be
 # committed under benchmarks/results/gpu-tests/, the record of which commit passed on a GPU. The
@@ -87,6 +88,10 @@ fi
 if [ "${RUN_BREAKDOWN:-0}" = 1 ]; then
   step breakdown "${BREAKDOWN_TIMEOUT:-150}" breakdown.log python3 -m benchmarks.breakdown \
     ${BREAKDOWN_ARGS:-}
+fi
+if [ "${RUN_FP8:-0}" = 1 ]; then
+  step fp8 "${FP8_TIMEOUT:-200}" fp8.log python3 -m benchmarks.fp8 --csv "$OUT/fp8.csv" \
+    ${FP8_ARGS:-}
 fi
 if [ "${RUN_EP_LOCAL:-0}" = 1 ]; then
   step ep_local "${EP_LOCAL_TIMEOUT:-200}" ep_local.log python3 -m benchmarks.ep_local \

@@ -1,0 +1,207 @@
+"""mok's FP8 kernels beside their bf16 counterparts and the dense ceilings, per shape.
+
+    python -m benchmarks.fp8 [--shapes qwen3-30b-a3b kimi-ep64-slice] [--repeats 20]
+
+Per shape, one process, the same inputs (bf16 x [T, H] and expert weights, the schedule of
+random routes), stage by stage:
+
+  quantize   quantize_rows(x) and quantize_weights of the three expert weights: ms and GB/s
+             (bytes read and written);
+  gate_up    mok's bf16 gate/up with SwiGLU (the layer's plan and tiles), and
+             gate_up_swiglu_fp8 (h in e4m3 with its scales);
+  down       mok's bf16 down, and down_proj_fp8 on that h;
+  dense      the ceilings at gate/up's and down's FLOPs, all T*k routes as one matrix: bf16
+             torch.mm, and e4m3 torch._scaled_mm with one scale per tensor.
+
+Each FP8 launch is first checked against the same math on its dequantized operands
+(max relative error column); the bf16 ones are mok's tested kernels. Times are medians of
+--repeats calls between CUDA events, the GPU idle before each; TFLOP/s count 2 * rows * N * K
+per GEMM (gate/up two of them). Rows go to --csv (benchmarks/results/fp8.csv). On CPU it runs
+a small shape under Triton's interpreter and writes under runs/bench/: a check of the pipeline,
+not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import mok.functional as F
+from benchmarks import append_rows, commit_id
+from mok import ops, plan
+from mok.ops.fp8 import FP8_TILES, down_proj_fp8, gate_up_swiglu_fp8
+from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
+from mok.reference import dequantize_e4m3, swiglu
+from mok.testing import SHAPES_BY_NAME, MoEShape, make_shape_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "fp8.csv"
+CPU_RESULTS = ROOT / "runs" / "bench" / "fp8.csv"
+FIELDS = ("gpu", "commit", "date", "shape", "stage", "impl", "ms", "tflops", "gbps",
+          "max_rel_err")
+SMALL = MoEShape("fp8-small", 4, 256, 256, 2, 64)  # CPU: every launch, in seconds
+FP8_SHAPES = {shape.name: shape for shape in (*SHAPES_BY_NAME.values(), SMALL)}
+
+
+def median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
+    """Median ms of `repeats` calls after `warmup`: CUDA events on a GPU (idle before each
+    call), wall clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest |actual - expected| over the largest |expected|."""
+    scale = expected.abs().max().clamp_min(1e-30)
+    return float((actual.float() - expected).abs().max() / scale)
+
+
+def fp8_checks(x_q, gate_q, up_q, down_q, h32, h_q, rows_out, routing, router_weights):
+    """(gate/up's, down's) max relative error against the math on dequantized operands, over
+    the schedule's rows in use (host syncs: this is a check, not the layer); h32: gate/up's
+    output unquantized, h_q: quantized (down's input)."""
+    row_route = routing.row_route.long()
+    rows = (row_route >= 0).nonzero().flatten()
+    routes = row_route[rows]
+    experts = routing.block_expert.long()[rows // routing.align]
+    x = dequantize_e4m3(x_q.data, x_q.scales, (1, QUANT_BLOCK))[routes // routing.topk]
+    block = (QUANT_BLOCK, QUANT_BLOCK)
+    gate, up, down = (dequantize_e4m3(w.data, w.scales, block) for w in (gate_q, up_q, down_q))
+    h_expected = torch.empty(len(rows), gate.shape[1], device=x.device)
+    y_expected = torch.empty(len(rows), down.shape[1], device=x.device)
+    h = dequantize_e4m3(h_q.data, h_q.scales, (1, QUANT_BLOCK))[rows]
+    for e in range(gate.shape[0]):  # an expert at a time: bounded memory at real shapes
+        mine = experts == e
+        h_expected[mine] = swiglu(x[mine] @ gate[e].T, x[mine] @ up[e].T)
+        y_expected[mine] = (h[mine] @ down[e].T) * router_weights[routes[mine], None]
+    h_err = max_rel_err(h32[rows], h_expected)
+    y_err = max_rel_err(rows_out[rows], y_expected)
+    return h_err, y_err
+
+
+def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int) -> list[dict]:
+    inputs = make_shape_inputs(shape, device=device, seed=7)
+    x, router_weights = inputs.x, inputs.router_weights.reshape(-1).float()
+    w_gate, w_up, w_down = inputs.routed_weights
+    config = F.MoKConfig()
+    workspace = F.create_workspace(config, None, device=device, num_local_tokens=shape.num_tokens,
+                                   hidden_size=shape.hidden_size, topk=shape.topk)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=shape.num_experts)
+    routing = schedule.routing
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    forward = plan.forward_plan(schedule.tiles, plan.Operands.of(x, w_gate, w_up, w_down),
+                                hidden=hidden, intermediate=inter, keep_gate_up=False)
+    # Row tiles within the schedule's alignment (32 under the interpreter, 128 on Hopper).
+    tiles = dataclasses.replace(FP8_TILES, block_m=min(FP8_TILES.block_m, routing.align))
+    x_q = quantize_rows(x)
+    gate_q, up_q, down_q = (quantize_weights(w) for w in (w_gate, w_up, w_down))
+    h = ops.gate_up_swiglu(x, w_gate, w_up, routing, forward.gate_up, None)
+    h_q = gate_up_swiglu_fp8(x_q, gate_q, up_q, routing, tiles)
+    h32 = gate_up_swiglu_fp8(x_q, gate_q, up_q, routing, tiles, quantize_h=False,
+                             out_dtype=torch.float32)
+    rows_out = down_proj_fp8(h_q, down_q, routing, tiles, router_weights,
+                             out_dtype=torch.float32)
+    h_err, y_err = fp8_checks(x_q, gate_q, up_q, down_q, h32, h_q, rows_out, routing,
+                              router_weights)
+    print(f"== {shape.name}: check against dequantized math: gate/up max rel "
+          f"{h_err:.2e}, down {y_err:.2e}", flush=True)
+
+    routes = shape.num_tokens * shape.topk
+    gemm = 2.0 * routes * hidden * inter
+    weights_bytes = sum(w.numel() for w in (w_gate, w_up, w_down)) * 3  # bf16 in, e4m3 out
+    dense = {}
+
+    def dense_mm(m, k, n, fp8):
+        key = (m, k, n, fp8)
+        if key not in dense:
+            a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+            if fp8:
+                one = torch.ones((), device=device)
+                a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+                dense[key] = lambda: torch._scaled_mm(a, b.T, one, one, out_dtype=torch.bfloat16)
+            else:
+                dense[key] = lambda: torch.mm(a, b.T)
+        return dense[key]()
+
+    stages = [
+        ("quantize", "rows_x", lambda: quantize_rows(x), 0, x.numel() * 3),
+        ("quantize", "weights", lambda: [quantize_weights(w) for w in (w_gate, w_up, w_down)], 0,
+         weights_bytes),
+        ("gate_up", "mok_bf16", lambda: ops.gate_up_swiglu(x, w_gate, w_up, routing,
+                                                           forward.gate_up, None), 2 * gemm, 0),
+        ("gate_up", "mok_fp8", lambda: gate_up_swiglu_fp8(x_q, gate_q, up_q, routing, tiles),
+         2 * gemm, 0),
+        ("down", "mok_bf16", lambda: ops.down_proj(h, w_down, routing, forward.down,
+                                                   router_weights), gemm, 0),
+        ("down", "mok_fp8", lambda: down_proj_fp8(h_q, down_q, routing, tiles, router_weights),
+         gemm, 0),
+    ]
+    if device.type == "cuda":  # torch._scaled_mm needs a GPU
+        stages += [
+            ("dense_gate_up", "cublas_bf16", lambda: dense_mm(routes, hidden, 2 * inter, False),
+             2 * gemm, 0),
+            ("dense_gate_up", "scaled_mm_fp8", lambda: dense_mm(routes, hidden, 2 * inter, True),
+             2 * gemm, 0),
+            ("dense_down", "cublas_bf16", lambda: dense_mm(routes, inter, hidden, False), gemm, 0),
+            ("dense_down", "scaled_mm_fp8", lambda: dense_mm(routes, inter, hidden, True), gemm,
+             0),
+        ]
+    errors = {("gate_up", "mok_fp8"): h_err, ("down", "mok_fp8"): y_err}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    rows = []
+    for stage, impl, fn, flops, nbytes in stages:
+        ms = median_ms(fn, device, repeats, warmup)
+        error = errors.get((stage, impl))
+        rows.append(dict(gpu=gpu, commit=commit_id(), date=date, shape=shape.name, stage=stage,
+                         impl=impl, ms=f"{ms:.4f}",
+                         tflops=f"{flops / ms / 1e9:.1f}" if flops else "",
+                         gbps=f"{nbytes / ms / 1e6:.0f}" if nbytes else "",
+                         max_rel_err="" if error is None else f"{error:.2e}"))
+        rate = f"{flops / ms / 1e9:7.1f} TFLOP/s" if flops else f"{nbytes / ms / 1e6:7.0f} GB/s"
+        print(f"  {stage:14s} {impl:14s} {ms:8.3f} ms {rate}", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=list(FP8_SHAPES), metavar="SHAPE",
+                        default=["qwen3-30b-a3b", "kimi-ep64-slice"] if cuda else [SMALL.name])
+    parser.add_argument("--repeats", type=int, default=20 if cuda else 1)
+    parser.add_argument("--warmup", type=int, default=3 if cuda else 1)
+    parser.add_argument("--csv", type=Path, default=RESULTS if cuda else CPU_RESULTS)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if cuda else "cpu")
+    for name in args.shapes:
+        append_rows(args.csv, FIELDS, bench_shape(FP8_SHAPES[name], device, args.repeats,
+                                                  args.warmup))
+    print(f"rows appended to {args.csv}")
+
+
+if __name__ == "__main__":
+    main()

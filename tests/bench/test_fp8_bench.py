@@ -1,0 +1,19 @@
+"""`python -m benchmarks.fp8` end to end on its small shape (under the interpreter on CPU)."""
+
+import csv
+
+from benchmarks import fp8
+
+
+def test_fp8_benchmark_checks_and_writes_its_rows(tmp_path, capsys):
+    out = tmp_path / "fp8.csv"
+    fp8.main(["--shapes", fp8.SMALL.name, "--repeats", "1", "--warmup", "0", "--csv", str(out)])
+    rows = list(csv.DictReader(out.open()))
+    stages = {(row["stage"], row["impl"]) for row in rows}
+    assert {("quantize", "rows_x"), ("quantize", "weights"), ("gate_up", "mok_bf16"),
+            ("gate_up", "mok_fp8"), ("down", "mok_bf16"), ("down", "mok_fp8")} <= stages
+    for row in rows:
+        assert row["shape"] == fp8.SMALL.name and float(row["ms"]) > 0
+        if row["impl"] == "mok_fp8":  # checked against the math on dequantized operands
+            assert float(row["max_rel_err"]) < 1e-5
+    assert "check against dequantized math" in capsys.readouterr().out
