@@ -375,6 +375,33 @@ def main(argv=None) -> None:
                                                                num_stages=3),
                  lambda tt: ops.d_x_rows(dgu, w_g, w_u, routing, tt, scatter=scatter,
                                          pull=pull(False, weights=False), pulled=x_group)))
+    # The FP8 row GEMMs (mok.ops.fp8, e4m3 wgmma, K steps of the scales' 128-blocks).
+    if hid % 128 == 0 and inter % 128 == 0:
+        from mok.ops import fp8
+
+        e4m3 = dict(dtype=torch.float8_e4m3fn)
+
+        def quantized(*size):  # e4m3 data and a scale per 128-block of its last two dims
+            blocks = [*size[:-2], *(triton_cdiv(n, 128) for n in size[-2:])]
+            if len(size) == 2:
+                blocks[0] = size[0]
+            return ops.Quantized(torch.empty(*size, **e4m3), torch.empty(*blocks))
+
+        x8, g8 = quantized(tokens, hid), quantized(experts, inter, hid)
+        runs += [
+            ("gate_up fp8", fp8.FP8_TILES,
+             lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt)),
+            ("gate_up fp8 limit h bf16", fp8.FP8_TILES,
+             lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt, 7.0, quantize_h=False)),
+            ("down fp8", fp8.FP8_TILES, lambda tt: fp8.down_proj_fp8(
+                quantized(rows, inter), quantized(experts, hid, inter), routing, tt, rw.view(-1))),
+            ("gate_up saving fp8 limit", fp8.FP8_TILES,
+             lambda tt: fp8.gate_up_fp8(x8, g8, g8, routing, tt, 7.0)),
+            ("down_bwd saved fp8 limit", fp8.FP8_TILES, lambda tt: fp8.dswiglu_fp8(
+                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0)),
+            ("d_x fp8", fp8.FP8_TILES, lambda tt: fp8.d_x_rows_fp8(
+                quantized(rows, 2 * inter), quantized(experts, hid, 2 * inter), routing, tt)),
+        ]
     if not args.json:
         print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
     rows_out = []

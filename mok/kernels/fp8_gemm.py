@@ -11,11 +11,17 @@ block (128), so each K step's product (e4m3 wgmma on Hopper, whose accumulator k
 than fp32) is scaled and added to an fp32 accumulator. BLOCK_N divides 128: one weight scale a
 tile and K step. Padding rows (route -1) read zeros and write zeros.
 
-SWIGLU: a second weight (up) and its accumulator; out = swiglu(gate, up) (with HAS_LIMIT the
-pre-activations clamped first, mok.kernels.activation). WEIGHTED: out scaled by the route's
-router weight (down). QUANTIZE_OUT (BLOCK_N = 128): out stored as e4m3 with a scale per row of
-the tile (a 1 x 128 block, mok.kernels.quantize's rule) into out_scale[r, n // 128]; else out
-rounded to out's dtype. A program per tile, GROUP_M row blocks at a time; every output element
+EPILOGUE:
+- "plain": out = the product (down, d_x), with WEIGHTED scaled by the route's router weight.
+- "swiglu": a second weight (up) and its accumulator; out = swiglu(gate, up) (with HAS_LIMIT
+  the pre-activations clamped first, mok.kernels.activation).
+- "gate_up": the same two products stored as the pre-activations gate_up [C, 2N] (out; with
+  HAS_LIMIT a clamped value as +-inf, activation.kept), for the backward's dSwiGLU.
+- "dswiglu": the product is d_out[token] @ w_down[e] (w the transposed w_down [E, I, H]); the
+  dSwiGLU over the kept pre-activations (see _dswiglu_epilogue).
+QUANTIZE_OUT (BLOCK_N = 128): the output stored as e4m3 with a scale per row of the tile (a
+1 x 128 block, mok.kernels.quantize's rule) into out_scale[r, n // 128]; else rounded to
+out's dtype. A program per tile, GROUP_M row blocks at a time; every output element
 is summed in one fixed order, so results are bitwise reproducible. UPCAST: under Triton's CPU
 interpreter (mok.kernels.common).
 """
@@ -40,15 +46,17 @@ def _dot_e4m3(a, b, UPCAST: tl.constexpr):
 @triton.jit
 def fp8_rows_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w2_ptr, w2_scale_ptr, out_ptr, out_scale_ptr,
-    row_route_ptr, block_expert_ptr, used_rows_ptr, router_weights_ptr,
-    N, K, topk, num_m_blocks, swiglu_limit,
+    row_route_ptr, block_expert_ptr, used_rows_ptr, router_weights_ptr, gate_up_ptr, h_ptr,
+    partial_ptr, N, K, topk, num_m_blocks, swiglu_limit,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
-    GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    stride_gum, stride_hm, stride_pm,
+    GATHER: tl.constexpr, EPILOGUE: tl.constexpr, HAS_LIMIT: tl.constexpr,
     WEIGHTED: tl.constexpr, QUANTIZE_OUT: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of out [C, N] (see the module's docstring)."""
+    """One [BLOCK_M, BLOCK_N] tile (see the module's docstring for the product and EPILOGUE)."""
+    TWO: tl.constexpr = EPILOGUE == "swiglu" or EPILOGUE == "gate_up"
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(used_rows_ptr):
         return
@@ -71,25 +79,90 @@ def fp8_rows_kernel(
         b = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)
         acc += _dot_e4m3(a, b, UPCAST) * (a_scale[:, None]
                                            * tl.load(w_scale_ptr + w_scale_offset + kb))
-        if SWIGLU:
+        if TWO:
             b2 = tl.load(w2_ptr + w_offsets, mask=w_mask, other=0.0)
             acc2 += _dot_e4m3(a, b2, UPCAST) * (a_scale[:, None]
                                                  * tl.load(w2_scale_ptr + w_scale_offset + kb))
         a_ptrs += BLOCK_K
         w_offsets += BLOCK_K
-    out = acc
-    if SWIGLU:
-        out = activation.swiglu(acc, acc2, swiglu_limit, HAS_LIMIT)
-    if WEIGHTED:
-        out *= tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
     in_n = cols < N
-    out = tl.where(valid[:, None] & in_n[None, :], out, 0.0)
-    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    if QUANTIZE_OUT:
-        magnitude = tl.abs(out)
-        magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of amax
-        scale, inverse = _block_scale(tl.max(magnitude, axis=1), False)
-        tl.store(out_ptrs, to_e4m3(out * inverse[:, None], UPCAST), mask=in_n[None, :])
-        tl.store(out_scale_ptr + rows * stride_osm + pid_n, scale)
+    keep = valid[:, None] & in_n[None, :]
+    if EPILOGUE == "gate_up":  # the pre-activations, as the forward that keeps them stores them
+        gate, up = acc, acc2
+        if HAS_LIMIT:
+            gate, up = activation.kept(acc, acc2, swiglu_limit)
+        gu_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        tl.store(gu_ptrs, cast_to(tl.where(keep, gate, 0.0), out_ptr.dtype.element_ty, UPCAST),
+                 mask=in_n[None, :])
+        tl.store(gu_ptrs + N, cast_to(tl.where(keep, up, 0.0), out_ptr.dtype.element_ty, UPCAST),
+                 mask=in_n[None, :])
+    elif EPILOGUE == "dswiglu":
+        _dswiglu_epilogue(acc, rows, route, valid, keep, cols, in_n, pid_n, N, out_ptr,
+                          out_scale_ptr, router_weights_ptr, gate_up_ptr, h_ptr, partial_ptr,
+                          stride_om, stride_osm, stride_gum, stride_hm, stride_pm, swiglu_limit,
+                          HAS_LIMIT, WEIGHTED, QUANTIZE_OUT, UPCAST)
     else:
-        tl.store(out_ptrs, cast_to(out, out_ptr.dtype.element_ty, UPCAST), mask=in_n[None, :])
+        out = acc
+        if EPILOGUE == "swiglu":
+            out = activation.swiglu(acc, acc2, swiglu_limit, HAS_LIMIT)
+        if WEIGHTED:
+            out *= tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
+        out = tl.where(keep, out, 0.0)
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        if QUANTIZE_OUT:
+            _store_e4m3(out, out_ptrs, out_scale_ptr + rows * stride_osm + pid_n, in_n, UPCAST)
+        else:
+            tl.store(out_ptrs, cast_to(out, out_ptr.dtype.element_ty, UPCAST),
+                     mask=in_n[None, :])
+
+
+@triton.jit
+def _store_e4m3(value, ptrs, scale_ptrs, in_n, UPCAST: tl.constexpr):
+    """value [BLOCK_M, 128] as e4m3 at ptrs with a scale per row at scale_ptrs (a 1 x 128
+    block, mok.kernels.quantize's rule)."""
+    magnitude = tl.abs(value)
+    magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of amax
+    scale, inverse = _block_scale(tl.max(magnitude, axis=1), False)
+    tl.store(ptrs, to_e4m3(value * inverse[:, None], UPCAST), mask=in_n[None, :])
+    tl.store(scale_ptrs, scale)
+
+
+@triton.jit
+def _dswiglu_epilogue(dh0, rows, route, valid, keep, cols, in_n, pid_n, N, out_ptr,
+                      out_scale_ptr, router_weights_ptr, gate_up_ptr, h_ptr, partial_ptr,
+                      stride_om, stride_osm, stride_gum, stride_hm, stride_pm, swiglu_limit,
+                      HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr,
+                      QUANTIZE_OUT: tl.constexpr, UPCAST: tl.constexpr):
+    """dSwiGLU of dh0 = d_out[token] @ w_down[e] over the kept pre-activations gate_up [C, 2N]:
+    d_gate_up in bf16 over them (in place), and with QUANTIZE_OUT in e4m3 into out [C, 2N]
+    (scales [C, 2N / 128]: d_gate's blocks, then d_up's); h into h_ptr; with WEIGHTED, d_h
+    scaled by the route's router weight and the router-weight gradient's partial sums
+    sum_n dh0 * h into partial[r, pid_n]."""
+    gu_ptrs = gate_up_ptr + rows[:, None] * stride_gum + cols[None, :]
+    gate = tl.load(gu_ptrs, mask=keep, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptrs + N, mask=keep, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        gate_pass, up_pass = activation.passes(gate, up, swiglu_limit, True)
+        gate, up = activation.clamp(gate, up, swiglu_limit)
+    sig, silu = activation.silu(gate)
+    h = silu * up
+    tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :],
+             cast_to(h, h_ptr.dtype.element_ty, UPCAST), mask=in_n[None, :])
+    d_h = dh0
+    if WEIGHTED:
+        tl.store(partial_ptr + rows * stride_pm + pid_n, tl.sum(dh0 * h, axis=1))
+        d_h = dh0 * tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
+    d_gate, d_up = activation.dswiglu(d_h, gate, up, sig, silu)
+    if HAS_LIMIT:
+        d_gate = tl.where(gate_pass, d_gate, 0.0)
+        d_up = tl.where(up_pass, d_up, 0.0)
+    d_gate = tl.where(keep, d_gate, 0.0)
+    d_up = tl.where(keep, d_up, 0.0)
+    tl.store(gu_ptrs, cast_to(d_gate, gate_up_ptr.dtype.element_ty, UPCAST), mask=in_n[None, :])
+    tl.store(gu_ptrs + N, cast_to(d_up, gate_up_ptr.dtype.element_ty, UPCAST),
+             mask=in_n[None, :])
+    if QUANTIZE_OUT:
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        scale_ptrs = out_scale_ptr + rows * stride_osm + pid_n
+        _store_e4m3(d_gate, out_ptrs, scale_ptrs, in_n, UPCAST)
+        _store_e4m3(d_up, out_ptrs + N, scale_ptrs + tl.cdiv(N, 128), in_n, UPCAST)

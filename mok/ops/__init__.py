@@ -22,7 +22,14 @@ from mok.ops.experts import (
     grouped_wgrad_gate_up,
     router_grad,
 )
-from mok.ops.fp8 import FP8_TILES, down_proj_fp8, gate_up_swiglu_fp8
+from mok.ops.fp8 import (
+    FP8_TILES,
+    d_x_rows_fp8,
+    down_proj_fp8,
+    dswiglu_fp8,
+    gate_up_fp8,
+    gate_up_swiglu_fp8,
+)
 from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_rows, quantize_weights
 from mok.ops.routing import (
     Routing,
@@ -61,14 +68,17 @@ __all__ = [
     "combine",
     "copy_rows",
     "d_x_rows",
+    "d_x_rows_fp8",
     "default_tiles",
     "dense_routing",
     "down_bwd_dswiglu",
     "down_proj",
     "down_proj_fp8",
     "dswiglu_apart",
+    "dswiglu_fp8",
     "exchange_routes",
     "gate_up_buffer",
+    "gate_up_fp8",
     "gate_up_swiglu",
     "gate_up_swiglu_fp8",
     "grouped_wgrad",

@@ -1,5 +1,6 @@
-"""Launchers of the forward's row GEMMs on float8_e4m3fn operands with blockwise scales
-(mok.kernels.fp8_gemm): gate/up with SwiGLU, and down."""
+"""Launchers of the layer's row GEMMs on float8_e4m3fn operands with blockwise scales
+(mok.kernels.fp8_gemm): the forward's gate/up with SwiGLU and down; the backward's gate/up
+pre-activations, dSwiGLU and d_x."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from mok.ops.tuning import RowTiles
 
 E4M3 = torch.float8_e4m3fn
 
-# The Triton kernel's tiles: K steps of one scale block, 128 columns (h's scale block).
-FP8_TILES = RowTiles(128, 128, QUANT_BLOCK, group_m=8, num_warps=8, num_stages=3)
+# The Triton kernel's tiles: K steps of one scale block, 128 columns (h's scale block), 64
+# rows: at 128 rows the two-accumulator and dSwiGLU launches spill to the stack on sm_90.
+FP8_TILES = RowTiles(64, 128, QUANT_BLOCK, group_m=8, num_warps=8, num_stages=3)
 
 
 def gate_up_swiglu_fp8(
@@ -33,14 +35,7 @@ def gate_up_swiglu_fp8(
     """h [C, I] = swiglu(x[token] @ w_gate[e]^T, x[token] @ w_up[e]^T) of each schedule row,
     0 on padding rows: e4m3 with a scale per 1 x 128 block (quantize_h), else in out_dtype.
     x: [T, H] rows (mok.ops.quantize_rows); w_gate, w_up: [E, I, H] (mok.ops.quantize_weights)."""
-    tokens, hidden = _rows_operand(x, "x")
-    experts, inter, _ = _weights_operand(w_gate, "w_gate", hidden)
-    if _weights_operand(w_up, "w_up", hidden) != (experts, inter, hidden):
-        raise MoKInputError(f"w_up's shape {tuple(w_up.data.shape)} differs from w_gate's "
-                            f"{tuple(w_gate.data.shape)}")
-    if (w_up.data.stride() != w_gate.data.stride()
-            or w_up.scales.stride() != w_gate.scales.stride()):
-        raise MoKInputError("w_up and its scales must be laid out as w_gate's")
+    inter = _gate_up_operands(x, w_gate, w_up)
     _check_tiles(tiles, routing, quantize_out=quantize_h)
     rows = routing.capacity_rows
     device = x.data.device
@@ -52,8 +47,89 @@ def gate_up_swiglu_fp8(
         out = torch.empty(rows, inter, dtype=out_dtype, device=device)
         out_scales = out
     _launch(x, w_gate, w_up, out, out_scales, routing, tiles, None, swiglu_limit,
-            gather=True, quantize_out=quantize_h)
+            gather=True, epilogue="swiglu", quantize_out=quantize_h)
     return Quantized(out, out_scales) if quantize_h else out
+
+
+def gate_up_fp8(
+    x: Quantized,
+    w_gate: Quantized,
+    w_up: Quantized,
+    routing: Routing,
+    tiles: RowTiles = FP8_TILES,
+    swiglu_limit: float | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The pre-activations gate_up [C, 2I] (gate, then up) of gate_up_swiglu_fp8's products, in
+    out_dtype, 0 on padding rows; with a limit a clamped value as +-inf, as the forward that
+    keeps them stores it (the backward's dswiglu_fp8 reads them)."""
+    inter = _gate_up_operands(x, w_gate, w_up)
+    _check_tiles(tiles, routing, quantize_out=False)
+    out = torch.empty(routing.capacity_rows, 2 * inter, dtype=out_dtype, device=x.data.device)
+    _launch(x, w_gate, w_up, out, out, routing, tiles, None, swiglu_limit, gather=True,
+            epilogue="gate_up", quantize_out=False)
+    return out
+
+
+def dswiglu_fp8(
+    d_output: Quantized,
+    w_down_t: Quantized,
+    gate_up: torch.Tensor,
+    routing: Routing,
+    tiles: RowTiles = FP8_TILES,
+    router_weights: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+) -> tuple[Quantized, torch.Tensor, torch.Tensor | None]:
+    """The backward's first GEMM on e4m3 operands and the dSwiGLU after it: dh0 = d_output[token]
+    @ w_down[e] (w_down_t [E, I, H], the transposed w_down quantized), d_h = router weight * dh0,
+    (d_gate, d_up) from the kept pre-activations gate_up [C, 2I] (gate_up_fp8's), I a multiple
+    of 128. Returns (d_gate_up in e4m3 [C, 2I] with 1 x 128 scales [C, 2I / 128], h [C, I] in
+    gate_up's dtype, the router-weight gradient's partial sums [C, I / 128] fp32 or None without
+    router_weights); d_gate_up also replaces gate_up in place, in its dtype."""
+    _, hidden = _rows_operand(d_output, "d_output")
+    _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden)
+    if inter % QUANT_BLOCK:
+        raise MoKInputError(f"the FP8 backward needs I a multiple of {QUANT_BLOCK}, got {inter}")
+    if gate_up.shape != (routing.capacity_rows, 2 * inter) or gate_up.stride(1) != 1:
+        raise MoKInputError(f"gate_up must be [{routing.capacity_rows}, {2 * inter}] with unit "
+                            f"column stride, got {tuple(gate_up.shape)}")
+    _check_router_weights(router_weights, routing)
+    _check_tiles(tiles, routing, quantize_out=True)
+    device = gate_up.device
+    rows, blocks = routing.capacity_rows, inter // QUANT_BLOCK
+    out = torch.empty(rows, 2 * inter, dtype=E4M3, device=device)
+    out_scales = torch.empty(rows, 2 * blocks, dtype=torch.float32, device=device)
+    h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
+    partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
+               if router_weights is not None else None)
+    _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
+            swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True, gate_up=gate_up,
+            h=h, partial=partial)
+    return Quantized(out, out_scales), h, partial
+
+
+def d_x_rows_fp8(
+    d_gate_up: Quantized,
+    w_gate_up_t: Quantized,
+    routing: Routing,
+    tiles: RowTiles = FP8_TILES,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """rows [C, H] = d_gate_up[r] @ w_gate_up_t[e]^T in out_dtype: d_gate @ w_gate[e] + d_up @
+    w_up[e] as one GEMM over K = 2I, with d_gate_up [C, 2I] in e4m3 (dswiglu_fp8's) and
+    w_gate_up_t [E, H, 2I] the transposed gate and up weights side by side, quantized."""
+    capacity, width = _rows_operand(d_gate_up, "d_gate_up")
+    if capacity != routing.capacity_rows:
+        raise MoKInputError(f"d_gate_up has {capacity} rows, the schedule "
+                            f"{routing.capacity_rows}")
+    _, hidden, _ = _weights_operand(w_gate_up_t, "w_gate_up_t", width)
+    _check_tiles(tiles, routing, quantize_out=False)
+    out = torch.empty(capacity, hidden, dtype=out_dtype, device=d_gate_up.data.device)
+    _launch(d_gate_up, w_gate_up_t, None, out, out, routing, tiles, None, None, gather=False,
+            epilogue="plain", quantize_out=False)
+    return out
 
 
 def down_proj_fp8(
@@ -72,15 +148,32 @@ def down_proj_fp8(
     if capacity != routing.capacity_rows:
         raise MoKInputError(f"h has {capacity} rows, the schedule {routing.capacity_rows}")
     _, hidden, _ = _weights_operand(w_down, "w_down", inter)
+    _check_router_weights(router_weights, routing)
+    _check_tiles(tiles, routing, quantize_out=False)
+    out = torch.empty(capacity, hidden, dtype=out_dtype, device=h.data.device)
+    _launch(h, w_down, None, out, out, routing, tiles, router_weights, None, gather=False,
+            epilogue="plain", quantize_out=False)
+    return out
+
+
+def _gate_up_operands(x: Quantized, w_gate: Quantized, w_up: Quantized) -> int:
+    """I, after checking x [T, H] and the two weights [E, I, H] alike."""
+    _, hidden = _rows_operand(x, "x")
+    experts, inter, _ = _weights_operand(w_gate, "w_gate", hidden)
+    if _weights_operand(w_up, "w_up", hidden) != (experts, inter, hidden):
+        raise MoKInputError(f"w_up's shape {tuple(w_up.data.shape)} differs from w_gate's "
+                            f"{tuple(w_gate.data.shape)}")
+    if (w_up.data.stride() != w_gate.data.stride()
+            or w_up.scales.stride() != w_gate.scales.stride()):
+        raise MoKInputError("w_up and its scales must be laid out as w_gate's")
+    return inter
+
+
+def _check_router_weights(router_weights: torch.Tensor | None, routing: Routing) -> None:
     if router_weights is not None and (router_weights.dtype != torch.float32
                                        or router_weights.numel() != routing.num_tokens
                                        * routing.topk):
         raise MoKInputError("router_weights must be fp32 with a weight per route (T * k)")
-    _check_tiles(tiles, routing, quantize_out=False)
-    out = torch.empty(capacity, hidden, dtype=out_dtype, device=h.data.device)
-    _launch(h, w_down, None, out, out, routing, tiles, router_weights, None, gather=False,
-            quantize_out=False)
-    return out
 
 
 def _rows_operand(rows: Quantized, name: str) -> tuple[int, int]:
@@ -127,22 +220,26 @@ def _check_tiles(tiles: RowTiles, routing: Routing, *, quantize_out: bool) -> No
 
 
 def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_limit, *,
-            gather, quantize_out):
+            gather, epilogue, quantize_out, gate_up=None, h=None, partial=None):
     rows = routing.capacity_rows
     n = w.data.shape[1]
     if rows == 0 or n == 0:
         return
     num_m_blocks = rows // tiles.block_m
     second = w2 if w2 is not None else w
+    gate_up = gate_up if gate_up is not None else out
+    h = h if h is not None else out
+    partial = partial if partial is not None else out_scales
     kernels.fp8_rows_kernel[(num_m_blocks * triton.cdiv(n, tiles.block_n),)](
         a.data, a.scales, w.data, w.scales, second.data, second.scales, out, out_scales,
         routing.row_route, routing.block_expert, routing.used_rows,
-        router_weights if router_weights is not None else a.scales,
+        router_weights if router_weights is not None else a.scales, gate_up, h, partial,
         n, a.data.shape[1], routing.topk, num_m_blocks,
         swiglu_limit if swiglu_limit is not None else 0.0,
         a.data.stride(0), a.scales.stride(0), w.data.stride(0), w.data.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), out_scales.stride(0),
-        GATHER=gather, SWIGLU=w2 is not None, HAS_LIMIT=swiglu_limit is not None,
+        gate_up.stride(0), h.stride(0), partial.stride(0),
+        GATHER=gather, EPILOGUE=epilogue, HAS_LIMIT=swiglu_limit is not None,
         WEIGHTED=router_weights is not None, QUANTIZE_OUT=quantize_out, ALIGN=routing.align,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, UPCAST=_env.INTERPRET, num_warps=tiles.num_warps,

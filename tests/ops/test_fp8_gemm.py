@@ -7,7 +7,13 @@ import torch
 import mok.reference as reference
 from mok.errors import MoKInputError
 from mok.ops import build_routing
-from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
+from mok.ops.fp8 import (
+    d_x_rows_fp8,
+    down_proj_fp8,
+    dswiglu_fp8,
+    gate_up_fp8,
+    gate_up_swiglu_fp8,
+)
 from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_rows, quantize_weights
 from mok.ops.tuning import RowTiles
 from mok.testing import RoutingPattern, make_topk
@@ -137,6 +143,123 @@ def test_fp8_forward_is_close_to_bf16_reference(device):
                          (h @ w_d[e].float().T) * router_weights[routes[mine], None])
     relative = (y - y_ref).norm() / y_ref.norm()
     assert relative < 0.08, relative
+
+
+def kept_reference(gate, up, limit):
+    """The pre-activations as the forward that keeps them stores them (+-inf where clamped)."""
+    if limit is None:
+        return gate, up
+    gate = torch.where(gate > limit, float("inf"), gate)
+    up = torch.where(up > limit, float("inf"), torch.where(up < -limit, -float("inf"), up))
+    return gate, up
+
+
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["plain", "limit"])
+def test_gate_up_fp8_keeps_the_pre_activations(device, limit):
+    x, (w_g, w_u, _), _, _, routing = setup(device, inter=256, seed=4)
+    xq, gate_q, up_q = quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u)
+    gate_up = gate_up_fp8(xq, gate_q, up_q, routing, TILES, limit, out_dtype=torch.float32)
+    x_dq = dequantized(xq, (1, QUANT_BLOCK))
+    gate_w, up_w = (dequantized(w, (QUANT_BLOCK, QUANT_BLOCK)) for w in (gate_q, up_q))
+    rows, _, tokens, experts = route_rows(routing)
+    gate, up = kept_reference(torch.einsum("rk,rnk->rn", x_dq[tokens], gate_w[experts]),
+                              torch.einsum("rk,rnk->rn", x_dq[tokens], up_w[experts]), limit)
+    torch.testing.assert_close(gate_up[rows], torch.cat([gate, up], 1), rtol=1e-5, atol=1e-5)
+    n = used(routing)
+    padding = (routing.row_route[:n] < 0).nonzero().flatten()
+    assert (gate_up[padding] == 0).all()
+
+
+def dswiglu_reference(dh0, gate, up, weights, limit):
+    """(d_gate, d_up, h, the router-weight gradient's terms dh0 * h) of kept pre-activations."""
+    gate_pass = gate != float("inf")
+    up_pass = up.abs() != float("inf")
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    h = silu * up
+    d_h = dh0 * weights[:, None]
+    d_gate = torch.where(gate_pass, d_h * up * (sig * (1 + gate * (1 - sig))), 0.0)
+    d_up = torch.where(up_pass, d_h * silu, 0.0)
+    return d_gate, d_up, h, dh0 * h
+
+
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["plain", "limit"])
+def test_dswiglu_fp8_matches_dequantized_math(device, limit):
+    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=256, seed=5)
+    gate_up = gate_up_fp8(quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u),
+                          routing, H_TILES, limit)
+    kept = gate_up.clone()
+    generator = torch.Generator().manual_seed(9)
+    d_out = torch.randn(x.shape, generator=generator).bfloat16().to(device)
+    d_out_q = quantize_rows(d_out)
+    w_down_t = quantize_weights(w_d.transpose(1, 2))
+    d_gate_up_q, h, partial = dswiglu_fp8(d_out_q, w_down_t, gate_up, routing, H_TILES,
+                                          router_weights, limit)
+    rows, routes, tokens, experts = route_rows(routing)
+    dh0 = torch.einsum("rk,rnk->rn", dequantized(d_out_q, (1, QUANT_BLOCK))[tokens],
+                       dequantized(w_down_t, (QUANT_BLOCK, QUANT_BLOCK))[experts])
+    inter = w_d.shape[2]
+    d_gate, d_up, h_ref, terms = dswiglu_reference(
+        dh0, kept[rows, :inter].float(), kept[rows, inter:].float(), router_weights[routes],
+        limit)
+    bf16 = dict(rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(h[rows].float(), h_ref, **bf16)
+    torch.testing.assert_close(gate_up[rows].float(), torch.cat([d_gate, d_up], 1), **bf16)
+    torch.testing.assert_close(partial[rows], terms.reshape(len(rows), -1, 128).sum(-1),
+                               rtol=1e-4, atol=1e-4)
+    # e4m3: each value within half a unit of its 3 mantissa bits, or of the block's subnormal
+    # step; each block's scale its largest value over 448.
+    expected = torch.cat([d_gate, d_up], 1)
+    block_scales = expected.abs().reshape(len(rows), -1, 128).amax(-1) / 448
+    block_scales = torch.where(block_scales == 0, 1.0, block_scales)
+    torch.testing.assert_close(d_gate_up_q.scales[rows], block_scales, rtol=1e-5, atol=0)
+    back = dequantized(d_gate_up_q, (1, QUANT_BLOCK))[rows]
+    step = d_gate_up_q.scales[rows].repeat_interleave(128, dim=1)
+    assert ((back - expected).abs() <= expected.abs() * 2.0 ** -4 + step * 2.0 ** -9).all()
+
+
+def test_d_x_fp8_matches_dequantized_math(device):
+    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=256, seed=6)
+    gate_up = gate_up_fp8(quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u),
+                          routing, H_TILES)
+    d_out_q = quantize_rows(torch.randn_like(x))
+    d_gate_up_q, _, _ = dswiglu_fp8(d_out_q, quantize_weights(w_d.transpose(1, 2)), gate_up,
+                                    routing, H_TILES, router_weights)
+    w_gate_up_t = quantize_weights(torch.cat([w_g, w_u], dim=1).transpose(1, 2))
+    rows_out = d_x_rows_fp8(d_gate_up_q, w_gate_up_t, routing, TILES, out_dtype=torch.float32)
+    rows, _, _, experts = route_rows(routing)
+    expected = torch.einsum("rk,rnk->rn", dequantized(d_gate_up_q, (1, QUANT_BLOCK))[rows],
+                            dequantized(w_gate_up_t, (QUANT_BLOCK, QUANT_BLOCK))[experts])
+    torch.testing.assert_close(rows_out[rows], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_input_gradient_is_close_to_bf16_math(device):
+    # d_x through the FP8 backward (dSwiGLU over FP8 gate/up pre-activations, FP8 d_x)
+    # against autograd on the bf16 operands in fp32: e4m3 roundings of d_out, the transposed
+    # weights and d_gate_up, plus the forward's of x and the gate/up weights (6.5% here).
+    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=256, seed=7)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).bfloat16().to(device)
+    gate_up = gate_up_fp8(quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u),
+                          routing, H_TILES)
+    d_gate_up_q, _, _ = dswiglu_fp8(quantize_rows(d_out), quantize_weights(w_d.transpose(1, 2)),
+                                    gate_up, routing, H_TILES, router_weights)
+    rows_out = d_x_rows_fp8(d_gate_up_q, quantize_weights(torch.cat([w_g, w_u], 1).transpose(1, 2)),
+                            routing, TILES, out_dtype=torch.float32)
+    rows, routes, tokens, experts = route_rows(routing)
+    d_x = torch.zeros(x.shape, device=device).index_add_(0, tokens, rows_out[rows])
+    x_ref = x.float().requires_grad_()
+    y = torch.zeros(x.shape, device=device)
+    for e in range(w_g.shape[0]):
+        mine = experts == e
+        rows_x = x_ref[tokens[mine]]
+        h = reference.swiglu(rows_x @ w_g[e].float().T, rows_x @ w_u[e].float().T)
+        y = y.index_add(0, tokens[mine], (h @ w_d[e].float().T) * router_weights[routes[mine],
+                                                                                   None])
+    (d_x_ref,) = torch.autograd.grad(y, x_ref, d_out.float())
+    relative = (d_x - d_x_ref).norm() / d_x_ref.norm()
+    assert relative < 0.1, relative
 
 
 def test_fp8_launchers_reject_bad_operands(device):
