@@ -120,16 +120,8 @@ def d_x_rows_fp8(
     """rows [C, H] = d_gate_up[r] @ w_gate_up_t[e]^T in out_dtype: d_gate @ w_gate[e] + d_up @
     w_up[e] as one GEMM over K = 2I, with d_gate_up [C, 2I] in e4m3 (dswiglu_fp8's) and
     w_gate_up_t [E, H, 2I] the transposed gate and up weights side by side, quantized."""
-    capacity, width = _rows_operand(d_gate_up, "d_gate_up")
-    if capacity != routing.capacity_rows:
-        raise MoKInputError(f"d_gate_up has {capacity} rows, the schedule "
-                            f"{routing.capacity_rows}")
-    _, hidden, _ = _weights_operand(w_gate_up_t, "w_gate_up_t", width)
-    _check_tiles(tiles, routing, quantize_out=False)
-    out = torch.empty(capacity, hidden, dtype=out_dtype, device=d_gate_up.data.device)
-    _launch(d_gate_up, w_gate_up_t, None, out, out, routing, tiles, None, None, gather=False,
-            epilogue="plain", quantize_out=False)
-    return out
+    return _schedule_rows_gemm(d_gate_up, "d_gate_up", w_gate_up_t, "w_gate_up_t", routing,
+                               tiles, None, out_dtype)
 
 
 def down_proj_fp8(
@@ -144,14 +136,22 @@ def down_proj_fp8(
     """rows [C, H] = router_weights[route] * h[r] @ w_down[e]^T in out_dtype (without
     router_weights [T * k] fp32, unweighted), 0 on padding rows. h: [C, I] e4m3 rows
     (gate_up_swiglu_fp8's); w_down: [E, H, I] (mok.ops.quantize_weights)."""
-    capacity, inter = _rows_operand(h, "h")
+    return _schedule_rows_gemm(h, "h", w_down, "w_down", routing, tiles, router_weights,
+                               out_dtype)
+
+
+def _schedule_rows_gemm(a: Quantized, a_name: str, w: Quantized, w_name: str,
+                        routing: Routing, tiles: RowTiles, router_weights, out_dtype):
+    """rows [C, N] = (router weight *) a[r] @ w[e]^T over the schedule's rows a [C, K]."""
+    capacity, width = _rows_operand(a, a_name)
     if capacity != routing.capacity_rows:
-        raise MoKInputError(f"h has {capacity} rows, the schedule {routing.capacity_rows}")
-    _, hidden, _ = _weights_operand(w_down, "w_down", inter)
+        raise MoKInputError(f"{a_name} has {capacity} rows, the schedule "
+                            f"{routing.capacity_rows}")
+    _, n, _ = _weights_operand(w, w_name, width)
     _check_router_weights(router_weights, routing)
     _check_tiles(tiles, routing, quantize_out=False)
-    out = torch.empty(capacity, hidden, dtype=out_dtype, device=h.data.device)
-    _launch(h, w_down, None, out, out, routing, tiles, router_weights, None, gather=False,
+    out = torch.empty(capacity, n, dtype=out_dtype, device=a.data.device)
+    _launch(a, w, None, out, out, routing, tiles, router_weights, None, gather=False,
             epilogue="plain", quantize_out=False)
     return out
 
