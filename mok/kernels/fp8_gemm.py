@@ -1,5 +1,6 @@
 """Grouped float8_e4m3fn GEMMs over the schedule's rows with blockwise scales (DeepSeek's
-recipe): the forward's gate/up with SwiGLU and down, in Triton.
+recipe), in Triton: the forward's gate/up with SwiGLU and down, the backward's gate/up
+pre-activations, dSwiGLU and d_x.
 
     out[r, n] = sum over K blocks b of (sum_{k in b} a[src(r), k] * w[e, n, k])
                 * a_scale[src(r), b] * w_scale[e, n // 128, b]
