@@ -24,11 +24,13 @@ from mok.ops.experts import (
 )
 from mok.ops.fp8 import (
     FP8_TILES,
+    Fp8Experts,
     d_x_rows_fp8,
     down_proj_fp8,
     dswiglu_fp8,
     gate_up_fp8,
     gate_up_swiglu_fp8,
+    quantize_experts,
 )
 from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_rows, quantize_weights
 from mok.ops.routing import (
@@ -51,6 +53,7 @@ from mok.ops.tuning import (
 
 __all__ = [
     "FP8_TILES",
+    "Fp8Experts",
     "QUANT_BLOCK",
     "Quantized",
     "DswigluTiles",
@@ -84,6 +87,7 @@ __all__ = [
     "grouped_wgrad",
     "grouped_wgrad_gate_up",
     "local_first_blocks",
+    "quantize_experts",
     "quantize_rows",
     "quantize_weights",
     "router_grad",

@@ -4,13 +4,16 @@ pre-activations, dSwiGLU and d_x."""
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 
 from mok import _env
 from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
-from mok.ops.quantize import QUANT_BLOCK, Quantized
+from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_weights
 from mok.ops.routing import Routing
 from mok.ops.tuning import RowTiles
 
@@ -19,6 +22,32 @@ E4M3 = torch.float8_e4m3fn
 # The Triton kernel's tiles: K steps of one scale block, 128 columns (h's scale block), 64
 # rows: at 128 rows the two-accumulator and dSwiGLU launches spill to the stack on sm_90.
 FP8_TILES = RowTiles(64, 128, QUANT_BLOCK, group_m=8, num_warps=8, num_stages=3)
+
+
+class Fp8Experts(NamedTuple):
+    """The expert weights in e4m3 as the FP8 launchers read them: gate, up [E, I, H] and down
+    [E, H, I] for the forward; down_t [E, I, H] (w_down transposed) and gate_up_t [E, H, 2I]
+    (w_gate and w_up transposed, side by side) for the backward's input gradients."""
+
+    gate: Quantized
+    up: Quantized
+    down: Quantized
+    down_t: Quantized
+    gate_up_t: Quantized
+
+
+def quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+                     pow2_scales: bool = False) -> Fp8Experts:
+    """Fp8Experts of bf16 (or fp16, fp32) w_gate, w_up [E, I, H] and w_down [E, H, I], each
+    matrix with a scale per 128 x 128 block (mok.ops.quantize_weights); the transposed copies
+    are quantized from the transposed weights, so their blocks are the same blocks."""
+    if w_gate.shape != w_up.shape or w_down.shape != (*w_gate.shape[:1], *w_gate.shape[:0:-1]):
+        raise MoKInputError(f"w_gate, w_up [E, I, H] and w_down [E, H, I] do not match: "
+                            f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}")
+    quantize = functools.partial(quantize_weights, pow2_scales=pow2_scales)
+    return Fp8Experts(quantize(w_gate), quantize(w_up), quantize(w_down),
+                      quantize(w_down.transpose(1, 2)),
+                      quantize(torch.cat([w_gate, w_up], dim=1).transpose(1, 2)))
 
 
 def gate_up_swiglu_fp8(

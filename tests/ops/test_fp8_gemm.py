@@ -13,6 +13,7 @@ from mok.ops.fp8 import (
     dswiglu_fp8,
     gate_up_fp8,
     gate_up_swiglu_fp8,
+    quantize_experts,
 )
 from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_rows, quantize_weights
 from mok.ops.tuning import RowTiles
@@ -277,3 +278,24 @@ def test_fp8_launchers_reject_bad_operands(device):
         gate_up_swiglu_fp8(xq, gate_q, up_q, routing, TILES, quantize_h=True)
     with pytest.raises(MoKInputError, match="rows, the schedule"):
         down_proj_fp8(xq, quantize_weights(w_d), routing, TILES)
+
+
+def test_quantize_experts_gives_every_copy_the_launchers_read(device):
+    _, (w_g, w_u, w_d), _, _, _ = setup(device, inter=256, seed=8)
+    experts = quantize_experts(w_g, w_u, w_d)
+    block = (QUANT_BLOCK, QUANT_BLOCK)
+    for name, q, weight in (("gate", experts.gate, w_g), ("up", experts.up, w_u),
+                            ("down", experts.down, w_d),
+                            ("down_t", experts.down_t, w_d.transpose(1, 2)),
+                            ("gate_up_t", experts.gate_up_t,
+                             torch.cat([w_g, w_u], dim=1).transpose(1, 2))):
+        expected = quantize_weights(weight.contiguous())
+        assert q.data.shape == weight.shape, name
+        assert torch.equal(q.data.view(torch.uint8), expected.data.view(torch.uint8)), name
+        assert torch.equal(q.scales, expected.scales), name
+    # The transposed copy's blocks are the normal copy's blocks, transposed.
+    assert torch.equal(experts.down_t.scales, experts.down.scales.transpose(1, 2))
+    assert torch.equal(dequantized(experts.down_t, block), dequantized(experts.down, block)
+                       .transpose(1, 2))
+    with pytest.raises(MoKInputError, match="do not match"):
+        quantize_experts(w_g, w_u, w_d[:, :128])
