@@ -388,7 +388,10 @@ def main(argv=None) -> None:
             return ops.Quantized(torch.empty(*size, **e4m3), torch.empty(*blocks))
 
         x8, g8 = quantized(tokens, hid), quantized(experts, inter, hid)
-        runs += [
+        runs += [  # the quantization kernel has no product: its tiles only label the run
+            ("quantize rows fp8", fp8.FP8_TILES, lambda tt: ops.quantize_rows(x)),
+            ("quantize weights fp8 pow2", fp8.FP8_TILES,
+             lambda tt: ops.quantize_weights(w_g, pow2_scales=True)),
             ("gate_up fp8", fp8.FP8_TILES,
              lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt)),
             ("gate_up fp8 limit h bf16", fp8.FP8_TILES,

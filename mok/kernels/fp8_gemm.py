@@ -31,9 +31,9 @@ import triton
 import triton.language as tl
 
 from mok.kernels import activation
-from mok.kernels.common import cast_to, from_e4m3, to_e4m3
+from mok.kernels.common import cast_to, from_e4m3
 from mok.kernels.grouped_gemm import _tile_coords, _tile_rows
-from mok.kernels.quantize import _block_scale
+from mok.kernels.quantize import quantize_tile
 
 
 @triton.jit
@@ -121,10 +121,8 @@ def fp8_rows_kernel(
 def _store_e4m3(value, ptrs, scale_ptrs, in_n, UPCAST: tl.constexpr):
     """value [BLOCK_M, 128] as e4m3 at ptrs with a scale per row at scale_ptrs (a 1 x 128
     block, mok.kernels.quantize's rule)."""
-    magnitude = tl.abs(value)
-    magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of amax
-    scale, inverse = _block_scale(tl.max(magnitude, axis=1), False)
-    tl.store(ptrs, to_e4m3(value * inverse[:, None], UPCAST), mask=in_n[None, :])
+    q, scale = quantize_tile(value, True, False, UPCAST)
+    tl.store(ptrs, q, mask=in_n[None, :])
     tl.store(scale_ptrs, scale)
 
 

@@ -32,6 +32,21 @@ def _block_scale(amax, POW2: tl.constexpr):
 
 
 @triton.jit
+def quantize_tile(x, ROW_SCALES: tl.constexpr, POW2: tl.constexpr, UPCAST: tl.constexpr):
+    """(e4m3 q, scale) of an fp32 tile: a scale per row (ROW_SCALES) or one for the tile, from
+    the amax with NaN left out (the module's rule)."""
+    magnitude = tl.abs(x)
+    magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)
+    if ROW_SCALES:
+        scale, inverse = _block_scale(tl.max(magnitude, axis=1), POW2)
+        scaled = x * inverse[:, None]
+    else:
+        scale, inverse = _block_scale(tl.max(tl.max(magnitude, axis=1), axis=0), POW2)
+        scaled = x * inverse
+    return to_e4m3(scaled, UPCAST), scale
+
+
+@triton.jit
 def quantize_e4m3_kernel(
     x_ptr, q_ptr, scale_ptr, M, K,
     stride_xb, stride_xm, stride_xk, stride_qb, stride_qm, stride_sb, stride_sm,
@@ -47,16 +62,11 @@ def quantize_e4m3_kernel(
     x_base = x_ptr + batch.to(tl.int64) * stride_xb
     x = tl.load(x_base + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk,
                 mask=mask, other=0.0).to(tl.float32)
-    magnitude = tl.abs(x)
-    magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of amax
+    q, scale = quantize_tile(x, ROW_SCALES, POW2, UPCAST)
     scale_base = scale_ptr + batch.to(tl.int64) * stride_sb
     if ROW_SCALES:
-        scale, inverse = _block_scale(tl.max(magnitude, axis=1), POW2)
-        q = to_e4m3(x * inverse[:, None], UPCAST)
         tl.store(scale_base + rows * stride_sm + pid_k, scale, mask=rows < M)
     else:
-        scale, inverse = _block_scale(tl.max(tl.max(magnitude, axis=1), axis=0), POW2)
-        q = to_e4m3(x * inverse, UPCAST)
         tl.store(scale_base + pid_m * stride_sm + pid_k, scale)
     q_base = q_ptr + batch.to(tl.int64) * stride_qb
     tl.store(q_base + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], q, mask=mask)

@@ -1,5 +1,6 @@
 """The expert GEMMs compiled for Hopper (sm_90) with Triton's bundled ptxas, no GPU needed
-(scripts/sm90_compile.py), the launches that pull rows under expert parallelism included:
+(scripts/sm90_compile.py), the launches that pull rows under expert parallelism and the FP8
+launches (the quantization kernel, whose runs have no product, included):
 every tile variant compiles, the products are wgmma, TMA appears
 exactly where asked, nothing spills, and the weight gradients keep the pipeline depth their
 stages ask for (a load of the same iteration feeding a gathered address used to cost a stage)."""
@@ -31,7 +32,7 @@ def test_every_variant_compiles_to_wgmma_without_spills(compiled):
     assert len(compiled) >= 20
     for name, row in compiled.items():
         assert "error" not in row, (name, row.get("error"))
-        assert row["wgmma"], name
+        assert row["wgmma"] != name.startswith("quantize"), name  # quantizing has no product
         assert row["spills"] == 0, name
         if " gluon" in name:  # spills to the stack frame too (some Triton tiles have a few)
             assert row["stack"] == 0, name
