@@ -42,9 +42,18 @@ from mok.errors import (
 )
 from mok.exchange import BackwardRows, Exchange, Movement, Phase, create_exchange
 from mok.ops import Routing, TileConfig
-from mok.plan import BackwardPlan, ForwardPlan, Operands, backward_plan, forward_plan
+from mok.plan import (
+    BackwardPlan,
+    ForwardPlan,
+    Fp8Plan,
+    Operands,
+    backward_plan,
+    forward_plan,
+    fp8_plan,
+)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+PRECISIONS = ("bf16", "fp8")
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -86,6 +95,13 @@ class MoKConfig:
         Moves T_max rows a rank where the pull moves those with a route here.
     bwd_copy_rows: the same for the backward's d_output and x rows (SymmetricExchange.
         backward_copy), which lets the Gluon dSwiGLU kernel take its first GEMM.
+    precision: "bf16", every GEMM in the inputs' dtype (bf16 or fp16); or "fp8", the row GEMMs
+        (gate/up, down, and the backward's input gradients) on float8_e4m3fn operands with a
+        scale per 1 x 128 block of a row and per 128 x 128 block of a weight, summed in fp32
+        (mok.ops.fp8), the weights quantized once per version (mok.ops.
+        cached_quantize_experts); the weight gradients, the router-weight gradient and the
+        combine as with "bf16". fp8 needs expert widths (I, I_s) that are multiples of 128 and
+        one GPU (not yet expert parallelism).
     """
 
     fwd_num_comm_sms: int = 32
@@ -98,8 +114,12 @@ class MoKConfig:
     fwd_pull_in_gluon: bool = False
     fwd_copy_rows: bool = False
     bwd_copy_rows: bool = False
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"MoKConfig.precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{self.precision!r}")
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"MoKConfig.{name} must be positive, got {getattr(self, name)}")
@@ -331,6 +351,8 @@ class ForwardContext:
         not kept: the backward pulls them again with d_output.
     Without gate_up, the gate/up projections are recomputed inside the backward kernel; expert
     outputs are never kept (the router-weight gradient is computed from h).
+    precision: the config's. An "fp8" context keeps no h (the FP8 backward recomputes the
+    pre-activations, and h from them, when they are not kept).
     """
 
     h: torch.Tensor | None
@@ -338,6 +360,7 @@ class ForwardContext:
     weights_group: torch.Tensor | None = None
     gate_up: torch.Tensor | None = None
     gate_up_shared: torch.Tensor | None = None
+    precision: str = "bf16"
 
     @property
     def nbytes(self) -> int:
@@ -539,6 +562,93 @@ def _gate_up(config, schedule, x, router_weights, shared: _Experts | None, route
     return context, rows.route_weights
 
 
+# -- FP8 (MoKConfig.precision "fp8"): one GPU, the row GEMMs of mok.ops.fp8 -------------------
+
+def _check_fp8(workspace: Workspace, shared: _Experts | None, routed: _Experts) -> None:
+    if workspace.ep_size > 1:
+        raise MoKInputError("MoKConfig(precision='fp8') runs on one GPU: FP8 under expert "
+                            "parallelism is not built yet")
+    for name, experts in (("intermediate_size", routed), ("the shared intermediate size", shared)):
+        if experts is not None and experts.intermediate % ops.QUANT_BLOCK:
+            raise MoKInputError(f"MoKConfig(precision='fp8') needs {name} a multiple of "
+                                f"{ops.QUANT_BLOCK} (the scales' block), got "
+                                f"{experts.intermediate}")
+
+
+def _fp8_plan(schedule: Schedule, x: torch.Tensor, experts: _Experts) -> Fp8Plan:
+    return fp8_plan(schedule.tiles, experts.operands(x), hidden=x.shape[1],
+                    intermediate=experts.intermediate)
+
+
+def _fp8_weights(experts: _Experts) -> ops.Fp8Experts:
+    return ops.cached_quantize_experts(experts.gate, experts.up, experts.down)
+
+
+def _forward_fp8(config, schedule, x, router_weights, shared: _Experts | None,
+                 routed: _Experts, swiglu_limit) -> tuple[torch.Tensor, ForwardContext]:
+    """forward in FP8: x quantized once, each group of experts' gate/up with SwiGLU (h in e4m3,
+    the pre-activations kept alongside unless recomputed) and down, then the combine."""
+    keep = not config.recompute_gate_up
+    xq = ops.quantize_rows(x)
+
+    def expert_rows(experts: _Experts, routing: Routing, route_weights):
+        tiles = _fp8_plan(schedule, x, experts).rows
+        weights = _fp8_weights(experts)
+        gate_up = ops.gate_up_buffer(x, experts.gate, routing) if keep else None
+        h = ops.gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, tiles, swiglu_limit,
+                                   gate_up=gate_up)
+        return ops.down_proj_fp8(h, weights.down, routing, tiles, route_weights,
+                                 out_dtype=x.dtype), gate_up
+
+    shared_rows = gate_up_shared = None
+    if shared is not None:
+        shared_rows, gate_up_shared = expert_rows(shared, schedule.shared_routing, None)
+    rows, gate_up = expert_rows(routed, schedule.routing, router_weights)
+    y = ops.combine(rows, schedule.routing, shared_rows, x.dtype)
+    return y, ForwardContext(None, None, gate_up=gate_up, gate_up_shared=gate_up_shared,
+                             precision="fp8")
+
+
+def _backward_fp8(schedule, context: ForwardContext, d_output, x, router_weights,
+                  shared: _Experts | None, routed: _Experts, swiglu_limit) -> tuple:
+    """backward in FP8: d_output quantized once; per group of experts the pre-activations (kept,
+    or recomputed from x quantized), dSwiGLU (d_gate_up in e4m3 and in x's dtype, h, the
+    router-weight gradient's partial sums) and the d_x rows on e4m3 operands; the weight
+    gradients in x's dtype from d_gate_up, h, x and d_output, as the 16-bit backward's."""
+    dq = ops.quantize_rows(d_output)
+    xq = []  # x quantized, once, where a group recomputes its pre-activations
+
+    def input_grads(experts: _Experts, routing: Routing, gate_up, route_weights):
+        plan = _fp8_plan(schedule, x, experts)
+        weights = _fp8_weights(experts)
+        if gate_up is None:
+            xq.append(xq[0] if xq else ops.quantize_rows(x))
+            gate_up = ops.gate_up_fp8(xq[0], weights.gate, weights.up, routing, plan.rows,
+                                      swiglu_limit, out_dtype=x.dtype)
+        d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
+                                                  plan.rows, route_weights, swiglu_limit)
+        d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, plan.rows,
+                                    out_dtype=x.dtype)
+        return plan, d_x_rows, partial, [gate_up, h]  # gate_up holds d_gate_up now
+
+    d_shared = (None, None, None)
+    d_x_shared_rows = None
+    if shared is not None:
+        plan, d_x_shared_rows, _, saved = input_grads(shared, schedule.shared_routing,
+                                                      context.gate_up_shared, None)
+        grads = _weight_grads(plan, schedule.shared_routing, d_output, x, saved, None, shared)
+        d_shared = tuple(grad[0] for grad in grads)
+    routing = schedule.routing
+    plan, d_x_rows, partial, saved = input_grads(routed, routing, context.gate_up,
+                                                 router_weights)
+    d_router_weights = ops.router_grad(partial, routing)
+    # The d_x rows are freed before the weight gradients are allocated (as the 16-bit backward).
+    d_x = ops.combine(d_x_rows, routing, d_x_shared_rows, x.dtype)
+    del d_x_rows, d_x_shared_rows
+    d_routed = _weight_grads(plan, routing, d_output, x, saved, router_weights, routed)
+    return (d_x, d_router_weights, *d_routed, *d_shared)
+
+
 def forward(
     config: MoKConfig,
     workspace: Workspace,
@@ -569,6 +679,9 @@ def forward(
     x = _rowmajor(x)
     router_weights = router_weights.contiguous()
     shared, routed = _Experts.shared(*shared), _Experts(*routed)
+    if config.precision == "fp8":
+        _check_fp8(workspace, shared, routed)
+        return _forward_fp8(config, schedule, x, router_weights, shared, routed, swiglu_limit)
     exchange, plan = workspace.exchange, schedule.exchange
     plans = routed_plan, shared_plan = _forward_plans(config, schedule, x, shared, routed)
     # schedule -> rows in -> gate/up
@@ -619,14 +732,37 @@ def recompute_forward_context(
         router_weights = None  # one GPU: the gate/up GEMMs do not read them
     shared = _Experts.shared(w_shared_gate, w_shared_up, None)
     routed = _Experts(w_routed_gate, w_routed_up, None)
+    if config.precision == "fp8":
+        _check_fp8(workspace, shared, routed)
+        return _recompute_fp8(config, schedule, x, shared, routed, swiglu_limit)
     context, _ = _gate_up(config, schedule, x, router_weights, shared, routed, swiglu_limit,
                           _forward_plans(config, schedule, x, shared, routed))
     return context.kept_for_backward()
 
 
-def _check_context_rows(h, gate_up, routing, intermediate, suffix) -> None:
-    """The context holds h or the pre-activations, with this schedule's rows."""
-    if h is None and gate_up is None:
+def _recompute_fp8(config, schedule, x, shared: _Experts | None, routed: _Experts,
+                   swiglu_limit) -> ForwardContext:
+    """recompute_forward_context in FP8: the kept pre-activations; a recomputing context holds
+    nothing (the backward recomputes them)."""
+    if config.recompute_gate_up:
+        return ForwardContext(None, None, precision="fp8")
+    xq = ops.quantize_rows(x)
+    kept = [None, None]
+    for i, (experts, routing) in enumerate(((routed, schedule.routing),
+                                            (shared, schedule.shared_routing))):
+        if experts is not None:
+            weights = ops.cached_quantize_experts(experts.gate, experts.up, None)
+            kept[i] = ops.gate_up_fp8(xq, weights.gate, weights.up, routing,
+                                      _fp8_plan(schedule, x, experts).rows, swiglu_limit,
+                                      out_dtype=x.dtype)
+    return ForwardContext(None, None, gate_up=kept[0], gate_up_shared=kept[1], precision="fp8")
+
+
+def _check_context_rows(h, gate_up, routing, intermediate, suffix, *,
+                        may_be_empty: bool = False) -> None:
+    """The context holds h or the pre-activations (or, may_be_empty, neither), with this
+    schedule's rows."""
+    if h is None and gate_up is None and not may_be_empty:
         raise MoKInputError(f"the forward context holds neither h{suffix} nor gate_up{suffix}")
     for name, tensor, width in ((f"h{suffix}", h, intermediate),
                                 (f"gate_up{suffix}", gate_up, 2 * intermediate)):
@@ -719,19 +855,29 @@ def backward(
     context = forward_context
     if not isinstance(context, ForwardContext):
         raise MoKInputError("forward_context must come from forward or recompute_forward_context")
-    if (context.h_shared is not None or context.gate_up_shared is not None) != (
-            w_shared_gate is not None):
+    holds_nothing = all(t is None for t in (context.h, context.gate_up))  # FP8, recomputing
+    holds_shared = context.h_shared is not None or context.gate_up_shared is not None
+    if not holds_nothing and holds_shared != (w_shared_gate is not None):
         raise MoKInputError("the forward context and the shared-expert weights disagree")
     exchange, plan = workspace.exchange, schedule.exchange
     if (context.weights_group is None) != exchange.rows_here:
         raise MoKInputError("the forward context was made for another workspace")
     shared, routed = _Experts.shared(*shared), _Experts(*routed)
-    _check_context_rows(context.h, context.gate_up, schedule.routing, routed.intermediate, "")
+    if context.precision != config.precision:
+        raise MoKInputError(f"the forward context was made with precision "
+                            f"{context.precision!r}, the config asks {config.precision!r}")
+    fp8 = config.precision == "fp8"
+    _check_context_rows(context.h, context.gate_up, schedule.routing, routed.intermediate, "",
+                        may_be_empty=fp8)
     if shared is not None:
         _check_context_rows(context.h_shared, context.gate_up_shared, schedule.shared_routing,
-                            shared.intermediate, "_shared")
+                            shared.intermediate, "_shared", may_be_empty=fp8)
     x, d_output = _rowmajor(x), _rowmajor(d_output)
     router_weights = router_weights.contiguous()
+    if fp8:
+        _check_fp8(workspace, shared, routed)
+        return _backward_fp8(schedule, context, d_output, x, router_weights, shared, routed,
+                             swiglu_limit)
     dtype = x.dtype
     d_shared = (None, None, None)
     d_x_shared_rows = None

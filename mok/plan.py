@@ -23,7 +23,7 @@ import torch
 
 from mok.arch import arch_of
 from mok.exchange.base import Movement
-from mok.ops import DswigluTiles, RowTiles, TileConfig, WgradTiles
+from mok.ops import DswigluTiles, RowTiles, TileConfig, WgradTiles, fp8_tiles
 from mok.ops.experts import gluon_reads_rows, gluon_reads_weights, gluon_takes, grouped_mm_takes
 
 
@@ -119,6 +119,27 @@ def backward_plan(tiles: TileConfig, operands: Operands, *, hidden: int, interme
                                 **sizes),
                         _wgrad("wgrad_gate_up", pick("wgrad_gate_up"), operands, **sizes),
                         _wgrad("wgrad_down", pick("wgrad_down"), operands, **sizes))
+
+
+@dataclass(frozen=True)
+class Fp8Plan:
+    """MoKConfig(precision="fp8"): rows, the tiles of its row GEMMs on e4m3 operands (mok.ops.
+    fp8: gate/up, down, the backward's pre-activations, dSwiGLU and d_x); the weight gradients,
+    in the inputs' dtype, as the 16-bit plan's."""
+
+    rows: RowTiles
+    wgrad_gate_up: WgradTiles
+    wgrad_down: WgradTiles
+
+
+def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int,
+             intermediate: int) -> Fp8Plan:
+    """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment)."""
+    sizes = dict(hidden=hidden, intermediate=intermediate)
+    pick = _picker(tiles, operands.dtype, sizes)
+    return Fp8Plan(fp8_tiles(tiles.align),
+                   _wgrad("wgrad_gate_up", pick("wgrad_gate_up"), operands, **sizes),
+                   _wgrad("wgrad_down", pick("wgrad_down"), operands, **sizes))
 
 
 # Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).

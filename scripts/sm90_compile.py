@@ -398,6 +398,8 @@ def main(argv=None) -> None:
              lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt, 7.0, quantize_h=False)),
             ("down fp8", fp8.FP8_TILES, lambda tt: fp8.down_proj_fp8(
                 quantized(rows, inter), quantized(experts, hid, inter), routing, tt, rw.view(-1))),
+            ("gate_up fp8 keeping limit", fp8.FP8_TILES,
+             lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt, 7.0, gate_up=dgu)),
             ("gate_up saving fp8 limit", fp8.FP8_TILES,
              lambda tt: fp8.gate_up_fp8(x8, g8, g8, routing, tt, 7.0)),
             ("down_bwd saved fp8 limit", fp8.FP8_TILES, lambda tt: fp8.dswiglu_fp8(

@@ -15,7 +15,8 @@ tile and K step. Padding rows (route -1) read zeros and write zeros.
 EPILOGUE:
 - "plain": out = the product (down, d_x), with WEIGHTED scaled by the route's router weight.
 - "swiglu": a second weight (up) and its accumulator; out = swiglu(gate, up) (with HAS_LIMIT
-  the pre-activations clamped first, mok.kernels.activation).
+  the pre-activations clamped first, mok.kernels.activation); with KEEP_GATE_UP the
+  pre-activations also stored into gate_up [C, 2N], as "gate_up" stores them.
 - "gate_up": the same two products stored as the pre-activations gate_up [C, 2N] (out; with
   HAS_LIMIT a clamped value as +-inf, activation.kept), for the backward's dSwiGLU.
 - "dswiglu": the product is d_out[token] @ w_down[e] (w the transposed w_down [E, I, H]); the
@@ -52,9 +53,9 @@ def fp8_rows_kernel(
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     stride_gum, stride_hm, stride_pm,
     GATHER: tl.constexpr, EPILOGUE: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    WEIGHTED: tl.constexpr, QUANTIZE_OUT: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
+    WEIGHTED: tl.constexpr, QUANTIZE_OUT: tl.constexpr, KEEP_GATE_UP: tl.constexpr,
+    ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile (see the module's docstring for the product and EPILOGUE)."""
     TWO: tl.constexpr = EPILOGUE == "swiglu" or EPILOGUE == "gate_up"
@@ -88,15 +89,9 @@ def fp8_rows_kernel(
         w_offsets += BLOCK_K
     in_n = cols < N
     keep = valid[:, None] & in_n[None, :]
-    if EPILOGUE == "gate_up":  # the pre-activations, as the forward that keeps them stores them
-        gate, up = acc, acc2
-        if HAS_LIMIT:
-            gate, up = activation.kept(acc, acc2, swiglu_limit)
-        gu_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        tl.store(gu_ptrs, cast_to(tl.where(keep, gate, 0.0), out_ptr.dtype.element_ty, UPCAST),
-                 mask=in_n[None, :])
-        tl.store(gu_ptrs + N, cast_to(tl.where(keep, up, 0.0), out_ptr.dtype.element_ty, UPCAST),
-                 mask=in_n[None, :])
+    if EPILOGUE == "gate_up":
+        _store_gate_up(acc, acc2, out_ptr + rows[:, None] * stride_om + cols[None, :], keep,
+                       in_n, N, swiglu_limit, HAS_LIMIT, UPCAST)
     elif EPILOGUE == "dswiglu":
         _dswiglu_epilogue(acc, rows, route, valid, keep, cols, in_n, pid_n, N, out_ptr,
                           out_scale_ptr, router_weights_ptr, gate_up_ptr, h_ptr, partial_ptr,
@@ -105,6 +100,9 @@ def fp8_rows_kernel(
     else:
         out = acc
         if EPILOGUE == "swiglu":
+            if KEEP_GATE_UP:
+                _store_gate_up(acc, acc2, gate_up_ptr + rows[:, None] * stride_gum
+                               + cols[None, :], keep, in_n, N, swiglu_limit, HAS_LIMIT, UPCAST)
             out = activation.swiglu(acc, acc2, swiglu_limit, HAS_LIMIT)
         if WEIGHTED:
             out *= tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
@@ -115,6 +113,19 @@ def fp8_rows_kernel(
         else:
             tl.store(out_ptrs, cast_to(out, out_ptr.dtype.element_ty, UPCAST),
                      mask=in_n[None, :])
+
+
+@triton.jit
+def _store_gate_up(gate, up, ptrs, keep, in_n, N, swiglu_limit, HAS_LIMIT: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """The pre-activations [gate, up] of a tile at ptrs (up N columns after gate), as the
+    forward that keeps them stores them (with HAS_LIMIT a clamped value as +-inf), 0 outside
+    keep."""
+    if HAS_LIMIT:
+        gate, up = activation.kept(gate, up, swiglu_limit)
+    dtype = ptrs.dtype.element_ty
+    tl.store(ptrs, cast_to(tl.where(keep, gate, 0.0), dtype, UPCAST), mask=in_n[None, :])
+    tl.store(ptrs + N, cast_to(tl.where(keep, up, 0.0), dtype, UPCAST), mask=in_n[None, :])
 
 
 @triton.jit

@@ -25,6 +25,8 @@ from mok.ops.experts import (
 from mok.ops.fp8 import (
     FP8_TILES,
     Fp8Experts,
+    cached_quantize_experts,
+    clear_fp8_cache,
     d_x_rows_fp8,
     down_proj_fp8,
     dswiglu_fp8,
@@ -48,6 +50,7 @@ from mok.ops.tuning import (
     Tiles,
     WgradTiles,
     default_tiles,
+    fp8_tiles,
     small_tiles,
 )
 
@@ -71,6 +74,8 @@ __all__ = [
     "combine",
     "copy_rows",
     "d_x_rows",
+    "cached_quantize_experts",
+    "clear_fp8_cache",
     "d_x_rows_fp8",
     "default_tiles",
     "dense_routing",
@@ -80,6 +85,7 @@ __all__ = [
     "dswiglu_apart",
     "dswiglu_fp8",
     "exchange_routes",
+    "fp8_tiles",
     "gate_up_buffer",
     "gate_up_fp8",
     "gate_up_swiglu",

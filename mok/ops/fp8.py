@@ -4,7 +4,6 @@ pre-activations, dSwiGLU and d_x."""
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -15,13 +14,11 @@ from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
 from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_weights
 from mok.ops.routing import Routing
-from mok.ops.tuning import RowTiles
+from mok.ops.tuning import RowTiles, fp8_tiles
 
 E4M3 = torch.float8_e4m3fn
 
-# The Triton kernel's tiles: K steps of one scale block, 128 columns (h's scale block), 64
-# rows: at 128 rows the two-accumulator and dSwiGLU launches spill to the stack on sm_90.
-FP8_TILES = RowTiles(64, 128, QUANT_BLOCK, group_m=8, num_warps=8, num_stages=3)
+FP8_TILES = fp8_tiles(128)  # the launchers' default: a schedule aligned to 128 rows
 
 
 class Fp8Experts(NamedTuple):
@@ -39,15 +36,73 @@ class Fp8Experts(NamedTuple):
 def quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
                      pow2_scales: bool = False) -> Fp8Experts:
     """Fp8Experts of bf16 (or fp16, fp32) w_gate, w_up [E, I, H] and w_down [E, H, I], each
-    matrix with a scale per 128 x 128 block (mok.ops.quantize_weights); the transposed copies
-    are quantized from the transposed weights, so their blocks are the same blocks."""
+    matrix with a scale per 128 x 128 block (mok.ops.quantize_weights). A block's transpose has
+    the same amax, so the transposed copies are the e4m3 codes and scales transposed (gate_up_t:
+    gate's and up's side by side, the same blocks when I is a multiple of 128): what quantizing
+    the transposed weights gives, bit for bit."""
     if w_gate.shape != w_up.shape or w_down.shape != (*w_gate.shape[:1], *w_gate.shape[:0:-1]):
         raise MoKInputError(f"w_gate, w_up [E, I, H] and w_down [E, H, I] do not match: "
                             f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}")
-    quantize = functools.partial(quantize_weights, pow2_scales=pow2_scales)
-    return Fp8Experts(quantize(w_gate), quantize(w_up), quantize(w_down),
-                      quantize(w_down.transpose(1, 2)),
-                      quantize(torch.cat([w_gate, w_up], dim=1).transpose(1, 2)))
+    gate, up, down = (quantize_weights(w, pow2_scales=pow2_scales)
+                      for w in (w_gate, w_up, w_down))
+    if w_gate.shape[1] % QUANT_BLOCK:  # gate's last block and up's first would share one
+        gate_up_t = quantize_weights(torch.cat([w_gate, w_up], dim=1).transpose(1, 2),
+                                     pow2_scales=pow2_scales)
+    else:
+        gate_up_t = Quantized(*(_transposed(torch.cat([g, u], dim=1))
+                                for g, u in zip(gate, up, strict=True)))
+    return Fp8Experts(gate, up, down, Quantized(*map(_transposed, down)), gate_up_t)
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2).contiguous()
+
+
+class _CacheEntry(NamedTuple):
+    weights: tuple[torch.Tensor, ...]  # held: their memory cannot be reused while cached
+    versions: tuple[int, ...]
+    experts: Fp8Experts
+
+
+_CACHE: dict[tuple, _CacheEntry] = {}
+
+
+def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
+                            w_down: torch.Tensor | None) -> Fp8Experts:
+    """quantize_experts of these weights, reused while none of them was written: an entry per
+    weight memory (address, shape, strides, dtype), valid while the tensors' version counters
+    (bumped by every in-place write, an optimizer step's too) are those it was made at. The
+    cache holds the bf16 weights it was made from and their e4m3 copies (as many bytes as the
+    weights) until the entry is replaced or `clear_fp8_cache` runs. Writes the counters do not
+    see (through `.data`, or by another process) need `clear_fp8_cache`. While a CUDA graph is
+    being captured it quantizes afresh and caches nothing, so that each replay quantizes the
+    weights it reads. w_down None: gate and up only, from a valid entry with any down weight,
+    else quantized afresh (the other fields None)."""
+    weights = (w_gate, w_up, w_down) if w_down is not None else (w_gate, w_up)
+    fresh = ((w_gate.is_cuda and torch.cuda.is_current_stream_capturing())
+             or any(w.is_inference() for w in weights))  # inference tensors: no version counter
+    if not fresh:
+        key = tuple(_memory(w) for w in weights)
+        versions = tuple(w._version for w in weights)
+        for entry_key, entry in _CACHE.items():
+            if entry_key[:len(key)] == key and entry.versions[:len(key)] == versions:
+                return entry.experts
+    if w_down is None:
+        gate, up = (quantize_weights(w) for w in weights)
+        return Fp8Experts(gate, up, None, None, None)
+    experts = quantize_experts(*weights)
+    if not fresh:
+        _CACHE[key] = _CacheEntry(tuple(w.detach() for w in weights), versions, experts)
+    return experts
+
+
+def _memory(w: torch.Tensor) -> tuple:
+    return w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device
+
+
+def clear_fp8_cache() -> None:
+    """Drop every cached e4m3 weight copy (cached_quantize_experts)."""
+    _CACHE.clear()
 
 
 def gate_up_swiglu_fp8(
@@ -60,12 +115,16 @@ def gate_up_swiglu_fp8(
     *,
     quantize_h: bool = True,
     out_dtype: torch.dtype = torch.bfloat16,
+    gate_up: torch.Tensor | None = None,
 ) -> Quantized | torch.Tensor:
     """h [C, I] = swiglu(x[token] @ w_gate[e]^T, x[token] @ w_up[e]^T) of each schedule row,
     0 on padding rows: e4m3 with a scale per 1 x 128 block (quantize_h), else in out_dtype.
-    x: [T, H] rows (mok.ops.quantize_rows); w_gate, w_up: [E, I, H] (mok.ops.quantize_weights)."""
+    x: [T, H] rows (mok.ops.quantize_rows); w_gate, w_up: [E, I, H] (mok.ops.quantize_weights).
+    gate_up [C, 2I]: the pre-activations are also stored there, as gate_up_fp8 stores them."""
     inter = _gate_up_operands(x, w_gate, w_up)
     _check_tiles(tiles, routing, quantize_out=quantize_h)
+    if gate_up is not None:
+        _check_gate_up(gate_up, routing, inter)
     rows = routing.capacity_rows
     device = x.data.device
     if quantize_h:
@@ -76,7 +135,7 @@ def gate_up_swiglu_fp8(
         out = torch.empty(rows, inter, dtype=out_dtype, device=device)
         out_scales = out
     _launch(x, w_gate, w_up, out, out_scales, routing, tiles, None, swiglu_limit,
-            gather=True, epilogue="swiglu", quantize_out=quantize_h)
+            gather=True, epilogue="swiglu", quantize_out=quantize_h, gate_up=gate_up)
     return Quantized(out, out_scales) if quantize_h else out
 
 
@@ -120,9 +179,7 @@ def dswiglu_fp8(
     _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden)
     if inter % QUANT_BLOCK:
         raise MoKInputError(f"the FP8 backward needs I a multiple of {QUANT_BLOCK}, got {inter}")
-    if gate_up.shape != (routing.capacity_rows, 2 * inter) or gate_up.stride(1) != 1:
-        raise MoKInputError(f"gate_up must be [{routing.capacity_rows}, {2 * inter}] with unit "
-                            f"column stride, got {tuple(gate_up.shape)}")
+    _check_gate_up(gate_up, routing, inter)
     _check_router_weights(router_weights, routing)
     _check_tiles(tiles, routing, quantize_out=True)
     device = gate_up.device
@@ -198,6 +255,12 @@ def _gate_up_operands(x: Quantized, w_gate: Quantized, w_up: Quantized) -> int:
     return inter
 
 
+def _check_gate_up(gate_up: torch.Tensor, routing: Routing, inter: int) -> None:
+    if gate_up.shape != (routing.capacity_rows, 2 * inter) or gate_up.stride(1) != 1:
+        raise MoKInputError(f"gate_up must be [{routing.capacity_rows}, {2 * inter}] with unit "
+                            f"column stride, got {tuple(gate_up.shape)}")
+
+
 def _check_router_weights(router_weights: torch.Tensor | None, routing: Routing) -> None:
     if router_weights is not None and (router_weights.dtype != torch.float32
                                        or router_weights.numel() != routing.num_tokens
@@ -256,6 +319,7 @@ def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_li
         return
     num_m_blocks = rows // tiles.block_m
     second = w2 if w2 is not None else w
+    keep_gate_up = epilogue == "swiglu" and gate_up is not None
     gate_up = gate_up if gate_up is not None else out
     h = h if h is not None else out
     partial = partial if partial is not None else out_scales
@@ -269,7 +333,8 @@ def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_li
         w.scales.stride(0), w.scales.stride(1), out.stride(0), out_scales.stride(0),
         gate_up.stride(0), h.stride(0), partial.stride(0),
         GATHER=gather, EPILOGUE=epilogue, HAS_LIMIT=swiglu_limit is not None,
-        WEIGHTED=router_weights is not None, QUANTIZE_OUT=quantize_out, ALIGN=routing.align,
+        WEIGHTED=router_weights is not None, QUANTIZE_OUT=quantize_out,
+        KEEP_GATE_UP=keep_gate_up, ALIGN=routing.align,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, UPCAST=_env.INTERPRET, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -342,6 +342,13 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
     raise ValueError(f"no tiles for {kind!r}")
 
 
+def fp8_tiles(align: int) -> RowTiles:
+    """The tiles of the FP8 row GEMMs (mok.kernels.fp8_gemm): K steps of one scale block (128),
+    128 columns (an e4m3 output's 1 x 128 blocks), 64 rows, or align's where fewer (at 128 rows
+    the two-accumulator and dSwiGLU launches spill registers on sm_90)."""
+    return RowTiles(min(64, align), 128, 128, group_m=8, num_warps=8, num_stages=3)
+
+
 # The tile rule of each architecture (mok.arch's name): (kind, n, k, triton) -> tiles, for the
 # problems its measured table does not hold.
 RULES = {"sm_90": hopper_rule}

@@ -171,6 +171,21 @@ def test_gate_up_fp8_keeps_the_pre_activations(device, limit):
     assert (gate_up[padding] == 0).all()
 
 
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["plain", "limit"])
+def test_gate_up_swiglu_fp8_keeps_what_gate_up_fp8_stores(device, limit):
+    # The forward that keeps its pre-activations stores them from the same products as h.
+    x, (w_g, w_u, _), _, _, routing = setup(device, inter=256, seed=5)
+    xq, gate_q, up_q = quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u)
+    expected = gate_up_fp8(xq, gate_q, up_q, routing, H_TILES, limit)
+    kept = torch.full_like(expected, float("nan"))
+    h = gate_up_swiglu_fp8(xq, gate_q, up_q, routing, H_TILES, limit, gate_up=kept)
+    h_alone = gate_up_swiglu_fp8(xq, gate_q, up_q, routing, H_TILES, limit)
+    n = used(routing)
+    assert torch.equal(kept[:n], expected[:n])
+    assert torch.equal(h.data[:n].view(torch.uint8), h_alone.data[:n].view(torch.uint8))
+    assert torch.equal(h.scales[:n], h_alone.scales[:n])
+
+
 def dswiglu_reference(dh0, gate, up, weights, limit):
     """(d_gate, d_up, h, the router-weight gradient's terms dh0 * h) of kept pre-activations."""
     gate_pass = gate != float("inf")
