@@ -7,6 +7,9 @@ here raises Unavailable with the reason, which the benchmark prints and records 
 - mok_kept: mok with MoKConfig(recompute_gate_up=False): the forward keeps the gate/up
   pre-activations (2I more bytes per route) and the backward's first kernel does one GEMM
   instead of three.
+- mok_fp8, mok_fp8_kept: mok and mok_kept with MoKConfig(precision="fp8"): the row GEMMs on
+  e4m3 operands with blockwise scales, checked against the reference within
+  mok.testing.tolerance.FP8_TOLERANCE.
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -46,6 +49,7 @@ import torch.nn.functional as torch_f
 
 import mok.functional as F
 from mok.testing import MoEInputs, MoEShape, expert_mlp, moe_reference
+from mok.testing.tolerance import FP8_TOLERANCE, Tolerance
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WHEELS = REPO_ROOT / ".whl"
@@ -81,6 +85,7 @@ class Implementation:
     backward(saved, inputs) -> the gradients of sum(y * inputs.d_output) in MoK's order
     (mok.testing.GRAD_NAMES; None for absent shared weights), nothing kept afterwards.
     checked: compared with the mok.testing reference before timing (the dense ceiling is not).
+    tolerance: the bound of that comparison (None: the inputs' dtype's, mok.testing.tolerance).
     """
 
     name: str
@@ -88,6 +93,7 @@ class Implementation:
     forward_train: Callable[[MoEInputs], tuple[object, object]]
     backward: Callable[[object, MoEInputs], tuple]
     checked: bool = True
+    tolerance: Tolerance | None = None
 
 
 # A layer differentiated by autograd: (x [T, H], topk_experts [T, k], router_weights [T, k],
@@ -171,12 +177,23 @@ def mok_implementation(shape: MoEShape, settings: Settings, *, name: str = "mok"
                           *inputs.layer_args)
 
     return Implementation(name, lambda inputs: forward_train(inputs)[0], forward_train,
-                          backward)
+                          backward,
+                          tolerance=FP8_TOLERANCE if config.precision == "fp8" else None)
 
 
 def mok_kept_implementation(shape: MoEShape, settings: Settings) -> Implementation:
     return mok_implementation(shape, settings, name="mok_kept",
                               config=F.MoKConfig(recompute_gate_up=False))
+
+
+def mok_fp8_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    return mok_implementation(shape, settings, name="mok_fp8",
+                              config=F.MoKConfig(precision="fp8"))
+
+
+def mok_fp8_kept_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    return mok_implementation(shape, settings, name="mok_fp8_kept",
+                              config=F.MoKConfig(precision="fp8", recompute_gate_up=False))
 
 
 def grouped_mm_moe(x, topk_experts, router_weights, routed, shared):
@@ -338,6 +355,8 @@ def _dense_gemms_implementation(name: str, shape: MoEShape, settings: Settings,
 IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok": mok_implementation,
     "mok_kept": mok_kept_implementation,
+    "mok_fp8": mok_fp8_implementation,
+    "mok_fp8_kept": mok_fp8_kept_implementation,
     "dense": dense_implementation,
     "triton_dense": triton_dense_implementation,
     "grouped_mm": grouped_mm_implementation,

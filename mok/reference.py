@@ -8,10 +8,15 @@ a process group).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from mok.testing.inputs import MoEInputs
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
@@ -168,3 +173,122 @@ def dequantize_e4m3(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int
     m, k = q.shape[-2:]
     expanded = scales.repeat_interleave(rows, dim=-2).repeat_interleave(cols, dim=-1)
     return (q.float() * expanded[..., :m, :k]).to(dtype)
+
+
+def _quantized(a: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """a quantized to e4m3 in blocks of `block` and dequantized back, fp32."""
+    return dequantize_e4m3(*quantize_e4m3(a, block), block)
+
+
+def _fp8_expert(xq, x, dq, d_out, weight, w_gate, w_up, w_down, limit, dtype):
+    """One expert's share of the FP8 recipe over its N routes (fp32 math).
+
+    xq, dq: the routes' rows of x and d_out quantized (fp32); x, d_out: the same rows as given;
+    weight [N] fp32; w_gate, w_up [I, H], w_down [H, I]: the quantized weights (fp32).
+    Returns (y_rows [N, H], d_x_rows [N, H], d_weight [N], d_w_gate, d_w_up, d_w_down).
+    """
+    def rnd(v):
+        return v.to(dtype).float()
+
+    gate, up = xq @ w_gate.T, xq @ w_up.T
+    h = _quantized(swiglu(gate, up, limit), (1, 128))
+    y_rows = rnd(weight[:, None] * (h @ w_down.T))
+    # The backward reads the pre-activations stored in dtype; under the limit, whether a value
+    # was clamped is decided on the fp32 value (the kernels keep a clamped one as +-inf).
+    gate_b, up_b = rnd(gate), rnd(up)
+    h_b = swiglu(gate_b, up_b, limit)
+    dh0 = dq @ w_down
+    d_weight = (dh0 * h_b).sum(dim=1)
+    d_h = weight[:, None] * dh0
+    if limit is not None:
+        gate_b, up_b = gate_b.clamp(max=limit), up_b.clamp(-limit, limit)
+    sig = torch.sigmoid(gate_b)
+    d_gate = d_h * up_b * (sig * (1.0 + gate_b * (1.0 - sig)))
+    d_up = d_h * (gate_b * sig)
+    if limit is not None:
+        d_gate = torch.where(gate <= limit, d_gate, 0.0)
+        d_up = torch.where((up >= -limit) & (up <= limit), d_up, 0.0)
+    d_gate_up = torch.cat((d_gate, d_up), dim=1)
+    d_x_rows = rnd(_quantized(d_gate_up, (1, 128)) @ torch.cat((w_gate, w_up), dim=0))
+    d_gate_up_b = rnd(d_gate_up)
+    x32 = x.float()
+    d_w_gate = d_gate_up_b[:, :w_gate.shape[0]].T @ x32
+    d_w_up = d_gate_up_b[:, w_gate.shape[0]:].T @ x32
+    d_w_down = (weight[:, None] * d_out.float()).T @ rnd(h_b)
+    return y_rows, d_x_rows, d_weight, d_w_gate, d_w_up, d_w_down
+
+
+def moe_reference_fp8_grads(
+    inputs: MoEInputs, *, swiglu_limit: float | None = None
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """(y, gradients) of the layer's FP8 recipe (docs/design.md section 3.5) in plain PyTorch.
+
+    `inputs` is a MoEInputs (one process, no group); the gradients are those of
+    sum(y * inputs.d_output) in moe_reference_grads' order: (d_x, d_router_weights,
+    d_w_routed_gate, d_w_routed_up, d_w_routed_down, d_w_shared_gate, d_w_shared_up,
+    d_w_shared_down), None for absent shared weights. I and I_s must be multiples of 128.
+
+    Q(a) below is quantize_e4m3 then dequantize_e4m3 (fp32): rows in 1x128 blocks, weights in
+    128x128 blocks of each expert's matrix. dt is x.dtype; all math is fp32 otherwise.
+
+    Forward, per route (token t, expert e, router weight w; the shared expert with w = 1):
+    g, u = Q(x)[t] @ Q(w_gate)[e]^T, Q(x)[t] @ Q(w_up)[e]^T; h = swiglu(g, u); the route's row
+    w * Q(h) @ Q(w_down)[e]^T is rounded to dt; y[t] sums the shared expert's row then the
+    routes' rows in the order j = 0..k-1 in fp32 and is rounded to dt.
+
+    Backward: the pre-activations g, u are rounded to dt and h_b = swiglu of them;
+    dh0 = Q(d_output)[t] @ Q(w_down)[e]; d_router_weights = sum(dh0 * h_b); d_gate, d_up =
+    dSwiGLU(w * dh0) at the rounded pre-activations (zero where the fp32 value was clamped);
+    d_x[t] = sum of Q([d_gate, d_up]) @ [Q(w_gate)[e]; Q(w_up)[e]], each rounded to dt, over the
+    shared expert then the routes, in fp32, rounded to dt. Weight gradients on dt operands,
+    fp32 sums:
+    d_w_gate[e], d_w_up[e] = sum of round(d_gate), round(d_up) outer x[t]; d_w_down[e] = sum of
+    (w * d_output[t]) outer round(h_b). An expert without routes gets zero gradients.
+
+    Returns y [T, H] and d_x [T, H] in dt, the other gradients in fp32.
+    """
+    x, topk_experts, d_output = inputs.x, inputs.topk_experts, inputs.d_output
+    routed = inputs.routed_weights
+    shared = inputs.shared_weights
+    for name, w in (("intermediate_size", routed[0]), ("shared_intermediate_size", shared[0])):
+        if w is not None and w.shape[-2] % 128:
+            raise ValueError(f"the FP8 backward needs {name} a multiple of 128, got "
+                             f"{w.shape[-2]}")
+    num_tokens, topk = topk_experts.shape
+    num_experts = routed[0].shape[0]
+    expert = topk_experts.reshape(-1).long()
+    if expert.numel() and (expert.min() < 0 or expert.max() >= num_experts):
+        raise ValueError(f"expert ids must lie in [0, {num_experts})")
+    dtype, limit = x.dtype, swiglu_limit
+    xq, dq = _quantized(x, (1, 128)), _quantized(d_output, (1, 128))
+    token = torch.arange(num_tokens, device=x.device).repeat_interleave(topk)
+    weight = inputs.router_weights.reshape(-1).float()
+
+    y_routes = xq.new_zeros(token.shape[0], x.shape[1])
+    d_x_routes = torch.zeros_like(y_routes)
+    d_router = weight.new_zeros(token.shape[0])
+    d_routed = [torch.zeros(w.shape, device=w.device) for w in routed]
+    routed_q = [_quantized(w, (128, 128)) for w in routed]
+    for e in range(num_experts):
+        index = (expert == e).nonzero().squeeze(1)
+        rows = token[index]
+        out = _fp8_expert(xq[rows], x[rows], dq[rows], d_output[rows], weight[index],
+                          *(w[e] for w in routed_q), limit, dtype)
+        y_routes[index], d_x_routes[index], d_router[index] = out[:3]
+        for grad, g in zip(d_routed, out[3:], strict=True):
+            grad[e] = g
+
+    y = torch.zeros_like(xq)
+    d_x = torch.zeros_like(xq)
+    d_shared = [None, None, None]
+    if shared[0] is not None:
+        out = _fp8_expert(xq, x, dq, d_output, weight.new_ones(num_tokens),
+                          *(_quantized(w, (128, 128)) for w in shared), limit, dtype)
+        y, d_x = out[0], out[1]
+        d_shared = list(out[3:])
+    y_routes = y_routes.view(num_tokens, topk, x.shape[1])
+    d_x_routes = d_x_routes.view(num_tokens, topk, x.shape[1])
+    for j in range(topk):  # the combine's order
+        y = y + y_routes[:, j]
+        d_x = d_x + d_x_routes[:, j]
+    return y.to(dtype), (d_x.to(dtype), d_router.view(num_tokens, topk), *d_routed, *d_shared)

@@ -35,6 +35,14 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
 }
 
 
+# MoKConfig(precision="fp8") against the exact (fp32) reference: e4m3 rounds to 2^-4 relative,
+# and the layer rounds x, the weights and h (the backward: d_output, the weights and d_gate_up)
+# to it, so its outputs carry about 6% rel_rms (measured: 5-7.5% for y, d_x, d_router_weights
+# and the weight gradients); the bounds leave 1.6x margin on the rms and allow single elements
+# at several sigma; a wrong row or index still shows as an O(1) error.
+FP8_TOLERANCE = Tolerance(rel_rms=0.1, max_rel=0.6)
+
+
 @dataclass(frozen=True)
 class ErrorReport:
     name: str

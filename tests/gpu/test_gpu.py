@@ -20,6 +20,7 @@ from mok.testing import (
     make_shape_inputs,
     moe_reference_grads,
 )
+from mok.testing.tolerance import FP8_TOLERANCE
 
 from ..conftest import run_layer, with_row_tiles
 
@@ -539,3 +540,50 @@ def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up, var
     for a, b in zip(expected, captured, strict=True):
         assert torch.equal(a, b)
     F.check_errors(workspace)
+
+
+@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept"])
+def test_fp8_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up):
+    # MoKConfig(precision="fp8"): no sync; the captured step quantizes the weights it reads, so
+    # a replay after the weights changed follows them, and an eager call after the graph too.
+    inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
+                         seed=3)
+    config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision="fp8")
+    workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=3000,
+                                   hidden_size=512, topk=4)
+    eager, graph, captured = eager_and_captured(lambda: _step(config, workspace, inputs, 7.0))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured, strict=True):
+        assert torch.equal(a, b)
+    fresh = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
+                        seed=4, routing=RoutingPattern.SKEWED)
+    for name in ("x", "topk_experts", "router_weights", "d_output", "w_routed_gate",
+                 "w_routed_down", "w_shared_up"):
+        getattr(inputs, name).copy_(getattr(fresh, name))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = _step(config, workspace, inputs, 7.0)
+    for a, b in zip(expected, captured, strict=True):
+        assert torch.equal(a, b)
+    F.check_errors(workspace)
+
+
+@pytest.mark.parametrize("shape", [SHAPES_BY_NAME["qwen3-30b-a3b"],
+                                   SHAPES_BY_NAME["kimi-ep64-slice"],
+                                   SHAPES_BY_NAME["deepseek-v2-lite"]], ids=lambda s: s.name)
+def test_fp8_real_shape_is_deterministic_and_within_fp8_tolerance(shape):
+    inputs = shape_inputs(shape, seed=1)
+    config = F.MoKConfig(precision="fp8")
+    y, grads, _, context = run_layer(inputs, config=config)
+    y2, grads2, _, _ = run_layer(inputs, config=config)
+    assert torch.equal(y, y2)
+    for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert context.nbytes == 0  # recomputing: the FP8 context keeps nothing
+    y_ref, grads_ref = moe_reference_grads(inputs, compute_dtype=torch.float32)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=FP8_TOLERANCE)
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name,
+                         tolerance=FP8_TOLERANCE)
