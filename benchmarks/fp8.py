@@ -24,7 +24,6 @@ not a measurement.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import statistics
 import time
@@ -35,7 +34,7 @@ import torch
 import mok.functional as F
 from benchmarks import append_rows, commit_id
 from mok import ops, plan
-from mok.ops.fp8 import FP8_TILES, down_proj_fp8, gate_up_swiglu_fp8
+from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
 from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
 from mok.reference import dequantize_e4m3, swiglu
 from mok.testing import SHAPES_BY_NAME, MoEShape, make_shape_inputs
@@ -113,15 +112,15 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
     hidden, inter = shape.hidden_size, shape.intermediate_size
     forward = plan.forward_plan(schedule.tiles, plan.Operands.of(x, w_gate, w_up, w_down),
                                 hidden=hidden, intermediate=inter, keep_gate_up=False)
-    # Row tiles within the schedule's alignment (32 under the interpreter, 128 on Hopper).
-    tiles = dataclasses.replace(FP8_TILES, block_m=min(FP8_TILES.block_m, routing.align))
+    # The FP8 plan's tiles, within the schedule's alignment (32 under the interpreter).
+    tiles, down_tiles = (ops.fp8_tiles(kind, routing.align) for kind in ("gate_up", "down"))
     x_q = quantize_rows(x)
     gate_q, up_q, down_q = (quantize_weights(w) for w in (w_gate, w_up, w_down))
     h = ops.gate_up_swiglu(x, w_gate, w_up, routing, forward.gate_up, None)
     h_q = gate_up_swiglu_fp8(x_q, gate_q, up_q, routing, tiles)
     h32 = gate_up_swiglu_fp8(x_q, gate_q, up_q, routing, tiles, quantize_h=False,
                              out_dtype=torch.float32)
-    rows_out = down_proj_fp8(h_q, down_q, routing, tiles, router_weights,
+    rows_out = down_proj_fp8(h_q, down_q, routing, down_tiles, router_weights,
                              out_dtype=torch.float32)
     h_err, y_err = fp8_checks(x_q, gate_q, up_q, down_q, h32, h_q, rows_out, routing,
                               router_weights)
@@ -156,8 +155,8 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
          2 * gemm, 0),
         ("down", "mok_bf16", lambda: ops.down_proj(h, w_down, routing, forward.down,
                                                    router_weights), gemm, 0),
-        ("down", "mok_fp8", lambda: down_proj_fp8(h_q, down_q, routing, tiles, router_weights),
-         gemm, 0),
+        ("down", "mok_fp8", lambda: down_proj_fp8(h_q, down_q, routing, down_tiles,
+                                                  router_weights), gemm, 0),
     ]
     if device.type == "cuda":  # torch._scaled_mm needs a GPU
         stages += [

@@ -592,12 +592,12 @@ def _forward_fp8(config, schedule, x, router_weights, shared: _Experts | None,
     xq = ops.quantize_rows(x)
 
     def expert_rows(experts: _Experts, routing: Routing, route_weights):
-        tiles = _fp8_plan(schedule, x, experts).rows
+        plan = _fp8_plan(schedule, x, experts)
         weights = _fp8_weights(experts)
         gate_up = ops.gate_up_buffer(x, experts.gate, routing) if keep else None
-        h = ops.gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, tiles, swiglu_limit,
-                                   gate_up=gate_up)
-        return ops.down_proj_fp8(h, weights.down, routing, tiles, route_weights,
+        h = ops.gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, plan.gate_up,
+                                   swiglu_limit, gate_up=gate_up)
+        return ops.down_proj_fp8(h, weights.down, routing, plan.down, route_weights,
                                  out_dtype=x.dtype), gate_up
 
     shared_rows = gate_up_shared = None
@@ -623,11 +623,11 @@ def _backward_fp8(schedule, context: ForwardContext, d_output, x, router_weights
         weights = _fp8_weights(experts)
         if gate_up is None:
             xq.append(xq[0] if xq else ops.quantize_rows(x))
-            gate_up = ops.gate_up_fp8(xq[0], weights.gate, weights.up, routing, plan.rows,
-                                      swiglu_limit, out_dtype=x.dtype)
+            gate_up = ops.gate_up_fp8(xq[0], weights.gate, weights.up, routing,
+                                      plan.gate_up_saved, swiglu_limit, out_dtype=x.dtype)
         d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
-                                                  plan.rows, route_weights, swiglu_limit)
-        d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, plan.rows,
+                                                  plan.dswiglu, route_weights, swiglu_limit)
+        d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, plan.d_x,
                                     out_dtype=x.dtype)
         return plan, d_x_rows, partial, [gate_up, h]  # gate_up holds d_gate_up now
 
@@ -753,8 +753,8 @@ def _recompute_fp8(config, schedule, x, shared: _Experts | None, routed: _Expert
         if experts is not None:
             weights = ops.cached_quantize_experts(experts.gate, experts.up, None)
             kept[i] = ops.gate_up_fp8(xq, weights.gate, weights.up, routing,
-                                      _fp8_plan(schedule, x, experts).rows, swiglu_limit,
-                                      out_dtype=x.dtype)
+                                      _fp8_plan(schedule, x, experts).gate_up_saved,
+                                      swiglu_limit, out_dtype=x.dtype)
     return ForwardContext(None, None, gate_up=kept[0], gate_up_shared=kept[1], precision="fp8")
 
 

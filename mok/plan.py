@@ -25,6 +25,7 @@ from mok.arch import arch_of
 from mok.exchange.base import Movement
 from mok.ops import DswigluTiles, RowTiles, TileConfig, WgradTiles, fp8_tiles
 from mok.ops.experts import gluon_reads_rows, gluon_reads_weights, gluon_takes, grouped_mm_takes
+from mok.ops.tuning import FP8_KINDS
 
 
 @dataclass(frozen=True)
@@ -123,11 +124,16 @@ def backward_plan(tiles: TileConfig, operands: Operands, *, hidden: int, interme
 
 @dataclass(frozen=True)
 class Fp8Plan:
-    """MoKConfig(precision="fp8"): rows, the tiles of its row GEMMs on e4m3 operands (mok.ops.
-    fp8: gate/up, down, the backward's pre-activations, dSwiGLU and d_x); the weight gradients,
-    in the inputs' dtype, as the 16-bit plan's."""
+    """MoKConfig(precision="fp8"): the tiles of its row GEMMs on e4m3 operands (mok.ops.fp8):
+    gate_up (with SwiGLU), gate_up_saved (the pre-activations, the forward's when kept and the
+    recomputing backward's), down, dswiglu, d_x; the weight gradients, in the inputs' dtype, as
+    the 16-bit plan's."""
 
-    rows: RowTiles
+    gate_up: RowTiles
+    gate_up_saved: RowTiles
+    down: RowTiles
+    dswiglu: RowTiles
+    d_x: RowTiles
     wgrad_gate_up: WgradTiles
     wgrad_down: WgradTiles
 
@@ -137,7 +143,7 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int,
     """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment)."""
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
-    return Fp8Plan(fp8_tiles(tiles.align),
+    return Fp8Plan(*(fp8_tiles(kind, tiles.align) for kind in FP8_KINDS),
                    _wgrad("wgrad_gate_up", pick("wgrad_gate_up"), operands, **sizes),
                    _wgrad("wgrad_down", pick("wgrad_down"), operands, **sizes))
 

@@ -389,22 +389,23 @@ def main(argv=None) -> None:
 
         x8, g8 = quantized(tokens, hid), quantized(experts, inter, hid)
         runs += [  # the quantization kernel has no product: its tiles only label the run
-            ("quantize rows fp8", fp8.FP8_TILES, lambda tt: ops.quantize_rows(x)),
-            ("quantize weights fp8 pow2", fp8.FP8_TILES,
+            ("quantize rows fp8", ops.fp8_tiles("gate_up", 128), lambda tt: ops.quantize_rows(x)),
+            ("quantize weights fp8 pow2", ops.fp8_tiles("gate_up", 128),
              lambda tt: ops.quantize_weights(w_g, pow2_scales=True)),
-            ("gate_up fp8", fp8.FP8_TILES,
+            ("gate_up fp8", ops.fp8_tiles("gate_up", 128),
              lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt)),
-            ("gate_up fp8 limit h bf16", fp8.FP8_TILES,
+            ("gate_up fp8 limit h bf16", ops.fp8_tiles("gate_up", 128),
              lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt, 7.0, quantize_h=False)),
-            ("down fp8", fp8.FP8_TILES, lambda tt: fp8.down_proj_fp8(
+            ("down fp8", ops.fp8_tiles("down", 128), lambda tt: fp8.down_proj_fp8(
                 quantized(rows, inter), quantized(experts, hid, inter), routing, tt, rw.view(-1))),
-            ("gate_up fp8 keeping limit", fp8.FP8_TILES,
+            ("gate_up fp8 keeping limit", ops.fp8_tiles("gate_up", 128),
              lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt, 7.0, gate_up=dgu)),
-            ("gate_up saving fp8 limit", fp8.FP8_TILES,
+            ("gate_up saving fp8 limit", ops.fp8_tiles("gate_up_saved", 128),
              lambda tt: fp8.gate_up_fp8(x8, g8, g8, routing, tt, 7.0)),
-            ("down_bwd saved fp8 limit", fp8.FP8_TILES, lambda tt: fp8.dswiglu_fp8(
+            ("down_bwd saved fp8 limit", ops.fp8_tiles("down_bwd_saved", 128),
+             lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0)),
-            ("d_x fp8", fp8.FP8_TILES, lambda tt: fp8.d_x_rows_fp8(
+            ("d_x fp8", ops.fp8_tiles("d_x", 128), lambda tt: fp8.d_x_rows_fp8(
                 quantized(rows, 2 * inter), quantized(experts, hid, 2 * inter), routing, tt)),
         ]
     if not args.json:

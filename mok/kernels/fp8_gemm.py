@@ -9,8 +9,9 @@ a: the token rows (GATHER: src(r) = row_route[r] // topk) or the schedule's rows
 e4m3 with a scale per 1 x 128 block (mok.ops.quantize_rows); w [E, N, K] e4m3 with a scale per
 128 x 128 block (mok.ops.quantize_weights); e = block_expert[r // ALIGN]. BLOCK_K is the scales'
 block (128), so each K step's product (e4m3 wgmma on Hopper, whose accumulator keeps fewer bits
-than fp32) is scaled and added to an fp32 accumulator. BLOCK_N divides 128: one weight scale a
-tile and K step. Padding rows (route -1) read zeros and write zeros.
+than fp32) is scaled and added to an fp32 accumulator. BLOCK_N divides 128 (one weight scale a
+tile and K step) or is a multiple of it (a scale per 128 columns). Padding rows (route -1) read
+zeros and write zeros.
 
 EPILOGUE:
 - "plain": out = the product (down, d_x), with WEIGHTED scaled by the route's router weight.
@@ -70,7 +71,11 @@ def fp8_rows_kernel(
     a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :]
     a_scale_ptrs = a_scale_ptr + src * stride_asm
     w_offsets = expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    w_scale_offset = expert * stride_wse + ((pid_n * BLOCK_N) // 128) * stride_wsn
+    if BLOCK_N > 128:  # a weight scale per column block of 128: a row of them
+        w_scale_offset = (expert * stride_wse
+                          + (tl.minimum(cols, N - 1) // 128)[None, :].to(tl.int64) * stride_wsn)
+    else:
+        w_scale_offset = expert * stride_wse + ((pid_n * BLOCK_N) // 128) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):

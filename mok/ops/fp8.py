@@ -18,7 +18,7 @@ from mok.ops.tuning import RowTiles, fp8_tiles
 
 E4M3 = torch.float8_e4m3fn
 
-FP8_TILES = fp8_tiles(128)  # the launchers' default: a schedule aligned to 128 rows
+FP8_TILES = fp8_tiles("gate_up", 128)  # the launchers' default: 64 x 128 x 128
 
 
 class Fp8Experts(NamedTuple):
@@ -300,9 +300,10 @@ def _weights_operand(w: Quantized, name: str, k: int) -> tuple[int, int, int]:
 
 
 def _check_tiles(tiles: RowTiles, routing: Routing, *, quantize_out: bool) -> None:
-    if tiles.block_k != QUANT_BLOCK or QUANT_BLOCK % tiles.block_n != 0:
-        raise ValueError(f"FP8 tiles take K steps of {QUANT_BLOCK} (the scales' block) and at "
-                         f"most {QUANT_BLOCK} columns dividing it, got {tiles}")
+    if tiles.block_k != QUANT_BLOCK or (QUANT_BLOCK % tiles.block_n
+                                        and tiles.block_n % QUANT_BLOCK):
+        raise ValueError(f"FP8 tiles take K steps of {QUANT_BLOCK} (the scales' block) and "
+                         f"columns dividing it or a multiple of it, got {tiles}")
     if quantize_out and tiles.block_n != QUANT_BLOCK:
         raise ValueError(f"an e4m3 output with 1 x {QUANT_BLOCK} scales needs block_n "
                          f"{QUANT_BLOCK}, got {tiles.block_n}")

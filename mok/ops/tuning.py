@@ -13,7 +13,7 @@ record of its own type: `RowTiles` (the row GEMMs), `DswigluTiles` (the dSwiGLU 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -342,11 +342,26 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
     raise ValueError(f"no tiles for {kind!r}")
 
 
-def fp8_tiles(align: int) -> RowTiles:
-    """The tiles of the FP8 row GEMMs (mok.kernels.fp8_gemm): K steps of one scale block (128),
-    128 columns (an e4m3 output's 1 x 128 blocks), 64 rows, or align's where fewer (at 128 rows
-    the two-accumulator and dSwiGLU launches spill registers on sm_90)."""
-    return RowTiles(min(64, align), 128, 128, group_m=8, num_warps=8, num_stages=3)
+# The FP8 row GEMMs' kinds (mok.ops.fp8): the forward's gate/up with SwiGLU and down; the
+# backward's gate/up pre-activations (gate_up_saved, also the forward's when kept), dSwiGLU and d_x.
+FP8_KINDS = ("gate_up", "gate_up_saved", "down", "down_bwd_saved", "d_x")
+
+
+def fp8_tiles(kind: str, align: int) -> RowTiles:
+    """The tiles of an FP8 row GEMM (mok.kernels.fp8_gemm, FP8_KINDS): K steps of one scale
+    block (128), 128 columns (an e4m3 output's 1 x 128 blocks); rows and warps as measured on
+    one H200 at qwen3-30b-a3b and kimi-ep64-slice (docs/measurements.md, 2026-12-03, FP8): 64
+    rows, except the pre-activations' 128 (the SwiGLU and dSwiGLU epilogues cost more at 128
+    rows, and 256 columns spilled); block_m at most align."""
+    if kind not in FP8_KINDS:
+        raise ValueError(f"no FP8 tiles for {kind!r}")
+    if kind == "gate_up_saved":
+        tiles = RowTiles(128, 128, 128, group_m=8, num_warps=8, num_stages=3)
+    elif kind in ("down", "d_x"):
+        tiles = RowTiles(64, 128, 128, group_m=8, num_warps=4, num_stages=4)
+    else:
+        tiles = RowTiles(64, 128, 128, group_m=8, num_warps=8, num_stages=4)
+    return replace(tiles, block_m=min(tiles.block_m, align))
 
 
 # The tile rule of each architecture (mok.arch's name): (kind, n, k, triton) -> tiles, for the

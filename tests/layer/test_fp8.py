@@ -14,9 +14,12 @@ from mok.testing.tolerance import FP8_TOLERANCE, Tolerance
 
 from ..conftest import run_layer, tiles_for_tests
 
-# Against the same recipe: the two sum in other orders, which moves a rounding of h or d_gate_up
-# to e4m3 now and then (a 2^-4 step of one element of a 128-sum).
-RECIPE = Tolerance(rel_rms=5e-3, max_rel=8e-2)
+# Against the same recipe in fp32. The kernels sum in other orders, and on Hopper the tensor
+# cores sum each 128-deep block of e4m3 products with fewer bits than fp32 (measured on one
+# H200: up to 2.7e-4 of the block's largest value), which moves some of the e4m3 roundings of h
+# and d_gate_up (0.5% of d_gate_up's codes): 2e-4 rel_rms under the interpreter, 3e-3 (y) to
+# 7e-3 (d_x) on the H200; still a tenth of FP8's own error against the exact layer.
+RECIPE = Tolerance(rel_rms=1.5e-2, max_rel=0.1)
 
 
 def fp8_run(inputs, *, recompute=True, limit=None):

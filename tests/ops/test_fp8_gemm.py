@@ -104,12 +104,18 @@ def test_gate_up_fp8_quantizes_h_with_row_block_scales(device):
     assert (hq.data[:n].float()[padding] == 0).all() and (hq.scales[:n][padding] == 1).all()
 
 
-def test_down_fp8_matches_dequantized_math(device):
-    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, seed=2)
+# Down and d_x may take tiles wider than a scale block: a weight scale per 128 columns.
+WIDE_TILES = RowTiles(16, 256, QUANT_BLOCK, group_m=2, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize(("tiles", "hidden"), [(TILES, 256), (WIDE_TILES, 384)],
+                         ids=["narrow", "wide"])
+def test_down_fp8_matches_dequantized_math(device, tiles, hidden):
+    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, seed=2, hidden=hidden)
     hq = gate_up_swiglu_fp8(quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u),
                             routing, H_TILES)
     down_q = quantize_weights(w_d)
-    out = down_proj_fp8(hq, down_q, routing, TILES, router_weights, out_dtype=torch.float32)
+    out = down_proj_fp8(hq, down_q, routing, tiles, router_weights, out_dtype=torch.float32)
     h = dequantized(hq, (1, QUANT_BLOCK))
     down = dequantized(down_q, (QUANT_BLOCK, QUANT_BLOCK))
     rows, routes, _, experts = route_rows(routing)
@@ -236,15 +242,18 @@ def test_dswiglu_fp8_matches_dequantized_math(device, limit):
     assert ((back - expected).abs() <= expected.abs() * 2.0 ** -4 + step * 2.0 ** -9).all()
 
 
-def test_d_x_fp8_matches_dequantized_math(device):
-    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=256, seed=6)
+@pytest.mark.parametrize(("tiles", "hidden"), [(TILES, 256), (WIDE_TILES, 384)],
+                         ids=["narrow", "wide"])
+def test_d_x_fp8_matches_dequantized_math(device, tiles, hidden):
+    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=256, seed=6,
+                                                           hidden=hidden)
     gate_up = gate_up_fp8(quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u),
                           routing, H_TILES)
     d_out_q = quantize_rows(torch.randn_like(x))
     d_gate_up_q, _, _ = dswiglu_fp8(d_out_q, quantize_weights(w_d.transpose(1, 2)), gate_up,
                                     routing, H_TILES, router_weights)
     w_gate_up_t = quantize_weights(torch.cat([w_g, w_u], dim=1).transpose(1, 2))
-    rows_out = d_x_rows_fp8(d_gate_up_q, w_gate_up_t, routing, TILES, out_dtype=torch.float32)
+    rows_out = d_x_rows_fp8(d_gate_up_q, w_gate_up_t, routing, tiles, out_dtype=torch.float32)
     rows, _, _, experts = route_rows(routing)
     expected = torch.einsum("rk,rnk->rn", dequantized(d_gate_up_q, (1, QUANT_BLOCK))[rows],
                             dequantized(w_gate_up_t, (QUANT_BLOCK, QUANT_BLOCK))[experts])
@@ -314,3 +323,15 @@ def test_quantize_experts_gives_every_copy_the_launchers_read(device):
                        .transpose(1, 2))
     with pytest.raises(MoKInputError, match="do not match"):
         quantize_experts(w_g, w_u, w_d[:, :128])
+
+
+def test_fp8_tiles_fit_the_schedule():
+    from mok.ops.tuning import FP8_KINDS, fp8_tiles
+
+    for kind in FP8_KINDS:
+        for align in (16, 32, 128):
+            tiles = fp8_tiles(kind, align)
+            assert tiles.block_k == QUANT_BLOCK and tiles.block_n == QUANT_BLOCK
+            assert align % tiles.block_m == 0
+    with pytest.raises(ValueError, match="no FP8 tiles"):
+        fp8_tiles("wgrad_down", 128)
