@@ -67,12 +67,13 @@ def _moe_forward(
     w_routed_down: torch.Tensor,
     swiglu_limit: float | None,
     recompute_gate_up: bool,
+    precision: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h, h_shared, gate_up, gate_up_shared (each empty when absent: h and h_shared when
     the pre-activations are kept), row_route, route_row, block_expert, expert_counts,
-    expert_offsets)."""
-    config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
+    expert_offsets); an FP8 context that recomputes keeps neither h nor gate_up."""
+    config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision=precision)
     workspace = _workspace(x, topk_experts.shape[1])
     schedule = F.build_schedule(workspace, config, topk_experts,
                                 num_local_experts=w_routed_gate.shape[0])
@@ -86,13 +87,14 @@ def _moe_forward(
 
 @_moe_forward.register_fake
 def _(x, topk_experts, router_weights, w_shared_gate, w_shared_up, w_shared_down,
-      w_routed_gate, w_routed_up, w_routed_down, swiglu_limit, recompute_gate_up):
+      w_routed_gate, w_routed_up, w_routed_down, swiglu_limit, recompute_gate_up, precision):
     num_local = w_routed_gate.shape[0]
     rows = _num_rows(x, topk_experts.shape[1], num_local)
     align = default_tiles(x.device).align
     i32 = dict(dtype=torch.int32, device=x.device)
-    # What the context keeps: h (and h_shared), or the pre-activations [gate, up] instead.
-    width = 1 if recompute_gate_up else 2
+    # What the context keeps: h (and h_shared), or the pre-activations [gate, up] instead; in
+    # FP8, recomputing, nothing.
+    width = 0 if recompute_gate_up and precision == "fp8" else 1 if recompute_gate_up else 2
     h, h_shared, gate_up, gate_up_shared = (x.new_empty(0) for _ in range(4))
     routed = x.new_empty(rows, width * w_routed_gate.shape[1])
     h, gate_up = (routed, gate_up) if recompute_gate_up else (h, routed)
@@ -129,16 +131,19 @@ def _moe_backward(
     expert_offsets: torch.Tensor,
     swiglu_limit: float | None,
     recompute_gate_up: bool,
+    precision: str,
 ) -> list[torch.Tensor]:
-    config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
+    config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision=precision)
     workspace = _workspace(x, router_weights.shape[1])
     schedule = F.Schedule.from_tensors(
         workspace, (row_route, route_row, block_expert, expert_counts, expert_offsets),
         num_tokens=x.shape[0], num_local_experts=w_routed_gate.shape[0])
     has_shared, kept = w_shared_gate is not None, not recompute_gate_up
-    context = F.ForwardContext(None if kept else h, h_shared if has_shared and not kept else None,
+    holds_h = not kept and precision != "fp8"
+    context = F.ForwardContext(h if holds_h else None, h_shared if has_shared and holds_h else None,
                                gate_up=gate_up if kept else None,
-                               gate_up_shared=gate_up_shared if kept and has_shared else None)
+                               gate_up_shared=gate_up_shared if kept and has_shared else None,
+                               precision=precision)
     grads = F.backward(config, workspace, schedule, context, d_y, x, router_weights,
                        w_shared_gate, w_shared_up, w_shared_down, w_routed_gate, w_routed_up,
                        w_routed_down, swiglu_limit=swiglu_limit)
@@ -148,7 +153,7 @@ def _moe_backward(
 @_moe_backward.register_fake
 def _(d_y, x, router_weights, w_shared_gate, w_shared_up, w_shared_down, w_routed_gate,
       w_routed_up, w_routed_down, h, h_shared, gate_up, gate_up_shared, row_route, route_row,
-      block_expert, expert_counts, expert_offsets, swiglu_limit, recompute_gate_up):
+      block_expert, expert_counts, expert_offsets, swiglu_limit, recompute_gate_up, precision):
     # Every gradient comes back contiguous, whatever the layout of its input (the real op's).
     def like(t: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(0) if t is None else t.new_empty(t.shape)
@@ -159,10 +164,11 @@ def _(d_y, x, router_weights, w_shared_gate, w_shared_up, w_shared_down, w_route
 
 def _setup_context(ctx, inputs, output):
     (x, _, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, swiglu_limit,
-     recompute_gate_up) = inputs
+     recompute_gate_up, precision) = inputs
     _, *saved = output  # h, h_shared, gate_up, gate_up_shared, then the routing
     ctx.has_shared = w_sg is not None
     ctx.swiglu_limit, ctx.recompute_gate_up = swiglu_limit, recompute_gate_up
+    ctx.precision = precision
     shared = (w_sg, w_su, w_sd) if ctx.has_shared else (x.new_empty(0),) * 3
     ctx.save_for_backward(x, router_weights, *shared, w_rg, w_ru, w_rd, *saved)
 
@@ -172,11 +178,11 @@ def _backward(ctx, d_y, *_unused):
     if not ctx.has_shared:
         w_sg = w_su = w_sd = None
     grads = _moe_backward(d_y.contiguous(), x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru,
-                          w_rd, *saved, ctx.swiglu_limit, ctx.recompute_gate_up)
+                          w_rd, *saved, ctx.swiglu_limit, ctx.recompute_gate_up, ctx.precision)
     d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd = grads
     if not ctx.has_shared:
         d_sg = d_su = d_sd = None
-    return d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd, None, None
+    return d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd, None, None, None
 
 
 _moe_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -188,9 +194,9 @@ class _ExpertParallelExperts(torch.autograd.Function):
     custom op (torch.compile breaks the graph here)."""
 
     @staticmethod
-    def forward(ctx, group, max_tokens, swiglu_limit, recompute_gate_up, x, topk_experts,
-                router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd):
-        config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
+    def forward(ctx, group, max_tokens, swiglu_limit, recompute_gate_up, precision, x,
+                topk_experts, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd):
+        config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision=precision)
         workspace = F.get_workspace(config, group, device=x.device,
                                     num_local_tokens=max_tokens or x.shape[0],
                                     hidden_size=x.shape[1], topk=topk_experts.shape[1])
@@ -210,7 +216,8 @@ class _ExpertParallelExperts(torch.autograd.Function):
             config, workspace, schedule, context, d_y.contiguous(), x, router_weights, *weights,
             swiglu_limit=swiglu_limit)
         del ctx.state
-        return None, None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd
+        return (None, None, None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru,
+                d_rd)
 
 
 def moe_experts(
@@ -229,6 +236,7 @@ def moe_experts(
     group: dist.ProcessGroup | None = None,
     max_tokens: int | None = None,
     recompute_gate_up: bool = True,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """The routed + shared experts as a differentiable function (docs/design.md section 1).
 
@@ -239,7 +247,8 @@ def moe_experts(
     routed weights are then this rank's experts (mok.functional's contract). max_tokens: with a
     group, the most tokens a rank passes (each rank may pass fewer); default T, which every rank
     must then pass. recompute_gate_up: MoKConfig's (False keeps the gate/up pre-activations for
-    the backward: faster, more memory).
+    the backward: faster, more memory). precision: MoKConfig's ("fp8": the experts' row GEMMs
+    on e4m3 operands with blockwise scales; the reference backend ignores it).
     """
     if Backend.parse(backend) is Backend.REFERENCE:
         return moe_reference(x, topk_experts, router_weights, w_shared_gate, w_shared_up,
@@ -249,12 +258,12 @@ def moe_experts(
         if max_tokens is not None and x.shape[0] > max_tokens:
             raise ValueError(f"{x.shape[0]} tokens exceed max_tokens={max_tokens}")
         return _ExpertParallelExperts.apply(
-            group, max_tokens, swiglu_limit, recompute_gate_up, x, topk_experts,
+            group, max_tokens, swiglu_limit, recompute_gate_up, precision, x, topk_experts,
             router_weights.float(), w_shared_gate, w_shared_up, w_shared_down, w_routed_gate,
             w_routed_up, w_routed_down)
     return _moe_forward(x, topk_experts, router_weights.float(), w_shared_gate, w_shared_up,
                         w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
-                        swiglu_limit, recompute_gate_up)[0]
+                        swiglu_limit, recompute_gate_up, precision)[0]
 
 
 # -- the module -------------------------------------------------------------------------------
@@ -382,6 +391,9 @@ class MoE(nn.Module):
     training loss) and `tokens_per_expert` [E] (device tensor, no host sync) hold that call's
     values. recompute_gate_up=False keeps the experts' gate/up pre-activations for the backward
     (MoKConfig.recompute_gate_up): a faster backward for 2I more bytes per route of activations.
+    precision="fp8" runs the experts' row GEMMs on e4m3 operands with blockwise scales
+    (MoKConfig.precision; I and I_s multiples of 128, one GPU), keeping an e4m3 copy of the
+    expert weights per optimizer step.
 
     Compute dtype: the autocast dtype under torch.autocast (the output then has that dtype, as
     nn.Linear's would); otherwise the parameters' dtype when bf16/fp16; fp32 parameters are cast
@@ -403,6 +415,7 @@ class MoE(nn.Module):
         ep_max_tokens: int | None = None,
         backend: Backend | str = Backend.MOK,
         recompute_gate_up: bool = True,
+        precision: str = "bf16",
         device=None,
         dtype=None,
     ) -> None:
@@ -430,6 +443,8 @@ class MoE(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.backend = backend
         self.recompute_gate_up = recompute_gate_up
+        F.MoKConfig(precision=precision)  # checks it
+        self.precision = precision
         factory = dict(device=device, dtype=dtype)
         self.router = Router(hidden_size, num_experts, top_k, router, **factory)
         self.w_gate = nn.Parameter(torch.empty(num_local, intermediate_size, hidden_size,
@@ -481,7 +496,8 @@ class MoE(nn.Module):
                             self.w_gate.to(dtype), self.w_up.to(dtype), self.w_down.to(dtype),
                             swiglu_limit=self.swiglu_limit, backend=self.backend,
                             group=self.ep_group, max_tokens=self.ep_max_tokens,
-                            recompute_gate_up=self.recompute_gate_up)
+                            recompute_gate_up=self.recompute_gate_up,
+                            precision=self.precision)
         return y.to(out_dtype).view(hidden_states.shape)
 
     def _check_input(self, hidden_states: torch.Tensor) -> None:
@@ -503,4 +519,4 @@ class MoE(nn.Module):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"shared_intermediate_size={self.shared_intermediate_size}, "
-                f"backend={self.backend.value}")
+                f"backend={self.backend.value}, precision={self.precision}")

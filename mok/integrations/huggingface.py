@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mok.functional import MoKConfig
 from mok.nn import Backend, moe_experts
 
 __all__ = ["MokSparseMoeBlock", "patch_moe_blocks", "supported_block_types"]
@@ -177,7 +178,7 @@ class MokSparseMoeBlock(nn.Module):
     def __init__(self, block: nn.Module, *, backend: Backend | str = Backend.MOK,
                  swiglu_limit: float | None = None,
                  ep_group: dist.ProcessGroup | None = None,
-                 recompute_gate_up: bool = True) -> None:
+                 recompute_gate_up: bool = True, precision: str = "bf16") -> None:
         super().__init__()
         where = type(block).__name__
         for name, parameter in block._parameters.items():
@@ -214,6 +215,8 @@ class MokSparseMoeBlock(nn.Module):
         self.backend = Backend.parse(backend)
         self.swiglu_limit = swiglu_limit
         self.recompute_gate_up = recompute_gate_up
+        MoKConfig(precision=precision)  # checks it
+        self.precision = precision
         # Mixtral multiplies the block's input by U(1 - j, 1 + j) noise in training.
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.train(block.training)
@@ -253,20 +256,21 @@ class MokSparseMoeBlock(nn.Module):
             y = moe_experts(cast(x).contiguous(), topk_ids, topk_weights.float(), *shared,
                             gate_up[:, :intermediate], gate_up[:, intermediate:], cast(down),
                             swiglu_limit=self.swiglu_limit, backend=self.backend,
-                            group=self.ep_group, recompute_gate_up=self.recompute_gate_up)
+                            group=self.ep_group, recompute_gate_up=self.recompute_gate_up,
+                            precision=self.precision)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         ep = "" if self.ep_group is None else \
             f", experts={self._local_experts.start}:{self._local_experts.stop}"
         return (f"block={self.block_type}, backend={self.backend.value}, "
-                f"swiglu_limit={self.swiglu_limit}{ep}")
+                f"swiglu_limit={self.swiglu_limit}, precision={self.precision}{ep}")
 
 
 def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
                      swiglu_limit: float | None = None,
                      ep_group: dist.ProcessGroup | None = None,
-                     recompute_gate_up: bool = True) -> int:
+                     recompute_gate_up: bool = True, precision: str = "bf16") -> int:
     """Replace, in place, every supported sparse MoE block below `model` by a MokSparseMoeBlock.
 
     Returns the number of blocks replaced (0 when there are none, e.g. already patched). The
@@ -276,6 +280,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     ep_group: run the experts with expert parallelism over this group (module docstring).
     recompute_gate_up=False keeps the experts' gate/up pre-activations for the backward
     (mok.functional.MoKConfig.recompute_gate_up): faster, 2I more bytes per route.
+    precision="fp8": the experts' row GEMMs on e4m3 operands with blockwise scales
+    (mok.functional.MoKConfig.precision).
     Raises ValueError (before changing anything) when a block has a layout mok cannot run.
     """
     block_types = supported_block_types()
@@ -290,7 +296,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
             replacements[id(block)] = MokSparseMoeBlock(block, backend=backend,
                                                         swiglu_limit=swiglu_limit,
                                                         ep_group=ep_group,
-                                                        recompute_gate_up=recompute_gate_up)
+                                                        recompute_gate_up=recompute_gate_up,
+                                                        precision=precision)
     for parent, name, block in sites:
         setattr(parent, name, replacements[id(block)])
     return len(replacements)

@@ -4,6 +4,7 @@ pre-activations, dSwiGLU and d_x."""
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -59,7 +60,7 @@ def _transposed(t: torch.Tensor) -> torch.Tensor:
 
 
 class _CacheEntry(NamedTuple):
-    weights: tuple[torch.Tensor, ...]  # held: their memory cannot be reused while cached
+    weights: tuple[weakref.ref, ...]  # the entry lives as long as every weight it was made of
     versions: tuple[int, ...]
     experts: Fp8Experts
 
@@ -71,13 +72,12 @@ def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
                             w_down: torch.Tensor | None) -> Fp8Experts:
     """quantize_experts of these weights, reused while none of them was written: an entry per
     weight memory (address, shape, strides, dtype), valid while the tensors' version counters
-    (bumped by every in-place write, an optimizer step's too) are those it was made at. The
-    cache holds the bf16 weights it was made from and their e4m3 copies (as many bytes as the
-    weights) until the entry is replaced or `clear_fp8_cache` runs. Writes the counters do not
-    see (through `.data`, or by another process) need `clear_fp8_cache`. While a CUDA graph is
-    being captured it quantizes afresh and caches nothing, so that each replay quantizes the
-    weights it reads. w_down None: gate and up only, from a valid entry with any down weight,
-    else quantized afresh (the other fields None)."""
+    (bumped by every in-place write, an optimizer step's too) are those it was made at, and
+    dropped when one of the weight tensors is freed. An entry's e4m3 copies take as many bytes
+    as its weights. Writes the counters do not see (through `.data`, or by another process)
+    need `clear_fp8_cache`. While a CUDA graph is being captured it quantizes afresh and caches
+    nothing, so that each replay quantizes the weights it reads. w_down None: gate and up only,
+    from a valid entry with any down weight, else quantized afresh (the other fields None)."""
     weights = (w_gate, w_up, w_down) if w_down is not None else (w_gate, w_up)
     fresh = ((w_gate.is_cuda and torch.cuda.is_current_stream_capturing())
              or any(w.is_inference() for w in weights))  # inference tensors: no version counter
@@ -85,24 +85,32 @@ def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
         key = tuple(_memory(w) for w in weights)
         versions = tuple(w._version for w in weights)
         for entry_key, entry in _CACHE.items():
-            if entry_key[:len(key)] == key and entry.versions[:len(key)] == versions:
+            if (entry_key[:len(key)] == key and entry.versions[:len(key)] == versions
+                    and all(ref() is not None for ref in entry.weights)):
                 return entry.experts
     if w_down is None:
         gate, up = (quantize_weights(w) for w in weights)
         return Fp8Experts(gate, up, None, None, None)
     experts = quantize_experts(*weights)
     if not fresh:
-        _CACHE[key] = _CacheEntry(tuple(w.detach() for w in weights), versions, experts)
+        entry = None
+
+        def drop(_ref, key=key):
+            if entry is not None and _CACHE.get(key) is entry:
+                del _CACHE[key]
+
+        entry = _CacheEntry(tuple(weakref.ref(w, drop) for w in weights), versions, experts)
+        _CACHE[key] = entry
     return experts
-
-
-def _memory(w: torch.Tensor) -> tuple:
-    return w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device
 
 
 def clear_fp8_cache() -> None:
     """Drop every cached e4m3 weight copy (cached_quantize_experts)."""
     _CACHE.clear()
+
+
+def _memory(w: torch.Tensor) -> tuple:
+    return w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device
 
 
 def gate_up_swiglu_fp8(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,7 +22,9 @@ import torch
 from torch import nn
 
 from mok.integrations.huggingface import MokSparseMoeBlock, patch_moe_blocks
+from mok.nn import Backend
 from mok.testing import TOLERANCES, Tolerance, assert_close, distributed_test, error_report
+from mok.testing.tolerance import FP8_TOLERANCE
 
 from ..conftest import DEVICE
 
@@ -390,3 +393,37 @@ def test_patched_block_takes_parameters_in_any_layout(layout):
     assert set(grads[0]) == set(grads[1])
     for name in grads[1]:
         assert_close(grads[0][name], grads[1][name], dtype=torch.bfloat16, name=name)
+
+
+def test_fp8_patch_runs_the_experts_in_fp8():
+    # patch_moe_blocks(precision="fp8") on a model whose experts are 128 wide: a patched
+    # block's output and its experts' gradients within FP8's error of the same block on the
+    # reference backend (the whole model's gradients are no test here: FP8's error flips near
+    # routing ties in later layers); the model's loss too.
+    family = dataclasses.replace(BY_NAME["qwen3_moe"],
+                                 config={**BY_NAME["qwen3_moe"].config,
+                                         "moe_intermediate_size": 128})
+    original = build(family)
+    patched = copy.deepcopy(original)
+    assert patch_moe_blocks(patched, precision="fp8") == family.moe_layers
+    assert "precision=fp8" in repr(patched)
+    (loss, loss_fp8), _ = train_losses_and_routing([original, patched], token_ids())
+    assert_close(loss_fp8, loss, dtype=torch.bfloat16, name="loss", tolerance=FP8_TOLERANCE)
+    block = next(m for m in patched.modules() if isinstance(m, MokSparseMoeBlock))
+    x = torch.randn(BATCH, SEQ, COMMON["hidden_size"], device=DEVICE)
+    results = []
+    for backend in ("mok", "reference"):
+        block.backend = Backend(backend)
+        block.zero_grad(set_to_none=True)
+        y = block(x)
+        (y * torch.linspace(-1, 1, y.shape[-1], device=DEVICE)).sum().backward()
+        results.append((y.detach(), {name: p.grad for name, p in block.named_parameters()
+                                     if ".experts." in f".{name}"}))
+    (y, grads), (y_ref, grads_ref) = results
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=FP8_TOLERANCE)
+    assert set(grads) == {"experts.gate_up_proj", "experts.down_proj"}
+    for name, grad in grads.items():
+        assert_close(grad, grads_ref[name], dtype=torch.bfloat16, name=name,
+                     tolerance=FP8_TOLERANCE)
+    with pytest.raises(ValueError, match="precision"):
+        patch_moe_blocks(copy.deepcopy(original), precision="fp16")

@@ -5,8 +5,10 @@ import re
 import pytest
 import torch
 
+from mok.errors import MoKInputError
 from mok.nn import Backend, MoE, Router, RouterConfig, RouterScoring, moe_experts
 from mok.testing import assert_close, distributed_test, make_inputs, moe_reference, rank_device
+from mok.testing.tolerance import FP8_TOLERANCE
 
 from ..conftest import DEVICE
 
@@ -295,3 +297,29 @@ def _ep_module_body(rank, world_size):
 @distributed_test(world_sizes=(2,))
 def test_expert_parallel_module_matches_reference_backend(rank, world_size):
     _ep_module_body(rank, world_size)
+
+
+def test_fp8_module_trains_close_to_the_reference_and_compiles():
+    # MoE(precision="fp8"): the experts' row GEMMs in e4m3 (widths multiples of 128).
+    torch.manual_seed(5)
+    module = MoE(256, 128, 4, 2, 128, precision="fp8", device=DEVICE)
+    assert "precision=fp8" in repr(module)
+    x = torch.randn(24, 256, device=DEVICE)
+    y, d_x, grads = loss_and_grads(module, x)
+    module.backend = Backend.REFERENCE
+    y_ref, d_x_ref, grads_ref = loss_and_grads(module, x)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=FP8_TOLERANCE)
+    assert_close(d_x, d_x_ref, dtype=torch.bfloat16, name="d_x", tolerance=FP8_TOLERANCE)
+    for name in ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down"):
+        assert_close(grads[name], grads_ref[name], dtype=torch.bfloat16, name=name,
+                     tolerance=FP8_TOLERANCE)
+    module.backend = Backend.MOK
+    assert_steps_close(compiled_step(module, x), (y, d_x, grads))
+
+
+def test_fp8_module_rejects_what_it_cannot_run():
+    with pytest.raises(ValueError, match="precision"):
+        MoE(32, 16, 4, 2, precision="int8")
+    module = MoE(32, 16, 4, 2, precision="fp8", device=DEVICE)
+    with pytest.raises(MoKInputError, match="multiple of 128"):
+        module(torch.randn(4, 32, device=DEVICE))

@@ -116,4 +116,16 @@ def test_fp8_weight_cache_follows_in_place_writes(device):
         assert torch.equal(got.scales, want.scales)
     ops.clear_fp8_cache()
     assert ops.cached_quantize_experts(*weights) is not second
-    ops.clear_fp8_cache()
+    # An entry lives as long as its weights: copies made per call (a cast of fp32 parameters)
+    # leave nothing behind.
+    for _ in range(3):
+        ops.cached_quantize_experts(*(w.float().bfloat16() for w in weights))
+    assert len(fp8_cache_entries()) == 1
+    del weights, inputs
+    assert not fp8_cache_entries()
+
+
+def fp8_cache_entries():
+    from mok.ops.fp8 import _CACHE
+
+    return dict(_CACHE)
