@@ -477,9 +477,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="model (mok.train's sizes): auto is 1b on CUDA, tiny on CPU")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                         help="backends to train, in this order (default: all)")
-    parser.add_argument("--mok-backend", choices=("auto", "mok", "reference"), default="auto",
+    parser.add_argument("--mok-backend", choices=("auto", "mok", "mok_fp8", "reference"),
+                        default="auto",
                         help="what runs the mok slot: auto is mok's kernels on CUDA and its "
-                             "PyTorch reference on CPU (Triton's interpreter is too slow)")
+                             "PyTorch reference on CPU (Triton's interpreter is too slow); "
+                             "mok_fp8 its kernels in FP8")
     parser.add_argument("--steps", type=int, default=200,
                         help="steps of mok and hf_grouped_mm, and the schedule's length "
                              "(default: %(default)s)")
@@ -586,7 +588,8 @@ def main(argv: list[str] | None = None) -> dict:
         for slot, run in runs.items():
             if slot != "mok" and run.losses:
                 comparisons[slot] = compare_losses(mok_run.losses, run.losses, criterion)
-    verdict = build_verdict(runs, comparisons, criterion, measures_mok=mok_backend == "mok")
+    verdict = build_verdict(runs, comparisons, criterion,
+                            measures_mok=mok_backend in ("mok", "mok_fp8"))
 
     rows = csv_rows(runs, stamp, config=size, params=params,
                     tokens_per_step=train_config.tokens_per_step)

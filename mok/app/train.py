@@ -11,6 +11,8 @@ of Austen's Pride and Prejudice, Lincoln's Gettysburg Address and Aesop's fables
 Backends of the feed-forward (`--backend`):
   mok        the fused Triton kernels (compiled on a GPU; on CPU, Triton's interpreter, which takes
              seconds per layer and step even for the tiny model).
+  mok_fp8    mok with MoE(precision="fp8"): the experts' row GEMMs on e4m3 operands with
+             blockwise scales (the weight gradients in bf16); its weights quantized once a step.
   reference  mok.reference, the pure-PyTorch layer, behind the same module and parameters.
   hf         Hugging Face's Qwen3MoeSparseMoeBlock, built with the same sizes and started from the
              same weights (copied from a mok.nn.MoE created with the same seed), with transformers'
@@ -65,7 +67,9 @@ from mok.nn import MoE, RouterConfig
 
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
 VOCAB_SIZE = 256  # bytes
-BACKENDS = ("mok", "reference", "hf")
+BACKENDS = ("mok", "mok_fp8", "reference", "hf")
+# The mok.nn.MoE backend of each: hf's block starts from a reference MoE's weights.
+MOE_BACKENDS = {"mok": "mok", "mok_fp8": "mok", "reference": "reference", "hf": "reference"}
 HF_EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm")
 TIMING_WARMUP_STEPS = 3  # steps left out of tokens/s: Triton compilation, allocator warm-up
 SAMPLE_PROMPT = b"The "
@@ -419,7 +423,8 @@ class DecoderBlock(nn.Module):
         moe = MoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                   config.top_k, config.shared_intermediate_size,
                   router=RouterConfig(aux_loss_coef=config.aux_loss_coef),
-                  backend="reference" if backend == "hf" else backend)
+                  backend=MOE_BACKENDS[backend],
+                  precision="fp8" if backend == "mok_fp8" else "bf16")
         self.moe: MoE | HFSparseMoE = HFSparseMoE(moe, hf_experts) if backend == "hf" else moe
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,28 @@ def test_mok_backend_trains_like_the_reference(tmp_path):
     assert abs(fused["val_loss"] - reference["val_loss"]) < 1e-2
 
 
+def test_mok_fp8_backend_runs_its_experts_in_fp8():
+    # --backend mok_fp8: the model's MoE layers in FP8 (experts 128 wide), its loss within FP8's
+    # error of the reference backend's on the same weights and tokens.
+    config = train.ModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                               head_dim=32, moe_intermediate_size=128, num_experts=4, top_k=2)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokens = torch.randint(0, config.vocab_size, (2, 12),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+    losses = []
+    for backend in ("mok_fp8", "reference"):
+        model = train.build_model(config, backend, 0, device)
+        if backend == "mok_fp8":
+            assert all(layer.moe.precision == "fp8" for layer in model.layers)
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+        loss.backward()
+        assert all(p.grad is not None and bool(p.grad.isfinite().all())
+                   for p in model.parameters() if p.requires_grad)
+        losses.append(float(loss))
+    assert abs(losses[0] - losses[1]) < 2e-2 * losses[1]
+
+
 def test_compare_trains_hf_from_the_same_start(tmp_path):
     out = tmp_path / "compare"
     summary = run(out, "--size", "tiny", "--backend", "reference", "--steps", "3",
