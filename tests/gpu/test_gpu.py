@@ -516,54 +516,41 @@ def test_flattened_tile_loops_equal_persistent_tiles(kept):
                               "kept_gluon_rows", "gluon_dswiglu", "kept_gluon_dswiglu",
                               "kept_gluon_dswiglu_pingpong"])
 def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up, variant):
+    config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
+    tiles = variant(ops.default_tiles(torch.device("cuda"))) if variant else None
+    _check_sync_free_and_graph_replay(config, tiles)
+
+
+@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept"])
+def test_fp8_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up):
+    # MoKConfig(precision="fp8"): the captured step quantizes the weights it reads, so a replay
+    # after the weights changed follows them, and an eager call after the graph too.
+    _check_sync_free_and_graph_replay(
+        F.MoKConfig(recompute_gate_up=recompute_gate_up, precision="fp8"), None,
+        changed=("w_routed_down", "w_shared_up"))
+
+
+def _check_sync_free_and_graph_replay(config, tiles, changed=()):
+    """A layer step without host sync, captured in a CUDA graph: the replay equals the eager
+    step, and after new values and new routing are copied into the same buffers (x, routing,
+    d_output, w_routed_gate and `changed`) it equals an eager step on them."""
     inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=3)
-    config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
     workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=3000,
                                    hidden_size=512, topk=4)
-    tiles = variant(ops.default_tiles(torch.device("cuda"))) if variant else None
     eager, graph, captured = eager_and_captured(
         lambda: _step(config, workspace, inputs, 7.0, tiles))
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(eager, captured, strict=True):
         assert torch.equal(a, b)
-
-    # New values and new routing in the same buffers: the replay follows them.
     fresh = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
                         seed=4, routing=RoutingPattern.SKEWED)
-    for name in ("x", "topk_experts", "router_weights", "d_output", "w_routed_gate"):
+    for name in ("x", "topk_experts", "router_weights", "d_output", "w_routed_gate", *changed):
         getattr(inputs, name).copy_(getattr(fresh, name))
     graph.replay()
     torch.cuda.synchronize()
     expected = _step(config, workspace, inputs, 7.0, tiles)
-    for a, b in zip(expected, captured, strict=True):
-        assert torch.equal(a, b)
-    F.check_errors(workspace)
-
-
-@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept"])
-def test_fp8_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up):
-    # MoKConfig(precision="fp8"): no sync; the captured step quantizes the weights it reads, so
-    # a replay after the weights changed follows them, and an eager call after the graph too.
-    inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
-                         seed=3)
-    config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision="fp8")
-    workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=3000,
-                                   hidden_size=512, topk=4)
-    eager, graph, captured = eager_and_captured(lambda: _step(config, workspace, inputs, 7.0))
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(eager, captured, strict=True):
-        assert torch.equal(a, b)
-    fresh = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
-                        seed=4, routing=RoutingPattern.SKEWED)
-    for name in ("x", "topk_experts", "router_weights", "d_output", "w_routed_gate",
-                 "w_routed_down", "w_shared_up"):
-        getattr(inputs, name).copy_(getattr(fresh, name))
-    graph.replay()
-    torch.cuda.synchronize()
-    expected = _step(config, workspace, inputs, 7.0)
     for a, b in zip(expected, captured, strict=True):
         assert torch.equal(a, b)
     F.check_errors(workspace)
