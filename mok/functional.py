@@ -616,14 +616,15 @@ def _backward_fp8(schedule, context: ForwardContext, d_output, x, router_weights
     router-weight gradient's partial sums) and the d_x rows on e4m3 operands; the weight
     gradients in x's dtype from d_gate_up, h, x and d_output, as the 16-bit backward's."""
     dq = ops.quantize_rows(d_output)
-    xq = []  # x quantized, once, where a group recomputes its pre-activations
+    xq = None  # x quantized, once, where a group recomputes its pre-activations
 
     def input_grads(experts: _Experts, routing: Routing, gate_up, route_weights):
+        nonlocal xq
         plan = _fp8_plan(schedule, x, experts)
         weights = _fp8_weights(experts)
         if gate_up is None:
-            xq.append(xq[0] if xq else ops.quantize_rows(x))
-            gate_up = ops.gate_up_fp8(xq[0], weights.gate, weights.up, routing,
+            xq = xq if xq is not None else ops.quantize_rows(x)
+            gate_up = ops.gate_up_fp8(xq, weights.gate, weights.up, routing,
                                       plan.gate_up_saved, swiglu_limit, out_dtype=x.dtype)
         d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
                                                   plan.dswiglu, route_weights, swiglu_limit)

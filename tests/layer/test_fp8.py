@@ -27,12 +27,13 @@ def fp8_run(inputs, *, recompute=True, limit=None):
     return run_layer(inputs, config=config, swiglu_limit=limit, tiles=tiles_for_tests(32))
 
 
-@pytest.mark.parametrize(("shared", "recompute", "limit"),
-                         [(0, True, None), (128, True, 2.5), (128, False, None)],
-                         ids=["routed", "shared_limit", "shared_kept"])
-def test_fp8_layer_matches_the_recipe(device, shared, recompute, limit):
+@pytest.mark.parametrize(("shared", "recompute", "limit", "dtype"),
+                         [(0, True, None, torch.bfloat16), (128, True, 2.5, torch.bfloat16),
+                          (128, False, None, torch.bfloat16), (0, False, None, torch.float16)],
+                         ids=["routed", "shared_limit", "shared_kept", "fp16_kept"])
+def test_fp8_layer_matches_the_recipe(device, shared, recompute, limit, dtype):
     inputs = make_inputs(48, 256, 128, 4, 2, shared_intermediate_size=shared, device=device,
-                         seed=2)
+                         seed=2, dtype=dtype)
     y, grads, _, context = fp8_run(inputs, recompute=recompute, limit=limit)
     y_ref, grads_ref = moe_reference_fp8_grads(inputs, swiglu_limit=limit)
     assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
