@@ -584,6 +584,15 @@ def _fp8_weights(experts: _Experts) -> ops.Fp8Experts:
     return ops.cached_quantize_experts(experts.gate, experts.up, experts.down)
 
 
+def _fp8_pre_activations(schedule, x, xq, experts: _Experts, weights: ops.Fp8Experts,
+                         routing: Routing, swiglu_limit) -> torch.Tensor:
+    """The pre-activations [C, 2I] in x's dtype of x quantized (xq), as a keeping forward
+    stores them."""
+    return ops.gate_up_fp8(xq, weights.gate, weights.up, routing,
+                           _fp8_plan(schedule, x, experts).gate_up_saved, swiglu_limit,
+                           out_dtype=x.dtype)
+
+
 def _forward_fp8(config, schedule, x, router_weights, shared: _Experts | None,
                  routed: _Experts, swiglu_limit) -> tuple[torch.Tensor, ForwardContext]:
     """forward in FP8: x quantized once, each group of experts' gate/up with SwiGLU (h in e4m3,
@@ -624,8 +633,8 @@ def _backward_fp8(schedule, context: ForwardContext, d_output, x, router_weights
         weights = _fp8_weights(experts)
         if gate_up is None:
             xq = xq if xq is not None else ops.quantize_rows(x)
-            gate_up = ops.gate_up_fp8(xq, weights.gate, weights.up, routing,
-                                      plan.gate_up_saved, swiglu_limit, out_dtype=x.dtype)
+            gate_up = _fp8_pre_activations(schedule, x, xq, experts, weights, routing,
+                                           swiglu_limit)
         d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
                                                   plan.dswiglu, route_weights, swiglu_limit)
         d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, plan.d_x,
@@ -753,9 +762,8 @@ def _recompute_fp8(config, schedule, x, shared: _Experts | None, routed: _Expert
                                             (shared, schedule.shared_routing))):
         if experts is not None:
             weights = ops.cached_quantize_experts(experts.gate, experts.up, None)
-            kept[i] = ops.gate_up_fp8(xq, weights.gate, weights.up, routing,
-                                      _fp8_plan(schedule, x, experts).gate_up_saved,
-                                      swiglu_limit, out_dtype=x.dtype)
+            kept[i] = _fp8_pre_activations(schedule, x, xq, experts, weights, routing,
+                                           swiglu_limit)
     return ForwardContext(None, None, gate_up=kept[0], gate_up_shared=kept[1], precision="fp8")
 
 
