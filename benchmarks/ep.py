@@ -9,8 +9,9 @@ experts are per GPU), on the same inputs on every rank:
   weighted sum; backward through autograd;
 - compute_only: mok on one GPU with the same per-GPU work (T tokens, the E_local local experts),
   no communication: the floor the overlap aims at;
-- with --keep-gate-up, mok and compute_only run with MoKConfig(recompute_gate_up=False) (rows
-  mok_kept, compute_only_kept);
+- with --recompute-gate-up, mok and compute_only run with MoKConfig(recompute_gate_up=True)
+  (rows mok_recompute, compute_only_recompute; before the default changed on 2026-12-03 the
+  rows without a suffix recomputed and --keep-gate-up gave mok_kept, compute_only_kept);
 - dispatch: mok's publish + pull of the forward alone (copied rows: publish + copies of every
   other rank's whole x), for the NVLink bandwidth it reaches
   (bytes of the other ranks' tokens pulled, a row per token, / time; the measured pull
@@ -241,19 +242,20 @@ def max_error(y, grads, inputs, group):
 
 
 def config_and_name(args) -> tuple:
-    """(MoKConfig, suffix of mok's rows) of the command line's mok variant: mok_kept (and
-    compute_only_kept) with --keep-gate-up, _gpull with --gluon-pull, _copy with --copy-rows,
-    _bcopy with --copy-bwd-rows, +mbN with --minibatch N."""
+    """(MoKConfig, suffix of mok's rows) of the command line's mok variant: mok_recompute
+    (and compute_only_recompute) with --recompute-gate-up, _gpull with --gluon-pull, _copy
+    with --copy-rows, _bcopy with --copy-bwd-rows, +mbN with --minibatch N."""
     import mok.functional as F
 
     config = F.MoKConfig(fwd_num_comm_sms=args.comm_sms, bwd_num_comm_sms=args.comm_sms,
                          peer_timeout_s=args.peer_timeout,
-                         recompute_gate_up=not args.keep_gate_up,
+                         recompute_gate_up=args.recompute_gate_up,
                          fwd_pull_in_gluon=args.gluon_pull, fwd_copy_rows=args.copy_rows,
                          bwd_copy_rows=args.copy_bwd_rows,
                          minibatch_size=args.minibatch or F.MoKConfig().minibatch_size)
-    name = (("_kept" if args.keep_gate_up else "") + ("_gpull" if args.gluon_pull else "")
-            + ("_copy" if args.copy_rows else "") + ("_bcopy" if args.copy_bwd_rows else "")
+    name = (("_recompute" if args.recompute_gate_up else "")
+            + ("_gpull" if args.gluon_pull else "") + ("_copy" if args.copy_rows else "")
+            + ("_bcopy" if args.copy_bwd_rows else "")
             + (f"+mb{args.minibatch}" if args.minibatch else ""))
     return config, name
 
@@ -628,9 +630,9 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="print mok's GPU time per kernel of one step, every rank's kernels "
                              "on one time line, and the host's time (torch.profiler, cProfile)")
-    parser.add_argument("--keep-gate-up", action="store_true",
+    parser.add_argument("--recompute-gate-up", action="store_true",
                         help="mok and its compute-only time with MoKConfig(recompute_gate_up="
-                             "False); rows named mok_kept, compute_only_kept")
+                             "True); rows named mok_recompute, compute_only_recompute")
     parser.add_argument("--host-ahead", action="store_true",
                         help="also time mok and compute_only with the host ahead of the GPU "
                              "(the GPU sleeps until a sample's calls are queued): the kernels "

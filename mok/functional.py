@@ -76,10 +76,12 @@ class MoKConfig:
         silent drop.
     peer_timeout_s: how long a wait on another rank of the group may last before it is given up
         and reported (MoKDataError naming the rank): a dead peer ends in an error, not a hang.
-    recompute_gate_up: the backward recomputes the gate/up projections (True: the forward
-        context keeps h only). False keeps the pre-activations [C, 2I] instead, twice h's bytes,
-        and the backward's first kernel does one GEMM instead of three (4 of the 22 GEMM FLOPs
-        per route that a forward+backward runs) and rebuilds h from them.
+    recompute_gate_up: False (the default) keeps the gate/up pre-activations [C, 2I] for the
+        backward, whose first kernel then does one GEMM instead of three (4 of the 22 GEMM
+        FLOPs per route that a forward+backward runs), rebuilds h from them and writes their
+        gradients over them. True keeps h [C, I] only, half the bytes, and the backward
+        recomputes the gate/up projections: slower, for less activation memory
+        (docs/design.md, section 3.2).
     fwd_pull_in_gluon: where the Gluon gate/up kernel takes the forward's routed GEMM under
         expert parallelism, it pulls its rows in a partition of two warps in each of its programs
         while its tiles run (mok.kernels.gluon_comm) instead of after a launch of its own that
@@ -110,7 +112,7 @@ class MoKConfig:
     macrobatch_size: int = 8192
     schedule_capacity_multiplier: float = 2.0
     peer_timeout_s: float = 60.0
-    recompute_gate_up: bool = True
+    recompute_gate_up: bool = False
     fwd_pull_in_gluon: bool = False
     fwd_copy_rows: bool = False
     bwd_copy_rows: bool = False
@@ -353,6 +355,9 @@ class ForwardContext:
     outputs are never kept (the router-weight gradient is computed from h).
     precision: the config's. An "fp8" context keeps no h (the FP8 backward recomputes the
     pre-activations, and h from them, when they are not kept).
+    A context with kept pre-activations serves one backward: the backward writes their
+    gradients over them (and bumps their version counters). A second backward on it raises
+    MoKInputError; recompute_forward_context makes a fresh one.
     """
 
     h: torch.Tensor | None
@@ -361,6 +366,22 @@ class ForwardContext:
     gate_up: torch.Tensor | None = None
     gate_up_shared: torch.Tensor | None = None
     precision: str = "bf16"
+    kept_versions: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kept_versions",
+                           tuple(_version(t) for t in (self.gate_up, self.gate_up_shared)))
+
+    def check_unused(self) -> None:
+        """Raise MoKInputError where the kept pre-activations changed since this context was
+        made (a backward already wrote their gradients over them)."""
+        now = tuple(_version(t) for t in (self.gate_up, self.gate_up_shared))
+        if now != self.kept_versions:
+            raise MoKInputError(
+                "the forward context's kept pre-activations were overwritten since it was made: "
+                "a backward already used this context (it writes the gradients over them), or "
+                "they were changed in place. A context with kept pre-activations serves one "
+                "backward; run the forward or recompute_forward_context again")
 
     @property
     def nbytes(self) -> int:
@@ -373,6 +394,18 @@ class ForwardContext:
         return replace(
             self, h=None if self.gate_up is not None else self.h,
             h_shared=None if self.gate_up_shared is not None else self.h_shared)
+
+
+def _version(tensor: torch.Tensor | None) -> int | None:
+    """tensor's version counter (None for None and for inference tensors, which have none)."""
+    return None if tensor is None or tensor.is_inference() else tensor._version
+
+
+def _overwritten(tensor: torch.Tensor) -> None:
+    """Record that a launch wrote over tensor (a kept context's pre-activations): autograd's
+    saved-tensor checks and ForwardContext.check_unused then refuse to read it again."""
+    if not tensor.is_inference():
+        torch.autograd.graph.increment_version(tensor)
 
 
 # -- input checks (host-known facts only; never reads device values) ---------------------------
@@ -637,6 +670,7 @@ def _backward_fp8(schedule, context: ForwardContext, d_output, x, router_weights
                                            swiglu_limit)
         d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
                                                   plan.dswiglu, route_weights, swiglu_limit)
+        _overwritten(gate_up)
         d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, plan.d_x,
                                     out_dtype=x.dtype)
         return plan, d_x_rows, partial, [gate_up, h]  # gate_up holds d_gate_up now
@@ -785,7 +819,7 @@ def _dswiglu(plan: BackwardPlan, routing: Routing, rows: BackwardRows, h, gate_u
              route_weights, experts: _Experts, swiglu_limit):
     """The backward's first launch(es): (d_gate_up [C, 2I], the router-weight gradients' partial
     sums or None, h). A context with kept pre-activations holds no h: the launch rebuilds it from
-    them, for the down projection's weight gradient."""
+    them, for the down projection's weight gradient, and writes d_gate_up over them."""
     h_out = h is None
     if h_out:
         h = torch.empty(routing.capacity_rows, experts.intermediate, dtype=gate_up.dtype,
@@ -798,7 +832,9 @@ def _dswiglu(plan: BackwardPlan, routing: Routing, rows: BackwardRows, h, gate_u
         d_gate_up, partial = ops.down_bwd_dswiglu(
             rows.d_output, rows.x, experts.down, experts.gate, experts.up, h, routing,
             plan.dswiglu, route_weights, swiglu_limit, pull=rows.pull, gate_up=gate_up,
-            h_out=h_out)
+            h_out=h_out, out=gate_up)
+        if gate_up is not None:
+            _overwritten(gate_up)
     return d_gate_up, partial, h
 
 
@@ -875,6 +911,7 @@ def backward(
     if context.precision != config.precision:
         raise MoKInputError(f"the forward context was made with precision "
                             f"{context.precision!r}, the config asks {config.precision!r}")
+    context.check_unused()
     fp8 = config.precision == "fp8"
     _check_context_rows(context.h, context.gate_up, schedule.routing, routed.intermediate, "",
                         may_be_empty=fp8)

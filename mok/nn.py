@@ -109,7 +109,7 @@ def _(x, topk_experts, router_weights, w_shared_gate, w_shared_up, w_shared_down
             torch.empty(num_local + 1, **i32))
 
 
-@torch.library.custom_op("mok::moe_backward", mutates_args=())
+@torch.library.custom_op("mok::moe_backward", mutates_args=("gate_up", "gate_up_shared"))
 def _moe_backward(
     d_y: torch.Tensor,
     x: torch.Tensor,
@@ -132,7 +132,8 @@ def _moe_backward(
     swiglu_limit: float | None,
     recompute_gate_up: bool,
     precision: str,
-) -> list[torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor, torch.Tensor]:
     config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision=precision)
     workspace = _workspace(x, router_weights.shape[1])
     schedule = F.Schedule.from_tensors(
@@ -147,7 +148,7 @@ def _moe_backward(
     grads = F.backward(config, workspace, schedule, context, d_y, x, router_weights,
                        w_shared_gate, w_shared_up, w_shared_down, w_routed_gate, w_routed_up,
                        w_routed_down, swiglu_limit=swiglu_limit)
-    return [g if g is not None else x.new_empty(0) for g in grads]
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
 @_moe_backward.register_fake
@@ -158,8 +159,8 @@ def _(d_y, x, router_weights, w_shared_gate, w_shared_up, w_shared_down, w_route
     def like(t: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(0) if t is None else t.new_empty(t.shape)
 
-    return [like(t) for t in (x, router_weights, w_routed_gate, w_routed_up, w_routed_down,
-                              w_shared_gate, w_shared_up, w_shared_down)]
+    return tuple(like(t) for t in (x, router_weights, w_routed_gate, w_routed_up, w_routed_down,
+                                   w_shared_gate, w_shared_up, w_shared_down))
 
 
 def _setup_context(ctx, inputs, output):
@@ -177,6 +178,10 @@ def _backward(ctx, d_y, *_unused):
     x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, *saved = ctx.saved_tensors
     if not ctx.has_shared:
         w_sg = w_su = w_sd = None
+    # The op writes the gradients over kept pre-activations (gate_up, gate_up_shared), which
+    # bumps their versions: a second backward through this graph then fails autograd's check.
+    # An empty placeholder is passed fresh, so a recomputing context stays reusable.
+    saved[2:4] = [t if t.numel() else t.new_empty(t.shape) for t in saved[2:4]]
     grads = _moe_backward(d_y.contiguous(), x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru,
                           w_rd, *saved, ctx.swiglu_limit, ctx.recompute_gate_up, ctx.precision)
     d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd = grads
@@ -235,7 +240,7 @@ def moe_experts(
     backend: Backend | str = Backend.MOK,
     group: dist.ProcessGroup | None = None,
     max_tokens: int | None = None,
-    recompute_gate_up: bool = True,
+    recompute_gate_up: bool = False,
     precision: str = "bf16",
 ) -> torch.Tensor:
     """The routed + shared experts as a differentiable function (docs/design.md section 1).
@@ -246,8 +251,9 @@ def moe_experts(
     gradients flow back into the viewed parameter. group: an expert-parallel process group; the
     routed weights are then this rank's experts (mok.functional's contract). max_tokens: with a
     group, the most tokens a rank passes (each rank may pass fewer); default T, which every rank
-    must then pass. recompute_gate_up: MoKConfig's (False keeps the gate/up pre-activations for
-    the backward: faster, more memory). precision: MoKConfig's ("fp8": the experts' row GEMMs
+    must then pass. recompute_gate_up: MoKConfig's (the default False keeps the gate/up
+    pre-activations for the backward; True keeps h and recomputes them: slower, less memory).
+    precision: MoKConfig's ("fp8": the experts' row GEMMs
     on e4m3 operands with blockwise scales; the reference backend ignores it).
     """
     if Backend.parse(backend) is Backend.REFERENCE:
@@ -389,8 +395,9 @@ class MoE(nn.Module):
     shared_intermediate_size > 0: shared_gate, shared_up [I_s, H], shared_down [H, I_s].
     forward(hidden_states [..., H]) -> [..., H]. After each forward: `aux_loss` (add it to the
     training loss) and `tokens_per_expert` [E] (device tensor, no host sync) hold that call's
-    values. recompute_gate_up=False keeps the experts' gate/up pre-activations for the backward
-    (MoKConfig.recompute_gate_up): a faster backward for 2I more bytes per route of activations.
+    values. The experts' gate/up pre-activations are kept for the backward; recompute_gate_up=True
+    keeps h instead and recomputes them (MoKConfig.recompute_gate_up): I fewer values per route
+    of activations, a slower backward.
     precision="fp8" runs the experts' row GEMMs on e4m3 operands with blockwise scales
     (MoKConfig.precision; I and I_s multiples of 128, one GPU), keeping an e4m3 copy of the
     expert weights per optimizer step.
@@ -414,7 +421,7 @@ class MoE(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         ep_max_tokens: int | None = None,
         backend: Backend | str = Backend.MOK,
-        recompute_gate_up: bool = True,
+        recompute_gate_up: bool = False,
         precision: str = "bf16",
         device=None,
         dtype=None,

@@ -45,7 +45,7 @@ if [ "${EP_TESTS:-1}" = 1 ]; then
 fi
 if [ "${EP_BENCH:-1}" = 1 ]; then
   # EP_BENCH_VARIANTS: '|'-separated extra arguments, one benchmark run each (rows of all of
-  # them in $OUT/ep.csv), e.g. "|--keep-gate-up|--gluon-pull --minibatch 16".
+  # them in $OUT/ep.csv), e.g. "|--recompute-gate-up|--gluon-pull --minibatch 16".
   IFS='|' read -r -a variants <<< "${EP_BENCH_VARIANTS:-}"
   [ ${#variants[@]} -eq 0 ] && variants=("")
   for i in "${!variants[@]}"; do

@@ -52,7 +52,9 @@ def with_tma_rows(tiles):
 
 def run_layer(inputs, *, config=None, tiles=None, swiglu_limit=None, workspace=None,
               validate=None):
-    """Schedule, forward and backward of mok on `inputs`; returns (y, grads, schedule, context)."""
+    """Schedule, forward and backward of mok on `inputs`; returns (y, grads, schedule, context),
+    the context as the forward made it (kept pre-activations cloned before the backward writes
+    their gradients over them)."""
     config = config or F.MoKConfig()
     num_tokens, topk = inputs.topk_experts.shape
     workspace = workspace or F.create_workspace(
@@ -63,6 +65,9 @@ def run_layer(inputs, *, config=None, tiles=None, swiglu_limit=None, workspace=N
                                 validate=validate)
     y, context = F.forward(config, workspace, schedule, *inputs.layer_args,
                            swiglu_limit=swiglu_limit)
+    as_made = dataclasses.replace(context, **{
+        name: getattr(context, name).clone() for name in ("gate_up", "gate_up_shared")
+        if getattr(context, name) is not None})
     grads = F.backward(config, workspace, schedule, context, inputs.d_output,
                        *inputs.layer_args, swiglu_limit=swiglu_limit)
-    return y, grads, schedule, context
+    return y, grads, schedule, as_made

@@ -178,7 +178,7 @@ class MokSparseMoeBlock(nn.Module):
     def __init__(self, block: nn.Module, *, backend: Backend | str = Backend.MOK,
                  swiglu_limit: float | None = None,
                  ep_group: dist.ProcessGroup | None = None,
-                 recompute_gate_up: bool = True, precision: str = "bf16") -> None:
+                 recompute_gate_up: bool = False, precision: str = "bf16") -> None:
         super().__init__()
         where = type(block).__name__
         for name, parameter in block._parameters.items():
@@ -270,7 +270,7 @@ class MokSparseMoeBlock(nn.Module):
 def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
                      swiglu_limit: float | None = None,
                      ep_group: dist.ProcessGroup | None = None,
-                     recompute_gate_up: bool = True, precision: str = "bf16") -> int:
+                     recompute_gate_up: bool = False, precision: str = "bf16") -> int:
     """Replace, in place, every supported sparse MoE block below `model` by a MokSparseMoeBlock.
 
     Returns the number of blocks replaced (0 when there are none, e.g. already patched). The
@@ -278,8 +278,9 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     the unpatched model. swiglu_limit clamps gate and up as mok's swiglu_limit does, for the
     routed and the shared experts; it changes the model's math unless the model was trained so.
     ep_group: run the experts with expert parallelism over this group (module docstring).
-    recompute_gate_up=False keeps the experts' gate/up pre-activations for the backward
-    (mok.functional.MoKConfig.recompute_gate_up): faster, 2I more bytes per route.
+    recompute_gate_up=True keeps h instead of the experts' gate/up pre-activations and
+    recomputes them in the backward (mok.functional.MoKConfig.recompute_gate_up): I fewer
+    values per route of activations, a slower backward.
     precision="fp8": the experts' row GEMMs on e4m3 operands with blockwise scales
     (mok.functional.MoKConfig.precision).
     Raises ValueError (before changing anything) when a block has a layout mok cannot run.

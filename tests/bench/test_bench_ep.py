@@ -11,23 +11,24 @@ from mok.testing.tolerance import TOLERANCES
 
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark")
-@pytest.mark.parametrize(("world_size", "kept", "copied"),
-                         [(2, "", ""), (2, "_kept", ""), (2, "", "_copy_bcopy"),
+@pytest.mark.parametrize(("world_size", "recompute", "copied"),
+                         [(2, "", ""), (2, "_recompute", ""), (2, "", "_copy_bcopy"),
                           pytest.param(4, "", "", marks=pytest.mark.slow),
                           pytest.param(8, "", "", marks=pytest.mark.slow)],
-                         ids=["ep2", "ep2_kept_gate_up", "ep2_copied_rows", "ep4", "ep8"])
-def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, world_size, kept, copied):
+                         ids=["ep2", "ep2_recompute_gate_up", "ep2_copied_rows", "ep4", "ep8"])
+def test_ep_bench_runs_on_cpu_and_checks_before_timing(tmp_path, world_size, recompute, copied):
     # At 4 and 8 ranks the tiny shape has one expert a rank (top-2): its compute-only run takes
     # one route per token over twice the tokens.
     # copied: mok pulling and mok with copied rows (--also-copies) in the same run.
     path = tmp_path / "ep.csv"
     ep.main(["--ep", str(world_size), "--csv", str(path), "--iters", "1", "--warmup", "0",
-             *(["--keep-gate-up"] if kept else []), *(["--also-copies"] if copied else [])])
+             *(["--recompute-gate-up"] if recompute else []),
+             *(["--also-copies"] if copied else [])])
     rows = list(csv.DictReader(path.open()))
     assert set(rows[0]) == set(ep.CSV_FIELDS)
     by_key = {(row["impl"], row["mode"]): row for row in rows}
-    compute_name = f"compute_only{kept}"
-    mok_names = [f"mok{kept}"] + ([f"mok{kept}{copied}"] if copied else [])
+    compute_name = f"compute_only{recompute}"
+    mok_names = [f"mok{recompute}"] + ([f"mok{recompute}{copied}"] if copied else [])
     expected = {(compute_name, "forward"), (compute_name, "forward+backward")} | {
         (mok_name, mode) for mok_name in mok_names
         for mode in ("forward", "forward+backward", "dispatch", "down_scatter", "down_local")}

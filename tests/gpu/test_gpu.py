@@ -46,8 +46,10 @@ def test_real_shape_matches_reference_and_is_deterministic(shape):
     for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
         if expected is not None:
             assert_close(actual, expected, dtype=torch.bfloat16, name=name)
-    # Saved for backward: h only (C x I), at most (T*k + E*align) rows.
-    rows = context.h.shape[0]
+    # Saved for backward: the pre-activations only (C x 2I), at most (T*k + E*align) rows.
+    assert context.h is None
+    rows, width = context.gate_up.shape
+    assert width == 2 * shape.intermediate_size
     assert rows <= shape.num_tokens * shape.topk + shape.num_experts * 128
 
 
@@ -317,7 +319,8 @@ def test_gluon_rows_scatter_their_rows(wide):
                          routing=RoutingPattern.SKEWED)
     tiles = _gluon_rows(dataclasses.replace(ops.default_tiles(torch.device("cuda")),
                                             use_tuned=False), wide)
-    _, _, schedule, context = run_layer(inputs, tiles=tiles)
+    _, _, schedule, context = run_layer(inputs, config=F.MoKConfig(recompute_gate_up=True),
+                                        tiles=tiles)
     routing = schedule.routing
     routes = inputs.x.shape[0] * inputs.topk_experts.shape[1]
     scheduled = routing.route_row >= 0
@@ -475,8 +478,8 @@ def test_gluon_dswiglu_apart_equals_the_kept_backward(limit, monkeypatch):
     base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
     tiles = _gluon_dswiglu(_gluon_gate_up(base))
     tiles = dataclasses.replace(tiles, down_bwd=dataclasses.replace(tiles.down_bwd, apart=True))
-    _, grads, _, context = _repeatable_and_close_to_reference(inputs, F.MoKConfig(), limit,
-                                                              tiles)
+    _, grads, _, context = _repeatable_and_close_to_reference(
+        inputs, F.MoKConfig(recompute_gate_up=True), limit, tiles)
     assert context.gate_up is None
     assert len(launches) == 4  # the kept dSwiGLU by Gluon: routed and shared, twice
     kept = F.MoKConfig(recompute_gate_up=False)
@@ -567,7 +570,7 @@ def test_fp8_real_shape_is_deterministic_and_within_fp8_tolerance(shape):
     assert torch.equal(y, y2)
     for name, a, b in zip(GRAD_NAMES, grads, grads2, strict=True):
         assert (a is None and b is None) or torch.equal(a, b), name
-    assert context.nbytes == 0  # recomputing: the FP8 context keeps nothing
+    assert context.h is None and context.gate_up is not None  # the default keeps gate/up
     y_ref, grads_ref = moe_reference_grads(inputs, compute_dtype=torch.float32)
     assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=FP8_TOLERANCE)
     for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):

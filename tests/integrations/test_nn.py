@@ -132,6 +132,24 @@ def test_torch_compile_fullgraph_traces_the_module(recompute_gate_up):
     assert_steps_close(compiled_step(module, x), loss_and_grads(module, x))
 
 
+def test_kept_pre_activations_serve_one_backward():
+    # The default keeps the pre-activations and the backward writes their gradients over them:
+    # a second backward through the same graph (retain_graph) is refused by autograd's
+    # saved-tensor check, never run on the gradients. Recomputing keeps h, which it may reread.
+    x = torch.randn(2, 7, 32, device=DEVICE)
+    loss = make_module()(x).float().pow(2).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    recomputing = make_module(recompute_gate_up=True)
+    loss = recomputing(x).float().pow(2).sum()
+    loss.backward(retain_graph=True)
+    first = {name: p.grad.clone() for name, p in recomputing.named_parameters()}
+    loss.backward()
+    for name, p in recomputing.named_parameters():
+        assert torch.equal(p.grad, 2 * first[name]), name
+
+
 def test_autocast_runs_in_the_autocast_dtype():
     module = make_module(shared=0, seed=4)
     x = torch.randn(12, 32, device=DEVICE)

@@ -60,12 +60,17 @@ def test_backward_rejects_bad_gradient_and_context(setup):
     no_shared = (inputs.x, inputs.router_weights, None, None, None, *inputs.routed_weights)
     with pytest.raises(MoKInputError, match="disagree"):
         F.backward(config, workspace, schedule, context, inputs.d_output, *no_shared)
-    emptied = dataclasses.replace(context, h=None)
+    emptied = dataclasses.replace(context, h=None, gate_up=None)
     with pytest.raises(MoKInputError, match="neither h nor gate_up"):
         F.backward(config, workspace, schedule, emptied, inputs.d_output, *inputs.layer_args)
-    cut = dataclasses.replace(context, h=context.h[:, :4])
+    cut = dataclasses.replace(context, gate_up=context.gate_up[:, :4])
     with pytest.raises(MoKInputError, match="another schedule"):
         F.backward(config, workspace, schedule, cut, inputs.d_output, *inputs.layer_args)
+    # A context with kept pre-activations serves one backward: it writes the gradients over
+    # them, and a second backward on it is refused, never run on the gradients.
+    F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
+    with pytest.raises(MoKInputError, match="serves one backward"):
+        F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
 
 
 def test_schedule_rejects_bad_routing(setup):

@@ -98,6 +98,9 @@ def test_fp8_recompute_forward_context_gives_the_forward_s(device):
                                *inputs.layer_args)
     for name, a, b in zip(GRAD_NAMES, grads, grads_rebuilt, strict=True):
         assert (a is None and b is None) or torch.equal(a, b), name
+    # The backward wrote the gradients over the kept pre-activations: the context is used up.
+    with pytest.raises(MoKInputError, match="serves one backward"):
+        F.backward(config, workspace, schedule, rebuilt, inputs.d_output, *inputs.layer_args)
 
 
 def test_fp8_weight_cache_follows_in_place_writes(device):

@@ -8,6 +8,7 @@ import torch
 
 import mok.functional as F
 from mok import ops, plan
+from mok.errors import MoKInputError
 from mok.testing import (
     GRAD_NAMES,
     RoutingPattern,
@@ -452,49 +453,85 @@ def test_copy_rows_gathers_scales_and_zeroes_padding():
     assert torch.equal(by_row[:used], rows[:used])
 
 
-def test_recompute_forward_context_equals_forward_context():
+@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept_gate_up"])
+def test_recompute_forward_context_equals_forward_context(recompute_gate_up):
     case = Case("recompute", 30, 32, 16, 4, 2, shared=16, limit=2.0, seed=13)
     inputs = case.inputs()
-    config = F.MoKConfig()
-    _, _, schedule, context = run_layer(inputs, config=config, swiglu_limit=case.limit,
-                                        tiles=tiles_for_tests(16))
+    config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
+    workspace = F.create_workspace(config, None, device=DEVICE, num_local_tokens=case.tokens,
+                                   hidden_size=case.hidden, topk=case.topk)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=inputs.num_local_experts,
+                                tiles=tiles_for_tests(16))
+    _, context = F.forward(config, workspace, schedule, *inputs.layer_args,
+                           swiglu_limit=case.limit)
     again = F.recompute_forward_context(
-        config, schedule.workspace, schedule, inputs.x, inputs.w_shared_gate, inputs.w_shared_up,
+        config, workspace, schedule, inputs.x, inputs.w_shared_gate, inputs.w_shared_up,
         inputs.w_routed_gate, inputs.w_routed_up, swiglu_limit=case.limit)
     used = int(schedule.routing.expert_offsets[-1])  # rows past the last expert are never read
-    assert torch.equal(context.h[:used], again.h[:used])
-    assert torch.equal(context.h_shared[: case.tokens], again.h_shared[: case.tokens])
-    # It keeps only h: C x I (+ T_pad x I_s) elements.
+    name, shared_name = ("h", "h_shared") if recompute_gate_up else ("gate_up", "gate_up_shared")
+    assert torch.equal(getattr(context, name)[:used], getattr(again, name)[:used])
+    assert torch.equal(getattr(context, shared_name)[: case.tokens],
+                       getattr(again, shared_name)[: case.tokens])
+    # It keeps h (C x I + T_pad x I_s elements) or the pre-activations, twice as many.
     rows = schedule.routing.capacity_rows
-    assert context.nbytes == (rows * 16 + schedule.shared_routing.capacity_rows * 16) * 2
+    width = 1 if recompute_gate_up else 2
+    assert context.nbytes == width * (rows * 16 + schedule.shared_routing.capacity_rows * 16) * 2
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]], ids=lambda c: c.name)
-def test_kept_gate_up_matches_reference(case):
-    # MoKConfig(recompute_gate_up=False): the forward keeps the pre-activations and the
-    # backward reads them. The forward is the same computation; the backward is checked against
-    # the reference, repeatable bit for bit, and the context holds h plus [gate, up].
+def test_recomputing_gate_up_matches_reference(case):
+    # MoKConfig(recompute_gate_up=True): the forward keeps h only and the backward recomputes
+    # the pre-activations. The forward is the default's computation; the backward is checked
+    # against the reference and repeatable bit for bit; the context holds half the default's.
     inputs = case.inputs()
     tiles = tiles_for_tests(case.block, case.align)
-    kept = F.MoKConfig(recompute_gate_up=False)
-    y, grads, schedule, context = run_layer(inputs, config=kept, swiglu_limit=case.limit,
-                                            tiles=tiles)
+    recomputing = F.MoKConfig(recompute_gate_up=True)
+    y, grads, schedule, context = run_layer(inputs, config=recomputing,
+                                            swiglu_limit=case.limit, tiles=tiles)
     check_against_reference(case, y, grads)
-    y_recomputing, _, _, recomputing = run_layer(inputs, swiglu_limit=case.limit, tiles=tiles)
-    assert torch.equal(y, y_recomputing)
-    # It keeps [gate, up] in place of h: C x 2I (+ T_pad x 2 I_s) elements.
+    y_kept, _, _, kept = run_layer(inputs, swiglu_limit=case.limit, tiles=tiles)
+    assert torch.equal(y, y_kept)
     rows = schedule.routing.capacity_rows
-    assert context.h is None and context.h_shared is None
-    assert context.gate_up.shape == (rows, 2 * case.intermediate)
-    assert (context.gate_up_shared is None) == (case.shared == 0)
-    assert context.nbytes == 2 * recomputing.nbytes
-    again_context = F.recompute_forward_context(
-        kept, schedule.workspace, schedule, inputs.x, inputs.w_shared_gate, inputs.w_shared_up,
-        inputs.w_routed_gate, inputs.w_routed_up, swiglu_limit=case.limit)
-    used = int(schedule.routing.expert_offsets[-1])
-    assert torch.equal(context.gate_up[:used], again_context.gate_up[:used])
-    again = run_layer(inputs, config=kept, swiglu_limit=case.limit, tiles=tiles)
+    assert context.gate_up is None and context.h.shape == (rows, case.intermediate)
+    assert (context.h_shared is None) == (case.shared == 0)
+    assert kept.h is None and kept.h_shared is None
+    assert kept.gate_up.shape == (rows, 2 * case.intermediate)
+    assert kept.nbytes == 2 * context.nbytes
+    again = run_layer(inputs, config=recomputing, swiglu_limit=case.limit, tiles=tiles)
     for name, a, b in zip(GRAD_NAMES, grads, again[1], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_kept_context_serves_one_backward():
+    # The default keeps the pre-activations, and the backward writes their gradients over them
+    # (no second [C, 2I] buffer). Their version counters say so: a second backward on the
+    # context is refused; recompute_forward_context gives a fresh one with the same gradients.
+    case = CASES[1]
+    inputs = case.inputs()
+    config = F.MoKConfig()
+    workspace = F.create_workspace(config, None, device=DEVICE, num_local_tokens=case.tokens,
+                                   hidden_size=case.hidden, topk=case.topk)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=inputs.num_local_experts,
+                                tiles=tiles_for_tests(case.block, case.align))
+    _, context = F.forward(config, workspace, schedule, *inputs.layer_args,
+                           swiglu_limit=case.limit)
+    pre_activations = context.gate_up.clone()
+    grads = F.backward(config, workspace, schedule, context, inputs.d_output,
+                       *inputs.layer_args, swiglu_limit=case.limit)
+    used = int(schedule.routing.expert_offsets[-1])
+    assert not torch.equal(context.gate_up[:used], pre_activations[:used])  # overwritten
+    with pytest.raises(MoKInputError, match="serves one backward"):
+        F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args,
+                   swiglu_limit=case.limit)
+    fresh = F.recompute_forward_context(
+        config, workspace, schedule, inputs.x, inputs.w_shared_gate, inputs.w_shared_up,
+        inputs.w_routed_gate, inputs.w_routed_up, swiglu_limit=case.limit)
+    assert torch.equal(fresh.gate_up[:used], pre_activations[:used])
+    again = F.backward(config, workspace, schedule, fresh, inputs.d_output, *inputs.layer_args,
+                       swiglu_limit=case.limit)
+    for name, a, b in zip(GRAD_NAMES, grads, again, strict=True):
         assert (a is None and b is None) or torch.equal(a, b), name
 
 
@@ -517,11 +554,11 @@ def test_dswiglu_apart_equals_the_kept_backward(case):
     inputs = case.inputs()
     tiles = with_dswiglu_apart(tiles_for_tests(case.block, case.align)
                                or ops.default_tiles(DEVICE))
-    y, grads, _, context = run_layer(inputs, swiglu_limit=case.limit, tiles=tiles)
+    y, grads, _, context = run_layer(inputs, config=F.MoKConfig(recompute_gate_up=True),
+                                     swiglu_limit=case.limit, tiles=tiles)
     check_against_reference(case, y, grads)
     assert context.gate_up is None and context.h is not None
-    kept = F.MoKConfig(recompute_gate_up=False)
-    _, kept_grads, _, _ = run_layer(inputs, config=kept, swiglu_limit=case.limit, tiles=tiles)
+    _, kept_grads, _, _ = run_layer(inputs, swiglu_limit=case.limit, tiles=tiles)
     for name, a, b in zip(GRAD_NAMES, grads, kept_grads, strict=True):
         if not name.endswith("_down"):
             assert (a is None and b is None) or torch.equal(a, b), name
