@@ -6,7 +6,9 @@ of ALIGN and records, per block of ALIGN rows, which expert owns it. Three launc
 data, no host sync:
 
 1. histogram: per chunk of routes, the count of each expert and each route's rank in its chunk
-   (and a share of the rows set to -1, padding until the scatter places a route there);
+   (and a share of the rows set to -1, padding until the scatter places a route there); a
+   program walks its chunk in sub-chunks of SUB routes (the one-hot tile [SUB, E_PAD] stays
+   small however many experts), so there are few chunks for the next launch to sum;
 2. offsets (one program): per-chunk bases, expert counts, padded expert offsets, block owners;
 3. scatter: row_route[row] = route and route_row[route] = row.
 """
@@ -52,30 +54,35 @@ def route_histogram_kernel(
     capacity_rows,
     fill_rows,
     CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
     E_PAD: tl.constexpr,
 ):
     chunk = tl.program_id(0)
-    # Every row starts as padding (-1), fill_rows (a multiple of CHUNK) a program; the scatter,
+    # Every row starts as padding (-1), fill_rows (a multiple of SUB) a program; the scatter,
     # a later launch, places the routes.
     fill_end = tl.minimum((chunk + 1) * fill_rows, capacity_rows)
-    for start in range(chunk * fill_rows, (chunk + 1) * fill_rows, CHUNK):
-        rows = start + tl.arange(0, CHUNK)
+    for start in range(chunk * fill_rows, (chunk + 1) * fill_rows, SUB):
+        rows = start + tl.arange(0, SUB)
         tl.store(row_route_ptr + rows, -1, mask=rows < fill_end)
-    routes = chunk * CHUNK + tl.arange(0, CHUNK)
-    local_expert, is_local, bad = _local_experts(
-        topk_experts_ptr, routes, num_routes, num_experts_total, first_local_expert,
-        num_local_experts,
-    )
-    tl.store(
-        error_flags_ptr + FLAG_EXPERT_ID_OUT_OF_RANGE, 1,
-        mask=tl.max(bad.to(tl.int32), axis=0) > 0,
-    )
     experts = tl.arange(0, E_PAD)
-    one_hot = ((local_expert[:, None] == experts[None, :]) & is_local[:, None]).to(tl.int32)
-    tl.store(chunk_counts_ptr + chunk * E_PAD + experts, tl.sum(one_hot, axis=0))
-    # Exclusive rank of each route among the routes of its expert in this chunk.
-    rank = tl.sum((tl.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
-    tl.store(route_rank_ptr + routes, rank, mask=routes < num_routes)
+    running = tl.zeros([E_PAD], dtype=tl.int32)  # routes of each expert in earlier sub-chunks
+    for sub in range(0, CHUNK, SUB):
+        routes = chunk * CHUNK + sub + tl.arange(0, SUB)
+        local_expert, is_local, bad = _local_experts(
+            topk_experts_ptr, routes, num_routes, num_experts_total, first_local_expert,
+            num_local_experts,
+        )
+        tl.store(
+            error_flags_ptr + FLAG_EXPERT_ID_OUT_OF_RANGE, 1,
+            mask=tl.max(bad.to(tl.int32), axis=0) > 0,
+        )
+        one_hot = ((local_expert[:, None] == experts[None, :]) & is_local[:, None]).to(tl.int32)
+        # Exclusive rank of each route among the routes of its expert in this chunk.
+        rank = tl.sum((tl.cumsum(one_hot, axis=0) - one_hot + running[None, :]) * one_hot,
+                      axis=1)
+        tl.store(route_rank_ptr + routes, rank, mask=routes < num_routes)
+        running += tl.sum(one_hot, axis=0)
+    tl.store(chunk_counts_ptr + chunk * E_PAD + experts, running)
 
 
 @triton.jit
@@ -142,17 +149,19 @@ def route_scatter_kernel(
     num_local_experts,
     capacity_rows,
     CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
     E_PAD: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
-    routes = chunk * CHUNK + tl.arange(0, CHUNK)
+    # BLOCK routes a program, of the histogram's chunks of CHUNK routes.
+    routes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     local_expert, is_local, _ = _local_experts(
         topk_experts_ptr, routes, num_routes, num_experts_total, first_local_expert,
         num_local_experts,
     )
     safe_expert = tl.where(is_local, local_expert, 0)
     rank = tl.load(route_rank_ptr + routes, mask=is_local, other=0)
-    base = tl.load(chunk_base_ptr + chunk * E_PAD + safe_expert, mask=is_local, other=0)
+    base = tl.load(chunk_base_ptr + (routes // CHUNK) * E_PAD + safe_expert, mask=is_local,
+                   other=0)
     start = tl.load(expert_offsets_ptr + safe_expert, mask=is_local, other=0)
     row = start + base + rank
     placed = is_local & (row < capacity_rows)

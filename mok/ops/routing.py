@@ -54,6 +54,13 @@ def capacity_rows(num_routes: int, num_local_experts: int, align: int, route_cap
     return max(padded, 1) * align
 
 
+# The histogram launch's most programs (each walks its chunk in sub-chunks) and the values of
+# its one-hot tiles, and the routes a scatter program places.
+_HISTOGRAM_PROGRAMS = 256
+_ONE_HOT_VALUES = 16384
+_SCATTER_BLOCK = 1024
+
+
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
@@ -79,7 +86,11 @@ def build_routing(
     device = topk_experts.device
     rows = capacity_rows(num_routes, num_local_experts, align, route_capacity)
     e_pad = _pow2(num_local_experts)
-    chunk = max(16, min(1024, _pow2(16384 // e_pad)))
+    # The histogram's one-hot tiles hold sub * e_pad values; its chunks are sub-chunks enough
+    # that at most _HISTOGRAM_PROGRAMS of them cover the routes (the offsets launch, one
+    # program, walks every chunk's counts).
+    sub = max(16, min(1024, _pow2(_ONE_HOT_VALUES // e_pad)))
+    chunk = sub * _pow2(max(triton.cdiv(num_routes, sub * _HISTOGRAM_PROGRAMS), 1))
     num_chunks = max(triton.cdiv(num_routes, chunk), 1)
     flat = topk_experts.reshape(-1)
     if not flat.is_contiguous():
@@ -98,10 +109,10 @@ def build_routing(
     expert_offsets = torch.empty(num_local_experts + 1, **i32)
 
     scalars = (num_routes, num_experts, first_local_expert, num_local_experts)
-    fill_rows = triton.cdiv(triton.cdiv(rows, num_chunks), chunk) * chunk
+    fill_rows = triton.cdiv(triton.cdiv(rows, num_chunks), sub) * sub
     kernels.route_histogram_kernel[(num_chunks,)](
         flat, chunk_counts, route_rank, row_route, error_flags, *scalars, rows, fill_rows,
-        CHUNK=chunk, E_PAD=e_pad,
+        CHUNK=chunk, SUB=sub, E_PAD=e_pad,
     )
     kernels.route_offsets_kernel[(1,)](
         chunk_counts, chunk_base, expert_counts, expert_offsets, block_expert, error_flags,
@@ -110,9 +121,10 @@ def build_routing(
         CHUNKS_PER_STEP=max(1, min(64, 8192 // e_pad)),
         BLOCKS_PER_STEP=max(1, min(128, 8192 // e_pad)),
     )
-    kernels.route_scatter_kernel[(num_chunks,)](
+    block = min(chunk, _SCATTER_BLOCK)
+    kernels.route_scatter_kernel[(max(triton.cdiv(num_routes, block), 1),)](
         flat, route_rank, chunk_base, expert_offsets, row_route, route_row, *scalars, rows,
-        CHUNK=chunk, E_PAD=e_pad,
+        CHUNK=chunk, BLOCK=block, E_PAD=e_pad,
     )
     return Routing(row_route, route_row, block_expert, expert_counts, expert_offsets,
                    num_tokens, topk, num_local_experts, align)

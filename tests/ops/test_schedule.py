@@ -8,6 +8,7 @@ import torch
 import mok.functional as F
 from mok import MoKDataError, ops
 from mok.ops import build_routing, capacity_rows, small_tiles
+from mok.ops import routing as routing_ops
 from mok.testing import RoutingPattern, make_topk
 
 from ..conftest import DEVICE
@@ -70,6 +71,31 @@ def test_schedule_matches_stable_sort(num_tokens, num_experts, topk, align, patt
     assert torch.equal(routing.row_route.cpu().long(), row_route)
     assert torch.equal(routing.route_row.cpu().long(), route_row)
     assert torch.equal(routing.block_expert.cpu().long(), block_expert)
+    assert int(flags.sum()) == 0
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,topk,pattern", [
+    (100, 8, 4, RoutingPattern.SKEWED),
+    (64, 6, 3, RoutingPattern.DUPLICATES),
+    (300, 130, 8, RoutingPattern.RANDOM),
+    (1, 1, 1, RoutingPattern.RANDOM),
+])
+def test_schedule_with_many_sub_chunks_a_program(monkeypatch, num_tokens, num_experts, topk,
+                                                pattern):
+    # Few histogram programs, each walking many sub-chunks (as with many routes or many
+    # experts): the ranks carry over from sub-chunk to sub-chunk.
+    monkeypatch.setattr(routing_ops, "_HISTOGRAM_PROGRAMS", 3)
+    monkeypatch.setattr(routing_ops, "_ONE_HOT_VALUES", 256)  # sub-chunks of 16 to 32 routes
+    gen = torch.Generator().manual_seed(num_tokens * num_experts)
+    topk_experts = make_topk(num_tokens, num_experts, topk, pattern, gen)
+    routing, flags = routing_of(topk_experts.to(DEVICE), num_experts, 16)
+    rows = capacity_rows(num_tokens * topk, num_experts, 16, num_tokens * topk)
+    expected = expected_routing(topk_experts, num_experts, 16, rows)
+    actual = (routing.expert_counts, routing.expert_offsets, routing.row_route,
+              routing.route_row, routing.block_expert)
+    for name, a, b in zip(("counts", "offsets", "row_route", "route_row", "block_expert"),
+                          actual, expected, strict=True):
+        assert torch.equal(a.cpu().long(), b), name
     assert int(flags.sum()) == 0
 
 
