@@ -680,7 +680,8 @@ def _backward_fp8(schedule, context: ForwardContext, d_output, x, router_weights
     if shared is not None:
         plan, d_x_shared_rows, _, saved = input_grads(shared, schedule.shared_routing,
                                                       context.gate_up_shared, None)
-        grads = _weight_grads(plan, schedule.shared_routing, d_output, x, saved, None, shared)
+        grads = _weight_grads(plan, schedule.shared_routing, d_output, x, saved, None, shared,
+                              down_first=context.gate_up_shared is not None)
         d_shared = tuple(grad[0] for grad in grads)
     routing = schedule.routing
     plan, d_x_rows, partial, saved = input_grads(routed, routing, context.gate_up,
@@ -689,7 +690,8 @@ def _backward_fp8(schedule, context: ForwardContext, d_output, x, router_weights
     # The d_x rows are freed before the weight gradients are allocated (as the 16-bit backward).
     d_x = ops.combine(d_x_rows, routing, d_x_shared_rows, x.dtype)
     del d_x_rows, d_x_shared_rows
-    d_routed = _weight_grads(plan, routing, d_output, x, saved, router_weights, routed)
+    d_routed = _weight_grads(plan, routing, d_output, x, saved, router_weights, routed,
+                             down_first=context.gate_up is not None)
     return (d_x, d_router_weights, *d_routed, *d_shared)
 
 
@@ -839,17 +841,30 @@ def _dswiglu(plan: BackwardPlan, routing: Routing, rows: BackwardRows, h, gate_u
 
 
 def _weight_grads(plan: BackwardPlan, routing, d_output, x, saved, route_weights,
-                  experts: _Experts):
-    """(d_w_gate, d_w_up, d_w_down) from saved = [d_gate_up, h] (emptied: d_gate_up [C, 2I] is
-    freed before d_w_down is allocated); d_output and x by token."""
+                  experts: _Experts, *, down_first: bool = False):
+    """(d_w_gate, d_w_up, d_w_down) from saved = [d_gate_up, h] (emptied, so that the first
+    one's operand is freed before the other gradients are allocated: d_gate_up [C, 2I], or with
+    down_first h [C, I], where d_gate_up lives on in a kept context); d_output and x by token."""
     d_gate_up, h = saved
     saved.clear()
-    d_w_gate, d_w_up = ops.grouped_wgrad_gate_up(
-        d_gate_up, x, routing, plan.wgrad_gate_up, gather_x=True, out_dtype=experts.gate.dtype)
-    del d_gate_up
-    d_w_down = ops.grouped_wgrad(d_output, h, routing, plan.wgrad_down, gather_a=True,
+
+    def gate_up():
+        return ops.grouped_wgrad_gate_up(d_gate_up, x, routing, plan.wgrad_gate_up,
+                                         gather_x=True, out_dtype=experts.gate.dtype)
+
+    def down():
+        return ops.grouped_wgrad(d_output, h, routing, plan.wgrad_down, gather_a=True,
                                  gather_b=False, router_weights=route_weights,
                                  out_dtype=experts.down.dtype)
+
+    if down_first:
+        d_w_down = down()
+        del h
+        d_w_gate, d_w_up = gate_up()
+    else:
+        d_w_gate, d_w_up = gate_up()
+        del d_gate_up
+        d_w_down = down()
     return d_w_gate, d_w_up, d_w_down
 
 
@@ -862,8 +877,9 @@ def _shared_backward(tiles, routing, d_output, x, h, gate_up, experts: _Experts,
     d_gate_up, _, h = _dswiglu(plan, routing, rows, h, gate_up, None, experts, swiglu_limit)
     d_x_rows = ops.d_x_rows(d_gate_up, experts.gate, experts.up, routing, plan.d_x)
     saved = [d_gate_up, h]
-    del d_gate_up
-    grads = _weight_grads(plan, routing, d_output, x, saved, None, experts)
+    del d_gate_up, h
+    grads = _weight_grads(plan, routing, d_output, x, saved, None, experts,
+                          down_first=gate_up is not None)
     return d_x_rows, tuple(grad[0] for grad in grads)
 
 
@@ -961,9 +977,9 @@ def backward(
         d_x = exchange.combine(plan, d_x_rows, routing, d_x_shared_rows, dtype)
         d_x_rows = d_x_shared_rows = None
     saved = [d_gate_up, h]
-    del d_gate_up, h  # freed inside, before d_w_down is allocated
+    del d_gate_up, h  # the one freed inside goes before the other gradients are allocated
     d_routed = _weight_grads(launches, routing, rows.d_output, rows.x, saved, route_weights,
-                             routed)
+                             routed, down_first=kept)
     del rows, d_output, x
     exchange.landed(Phase.BACKWARD)
     if d_x is None:

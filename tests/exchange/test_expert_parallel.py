@@ -133,8 +133,11 @@ def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config,
 # 4 and 8 would take too long under the interpreter.
 GPU_WORLD_SIZES = (2, 4, 8)
 
+# The recomputing backward, which these tests were written for; the default (kept
+# pre-activations) is the config of the tests that set recompute_gate_up=False.
 SMALL_MINIBATCHES = F.MoKConfig(fwd_num_comm_sms=2, bwd_num_comm_sms=3, minibatch_size=8,
-                                macrobatch_size=64, peer_timeout_s=300.0)
+                                macrobatch_size=64, peer_timeout_s=300.0,
+                                recompute_gate_up=True)
 
 
 @distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
