@@ -275,7 +275,8 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     config = variants[0][0]
     comm_sms = config.fwd_num_comm_sms
-    kept = "" if config.recompute_gate_up else "_kept"  # compute_only's rows (mok's: `mine`)
+    # compute_only's rows (mok's: the variants' suffixes)
+    recompute = "_recompute" if config.recompute_gate_up else ""
     rows = []
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)"
     date = datetime.datetime.now().isoformat(timespec="seconds")
@@ -319,11 +320,11 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
 
         compute = time_modes(solo_layer)
         for mode, ms in compute.items():
-            row(shape, f"compute_only{kept}", mode, ms, mode_flops[mode])
+            row(shape, f"compute_only{recompute}", mode, ms, mode_flops[mode])
         if host_ahead and cuda:
             compute_ahead = time_modes(solo_layer, ahead=True)
             for mode, ms in compute_ahead.items():
-                row(shape, f"compute_only{kept}@ahead", mode, ms, mode_flops[mode])
+                row(shape, f"compute_only{recompute}@ahead", mode, ms, mode_flops[mode])
         del solo_layer, solo
 
         for impl_name, impl_config, mine in [("mok", *variant) for variant in variants] + [

@@ -1,7 +1,7 @@
 """Host time of one mok training step, per launcher: where the host's share of a step goes.
 
-    python -m benchmarks.host [--shapes SHAPE ...] [--repeats N] [--kept] [--profile N]
-    python -m benchmarks.host --ep P [--shapes ...] [--repeats N] [--kept] [--profile N]
+    python -m benchmarks.host [--shapes SHAPE ...] [--repeats N] [--recompute] [--profile N]
+    python -m benchmarks.host --ep P [--shapes ...] [--repeats N] [--recompute] [--profile N]
 
 A call that starts on an idle GPU waits for the host to launch its first long kernel (the
 benchmark's forward at qwen3-30b-a3b lost about 0.38 ms so against `bench --host-ahead`). This
@@ -70,12 +70,12 @@ def _timed(fn, totals: dict, name: str):
     return wrapper
 
 
-def host_times(shape, *, kept: bool, repeats: int, device: torch.device,
+def host_times(shape, *, recompute: bool, repeats: int, device: torch.device,
                profile: int = 0) -> dict[str, float]:
     """{launcher or "outside launchers" or "step": median host microseconds per step}; profile:
     print that many functions of a cProfile of the steps, by their own time."""
     inputs = make_shape_inputs(shape, device=device, seed=0)
-    config = F.MoKConfig(recompute_gate_up=not kept)
+    config = F.MoKConfig(recompute_gate_up=recompute)
     workspace = F.create_workspace(config, None, device=device,
                                    num_local_tokens=shape.num_tokens,
                                    hidden_size=shape.hidden_size, topk=shape.topk)
@@ -123,8 +123,8 @@ def host_times(shape, *, kept: bool, repeats: int, device: torch.device,
             if any(values)}
 
 
-def _ep_variants(kept: bool) -> list[tuple[str, F.MoKConfig]]:
-    base = F.MoKConfig(recompute_gate_up=not kept)
+def _ep_variants(recompute: bool) -> list[tuple[str, F.MoKConfig]]:
+    base = F.MoKConfig(recompute_gate_up=recompute)
     return [("pull", base),
             ("copies", dataclasses.replace(base, fwd_copy_rows=True, bwd_copy_rows=True))]
 
@@ -208,7 +208,7 @@ def _patched(timer: _StackTimer) -> list[tuple[object, str, object]]:
     return saved
 
 
-def _ep_rank(rank: int, world_size: int, shape_name: str, kept: bool, repeats: int,
+def _ep_rank(rank: int, world_size: int, shape_name: str, recompute: bool, repeats: int,
              profile: int) -> tuple[dict[str, float], dict[str, dict[str, float]], list[str]]:
     """({"variant, mode": (median, least) host ms}, {variant: {function: its own ms in a
     forward+backward}}, profiles) of this rank (see --ep)."""
@@ -224,9 +224,9 @@ def _ep_rank(rank: int, world_size: int, shape_name: str, kept: bool, repeats: i
                        seed=7 + rank)
     inputs = rank_inputs(shape, rank, world_size, device)
     times, own, profiles = {}, {}, []
-    layers = [("one GPU", MoKLayer(solo, None, _ep_variants(kept)[0][1]))]
+    layers = [("one GPU", MoKLayer(solo, None, _ep_variants(recompute)[0][1]))]
     layers += [(label, MoKLayer(inputs, dist.group.WORLD, config))
-               for label, config in _ep_variants(kept)]
+               for label, config in _ep_variants(recompute)]
     for label, layer in layers:
         layer.step()  # compiles
         for mode, fn in (("forward", layer.forward), ("forward+backward", layer.step)):
@@ -261,9 +261,10 @@ def ep_main(args) -> None:
     from mok.testing import run_distributed
 
     for name in args.shapes:
-        results = run_distributed(_ep_rank, args.ep, name, args.kept, args.repeats,
+        results = run_distributed(_ep_rank, args.ep, name, args.recompute, args.repeats,
                                   args.profile, timeout_s=1800)
-        print(f"== {name}, EP={args.ep} ({'kept gate/up' if args.kept else 'recompute'}): host "
+        mode = "recompute" if args.recompute else "kept gate/up"
+        print(f"== {name}, EP={args.ep} ({mode}): host "
               f"ms per call, device asleep before it, median and least of {args.repeats}, "
               "slowest rank")
         for key in results[0][0]:
@@ -292,8 +293,9 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(BENCH_SHAPES),
                         default=["qwen3-30b-a3b"] if cuda else [TINY.name])
     parser.add_argument("--repeats", type=int, default=20 if cuda else 2)
-    parser.add_argument("--kept", action="store_true",
-                        help="MoKConfig(recompute_gate_up=False)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="MoKConfig(recompute_gate_up=True) (default: the default config, "
+                             "gate/up kept)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N functions with the most host time of their own")
     parser.add_argument("--top", type=int, default=25,
@@ -306,9 +308,9 @@ def main(argv=None) -> None:
         return
     device = torch.device("cuda" if cuda else "cpu")
     for name in args.shapes:
-        times = host_times(BENCH_SHAPES[name], kept=args.kept, repeats=args.repeats,
+        times = host_times(BENCH_SHAPES[name], recompute=args.recompute, repeats=args.repeats,
                            device=device, profile=args.profile)
-        print(f"== {name} ({'kept gate/up' if args.kept else 'recompute'}): host us per step, "
+        print(f"== {name} ({'recompute' if args.recompute else 'kept gate/up'}): host us per step, "
               f"median of {args.repeats}")
         for label, us in sorted(times.items(), key=lambda item: -item[1]):
             print(f"  {label:24s} {us:10.1f}")

@@ -231,7 +231,7 @@ def test_triton_dense_computes_what_dense_computes():
 def test_host_times_cover_every_launcher_of_a_step(capsys):
     from benchmarks import host
 
-    times = host.host_times(TINY, kept=False, repeats=1, device=DEVICE)
+    times = host.host_times(TINY, recompute=True, repeats=1, device=DEVICE)
     # the recomputing dSwiGLU: one launch, or two (dswiglu_apart, the sm_90 tile rule's)
     dswiglu = "dswiglu_apart" if "dswiglu_apart" in times else "down_bwd_dswiglu"
     for name in ("build_routing", "gate_up_swiglu", "down_proj", "combine", dswiglu,
@@ -240,7 +240,7 @@ def test_host_times_cover_every_launcher_of_a_step(capsys):
     parts = sum(us for name, us in times.items() if name != "step")
     assert parts == pytest.approx(times["step"], rel=1e-6)  # one step: the parts add up
     assert all(getattr(host.ops, name).__module__ != host.__name__ for name in host._launchers())
-    host.main(["--shapes", TINY.name, "--repeats", "1", "--kept", "--profile", "5"])
+    host.main(["--shapes", TINY.name, "--repeats", "1", "--profile", "5"])
     out = capsys.readouterr().out
     assert "kept gate/up" in out and "outside launchers" in out
     assert "cProfile of 1 steps" in out and "tottime" in out
