@@ -395,9 +395,11 @@ class MoE(nn.Module):
     shared_intermediate_size > 0: shared_gate, shared_up [I_s, H], shared_down [H, I_s].
     forward(hidden_states [..., H]) -> [..., H]. After each forward: `aux_loss` (add it to the
     training loss) and `tokens_per_expert` [E] (device tensor, no host sync) hold that call's
-    values. The experts' gate/up pre-activations are kept for the backward; recompute_gate_up=True
-    keeps h instead and recomputes them (MoKConfig.recompute_gate_up): I fewer values per route
-    of activations, a slower backward.
+    values. The experts' gate/up pre-activations are kept for the backward, which writes their
+    gradients over them, so a graph runs one backward (a second, with retain_graph=True, raises
+    autograd's in-place error); recompute_gate_up=True keeps h instead and recomputes them
+    (MoKConfig.recompute_gate_up): I fewer values per route of activations, a slower backward,
+    and backwards through the graph may repeat.
     precision="fp8" runs the experts' row GEMMs on e4m3 operands with blockwise scales
     (MoKConfig.precision; I and I_s multiples of 128, one GPU), keeping an e4m3 copy of the
     expert weights per optimizer step.

@@ -280,7 +280,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     ep_group: run the experts with expert parallelism over this group (module docstring).
     recompute_gate_up=True keeps h instead of the experts' gate/up pre-activations and
     recomputes them in the backward (mok.functional.MoKConfig.recompute_gate_up): I fewer
-    values per route of activations, a slower backward.
+    values per route of activations, a slower backward, and repeated backwards through one
+    graph (retain_graph=True) allowed.
     precision="fp8": the experts' row GEMMs on e4m3 operands with blockwise scales
     (mok.functional.MoKConfig.precision).
     Raises ValueError (before changing anything) when a block has a layout mok cannot run.
