@@ -43,6 +43,13 @@ class Case:
                            shared_intermediate_size=self.shared, dtype=self.dtype,
                            device=DEVICE, seed=self.seed, routing=self.routing)
 
+    def schedule(self, inputs, config, tiles):
+        """A workspace for this case and the schedule of `inputs` in it."""
+        workspace = F.create_workspace(config, None, device=DEVICE, num_local_tokens=self.tokens,
+                                       hidden_size=self.hidden, topk=self.topk)
+        return F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=inputs.num_local_experts, tiles=tiles)
+
 
 CASES = [
     Case("base", 40, 48, 32, 6, 3, seed=1),
@@ -434,11 +441,7 @@ def test_copy_rows_gathers_scales_and_zeroes_padding():
     case = Case("copy_rows", 37, 40, 16, 5, 3, routing=RoutingPattern.SKEWED, seed=14)
     inputs = case.inputs()
     config = F.MoKConfig()
-    workspace = F.create_workspace(config, None, device=DEVICE, num_local_tokens=case.tokens,
-                                   hidden_size=case.hidden, topk=case.topk)
-    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                num_local_experts=case.experts, tiles=tiles_for_tests(16))
-    routing = schedule.routing
+    routing = case.schedule(inputs, config, tiles_for_tests(16)).routing
     weights = inputs.router_weights.reshape(-1).float()
     rows = ops.copy_rows(inputs.x, routing, gather=True, router_weights=weights)
     used = int(routing.expert_offsets[-1])
@@ -458,11 +461,8 @@ def test_recompute_forward_context_equals_forward_context(recompute_gate_up):
     case = Case("recompute", 30, 32, 16, 4, 2, shared=16, limit=2.0, seed=13)
     inputs = case.inputs()
     config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
-    workspace = F.create_workspace(config, None, device=DEVICE, num_local_tokens=case.tokens,
-                                   hidden_size=case.hidden, topk=case.topk)
-    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                num_local_experts=inputs.num_local_experts,
-                                tiles=tiles_for_tests(16))
+    schedule = case.schedule(inputs, config, tiles_for_tests(16))
+    workspace = schedule.workspace
     _, context = F.forward(config, workspace, schedule, *inputs.layer_args,
                            swiglu_limit=case.limit)
     again = F.recompute_forward_context(
@@ -510,11 +510,8 @@ def test_kept_context_serves_one_backward():
     case = CASES[1]
     inputs = case.inputs()
     config = F.MoKConfig()
-    workspace = F.create_workspace(config, None, device=DEVICE, num_local_tokens=case.tokens,
-                                   hidden_size=case.hidden, topk=case.topk)
-    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                num_local_experts=inputs.num_local_experts,
-                                tiles=tiles_for_tests(case.block, case.align))
+    schedule = case.schedule(inputs, config, tiles_for_tests(case.block, case.align))
+    workspace = schedule.workspace
     _, context = F.forward(config, workspace, schedule, *inputs.layer_args,
                            swiglu_limit=case.limit)
     pre_activations = context.gate_up.clone()
