@@ -83,7 +83,12 @@ class BackwardPlan:
 def forward_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,
                  keep_gate_up: bool) -> ForwardPlan:
     """The forward's kernels and tiles; keep_gate_up: gate/up also stores its pre-activations
-    (its tiles are the table's gate_up_saved ones)."""
+    (its tiles are the table's gate_up_saved ones). Remembered per arguments (`_remembered`)."""
+    return _remembered(_forward_plan, tiles, operands, hidden, intermediate, keep_gate_up)
+
+
+def _forward_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
+                  keep_gate_up: bool) -> ForwardPlan:
     kind = "gate_up_saved" if keep_gate_up else "gate_up"
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
@@ -95,7 +100,13 @@ def forward_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermed
 def backward_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,
                   kept: bool, movement: Movement = Movement.HERE) -> BackwardPlan:
     """The backward's kernels and tiles; kept: the forward kept the pre-activations (the context
-    holds them, not h); movement: how the rows its first launch reads arrive."""
+    holds them, not h); movement: how the rows its first launch reads arrive. Remembered per
+    arguments (`_remembered`)."""
+    return _remembered(_backward_plan, tiles, operands, hidden, intermediate, kept, movement)
+
+
+def _backward_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
+                   kept: bool, movement: Movement) -> BackwardPlan:
     kind = "down_bwd_saved" if kept else "down_bwd"
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
@@ -197,6 +208,37 @@ def _wgrad(kind: str, tiles: WgradTiles, operands: Operands, *, hidden: int,
     return dataclasses.replace(tiles, grouped_mm=False)
 
 
+# Plans made, by (maker, id(tiles), the other arguments): (tiles, plan, the fallbacks it
+# recorded). A plan depends on host facts only, and a layer makes the same ones every call.
+_PLANS: dict[tuple, tuple] = {}
+_PLANS_KEPT = 256
+_RECORDING: list[tuple[str, str]] | None = None
+
+
+def _remembered(make, tiles: TileConfig, *args):
+    """make(tiles, *args), made once per arguments (the TileConfig by identity) and then looked
+    up; a plan looked up counts its fallbacks again, as a plan made anew would."""
+    global _RECORDING
+    key = (make, id(tiles), *args)
+    known = _PLANS.get(key)
+    if known is not None and known[0] is tiles:
+        for kind, reason in known[2]:
+            _fallback(kind, reason)
+        return known[1]
+    outer, _RECORDING = _RECORDING, []
+    try:
+        made = make(tiles, *args)
+        recorded = tuple(_RECORDING)
+    finally:
+        _RECORDING = outer
+    for kind, reason in recorded:
+        _fallback(kind, reason)
+    if len(_PLANS) >= _PLANS_KEPT:
+        _PLANS.clear()
+    _PLANS[key] = (tiles, made, recorded)
+    return made
+
+
 _LOG = logging.getLogger("mok")
 _FALLBACKS: dict[tuple[str, str], int] = {}
 
@@ -210,6 +252,9 @@ def fallbacks() -> dict[tuple[str, str], int]:
 
 def _fallback(kind: str, reason: str) -> None:
     key = (kind, reason)
+    if _RECORDING is not None:  # counted by _remembered once the plan is made
+        _RECORDING.append(key)
+        return
     if key not in _FALLBACKS:
         _LOG.warning("mok: %s: %s", kind, reason)
     _FALLBACKS[key] = _FALLBACKS.get(key, 0) + 1

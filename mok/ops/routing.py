@@ -96,12 +96,17 @@ def build_routing(
     if not flat.is_contiguous():
         flat = flat.contiguous()
 
+    i32 = dict(dtype=torch.int32, device=device)
+    # The launches' own scratch (per chunk: counts, then bases; per route: rank in its chunk)
+    # shares one allocation (each part 16-byte aligned).
+    counts = num_chunks * e_pad
+    part = triton.cdiv(counts, 4) * 4
+    scratch = torch.empty(2 * part + max(num_routes, 1), **i32)
+    chunk_counts = scratch[:counts].view(num_chunks, e_pad)
+    chunk_base = scratch[part:part + counts].view(num_chunks, e_pad)
+    route_rank = scratch[2 * part:]
     # Separate allocations: the routing tensors leave custom ops (mok.nn), whose outputs may not
     # alias one another. row_route's -1s are written by the histogram kernel.
-    i32 = dict(dtype=torch.int32, device=device)
-    chunk_counts = torch.empty(num_chunks, e_pad, **i32)
-    chunk_base = torch.empty(num_chunks, e_pad, **i32)
-    route_rank = torch.empty(max(num_routes, 1), **i32)
     row_route = torch.empty(rows, **i32)
     route_row = torch.empty(num_routes, **i32)
     block_expert = torch.empty(rows // align, **i32)

@@ -216,3 +216,33 @@ def test_tuner_keeps_triton_tiles_where_the_two_launch_dswiglu_wins(monkeypatch,
     assert not (triton.apart or triton.gluon)
     assert triton == min((t for t in tune.CANDIDATES["down_bwd"] if not (t.apart or t.gluon)),
                          key=lambda t: t.num_stages)
+
+
+def test_plans_are_remembered_and_count_their_fallbacks():
+    # A layer asks for the same plans every call: they are made once per arguments (the tile
+    # config by identity) and then looked up; a looked-up plan counts its fallbacks again.
+    from mok import plan
+
+    sizes = dict(block_m=64, block_n=64, block_k=32, group_m=4, num_warps=4, num_stages=1)
+    gluon = dataclasses.replace(small_tiles(16, 64),
+                                gate_up=RowTiles(**sizes, gluon=True),
+                                down=RowTiles(**sizes, gluon=True))
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    w = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    operands = plan.Operands.of(x, w, w, w.transpose(1, 2).contiguous())
+    args = dict(hidden=64, intermediate=32, keep_gate_up=False)
+    first = plan.forward_plan(gluon, operands, **args)
+    if not first.gate_up.gluon:  # off sm_90 the plan falls back: counted on every call
+        before = plan.fallbacks()
+        assert plan.forward_plan(gluon, operands, **args) is first
+        after = plan.fallbacks()
+        assert sum(after.values()) - sum(before.values()) == 2  # gate_up and down
+    assert plan.forward_plan(gluon, operands, **args) is first
+    # another config (an equal one, by identity) and other arguments make their own plans
+    copy = dataclasses.replace(gluon)
+    assert plan.forward_plan(copy, operands, **args) is not first
+    assert plan.forward_plan(copy, operands, **args) == first
+    kept = plan.forward_plan(gluon, operands, **{**args, "keep_gate_up": True})
+    assert kept is not first
+    back = plan.backward_plan(gluon, operands, hidden=64, intermediate=32, kept=True)
+    assert plan.backward_plan(gluon, operands, hidden=64, intermediate=32, kept=True) is back
