@@ -43,16 +43,20 @@ def commit_id() -> str:
 
 
 def newest_gpu_rows(csv_path: Path, group: Callable[[dict], object], modes: Sequence[str],
-                    *, other_modes: bool) -> list[dict]:
+                    *, other_modes: bool,
+                    rename: Callable[[list[dict]], list[dict]] | None = None) -> list[dict]:
     """The last GPU row of each (group, impl, mode) in csv_path, as read (strings): groups and
     implementations in the order they first appear, modes in `modes`' order (other modes after
-    them when other_modes, else left out). What the benchmarks' --redraw charts."""
+    them when other_modes, else left out); rename: maps the GPU rows, in the file's order,
+    first (implementations renamed since). What the benchmarks' --redraw charts."""
     if not csv_path.is_file():
         raise SystemExit(f"no results to redraw at {csv_path}: name the CSV with --csv FILE "
                          "(the measured rows are under benchmarks/results/)")
     with csv_path.open(newline="") as handle:
         rows = [row for row in csv.DictReader(handle) if not row["gpu"].startswith("cpu")
                 and (other_modes or row["mode"] in modes)]
+    if rename is not None:
+        rows = rename(rows)
     newest = {(group(row), row["impl"], row["mode"]): row for row in rows}
     groups = list(dict.fromkeys(group(row) for row in rows))
     impls = list(dict.fromkeys(row["impl"] for row in rows))

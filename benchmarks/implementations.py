@@ -6,7 +6,8 @@ here raises Unavailable with the reason, which the benchmark prints and records 
 - mok: build_schedule + forward (+ backward) of mok.functional with the default MoKConfig: the
   forward keeps the gate/up pre-activations and the backward's first kernel does one GEMM.
   Rows of commits before the default changed (2026-12-03, docs/measurements.md) ran the
-  recomputing backward under this name, and the keeping one as mok_kept.
+  recomputing backward under this name, and the keeping one as mok_kept; `mok bench --redraw`
+  charts them under today's names (benchmarks.layer.current_names).
 - mok_recompute: mok with MoKConfig(recompute_gate_up=True): the forward keeps h (I fewer
   values per route) and the backward recomputes gate/up (one GEMM becomes three).
 - mok_fp8, mok_fp8_recompute: mok and mok_recompute with MoKConfig(precision="fp8"): the row

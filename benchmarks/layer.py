@@ -354,11 +354,32 @@ def draw_chart(path: Path, rows: list[dict]) -> None:
                  "TFLOP/s (docs/design.md section 4)", path)
 
 
+# Names of mok's implementations in rows measured before the default kept the pre-activations
+# (benchmarks.implementations; the change came between the runs of 10:10 and 13:13 that day):
+# "mok" recomputed then, "mok_kept" kept.
+_KEPT_DEFAULT_SINCE = "2026-12-03T12:00"
+_BEFORE_THE_KEPT_DEFAULT = {"mok": "mok_recompute", "mok_kept": "mok",
+                            "mok_fp8": "mok_fp8_recompute", "mok_fp8_kept": "mok_fp8"}
+
+
+def current_names(rows: list[dict]) -> list[dict]:
+    """rows with mok's implementations under today's names: those dated before
+    _KEPT_DEFAULT_SINCE are renamed by _BEFORE_THE_KEPT_DEFAULT, an "@ahead" suffix kept."""
+    renamed = []
+    for row in rows:
+        name, at, ahead = row["impl"].partition("@")
+        if row["date"] < _KEPT_DEFAULT_SINCE and name in _BEFORE_THE_KEPT_DEFAULT:
+            row = dict(row, impl=_BEFORE_THE_KEPT_DEFAULT[name] + at + ahead)
+        renamed.append(row)
+    return renamed
+
+
 def newest_rows(csv_path: Path) -> list[dict]:
     """The last GPU row of each (shape, impl, mode) in csv_path, numbers as floats (see
-    benchmarks.newest_gpu_rows): what --redraw charts and tabulates."""
+    benchmarks.newest_gpu_rows), mok's implementations under today's names (current_names):
+    what --redraw charts and tabulates."""
     rows = newest_gpu_rows(csv_path, lambda row: row["shape"], [mode.value for mode in Mode],
-                           other_modes=True)
+                           other_modes=True, rename=current_names)
     return [dict(row, ms=float(row["ms"]), tflops=float(row["tflops"]),
                  peak_mem_gb=float(row["peak_mem_gb"]) if row["peak_mem_gb"] else "")
             for row in rows]

@@ -185,7 +185,7 @@ def test_redraw_charts_the_newest_gpu_row_of_each_cell(tmp_path, capsys):
     csv_path = tmp_path / "layer.csv"
 
     def row(gpu, commit, shape, impl, mode, tflops):
-        return dict(gpu=gpu, commit=commit, date="2026-01-01T00:00:00", shape=shape, impl=impl,
+        return dict(gpu=gpu, commit=commit, date="2026-12-04T00:00:00", shape=shape, impl=impl,
                     mode=mode, ms=1.0, tflops=tflops, peak_mem_gb=0.5, max_rel_err="1e-02")
 
     rows = [row("NVIDIA H200", "old", "qwen3-30b-a3b", "mok", "forward", 100.0),
@@ -597,3 +597,20 @@ def test_rows_gain_new_columns_without_losing_old_ones(tmp_path):
         assert list(reader) == [{**old, "fallbacks": ""}, new]
     with pytest.raises(ValueError, match="columns"):
         layer.append_rows(csv_path, old_fields[:-1], [old])
+
+
+def test_redraw_names_rows_from_before_the_kept_default_as_today():
+    # Until 2026-12-03 "mok" recomputed gate/up and "mok_kept" kept it; now "mok" keeps it and
+    # "mok_recompute" recomputes. Rows measured before are charted under today's names.
+    def row(date, impl):
+        return dict(gpu="NVIDIA H200", commit="c", date=date, shape="qwen3-30b-a3b", impl=impl,
+                    mode="forward+backward", ms=1.0, tflops=1.0, peak_mem_gb=0.5,
+                    max_rel_err="1e-02")
+
+    rows = [row("2026-12-02T21:58:51", "mok"), row("2026-12-02T21:58:51", "mok_kept"),
+            row("2026-12-02T21:58:51", "mok_kept@ahead"), row("2026-12-03T09:52:16", "mok_fp8"),
+            row("2026-12-03T09:52:16", "dense"), row("2026-12-03T16:08:27", "mok"),
+            row("2026-12-03T16:08:27", "mok_recompute")]
+    assert [r["impl"] for r in layer.current_names(rows)] == [
+        "mok_recompute", "mok", "mok@ahead", "mok_fp8_recompute", "dense", "mok",
+        "mok_recompute"]
