@@ -212,27 +212,21 @@ def _wgrad(kind: str, tiles: WgradTiles, operands: Operands, *, hidden: int,
 # recorded). A plan depends on host facts only, and a layer makes the same ones every call.
 _PLANS: dict[tuple, tuple] = {}
 _PLANS_KEPT = 256
-_RECORDING: list[tuple[str, str]] | None = None
 
 
 def _remembered(make, tiles: TileConfig, *args):
     """make(tiles, *args), made once per arguments (the TileConfig by identity) and then looked
     up; a plan looked up counts its fallbacks again, as a plan made anew would."""
-    global _RECORDING
     key = (make, id(tiles), *args)
     known = _PLANS.get(key)
     if known is not None and known[0] is tiles:
         for kind, reason in known[2]:
             _fallback(kind, reason)
         return known[1]
-    outer, _RECORDING = _RECORDING, []
-    try:
-        made = make(tiles, *args)
-        recorded = tuple(_RECORDING)
-    finally:
-        _RECORDING = outer
-    for kind, reason in recorded:
-        _fallback(kind, reason)
+    before = dict(_FALLBACKS)
+    made = make(tiles, *args)
+    recorded = tuple(fallback for fallback, count in _FALLBACKS.items()
+                     for _ in range(count - before.get(fallback, 0)))
     if len(_PLANS) >= _PLANS_KEPT:
         _PLANS.clear()
     _PLANS[key] = (tiles, made, recorded)
@@ -252,9 +246,6 @@ def fallbacks() -> dict[tuple[str, str], int]:
 
 def _fallback(kind: str, reason: str) -> None:
     key = (kind, reason)
-    if _RECORDING is not None:  # counted by _remembered once the plan is made
-        _RECORDING.append(key)
-        return
     if key not in _FALLBACKS:
         _LOG.warning("mok: %s: %s", kind, reason)
     _FALLBACKS[key] = _FALLBACKS.get(key, 0) + 1
