@@ -9,8 +9,9 @@ data, no host sync:
    (and a share of the rows set to -1, padding until the scatter places a route there); a
    program walks its chunk in sub-chunks of SUB routes (the one-hot tile [SUB, E_PAD] stays
    small however many experts), so there are few chunks for the next launch to sum;
-2. offsets (one program): per-chunk bases, expert counts, padded expert offsets, block owners;
-3. scatter: row_route[row] = route and route_row[route] = row.
+2. offsets (one program): per-chunk bases, expert counts, padded expert offsets;
+3. scatter: row_route[row] = route and route_row[route] = row, and the owner of each block of
+   ALIGN rows (a share of the blocks a program).
 """
 
 import triton
@@ -91,16 +92,13 @@ def route_offsets_kernel(
     chunk_base_ptr,
     expert_counts_ptr,
     expert_offsets_ptr,
-    block_expert_ptr,
     error_flags_ptr,
     num_chunks,
     num_local_experts,
     capacity_rows,
-    num_blocks,
     ALIGN: tl.constexpr,
     E_PAD: tl.constexpr,
     CHUNKS_PER_STEP: tl.constexpr,
-    BLOCKS_PER_STEP: tl.constexpr,
 ):
     experts = tl.arange(0, E_PAD)
     running = tl.zeros([E_PAD], dtype=tl.int32)
@@ -125,15 +123,6 @@ def route_offsets_kernel(
     tl.store(expert_offsets_ptr + num_local_experts, tl.minimum(total, capacity_rows))
     tl.store(error_flags_ptr + FLAG_CAPACITY_OVERFLOW, 1, mask=total > capacity_rows)
 
-    # Owner of each block of ALIGN rows: the number of experts whose rows end at or before it.
-    for block0 in range(0, num_blocks, BLOCKS_PER_STEP):
-        blocks = block0 + tl.arange(0, BLOCKS_PER_STEP)
-        first_row = blocks * ALIGN
-        done = (ends[None, :] <= first_row[:, None]) & is_expert[None, :]
-        owner = tl.sum(done.to(tl.int32), axis=1)
-        owner = tl.where(first_row < total, owner, -1)
-        tl.store(block_expert_ptr + blocks, owner, mask=blocks < num_blocks)
-
 
 @triton.jit
 def route_scatter_kernel(
@@ -143,15 +132,32 @@ def route_scatter_kernel(
     expert_offsets_ptr,
     row_route_ptr,
     route_row_ptr,
+    block_expert_ptr,
     num_routes,
     num_experts_total,
     first_local_expert,
     num_local_experts,
     capacity_rows,
+    num_blocks,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     E_PAD: tl.constexpr,
+    ALIGN: tl.constexpr,
+    OWNER_BLOCKS: tl.constexpr,
 ):
+    # OWNER_BLOCKS blocks of ALIGN rows a program: the owner of each is the number of experts
+    # whose rows end at or before its first row (expert e's end where expert e + 1 starts; the
+    # last expert's at the rows used, past which blocks own none).
+    blocks = tl.program_id(0) * OWNER_BLOCKS + tl.arange(0, OWNER_BLOCKS)
+    experts = tl.arange(0, E_PAD)
+    later = (experts >= 1) & (experts < num_local_experts)
+    next_starts = tl.load(expert_offsets_ptr + experts, mask=later, other=0)
+    used = tl.load(expert_offsets_ptr + num_local_experts)
+    first_row = blocks * ALIGN
+    done = (next_starts[None, :] <= first_row[:, None]) & later[None, :]
+    owner = tl.where(first_row < used, tl.sum(done.to(tl.int32), axis=1), -1)
+    tl.store(block_expert_ptr + blocks, owner, mask=blocks < num_blocks)
+
     # BLOCK routes a program, of the histogram's chunks of CHUNK routes.
     routes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     local_expert, is_local, _ = _local_experts(

@@ -120,16 +120,18 @@ def build_routing(
         CHUNK=chunk, SUB=sub, E_PAD=e_pad,
     )
     kernels.route_offsets_kernel[(1,)](
-        chunk_counts, chunk_base, expert_counts, expert_offsets, block_expert, error_flags,
-        num_chunks, num_local_experts, rows, rows // align,
-        ALIGN=align, E_PAD=e_pad,
-        CHUNKS_PER_STEP=max(1, min(64, 8192 // e_pad)),
-        BLOCKS_PER_STEP=max(1, min(128, 8192 // e_pad)),
+        chunk_counts, chunk_base, expert_counts, expert_offsets, error_flags,
+        num_chunks, num_local_experts, rows,
+        ALIGN=align, E_PAD=e_pad, CHUNKS_PER_STEP=max(1, min(64, 8192 // e_pad)),
     )
     block = min(chunk, _SCATTER_BLOCK)
-    kernels.route_scatter_kernel[(max(triton.cdiv(num_routes, block), 1),)](
-        flat, route_rank, chunk_base, expert_offsets, row_route, route_row, *scalars, rows,
-        CHUNK=chunk, BLOCK=block, E_PAD=e_pad,
+    num_blocks = rows // align
+    owner_blocks = max(1, min(128, 8192 // e_pad))  # a [blocks, E_PAD] tile of 8192 at most
+    programs = max(triton.cdiv(num_routes, block), triton.cdiv(num_blocks, owner_blocks), 1)
+    kernels.route_scatter_kernel[(programs,)](
+        flat, route_rank, chunk_base, expert_offsets, row_route, route_row, block_expert,
+        *scalars, rows, num_blocks,
+        CHUNK=chunk, BLOCK=block, E_PAD=e_pad, ALIGN=align, OWNER_BLOCKS=owner_blocks,
     )
     return Routing(row_route, route_row, block_expert, expert_counts, expert_offsets,
                    num_tokens, topk, num_local_experts, align)

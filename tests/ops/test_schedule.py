@@ -55,6 +55,7 @@ def routing_of(topk_experts, num_experts, align, multiplier=1.0):
     (40, 7, 1, 16, RoutingPattern.EMPTY_EXPERT),
     (1, 1, 1, 16, RoutingPattern.RANDOM),
     (700, 130, 8, 128, RoutingPattern.RANDOM),  # E above one pow2 block, many chunks
+    (4, 300, 2, 16, RoutingPattern.RANDOM),  # more row blocks than routes: owner-only programs
 ])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_schedule_matches_stable_sort(num_tokens, num_experts, topk, align, pattern,
