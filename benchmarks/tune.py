@@ -274,11 +274,14 @@ def _not_triton(tiles: Tiles) -> bool:
 
 
 def tune(shapes, table: dict | None = None, out: Path | None = None,
-         kinds=tuple(CANDIDATES), verbose: bool = False, only: tuple[str, ...] = ()) -> dict:
+         kinds=tuple(CANDIDATES), verbose: bool = False, only: tuple[str, ...] = (),
+         ahead_ms: float = 0.0) -> dict:
     """Tune `shapes` into `table` (entries of other shapes kept); with `out`, the table is
     written after each shape, so a run cut short keeps what it measured. verbose: print every
     candidate's time, not only the best. only: try just the candidates with these tile
-    flags set (besides the fallback and the table's entry)."""
+    flags set (besides the fallback and the table's entry). ahead_ms: the GPU sleeps that long
+    before each timed call, so a candidate is timed by the GPU's time alone
+    (benchmarks.breakdown.median_ms)."""
     table = dict(table or {})
     for shape in shapes:
         print(f"== {shape.name}", flush=True)
@@ -289,7 +292,8 @@ def tune(shapes, table: dict | None = None, out: Path | None = None,
             for tiles in candidates(kind, table.get((kind, n, k)), only,
                                     table.get((kind + TRITON, n, k))):
                 try:
-                    results.append((median_ms(lambda t=tiles, run=run: run(t)), tiles))
+                    results.append((median_ms(lambda t=tiles, run=run: run(t), ahead_ms=ahead_ms),
+                                    tiles))
                 except Exception as exc:  # a tile that does not fit this GPU: skip it
                     print(f"   {group} {kind} {tiles}: skipped ({type(exc).__name__})",
                           flush=True)
@@ -327,10 +331,13 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="+", choices=list(OPTIONS), default=[],
                         help="try only the candidates with these options set (and the fallback "
                              "and the table's entry)")
+    parser.add_argument("--ahead-ms", type=float, default=0.0,
+                        help="the GPU sleeps this long before each timed call: candidates timed "
+                             "by the GPU alone, not the host issuing them (default: idle GPU)")
     args = parser.parse_args(argv)
     tune([SHAPES_BY_NAME[name] for name in args.shapes],
          {} if args.fresh else tuned_table().entries, Path(args.out), kinds=args.kinds,
-         verbose=args.verbose, only=tuple(args.only))
+         verbose=args.verbose, only=tuple(args.only), ahead_ms=args.ahead_ms)
 
 
 if __name__ == "__main__":

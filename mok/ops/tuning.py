@@ -288,6 +288,9 @@ def table_to_json(table: TileTable) -> str:
 # Experts at most this wide (I) take the Triton weight-gradient kernel in hopper_rule, wider
 # ones torch._grouped_mm over copied rows (docs/measurements.md, 2026-12-03: I = 256 and 512).
 SMALL_WGRAD_I = 256
+# The kept dSwiGLU of experts up to 768 wide takes 64-row pingpong tiles where H is at most
+# this, 128-row tiles beyond (docs/measurements.md, 2026-12-03 (night): H = 768-2048 and 4096).
+PINGPONG_MAX_H = 2048
 
 
 def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None:
@@ -298,12 +301,13 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
     dSwiGLU) or 256 (down, d_x: epilogues in halves), 64 deep; the recomputing dSwiGLU as two
     launches (DswigluTiles.apart); the weight gradients by torch._grouped_mm, except for experts
     at most SMALL_WGRAD_I wide: there the Triton kernel gathers the rows itself (gate and up in
-    one launch), which beat copying them for torch._grouped_mm. The kept dSwiGLU
-    of experts up to 768 wide: 64-row tiles, two MMA partitions taking turns (pingpong), as the
-    table's I = 768. Where a Gluon kernel does not take a launch, mok.plan runs the same tiles
-    on the Triton kernel. Small experts take the same tiles: their launches cost the host more
-    than the config's tiles do, but the GPU less, and a training step captured in a CUDA graph
-    (`mok.app.train.GraphedStep`) pays only the GPU's time (docs/measurements.md, 2026-12-03)."""
+    one launch), which beat copying them for torch._grouped_mm. The kept dSwiGLU of experts up
+    to 768 wide over H up to PINGPONG_MAX_H: 64-row tiles, two MMA partitions taking turns
+    (pingpong); wider experts or longer H: 128-row tiles. Where a Gluon kernel does not take a
+    launch, mok.plan runs the same tiles on the Triton kernel. Small experts take the same
+    tiles: their launches cost the host more than the config's tiles do, but the GPU less, and a
+    training step captured in a CUDA graph (`mok.app.train.GraphedStep`) pays only the GPU's
+    time (docs/measurements.md, 2026-12-03)."""
     rows = dict(block_m=128, group_m=8, num_warps=8)
     persistent = dict(persistent=True, tma=True, tma_rows=True)
     if kind in ("gate_up", "gate_up_saved"):
@@ -327,7 +331,7 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
     if kind == "down_bwd_saved":
         if triton:
             return DswigluTiles(block_n=128, block_k=64, num_stages=4, **persistent, **rows)
-        if n <= 768:
+        if n <= 768 and k <= PINGPONG_MAX_H:
             return DswigluTiles(64, 128, 64, group_m=8, num_warps=4, num_stages=5, gluon=True,
                                 pingpong=True, **persistent)
         return DswigluTiles(block_n=128, block_k=64, num_stages=4, gluon=True, **persistent,

@@ -94,6 +94,19 @@ def test_pick_falls_back_to_the_rule_then_the_config_tiles():
     assert other.pick("gate_up", shape.intermediate_size, shape.hidden_size) == other.gate_up
 
 
+def test_rule_takes_pingpong_kept_dswiglu_tiles_only_for_narrow_experts_and_short_h():
+    # Experts up to 768 wide over H up to PINGPONG_MAX_H: 64-row tiles, two MMA partitions;
+    # longer H or wider experts: 128-row tiles, one partition.
+    from mok.ops.tuning import PINGPONG_MAX_H
+
+    for n, k, pingpong in ((256, 768, True), (512, PINGPONG_MAX_H, True),
+                           (512, PINGPONG_MAX_H + 64, False), (512, 4096, False),
+                           (1024, 1024, False)):
+        tiles = hopper_rule("down_bwd_saved", n, k)
+        assert tiles.gluon and tiles.pingpong == pingpong, (n, k)
+        assert tiles.block_m == (64 if pingpong else 128), (n, k)
+
+
 def test_rule_gathers_small_experts_weight_gradient_rows_in_the_triton_kernel():
     # Experts up to SMALL_WGRAD_I wide: the Triton kernel (gate and up paired), no row copies;
     # wider ones: torch._grouped_mm. Keys are (P, Q): (I, H) for gate/up, (H, I) for down.
@@ -174,7 +187,7 @@ def test_tuner_keeps_the_best_triton_tiles_where_gluon_ones_win(monkeypatch, cap
     # Triton entry.
     import benchmarks.tune as tune
 
-    def timing(run):  # run() is (kind, tiles)
+    def timing(run, **_):  # run() is (kind, tiles)
         kind, tiles = run()
         triton = 2.0 + tiles.num_stages / 10 + tiles.block_n / 1000
         if kind == "d_x":
@@ -202,7 +215,7 @@ def test_tuner_keeps_triton_tiles_where_the_two_launch_dswiglu_wins(monkeypatch,
     # beside it (launches that pull rows run one launch).
     import benchmarks.tune as tune
 
-    def timing(run):
+    def timing(run, **_):
         tiles = run()
         return 1.0 if tiles.apart else (9.0 if tiles.gluon else 2.0 + tiles.num_stages / 10)
 
