@@ -11,6 +11,9 @@ MOK_COMMIT         the commit that benchmark rows, training runs and GPU test lo
                    for a copy of the tree without .git, or whose .git is not its history.
 MOK_TILES_FILE     a JSON file of tuned GEMM tiles to use instead of the committed
                    mok/ops/tuned_tiles.json (written by `python -m benchmarks.tune`).
+MOK_CHECK_LAUNCH  "1": every kernel launch that skips Triton's argument binding (mok.ops.launch)
+                   is also bound as Triton would and raises if Triton would pick another
+                   compiled kernel (for tests on a GPU).
 MOK_RANKS_SHARE_GPU "1": the processes of an expert-parallel group all run on one GPU (tests on
                    a machine with one GPU; mok.testing.distributed): their symmetric buffers are
                    mapped by CUDA IPC, since PyTorch's symmetric memory wants a GPU a rank.
@@ -35,3 +38,4 @@ VALIDATE: bool = _flag("MOK_VALIDATE")
 TILES_FILE: str | None = os.environ.get("MOK_TILES_FILE") or None
 COMMIT: str = os.environ.get("MOK_COMMIT", "unknown")
 RANKS_SHARE_GPU: bool = _flag("MOK_RANKS_SHARE_GPU")
+CHECK_LAUNCH: bool = _flag("MOK_CHECK_LAUNCH")

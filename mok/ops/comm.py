@@ -19,6 +19,7 @@ import triton
 
 from mok import _env
 from mok.kernels import comm as kernels
+from mok.ops.launch import launch
 
 HAS_TIMER = not _env.INTERPRET
 # The interpreter has no clock: its waits count spins instead, about this many a second on an idle
@@ -179,13 +180,13 @@ class PeerFlags:
 
 def advance(peer: PeerFlags, phase: int, publish_slot: int | None) -> None:
     """Number the next round of `phase`; with publish_slot, tell the peers it is published."""
-    kernels.advance_kernel[(1,)](
+    launch(kernels.advance_kernel, (1,))(
         peer.seq, peer.flags, phase, publish_slot or 0, PUBLISH=publish_slot is not None)
 
 
 def signal_peers(peer: PeerFlags, phase: int, slot: int) -> None:
     """Every rank's flags[slot + this rank] = the current round of `phase`."""
-    kernels.signal_peers_kernel[(1,)](
+    launch(kernels.signal_peers_kernel, (1,))(
         peer.flags, peer.flag_deltas, peer.seq, phase, slot, peer.rank, peer.world_size,
         P_PAD=_p_pad(peer.world_size))
 
@@ -196,7 +197,7 @@ def wait_peers(peer: PeerFlags, phase: int, slot: int, *, remote: bool = False,
     reach the round of `phase`; then=(phase2, slot2): in the same launch, then likewise for
     those."""
     phase2, slot2 = then if then is not None else (0, 0)
-    kernels.wait_peers_kernel[(1,)](
+    launch(kernels.wait_peers_kernel, (1,))(
         peer.flags, peer.flag_deltas, peer.seq, peer.errors, phase, slot, 1, peer.world_size,
         peer.timeout, phase2, slot2, REMOTE=remote, SECOND=then is not None,
         HAS_TIMER=HAS_TIMER)
@@ -205,7 +206,7 @@ def wait_peers(peer: PeerFlags, phase: int, slot: int, *, remote: bool = False,
 def publish_and_wait(peer: PeerFlags, phase: int, publish_slot: int) -> None:
     """advance(peer, phase, publish_slot), then wait until every rank published that round:
     one launch."""
-    kernels.publish_and_wait_kernel[(1,)](
+    launch(kernels.publish_and_wait_kernel, (1,))(
         peer.flags, peer.flag_deltas, peer.seq, peer.errors, phase, publish_slot,
         peer.world_size, peer.timeout, HAS_TIMER=HAS_TIMER)
 
@@ -215,7 +216,7 @@ def finish(peer: PeerFlags, phase: int, done_slot: int, report_slot: int, *,
     """The end of a phase's deliveries, in one launch: signal_peers(done_slot) (unless not
     signal: an earlier launch did), wait_peers(done_slot), then the reports of this rank's
     dropped routes in report_slot become its CAPACITY_OVERFLOW error (and are cleared)."""
-    kernels.finish_kernel[(1,)](
+    launch(kernels.finish_kernel, (1,))(
         peer.flags, peer.flag_deltas, peer.seq, peer.errors, phase, done_slot, report_slot,
         peer.rank, peer.world_size, peer.timeout, SIGNAL=bool(signal),
         P_PAD=_p_pad(peer.world_size), HAS_TIMER=HAS_TIMER)
@@ -227,7 +228,7 @@ def gather_peers(peer: PeerFlags, src: torch.Tensor, dst: torch.Tensor, src_delt
     numel = src.numel()
     block = min(4096, triton.next_power_of_2(max(numel, 16)))
     programs = min(triton.cdiv(numel, block), _GATHER_PROGRAMS_PER_RANK)
-    kernels.gather_peers_kernel[(peer.world_size, programs)](
+    launch(kernels.gather_peers_kernel, (peer.world_size, programs))(
         src, src_deltas, dst, peer.flags, peer.flag_deltas, peer.seq, peer.errors,
         phase, publish_slot, numel, peer.world_size, peer.timeout,
         BLOCK=block, HAS_TIMER=HAS_TIMER, num_warps=8)
@@ -259,7 +260,7 @@ def pull_tokens(
     num_warps = 8 if HAS_TIMER else 1
     block_r, block_w = pull_blocks(width, minibatch, src.element_size(), num_warps)
     has_weights = weights is not None
-    kernels.pull_tokens_kernel[(num_programs,)](
+    launch(kernels.pull_tokens_kernel, (num_programs,))(
         src, src_deltas, weights if has_weights else src,
         weights_deltas if has_weights else src_deltas, dst,
         dst_weights if has_weights else dst,
@@ -284,7 +285,7 @@ def scatter_route_values(values: torch.Tensor, route_row: torch.Tensor, out: tor
     if num_routes == 0:
         return
     block = 256
-    kernels.scatter_route_values_kernel[(triton.cdiv(num_routes, block),)](
+    launch(kernels.scatter_route_values_kernel, (triton.cdiv(num_routes, block),))(
         values, route_row, out, out_deltas, num_routes, routes_per_rank, BLOCK=block)
 
 
@@ -306,7 +307,7 @@ def clear_dropped_routes(peer: PeerFlags, report_slot: int, topk: torch.Tensor,
     block_r = 256
     width = rows.shape[1] if rows is not None else 1
     block_w = min(32, triton.next_power_of_2(width))
-    kernels.clear_dropped_routes_kernel[(triton.cdiv(num_routes, block_r),)](
+    launch(kernels.clear_dropped_routes_kernel, (triton.cdiv(num_routes, block_r),))(
         topk, route_row, rows if rows is not None else route_row,
         rows_deltas if rows is not None else route_row,
         values if values is not None else route_row,

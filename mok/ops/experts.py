@@ -21,6 +21,7 @@ from mok.kernels import gluon_dswiglu, gluon_gate_up, gluon_rows
 from mok.kernels import grouped_gemm as gemm_kernels
 from mok.ops import comm
 from mok.ops.comm import Pull, ScatterRows
+from mok.ops.launch import launch
 from mok.ops.routing import Routing
 from mok.ops.tuning import DswigluTiles, RowTiles, WgradTiles
 
@@ -222,7 +223,7 @@ def gate_up_swiglu(
         outs.append(_out_spec(gate_up, intermediate, tiles))
     (h_out, *gate_up_out), rows_tma = _rows_operands(tiles, *outs)
     x2 = pulled_second if second else x
-    gemm_kernels.gate_up_swiglu_kernel[(grid + pull_args["num_pull_programs"],)](
+    launch(gemm_kernels.gate_up_swiglu_kernel, (grid + pull_args["num_pull_programs"],))(
         x_ptr=x, x2_ptr=x2, w_gate_ptr=gate, w_up_ptr=up, h_ptr=h_out,
         gate_up_ptr=gate_up_out[0] if gate_up_out else h_out, row_route_ptr=routing.row_route,
         block_expert_ptr=routing.block_expert, used_rows_ptr=routing.used_rows,
@@ -337,7 +338,7 @@ def _gate_up_gluon(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     load_warps, load_regs = ((_GLUON_LOAD_WARPS, _GLUON_LOAD_REGS)
                              if pull is None or pull.copied
                              else (_GLUON_PULL_LOAD_WARPS, _GLUON_PULL_LOAD_REGS))
-    gluon_gate_up.gate_up_swiglu_ws_kernel[(_num_programs(x.device),)](
+    launch(gluon_gate_up.gate_up_swiglu_ws_kernel, (_num_programs(x.device),))(
         x_ptr=x, w_gate_desc=w_gate_desc, w_up_desc=w_up_desc, h_desc=h_desc,
         gate_desc=gate_desc, up_desc=up_desc, row_route_ptr=routing.row_route,
         block_expert_ptr=routing.block_expert, used_rows_ptr=routing.used_rows, N=intermediate,
@@ -385,7 +386,7 @@ def _down_gluon(h: torch.Tensor, w_down: torch.Tensor, routing: Routing, tiles: 
     dtype = _GLUON_DTYPES[h.dtype]
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     split = _gluon_rows_split(tiles, tiles.num_stages, h.element_size())
-    gluon_rows.down_proj_ws_kernel[(_num_programs(h.device),)](
+    launch(gluon_rows.down_proj_ws_kernel, (_num_programs(h.device),))(
         h_desc=_gluon_descriptor(h, [bm, bk], dtype),
         w_desc=_gluon_descriptor(w_down.view(experts * hidden, intermediate), [bn, bk], dtype),
         out_desc=_gluon_descriptor(out, [bm, bn // split], dtype),
@@ -417,7 +418,7 @@ def _d_x_gluon(d_gate_up: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor
     def weights(w: torch.Tensor) -> GluonDescriptor:
         return _gluon_descriptor(w.view(experts * intermediate, hidden), [bk, bn], dtype)
 
-    gluon_rows.d_x_rows_ws_kernel[(_num_programs(out.device),)](
+    launch(gluon_rows.d_x_rows_ws_kernel, (_num_programs(out.device),))(
         d_gate_up_desc=_gluon_descriptor(d_gate_up, [bm, bk], dtype),
         w_gate_desc=weights(w_gate), w_up_desc=weights(w_up),
         out_desc=_gluon_descriptor(out, [bm, bn // split], dtype),
@@ -469,7 +470,7 @@ def down_proj(
     (h_in, out_arg), rows_tma = _rows_operands(
         tiles, _a_spec(h, intermediate, tiles), _out_spec(out, hidden, tiles),
         wanted=scatter is None)
-    gemm_kernels.down_proj_kernel[(grid,)](
+    launch(gemm_kernels.down_proj_kernel, (grid,))(
         h_ptr=h_in, w_down_ptr=weights, out_ptr=out_arg,
         router_weights_ptr=router_weights if router_weights is not None else h,
         row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
@@ -496,7 +497,7 @@ def combine(
         return out
     block_t, block_n = 16, min(256, triton.next_power_of_2(width))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_n))
-    combine_kernels.combine_kernel[grid](
+    launch(combine_kernels.combine_kernel, grid)(
         rows, routing.route_row, shared_rows if shared_rows is not None else rows, out,
         num_tokens, width,
         rows.stride(0), shared_rows.stride(0) if shared_rows is not None else 0, out.stride(0),
@@ -582,7 +583,7 @@ def down_bwd_dswiglu(
     if gate_up is not None:
         specs.append(_out_spec(gate_up, intermediate, tiles))
     (d_gate_up_arg, h_arg, *gate_up_arg), rows_tma = _rows_operands(tiles, *specs)
-    gemm_kernels.down_bwd_dswiglu_kernel[(grid + pull_args["num_pull_programs"],)](
+    launch(gemm_kernels.down_bwd_dswiglu_kernel, (grid + pull_args["num_pull_programs"],))(
         d_out_ptr=d_out, x_ptr=x, w_down_ptr=down_weights, w_gate_ptr=gate, w_up_ptr=up,
         h_ptr=h_arg, gate_up_ptr=gate_up_arg[0] if gate_up_arg else h_arg,
         router_weights_ptr=router_weights if router_weights is not None else h,
@@ -716,7 +717,7 @@ def _down_bwd_gluon(d_out: torch.Tensor, x: torch.Tensor, w_down: torch.Tensor,
         waits = dict(block_order_ptr=pull.order, ready_ptr=pull.ready, seq_ptr=pull.peer.seq,
                      phase=pull.phase, error_ptr=pull.peer.errors, timeout=pull.peer.timeout,
                      world_size=pull.peer.world_size)
-    gluon_dswiglu.down_bwd_dswiglu_ws_kernel[(_num_programs(d_out.device),)](
+    launch(gluon_dswiglu.down_bwd_dswiglu_ws_kernel, (_num_programs(d_out.device),))(
         d_out_ptr=d_out, x_ptr=x, w_down_desc=w_down_desc, w_gate_desc=w_gate_desc,
         w_up_desc=w_up_desc, h_desc=h_desc, gate_desc=gate_desc, up_desc=up_desc,
         d_gate_desc=rows(d_gate_up[:, :intermediate]),
@@ -787,7 +788,7 @@ def d_x_rows(
     up, up_tma = _weights_k_rows_operand(w_up, tiles)
     wk_tma = gate_tma and up_tma
     pulled = out if pulled is None else pulled
-    gemm_kernels.d_x_rows_kernel[(grid + pull_args["num_pull_programs"],)](
+    launch(gemm_kernels.d_x_rows_kernel, (grid + pull_args["num_pull_programs"],))(
         d_gate_up_ptr=d_gate_up_in, w_gate_ptr=gate if wk_tma else w_gate,
         w_up_ptr=up if wk_tma else w_up, out_ptr=out_arg, block_expert_ptr=routing.block_expert,
         pulled_ptr=pulled, stride_pulled=pulled.stride(0), used_rows_ptr=routing.used_rows,
@@ -878,7 +879,7 @@ def copy_rows(
     width = src.shape[1]
     out = torch.empty(routing.capacity_rows, width, dtype=src.dtype, device=src.device)
     block_m, block_n = 16, min(256, triton.next_power_of_2(max(width, 1)))
-    combine_kernels.copy_rows_kernel[(triton.cdiv(routing.capacity_rows, block_m),)](
+    launch(combine_kernels.copy_rows_kernel, (triton.cdiv(routing.capacity_rows, block_m),))(
         src, routing.row_route, router_weights if router_weights is not None else src, out,
         routing.used_rows, width, routing.topk, src.stride(0), out.stride(0),
         GATHER=gather, SCALE=router_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -923,7 +924,7 @@ def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, ro
     num_tiles = (routing.num_local_experts * triton.cdiv(width_p, tiles.block_m)
                  * triton.cdiv(width_q, tiles.block_n))
     grid = min(num_tiles, _num_programs(a.device)) if tiles.persistent else num_tiles
-    gemm_kernels.grouped_wgrad_kernel[(grid,)](
+    launch(gemm_kernels.grouped_wgrad_kernel, (grid,))(
         a_ptr=a, a2_ptr=a2 if a2 is not None else a, b_ptr=b, out_ptr=out,
         out2_ptr=out2 if out2 is not None else out, row_route_ptr=routing.row_route,
         router_weights_ptr=router_weights if router_weights is not None else a,
@@ -946,7 +947,7 @@ def router_grad(partial: torch.Tensor, routing: Routing) -> torch.Tensor:
     if num_routes == 0:
         return out
     block_r, block_p = 64, min(64, triton.next_power_of_2(partial.shape[1]))
-    combine_kernels.router_grad_kernel[(triton.cdiv(num_routes, block_r),)](
+    launch(combine_kernels.router_grad_kernel, (triton.cdiv(num_routes, block_r),))(
         partial, routing.route_row, out, num_routes, partial.shape[1], partial.stride(0),
         BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4,
     )

@@ -13,6 +13,7 @@ import triton
 from mok import _env
 from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
+from mok.ops.launch import launch
 from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_weights
 from mok.ops.routing import Routing
 from mok.ops.tuning import RowTiles, fp8_tiles
@@ -332,7 +333,7 @@ def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_li
     gate_up = gate_up if gate_up is not None else out
     h = h if h is not None else out
     partial = partial if partial is not None else out_scales
-    kernels.fp8_rows_kernel[(num_m_blocks * triton.cdiv(n, tiles.block_n),)](
+    launch(kernels.fp8_rows_kernel, (num_m_blocks * triton.cdiv(n, tiles.block_n),))(
         a.data, a.scales, w.data, w.scales, second.data, second.scales, out, out_scales,
         routing.row_route, routing.block_expert, routing.used_rows,
         router_weights if router_weights is not None else a.scales, gate_up, h, partial,

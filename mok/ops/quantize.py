@@ -11,6 +11,7 @@ import triton
 from mok import _env
 from mok.errors import MoKInputError
 from mok.kernels import quantize as kernels
+from mok.ops.launch import launch
 
 QUANT_BLOCK = 128  # the scales' block: 1 x 128 for rows, 128 x 128 for weights
 _ROWS_PER_PROGRAM = 32
@@ -57,8 +58,8 @@ def _quantize(x: torch.Tensor, *, rows: int, pow2_scales: bool, squeeze: bool) -
                          device=x.device)
     block_m = _ROWS_PER_PROGRAM if rows == 1 else rows
     if x.numel() > 0:
-        kernels.quantize_e4m3_kernel[(triton.cdiv(m, block_m), triton.cdiv(k, QUANT_BLOCK),
-                                      batch)](
+        launch(kernels.quantize_e4m3_kernel, (triton.cdiv(m, block_m), triton.cdiv(k, QUANT_BLOCK),
+                                              batch))(
             x, q, scales, m, k, x.stride(0), x.stride(1), x.stride(2), q.stride(0), q.stride(1),
             scales.stride(0), scales.stride(1), BLOCK_M=block_m, BLOCK_K=QUANT_BLOCK,
             ROW_SCALES=rows == 1, POW2=pow2_scales, UPCAST=_env.INTERPRET,

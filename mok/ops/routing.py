@@ -9,6 +9,7 @@ import triton
 
 from mok import _env  # noqa: F401  (decides TRITON_INTERPRET before kernels load)
 from mok.kernels import routing as kernels
+from mok.ops.launch import launch
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,11 @@ def build_routing(
 
     scalars = (num_routes, num_experts, first_local_expert, num_local_experts)
     fill_rows = triton.cdiv(triton.cdiv(rows, num_chunks), sub) * sub
-    kernels.route_histogram_kernel[(num_chunks,)](
+    launch(kernels.route_histogram_kernel, (num_chunks,))(
         flat, chunk_counts, route_rank, row_route, error_flags, *scalars, rows, fill_rows,
         CHUNK=chunk, SUB=sub, E_PAD=e_pad,
     )
-    kernels.route_offsets_kernel[(1,)](
+    launch(kernels.route_offsets_kernel, (1,))(
         chunk_counts, chunk_base, expert_counts, expert_offsets, error_flags,
         num_chunks, num_local_experts, rows,
         ALIGN=align, E_PAD=e_pad, CHUNKS_PER_STEP=max(1, min(64, 8192 // e_pad)),
@@ -128,7 +129,7 @@ def build_routing(
     num_blocks = rows // align
     owner_blocks = max(1, min(128, 8192 // e_pad))  # a [blocks, E_PAD] tile of 8192 at most
     programs = max(triton.cdiv(num_routes, block), triton.cdiv(num_blocks, owner_blocks), 1)
-    kernels.route_scatter_kernel[(programs,)](
+    launch(kernels.route_scatter_kernel, (programs,))(
         flat, route_rank, chunk_base, expert_offsets, row_route, route_row, block_expert,
         *scalars, rows, num_blocks,
         CHUNK=chunk, BLOCK=block, E_PAD=e_pad, ALIGN=align, OWNER_BLOCKS=owner_blocks,
@@ -169,7 +170,7 @@ def exchange_routes(topk_experts: torch.Tensor, routes_per_rank: int, num_expert
     published = torch.empty(routes_per_rank, **i32)
     source_route_row = torch.empty(flat.shape[0], **i32)
     block = 1024
-    kernels.exchange_routes_kernel[(max(triton.cdiv(routes_per_rank, block), 1),)](
+    launch(kernels.exchange_routes_kernel, (max(triton.cdiv(routes_per_rank, block), 1),))(
         flat, published, source_route_row, flat.shape[0], routes_per_rank, num_experts,
         GHOST=bool(ghost_expert), BLOCK=block)
     return published, source_route_row
@@ -185,7 +186,7 @@ def local_first_blocks(routing: Routing, block_m: int, rank: int, routes_per_ran
     num_blocks = routing.capacity_rows // block_m
     order = torch.empty(num_blocks, dtype=torch.int32, device=routing.row_route.device)
     chunk = max(1, min(64, 8192 // block_m))
-    kernels.local_first_kernel[(1,)](
+    launch(kernels.local_first_kernel, (1,))(
         routing.row_route, routing.used_rows, order, num_blocks, rank, routes_per_rank,
         float(lead), BLOCK_M=block_m, CHUNK=chunk, HAS_LEAD=lead < 1.0)
     return order
