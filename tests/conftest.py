@@ -1,9 +1,14 @@
 """Shared fixtures. Tests run the compiled kernels on CUDA when a GPU is present and the same
-kernels under Triton's interpreter on CPU otherwise (mok sets TRITON_INTERPRET=1 itself then)."""
+kernels under Triton's interpreter on CPU otherwise (mok sets TRITON_INTERPRET=1 itself then).
+On a GPU every launch that skips Triton's argument binding is checked against Triton's own
+choice of compiled kernel (MOK_CHECK_LAUNCH=1 unless set otherwise)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+
+os.environ.setdefault("MOK_CHECK_LAUNCH", "1")
 
 import pytest
 import torch
