@@ -26,21 +26,23 @@ from mok.testing import make_shape_inputs
 
 def kernel_spans(call, ahead: bool, host: bool = False) -> list[tuple[float, float, str]]:
     """(start us, duration us, name) of every kernel and memset/memcpy one call ran; host: also
-    the CUDA runtime and driver calls that issued them (names prefixed "host:")."""
+    the call itself, the torch operators it ran and the CUDA runtime and driver calls that issued
+    the kernels (names prefixed "host:")."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         if ahead:
             hold_device(0.02)
-        call()
+        with torch.profiler.record_function("the call"):
+            call()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
     device_kinds = ("kernel", "gpu_memset", "gpu_memcpy")
-    host_kinds = ("cuda_runtime", "cuda_driver") if host else ()
+    host_kinds = ("cuda_runtime", "cuda_driver", "cpu_op", "user_annotation") if host else ()
     spans = [(float(e["ts"]), float(e.get("dur", 0)),
               e["name"] if e["cat"] in device_kinds else f"host: {e['name']}")
              for e in events if e.get("ph") == "X" and e.get("cat") in device_kinds + host_kinds]
