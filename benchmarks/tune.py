@@ -126,7 +126,10 @@ CANDIDATES: dict[str, list[Tiles]] = {
                       W(128, 128, 64, 1, 8, 3, pair=True), W(128, 128, 64, 1, 8, 4, pair=True),
                       W(128, 128, 32, 1, 8, 4, pair=True),
                       W(128, 128, 64, 1, 8, 3, persistent=True, pair=True),
-                      W(128, 128, 64, 1, 8, 3, grouped_mm=True)],
+                      W(128, 128, 64, 1, 8, 3, grouped_mm=True),
+                      # the warp-specialized Gluon kernel (block_m dividing I)
+                      W(256, 128, 64, 1, 8, 3, gluon=True), W(128, 128, 64, 1, 8, 4, gluon=True),
+                      W(128, 256, 64, 1, 8, 3, gluon=True)],
     "wgrad_down": [W(128, 128, 64, 1, 8, 3), W(128, 256, 64, 1, 8, 3),
                    W(128, 128, 128, 1, 8, 3), W(256, 128, 64, 1, 8, 3),
                    W(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,

@@ -24,7 +24,13 @@ import torch
 from mok.arch import arch_of
 from mok.exchange.base import Movement
 from mok.ops import DswigluTiles, RowTiles, TileConfig, WgradTiles, fp8_tiles
-from mok.ops.experts import gluon_reads_rows, gluon_reads_weights, gluon_takes, grouped_mm_takes
+from mok.ops.experts import (
+    gluon_reads_rows,
+    gluon_reads_weights,
+    gluon_takes,
+    gluon_takes_wgrad,
+    grouped_mm_takes,
+)
 from mok.ops.tuning import FP8_KINDS
 
 
@@ -129,8 +135,7 @@ def _backward_plan(tiles: TileConfig, operands: Operands, hidden: int, intermedi
     return BackwardPlan(dswiglu, apart,
                         _kernel("d_x", pick("d_x"), operands, operands.gate and operands.up,
                                 **sizes),
-                        _wgrad("wgrad_gate_up", pick("wgrad_gate_up"), operands, **sizes),
-                        _wgrad("wgrad_down", pick("wgrad_down"), operands, **sizes))
+                        *_wgrads(pick, operands, tiles.align, sizes))
 
 
 @dataclass(frozen=True)
@@ -155,8 +160,7 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int,
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     return Fp8Plan(*(fp8_tiles(kind, tiles.align) for kind in FP8_KINDS),
-                   _wgrad("wgrad_gate_up", pick("wgrad_gate_up"), operands, **sizes),
-                   _wgrad("wgrad_down", pick("wgrad_down"), operands, **sizes))
+                   *_wgrads(pick, operands, tiles.align, sizes))
 
 
 # Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).
@@ -194,10 +198,31 @@ def _kernel(kind: str, tiles: RowTiles, operands: Operands, readable: bool, *,
     return dataclasses.replace(tiles, gluon=False)
 
 
-def _wgrad(kind: str, tiles: WgradTiles, operands: Operands, *, hidden: int,
-           intermediate: int) -> WgradTiles:
-    """tiles where torch._grouped_mm takes the launch they ask it for; else the Triton kernel's
-    (the widths: d_gate_up's 2I and x's H; d_output's H and h's I)."""
+def _wgrad(kind: str, tiles: WgradTiles, operands: Operands, *, fallback: WgradTiles | None,
+           hidden: int, intermediate: int, align: int) -> WgradTiles:
+    """tiles where the kernel they ask for takes the launch; else another's: where the Gluon
+    kernel (wgrad_gate_up only) does not take it, `fallback` (the config's tiles without Gluon:
+    TileConfig.pick's triton), or when that is Gluon too, the Triton kernel with pair at block_m
+    128 at most; where torch._grouped_mm does not, the Triton kernel at the same tiles (the
+    widths: d_gate_up's 2I and x's H; d_output's H and h's I)."""
+    if tiles.gluon:
+        arch = arch_of(operands.device)
+        if kind != "wgrad_gate_up":
+            reason = "it has no Gluon kernel"
+        elif not arch.warp_specialized:
+            reason = f"{arch.name} does not run the Gluon kernels"
+        elif not (operands.x and gluon_takes_wgrad(tiles, operands.dtype, operands.dtype,
+                                                   hidden=hidden, intermediate=intermediate,
+                                                   align=align)):
+            reason = "operands the Gluon kernel cannot take (dtype, layout or sizes)"
+        else:
+            return tiles
+        _fallback(kind, f"another kernel runs instead of the Gluon one: {reason}")
+        if fallback is None or fallback.gluon:
+            fallback = dataclasses.replace(tiles, gluon=False, pair=kind == "wgrad_gate_up",
+                                           block_m=min(tiles.block_m, 128))
+        return _wgrad(kind, fallback, operands, fallback=None, hidden=hidden,
+                      intermediate=intermediate, align=align)
     if not tiles.grouped_mm:
         return tiles
     widths = (2 * intermediate, hidden) if kind == "wgrad_gate_up" else (hidden, intermediate)
@@ -206,6 +231,12 @@ def _wgrad(kind: str, tiles: WgradTiles, operands: Operands, *, hidden: int,
     _fallback(kind, f"the Triton kernel runs instead of torch._grouped_mm, which does not take "
                     f"{operands.dtype} on {arch_of(operands.device).name} at these sizes")
     return dataclasses.replace(tiles, grouped_mm=False)
+
+
+def _wgrads(pick, operands: Operands, align: int, sizes: dict) -> tuple[WgradTiles, WgradTiles]:
+    """The weight gradients' tiles (wgrad_gate_up, wgrad_down) where their kernels take them."""
+    return tuple(_wgrad(kind, pick(kind), operands, fallback=pick(kind, triton=True),
+                        align=align, **sizes) for kind in ("wgrad_gate_up", "wgrad_down"))
 
 
 # Plans made, by (maker, id(tiles), the other arguments): (tiles, plan, the fallbacks it

@@ -292,7 +292,13 @@ def main(argv=None) -> None:
                            (" s4", dict(num_stages=4)), (" 128x256", dict(block_n=256))):
         runs.append((f"wgrad_down{label}", r(HOPPER_TILES.wgrad, **variant), wgrad_down))
     runs.append(("wgrad_gate_up tuned", t["wgrad_gate_up"], wgrad_gate_up))
-    runs.append(("wgrad_down tuned", t["wgrad_down"], wgrad_down))
+    # The gate/up weight gradient by the warp-specialized Gluon kernel (WgradTiles.gluon).
+    experts_ops._check_gluon_wgrad = lambda *args, **kwargs: None
+    wgrad_gluon = r(HOPPER_TILES.wgrad, block_m=256, block_n=128, block_k=64, num_stages=3,
+                    gluon=True)
+    runs += [("wgrad_gate_up gluon tma 256x128", wgrad_gluon, wgrad_gate_up),
+             ("wgrad_gate_up gluon tma 128x128 s4", r(wgrad_gluon, block_m=128, num_stages=4),
+              wgrad_gate_up)]
     # Expert parallelism: the launches that pull the group's tokens in their first programs (the
     # table's tiles with TMA weights; persistent ones take their tiles from a shared counter),
     # two ranks' tokens.

@@ -17,7 +17,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from mok import _env
 from mok.arch import HOPPER, arch_of
 from mok.kernels import combine as combine_kernels
-from mok.kernels import gluon_dswiglu, gluon_gate_up, gluon_rows
+from mok.kernels import gluon_dswiglu, gluon_gate_up, gluon_rows, gluon_wgrad
 from mok.kernels import grouped_gemm as gemm_kernels
 from mok.ops import comm
 from mok.ops.comm import Pull, ScatterRows
@@ -856,7 +856,10 @@ def grouped_wgrad_gate_up(
     shape = (routing.num_local_experts, intermediate, x.shape[1])
     d_w_gate = torch.empty(shape, dtype=out_dtype, device=x.device)
     d_w_up = torch.empty(shape, dtype=out_dtype, device=x.device)
-    if tiles.pair:
+    if tiles.gluon:
+        _check_gluon_wgrad(tiles, d_gate_up, x, routing, out_dtype, gather_x=gather_x)
+        _wgrad_gate_up_gluon(d_gate_up, x, routing, tiles, d_w_gate, d_w_up)
+    elif tiles.pair:
         _launch_wgrad(d_gate, d_up, x, d_w_gate, d_w_up, routing, tiles, gather_a=False,
                       gather_b=gather_x, router_weights=None)
     else:
@@ -864,6 +867,59 @@ def grouped_wgrad_gate_up(
             _launch_wgrad(a, None, x, out, None, routing, tiles, gather_a=False,
                           gather_b=gather_x, router_weights=None)
     return d_w_gate, d_w_up
+
+
+def gluon_takes_wgrad(tiles: WgradTiles, dtype: torch.dtype, out_dtype: torch.dtype, *,
+                      hidden: int, intermediate: int, align: int) -> bool:
+    """Whether the Gluon gate/up weight gradient (mok.kernels.gluon_wgrad) takes these sizes:
+    16-bit operands and gradients of one dtype, block_m (128 or 256) dividing I, block_n
+    dividing H, block_k dividing the schedule's align."""
+    return (dtype in _GLUON_DTYPES and out_dtype == dtype and tiles.block_m in (128, 256)
+            and intermediate % tiles.block_m == 0 and hidden % tiles.block_n == 0
+            and align % tiles.block_k == 0)
+
+
+def _check_gluon_wgrad(tiles: WgradTiles, d_gate_up: torch.Tensor, x: torch.Tensor,
+                       routing: Routing, out_dtype: torch.dtype, *, gather_x: bool) -> None:
+    """Raise unless the Gluon gate/up weight gradient takes this launch (mok.plan gives its
+    tiles only where it does)."""
+    if not (arch_of(x.device).warp_specialized and gather_x and gluon_reads_rows(d_gate_up)
+            and gluon_reads_rows(x) and d_gate_up.dtype == x.dtype
+            and gluon_takes_wgrad(tiles, x.dtype, out_dtype, hidden=x.shape[1],
+                                  intermediate=d_gate_up.shape[1] // 2, align=routing.align)):
+        raise ValueError("wgrad_gate_up: the tiles ask for the Gluon kernel (WgradTiles.gluon), "
+                         "which does not take this launch (GPU, dtype, layout or sizes); "
+                         "mok.plan gives Gluon tiles only where it does")
+
+
+def _wgrad_gate_up_gluon(d_gate_up: torch.Tensor, x: torch.Tensor, routing: Routing,
+                         tiles: WgradTiles, d_w_gate: torch.Tensor,
+                         d_w_up: torch.Tensor) -> None:
+    """(d_w_gate, d_w_up) by the warp-specialized Gluon kernel (mok.kernels.gluon_wgrad), x's
+    rows gathered by token."""
+    experts, intermediate, hidden = d_w_gate.shape
+    dtype = _GLUON_DTYPES[x.dtype]
+    bp, bq, br = tiles.block_m, tiles.block_n, tiles.block_k
+    out_box = [bp, bq]
+    num_tiles = experts * (2 * intermediate // bp) * (hidden // bq)
+    launch(gluon_wgrad.wgrad_gate_up_ws_kernel, (min(num_tiles, _num_programs(x.device)),))(
+        a_desc=_gluon_descriptor(d_gate_up, [br, bp], dtype), b_ptr=x,
+        out_desc=_gluon_descriptor(d_w_gate.view(experts * intermediate, hidden), out_box,
+                                   dtype),
+        out2_desc=_gluon_descriptor(d_w_up.view(experts * intermediate, hidden), out_box,
+                                    dtype),
+        row_route_ptr=routing.row_route, expert_offsets_ptr=routing.expert_offsets,
+        expert_counts_ptr=routing.expert_counts, num_experts=experts, P_HALF=intermediate,
+        Q=hidden, topk=routing.topk, num_rows=routing.capacity_rows, stride_bm=x.stride(0),
+        BLOCK_P=bp, BLOCK_Q=bq, BLOCK_R=br, NUM_STAGES=tiles.num_stages,
+        LOAD_WARPS=_GLUON_LOAD_WARPS, LOAD_REGS=_GLUON_WGRAD_LOAD_REGS,
+        B_LAYOUT=_nvmma_layout((br, bq), dtype), num_warps=tiles.num_warps,
+    )
+
+
+# The Gluon weight gradient's loader (cp.async of [block_k, block_n] gathered rows and the next
+# step's routes): registers per thread.
+_GLUON_WGRAD_LOAD_REGS = 56
 
 
 def copy_rows(

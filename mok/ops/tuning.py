@@ -140,11 +140,16 @@ class WgradTiles(Tiles):
     pair (wgrad_gate_up only): gate and up in one launch, x's tiles loaded once. grouped_mm:
     torch._grouped_mm (one K-split group per expert) over the rows copied into schedule order
     (mok.ops.copy_rows) where it takes the operands (mok.plan decides); the tile fields are
-    unused then.
+    unused then. gluon (wgrad_gate_up only): the warp-specialized Gluon kernel
+    (mok.kernels.gluon_wgrad: d_gate_up's boxes by TMA, x's rows gathered by cp.async, gate and
+    up in one launch) with block_m (P, 128 or 256, dividing I), block_n (Q, dividing H),
+    block_k (R, dividing the schedule's align), num_stages and num_warps; where it does not take
+    the launch mok.plan runs the same tiles on the Triton kernel with pair.
     """
 
     pair: bool = False
     grouped_mm: bool = False
+    gluon: bool = False
 
 
 # The record type of each kind's tiles.
@@ -202,8 +207,7 @@ class TileConfig:
         table = tuned_table() if self.use_tuned else None
         if table is not None and table.serves(self.arch, dtype):
             tuned = table.entries.get((kind, n, k))
-            if (triton and isinstance(tuned, RowTiles)
-                    and (tuned.gluon or getattr(tuned, "apart", False))):
+            if triton and (getattr(tuned, "gluon", False) or getattr(tuned, "apart", False)):
                 tuned = table.entries.get((kind + TRITON, n, k), tuned)
             if tuned is not None and self._fits(kind, tuned):
                 return tuned
@@ -288,6 +292,9 @@ def table_to_json(table: TileTable) -> str:
 # Experts at most this wide (I) take the Triton weight-gradient kernel in hopper_rule, wider
 # ones torch._grouped_mm over copied rows (docs/measurements.md, 2026-12-03: I = 256 and 512).
 SMALL_WGRAD_I = 256
+# The gate/up weight gradient of experts up to this wide (I a multiple of 256) takes the Gluon
+# kernel in hopper_rule (docs/measurements.md, 2026-12-04: I = 256-768 won, 1536 lost by 2%).
+GLUON_WGRAD_MAX_I = 768
 # The kept dSwiGLU of experts up to 768 wide takes 64-row pingpong tiles where H is at most
 # this, 128-row tiles beyond (docs/measurements.md, 2026-12-03 (night): H = 768-2048 and 4096).
 PINGPONG_MAX_H = 2048
@@ -301,7 +308,9 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
     dSwiGLU) or 256 (down, d_x: epilogues in halves), 64 deep; the recomputing dSwiGLU as two
     launches (DswigluTiles.apart); the weight gradients by torch._grouped_mm, except for experts
     at most SMALL_WGRAD_I wide: there the Triton kernel gathers the rows itself (gate and up in
-    one launch), which beat copying them for torch._grouped_mm. The kept dSwiGLU of experts up
+    one launch), which beat copying them for torch._grouped_mm; and gate/up's of experts at
+    most GLUON_WGRAD_MAX_I wide (I a multiple of 256) by the Gluon kernel, 256 x 128 x 64 at 3
+    stages (WgradTiles.gluon). The kept dSwiGLU of experts up
     to 768 wide over H up to PINGPONG_MAX_H: 64-row tiles, two MMA partitions taking turns
     (pingpong); wider experts or longer H: 128-row tiles. Where a Gluon kernel does not take a
     launch, mok.plan runs the same tiles on the Triton kernel. Small experts take the same
@@ -338,6 +347,9 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
                             **{**rows, "group_m": 4})
     if kind in ("wgrad_gate_up", "wgrad_down"):
         intermediate = n if kind == "wgrad_gate_up" else k
+        if (kind == "wgrad_gate_up" and not triton and intermediate <= GLUON_WGRAD_MAX_I
+                and intermediate % 256 == 0):
+            return WgradTiles(256, 128, 64, group_m=1, num_warps=8, num_stages=3, gluon=True)
         if intermediate <= SMALL_WGRAD_I:  # the Triton kernel, rows gathered in its loads
             if kind == "wgrad_gate_up":
                 return WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3, pair=True)

@@ -8,7 +8,7 @@ import torch
 import mok.functional as F
 from mok import ops
 from mok.arch import arch_of
-from mok.ops.tuning import DswigluTiles, RowTiles
+from mok.ops.tuning import DswigluTiles, RowTiles, WgradTiles
 from mok.testing import (
     GRAD_NAMES,
     SHAPES,
@@ -461,6 +461,55 @@ def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, pingp
     assert len(launches) == 5  # the two layers' four, then this one
     names = ("d_gate_up", "partial sums", "h") if kept else ("d_gate_up", "partial sums")
     for name, a, b in zip(names, mine, theirs, strict=False):  # h: the kept form's output
+        assert torch.isfinite(a).all(), name
+        assert_close(a.float(), b.float(), dtype=torch.bfloat16,
+                     name=f"{name} against the Triton kernel")
+
+
+@pytest.mark.parametrize("block_m", [256, 128])
+def test_gluon_wgrad_matches_reference_and_the_triton_kernel(block_m, monkeypatch):
+    # The warp-specialized Gluon weight gradient of gate and up (WgradTiles.gluon) inside the
+    # layer, the shared expert's included: against the reference, itself run to run, and the
+    # Triton kernel; skewed routing (experts of uneven sizes, some without rows, whose tiles
+    # write zeros). Then alone, on a d_gate_up whose rows past the used ones are NaN: no row
+    # past an expert's own is read into its sums.
+    from mok.ops import experts
+
+    assert arch_of(torch.device("cuda")).warp_specialized, "these GPU tests expect an sm_90 GPU"
+    launches = []
+    launch = experts._wgrad_gate_up_gluon
+
+    def counted(*args):
+        launches.append(args[0].shape)
+        return launch(*args)
+
+    monkeypatch.setattr(experts, "_wgrad_gate_up_gluon", counted)
+    inputs = make_inputs(6000, 1536, 512, 16, 4, shared_intermediate_size=256, device="cuda",
+                         seed=9, routing=RoutingPattern.SKEWED)
+    base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
+    gluon = WgradTiles(block_m, 128, 64, group_m=1, num_warps=8,
+                       num_stages=3 if block_m == 256 else 4, gluon=True)
+    triton = WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3, pair=True)
+    _, grads, schedule, _ = _repeatable_and_close_to_reference(
+        inputs, None, None, dataclasses.replace(base, wgrad=gluon))
+    assert len(launches) == 4  # routed and shared experts, in each of the two runs
+    _, grads_triton, _, _ = run_layer(inputs, tiles=dataclasses.replace(base, wgrad=triton))
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_triton, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16,
+                         name=f"{name} against the Triton kernel")
+
+    routing = schedule.routing
+    used = int(routing.expert_offsets[-1])
+    d_gate_up = torch.randn(routing.capacity_rows, 1024, device="cuda").to(torch.bfloat16)
+    d_gate_up[(routing.row_route < 0)] = 0  # padding rows hold zeros, as the dSwiGLU writes
+    d_gate_up[used:] = float("nan")  # never written by the dSwiGLU
+    mine = ops.grouped_wgrad_gate_up(d_gate_up, inputs.x, routing, gluon, gather_x=True,
+                                     out_dtype=torch.bfloat16)
+    theirs = ops.grouped_wgrad_gate_up(d_gate_up, inputs.x, routing, triton, gather_x=True,
+                                       out_dtype=torch.bfloat16)
+    assert len(launches) == 5
+    for name, a, b in zip(("d_w_gate", "d_w_up"), mine, theirs, strict=True):
         assert torch.isfinite(a).all(), name
         assert_close(a.float(), b.float(), dtype=torch.bfloat16,
                      name=f"{name} against the Triton kernel")

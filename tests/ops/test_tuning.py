@@ -109,17 +109,25 @@ def test_rule_takes_pingpong_kept_dswiglu_tiles_only_for_narrow_experts_and_shor
 
 def test_rule_gathers_small_experts_weight_gradient_rows_in_the_triton_kernel():
     # Experts up to SMALL_WGRAD_I wide: the Triton kernel (gate and up paired), no row copies;
-    # wider ones: torch._grouped_mm. Keys are (P, Q): (I, H) for gate/up, (H, I) for down.
-    from mok.ops.tuning import SMALL_WGRAD_I
+    # wider ones: torch._grouped_mm. gate/up's of experts up to GLUON_WGRAD_MAX_I wide, I a
+    # multiple of 256: the Gluon kernel, and the above where it cannot run (triton). Keys are
+    # (P, Q): (I, H) for gate/up, (H, I) for down.
+    from mok.ops.tuning import GLUON_WGRAD_MAX_I, SMALL_WGRAD_I
 
     for inter in (128, SMALL_WGRAD_I):
-        gate_up = hopper_rule("wgrad_gate_up", inter, 1536)
+        gate_up = hopper_rule("wgrad_gate_up", inter, 1536, triton=True)
         down = hopper_rule("wgrad_down", 1536, inter)
-        assert not gate_up.grouped_mm and gate_up.pair
-        assert not down.grouped_mm and not down.pair
+        assert not gate_up.grouped_mm and gate_up.pair and not gate_up.gluon
+        assert not down.grouped_mm and not down.pair and not down.gluon
+    assert hopper_rule("wgrad_gate_up", 128, 1536).pair
     for inter in (SMALL_WGRAD_I + 128, 512, 4096):
-        assert hopper_rule("wgrad_gate_up", inter, 1536).grouped_mm
+        assert hopper_rule("wgrad_gate_up", inter, 1536, triton=True).grouped_mm
         assert hopper_rule("wgrad_down", 1536, inter).grouped_mm
+    for inter in range(256, GLUON_WGRAD_MAX_I + 1, 256):
+        gluon = hopper_rule("wgrad_gate_up", inter, 1536)
+        assert gluon.gluon and (gluon.block_m, gluon.block_n, gluon.block_k) == (256, 128, 64)
+    for inter in (384, GLUON_WGRAD_MAX_I + 256):
+        assert not hopper_rule("wgrad_gate_up", inter, 1536).gluon
 
 
 def test_tuner_runs_every_kind_for_routed_and_shared_experts():
@@ -259,3 +267,28 @@ def test_plans_are_remembered_and_count_their_fallbacks():
     assert kept is not first
     back = plan.backward_plan(gluon, operands, hidden=64, intermediate=32, kept=True)
     assert plan.backward_plan(gluon, operands, hidden=64, intermediate=32, kept=True) is back
+
+
+def test_gluon_wgrad_tiles_fall_back_where_the_kernel_does_not_run():
+    # WgradTiles.gluon asks for the warp-specialized Gluon weight gradient of gate and up,
+    # which runs on an sm_90 GPU only (tests/gpu/test_gpu.py checks it there): elsewhere, and
+    # for the down projection's gradient, which has no Gluon kernel, the plan hands the Triton
+    # kernel tiles it takes (gate and up in one launch, at most 128 wide) and says why. (The
+    # operands here are CPU tensors, so this holds on a GPU machine too.)
+    from mok import plan
+    from mok.ops.tuning import WgradTiles
+
+    gluon = WgradTiles(256, 128, 64, group_m=1, num_warps=8, num_stages=3, gluon=True)
+    config = dataclasses.replace(small_tiles(16, 128), wgrad=gluon)
+    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    w = torch.randn(2, 256, 256, dtype=torch.bfloat16)
+    operands = plan.Operands.of(x, w, w, w)
+    back = plan.backward_plan(config, operands, hidden=256, intermediate=256, kept=True)
+    assert not back.wgrad_down.gluon and not back.wgrad_down.pair
+    assert back.wgrad_gate_up == WgradTiles(128, 128, 64, group_m=1, num_warps=8,
+                                            num_stages=3, pair=True)
+    reasons = {reason for kind, reason in plan.fallbacks() if kind == "wgrad_gate_up"}
+    assert any("does not run the Gluon kernels" in reason for reason in reasons)
+    # sizes it does not take (I not a multiple of block_m) fall back on any device
+    odd = plan.backward_plan(config, operands, hidden=256, intermediate=384, kept=True)
+    assert not odd.wgrad_gate_up.gluon
