@@ -133,7 +133,9 @@ CANDIDATES: dict[str, list[Tiles]] = {
     "wgrad_down": [W(128, 128, 64, 1, 8, 3), W(128, 256, 64, 1, 8, 3),
                    W(128, 128, 128, 1, 8, 3), W(256, 128, 64, 1, 8, 3),
                    W(128, 128, 64, 1, 4, 4), *PERSISTENT_WGRAD, *DEEP_WGRAD,
-                   W(128, 128, 64, 1, 8, 3, grouped_mm=True)],
+                   W(128, 128, 64, 1, 8, 3, grouped_mm=True),
+                   # the Gluon kernel (block_m along H, block_n along I, dividing I)
+                   W(128, 256, 64, 1, 8, 3, gluon=True), W(128, 128, 64, 1, 8, 4, gluon=True)],
 }
 # gate/up also storing its pre-activations: the gate/up tiles, and epilogues in halves or
 # through TMA (the tile stores three outputs: h, gate, up).

@@ -201,19 +201,18 @@ def _kernel(kind: str, tiles: RowTiles, operands: Operands, readable: bool, *,
 def _wgrad(kind: str, tiles: WgradTiles, operands: Operands, *, fallback: WgradTiles | None,
            hidden: int, intermediate: int, align: int) -> WgradTiles:
     """tiles where the kernel they ask for takes the launch; else another's: where the Gluon
-    kernel (wgrad_gate_up only) does not take it, `fallback` (the config's tiles without Gluon:
-    TileConfig.pick's triton), or when that is Gluon too, the Triton kernel with pair at block_m
-    128 at most; where torch._grouped_mm does not, the Triton kernel at the same tiles (the
-    widths: d_gate_up's 2I and x's H; d_output's H and h's I)."""
+    kernel does not take it, `fallback` (the config's tiles without Gluon: TileConfig.pick's
+    triton), or when that is Gluon too, the Triton kernel at block_m 128 at most (gate and up
+    paired); where torch._grouped_mm does not, the Triton kernel at the same tiles (the widths:
+    d_gate_up's 2I and x's H; d_output's H and h's I)."""
     if tiles.gluon:
         arch = arch_of(operands.device)
-        if kind != "wgrad_gate_up":
-            reason = "it has no Gluon kernel"
-        elif not arch.warp_specialized:
+        readable = operands.x if kind == "wgrad_gate_up" else operands.d_output
+        if not arch.warp_specialized:
             reason = f"{arch.name} does not run the Gluon kernels"
-        elif not (operands.x and gluon_takes_wgrad(tiles, operands.dtype, operands.dtype,
-                                                   hidden=hidden, intermediate=intermediate,
-                                                   align=align)):
+        elif not (readable and gluon_takes_wgrad(kind, tiles, operands.dtype, operands.dtype,
+                                                 hidden=hidden, intermediate=intermediate,
+                                                 align=align)):
             reason = "operands the Gluon kernel cannot take (dtype, layout or sizes)"
         else:
             return tiles

@@ -298,7 +298,12 @@ def main(argv=None) -> None:
                     gluon=True)
     runs += [("wgrad_gate_up gluon tma 256x128", wgrad_gluon, wgrad_gate_up),
              ("wgrad_gate_up gluon tma 128x128 s4", r(wgrad_gluon, block_m=128, num_stages=4),
-              wgrad_gate_up)]
+              wgrad_gate_up),
+             # down's: block_m along H, block_n along I (its tiles transposed in the kernel)
+             ("wgrad_down gluon tma 128x256", r(wgrad_gluon, block_m=128, block_n=256),
+              wgrad_down),
+             ("wgrad_down gluon tma 128x128 s4", r(wgrad_gluon, block_m=128, num_stages=4),
+              wgrad_down)]
     # Expert parallelism: the launches that pull the group's tokens in their first programs (the
     # table's tiles with TMA weights; persistent ones take their tiles from a shared counter),
     # two ranks' tokens.

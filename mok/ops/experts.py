@@ -827,6 +827,14 @@ def grouped_wgrad(
         return _grouped_mm_wgrad(a_rows, b_rows, _group_ends(routing), out_dtype)
     out = torch.empty(routing.num_local_experts, a.shape[1], b.shape[1], dtype=out_dtype,
                       device=a.device)
+    if tiles.gluon:  # the down projection's: a = d_output by token, b = h by row
+        if not gather_a or gather_b:
+            raise ValueError("wgrad_down: the Gluon kernel (WgradTiles.gluon) takes a by token "
+                             "and b by row; mok.plan gives its tiles only where it does")
+        _check_gluon_wgrad("wgrad_down", tiles, b, a, routing, out_dtype,
+                           intermediate=b.shape[1])
+        _wgrad_gluon(b, a, routing, tiles, out, None, router_weights)
+        return out
     _launch_wgrad(a, None, b, out, None, routing, tiles, gather_a=gather_a, gather_b=gather_b,
                   router_weights=router_weights)
     return out
@@ -857,8 +865,12 @@ def grouped_wgrad_gate_up(
     d_w_gate = torch.empty(shape, dtype=out_dtype, device=x.device)
     d_w_up = torch.empty(shape, dtype=out_dtype, device=x.device)
     if tiles.gluon:
-        _check_gluon_wgrad(tiles, d_gate_up, x, routing, out_dtype, gather_x=gather_x)
-        _wgrad_gate_up_gluon(d_gate_up, x, routing, tiles, d_w_gate, d_w_up)
+        if not gather_x:
+            raise ValueError("wgrad_gate_up: the Gluon kernel (WgradTiles.gluon) gathers x by "
+                             "token; mok.plan gives its tiles only where it does")
+        _check_gluon_wgrad("wgrad_gate_up", tiles, d_gate_up, x, routing, out_dtype,
+                           intermediate=intermediate)
+        _wgrad_gluon(d_gate_up, x, routing, tiles, d_w_gate, d_w_up, None)
     elif tiles.pair:
         _launch_wgrad(d_gate, d_up, x, d_w_gate, d_w_up, routing, tiles, gather_a=False,
                       gather_b=gather_x, router_weights=None)
@@ -869,57 +881,73 @@ def grouped_wgrad_gate_up(
     return d_w_gate, d_w_up
 
 
-def gluon_takes_wgrad(tiles: WgradTiles, dtype: torch.dtype, out_dtype: torch.dtype, *,
-                      hidden: int, intermediate: int, align: int) -> bool:
-    """Whether the Gluon gate/up weight gradient (mok.kernels.gluon_wgrad) takes these sizes:
-    16-bit operands and gradients of one dtype, block_m (128 or 256) dividing I, block_n
-    dividing H, block_k dividing the schedule's align."""
-    return (dtype in _GLUON_DTYPES and out_dtype == dtype and tiles.block_m in (128, 256)
-            and intermediate % tiles.block_m == 0 and hidden % tiles.block_n == 0
+def gluon_takes_wgrad(kind: str, tiles: WgradTiles, dtype: torch.dtype,
+                      out_dtype: torch.dtype, *, hidden: int, intermediate: int,
+                      align: int) -> bool:
+    """Whether the Gluon weight gradient of `kind` (mok.kernels.gluon_wgrad) takes these sizes:
+    16-bit operands and gradients of one dtype, block_k dividing the schedule's align, and the
+    tile's side along I (wgrad_gate_up: block_m; wgrad_down: block_n) 128 or 256 and dividing
+    I, its side along H dividing H."""
+    along_i, along_h = ((tiles.block_m, tiles.block_n) if kind == "wgrad_gate_up"
+                        else (tiles.block_n, tiles.block_m))
+    return (dtype in _GLUON_DTYPES and out_dtype == dtype and along_i in (128, 256)
+            and intermediate % along_i == 0 and hidden % along_h == 0
             and align % tiles.block_k == 0)
 
 
-def _check_gluon_wgrad(tiles: WgradTiles, d_gate_up: torch.Tensor, x: torch.Tensor,
-                       routing: Routing, out_dtype: torch.dtype, *, gather_x: bool) -> None:
-    """Raise unless the Gluon gate/up weight gradient takes this launch (mok.plan gives its
-    tiles only where it does)."""
-    if not (arch_of(x.device).warp_specialized and gather_x and gluon_reads_rows(d_gate_up)
-            and gluon_reads_rows(x) and d_gate_up.dtype == x.dtype
-            and gluon_takes_wgrad(tiles, x.dtype, out_dtype, hidden=x.shape[1],
-                                  intermediate=d_gate_up.shape[1] // 2, align=routing.align)):
-        raise ValueError("wgrad_gate_up: the tiles ask for the Gluon kernel (WgradTiles.gluon), "
-                         "which does not take this launch (GPU, dtype, layout or sizes); "
-                         "mok.plan gives Gluon tiles only where it does")
+def _check_gluon_wgrad(kind: str, tiles: WgradTiles, rows: torch.Tensor, tokens: torch.Tensor,
+                       routing: Routing, out_dtype: torch.dtype, *, intermediate: int) -> None:
+    """Raise unless the Gluon weight gradient of `kind` takes this launch: rows (d_gate_up or
+    h) by row, tokens (x or d_output) by token (mok.plan gives its tiles only where it does)."""
+    if not (arch_of(tokens.device).warp_specialized and gluon_reads_rows(rows)
+            and gluon_reads_rows(tokens) and rows.dtype == tokens.dtype
+            and gluon_takes_wgrad(kind, tiles, tokens.dtype, out_dtype,
+                                  hidden=tokens.shape[1], intermediate=intermediate,
+                                  align=routing.align)):
+        raise ValueError(f"{kind}: the tiles ask for the Gluon kernel (WgradTiles.gluon), which "
+                         f"does not take this launch (GPU, dtype, layout or sizes); mok.plan "
+                         f"gives Gluon tiles only where it does")
 
 
-def _wgrad_gate_up_gluon(d_gate_up: torch.Tensor, x: torch.Tensor, routing: Routing,
-                         tiles: WgradTiles, d_w_gate: torch.Tensor,
-                         d_w_up: torch.Tensor) -> None:
-    """(d_w_gate, d_w_up) by the warp-specialized Gluon kernel (mok.kernels.gluon_wgrad), x's
-    rows gathered by token."""
-    experts, intermediate, hidden = d_w_gate.shape
-    dtype = _GLUON_DTYPES[x.dtype]
-    bp, bq, br = tiles.block_m, tiles.block_n, tiles.block_k
-    out_box = [bp, bq]
-    num_tiles = experts * (2 * intermediate // bp) * (hidden // bq)
-    launch(gluon_wgrad.wgrad_gate_up_ws_kernel, (min(num_tiles, _num_programs(x.device)),))(
-        a_desc=_gluon_descriptor(d_gate_up, [br, bp], dtype), b_ptr=x,
-        out_desc=_gluon_descriptor(d_w_gate.view(experts * intermediate, hidden), out_box,
-                                   dtype),
-        out2_desc=_gluon_descriptor(d_w_up.view(experts * intermediate, hidden), out_box,
-                                    dtype),
-        row_route_ptr=routing.row_route, expert_offsets_ptr=routing.expert_offsets,
-        expert_counts_ptr=routing.expert_counts, num_experts=experts, P_HALF=intermediate,
-        Q=hidden, topk=routing.topk, num_rows=routing.capacity_rows, stride_bm=x.stride(0),
+def _wgrad_gluon(rows: torch.Tensor, tokens: torch.Tensor, routing: Routing, tiles: WgradTiles,
+                 out: torch.Tensor, out2: torch.Tensor | None,
+                 router_weights: torch.Tensor | None) -> None:
+    """A weight gradient by the warp-specialized Gluon kernel (mok.kernels.gluon_wgrad), the
+    token rows gathered: gate/up's (out2 given: rows = d_gate_up, out and out2 [E, I, H]) or
+    down's (rows = h, out [E, H, I] written transposed, tokens scaled by router_weights)."""
+    experts = out.shape[0]
+    dtype = _GLUON_DTYPES[tokens.dtype]
+    pair = out2 is not None
+    width = rows.shape[1] // 2 if pair else rows.shape[1]  # I
+    hidden = tokens.shape[1]
+    # the kernel's tile: BLOCK_P along I (its MMA's M), BLOCK_Q along H
+    bp, bq = (tiles.block_m, tiles.block_n) if pair else (tiles.block_n, tiles.block_m)
+    br = tiles.block_k
+    if pair:
+        out_desc = _gluon_descriptor(out.view(experts * width, hidden), [bp, bq], dtype)
+        out2_desc = _gluon_descriptor(out2.view(experts * width, hidden), [bp, bq], dtype)
+    else:
+        out_desc = out2_desc = _gluon_descriptor(out.view(experts * hidden, width), [bq, bp],
+                                                 dtype)
+    num_out = 2 if pair else 1
+    num_tiles = experts * (num_out * width // bp) * (hidden // bq)
+    launch(gluon_wgrad.wgrad_ws_kernel, (min(num_tiles, _num_programs(tokens.device)),))(
+        a_desc=_gluon_descriptor(rows, [br, bp], dtype), b_ptr=tokens, out_desc=out_desc,
+        out2_desc=out2_desc, row_route_ptr=routing.row_route,
+        router_weights_ptr=router_weights if router_weights is not None else rows,
+        expert_offsets_ptr=routing.expert_offsets, expert_counts_ptr=routing.expert_counts,
+        num_experts=experts, P_OUT=width, Q=hidden, topk=routing.topk,
+        num_rows=routing.capacity_rows, stride_bm=tokens.stride(0),
         BLOCK_P=bp, BLOCK_Q=bq, BLOCK_R=br, NUM_STAGES=tiles.num_stages,
         LOAD_WARPS=_GLUON_LOAD_WARPS, LOAD_REGS=_GLUON_WGRAD_LOAD_REGS,
-        B_LAYOUT=_nvmma_layout((br, bq), dtype), num_warps=tiles.num_warps,
+        B_LAYOUT=_nvmma_layout((br, bq), dtype), NUM_OUT=num_out,
+        SCALE_B=router_weights is not None, TRANSPOSE_OUT=not pair, num_warps=tiles.num_warps,
     )
 
 
 # The Gluon weight gradient's loader (cp.async of [block_k, block_n] gathered rows and the next
 # step's routes): registers per thread.
-_GLUON_WGRAD_LOAD_REGS = 56
+_GLUON_WGRAD_LOAD_REGS = 80
 
 
 def copy_rows(

@@ -140,11 +140,11 @@ class WgradTiles(Tiles):
     pair (wgrad_gate_up only): gate and up in one launch, x's tiles loaded once. grouped_mm:
     torch._grouped_mm (one K-split group per expert) over the rows copied into schedule order
     (mok.ops.copy_rows) where it takes the operands (mok.plan decides); the tile fields are
-    unused then. gluon (wgrad_gate_up only): the warp-specialized Gluon kernel
-    (mok.kernels.gluon_wgrad: d_gate_up's boxes by TMA, x's rows gathered by cp.async, gate and
-    up in one launch) with block_m (P, 128 or 256, dividing I), block_n (Q, dividing H),
-    block_k (R, dividing the schedule's align), num_stages and num_warps; where it does not take
-    the launch mok.plan runs the same tiles on the Triton kernel with pair.
+    unused then. gluon: the warp-specialized Gluon kernel (mok.kernels.gluon_wgrad: d_gate_up's
+    or h's boxes by TMA, x's or d_output's rows gathered by cp.async; gate and up in one launch)
+    with its side along I (gate/up: block_m, down: block_n) 128 or 256 and dividing I, the other
+    dividing H, block_k (R) dividing the schedule's align, num_stages and num_warps; where it
+    does not take the launch mok.plan runs the config's tiles without it.
     """
 
     pair: bool = False
@@ -292,8 +292,9 @@ def table_to_json(table: TileTable) -> str:
 # Experts at most this wide (I) take the Triton weight-gradient kernel in hopper_rule, wider
 # ones torch._grouped_mm over copied rows (docs/measurements.md, 2026-12-03: I = 256 and 512).
 SMALL_WGRAD_I = 256
-# The gate/up weight gradient of experts up to this wide (I a multiple of 256) takes the Gluon
-# kernel in hopper_rule (docs/measurements.md, 2026-12-04: I = 256-768 won, 1536 lost by 2%).
+# The weight gradients of experts up to this wide (I a multiple of 256) take the Gluon kernel in
+# hopper_rule (docs/measurements.md, 2026-12-04: gate/up's won at I = 256-768, lost by 2% at
+# 1536).
 GLUON_WGRAD_MAX_I = 768
 # The kept dSwiGLU of experts up to 768 wide takes 64-row pingpong tiles where H is at most
 # this, 128-row tiles beyond (docs/measurements.md, 2026-12-03 (night): H = 768-2048 and 4096).
@@ -347,9 +348,10 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
                             **{**rows, "group_m": 4})
     if kind in ("wgrad_gate_up", "wgrad_down"):
         intermediate = n if kind == "wgrad_gate_up" else k
-        if (kind == "wgrad_gate_up" and not triton and intermediate <= GLUON_WGRAD_MAX_I
-                and intermediate % 256 == 0):
-            return WgradTiles(256, 128, 64, group_m=1, num_warps=8, num_stages=3, gluon=True)
+        if not triton and intermediate <= GLUON_WGRAD_MAX_I and intermediate % 256 == 0:
+            # 256 along I, 128 along H (down's out [E, H, I]: block_m along H)
+            along = (256, 128) if kind == "wgrad_gate_up" else (128, 256)
+            return WgradTiles(*along, 64, group_m=1, num_warps=8, num_stages=3, gluon=True)
         if intermediate <= SMALL_WGRAD_I:  # the Triton kernel, rows gathered in its loads
             if kind == "wgrad_gate_up":
                 return WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3, pair=True)

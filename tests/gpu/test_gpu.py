@@ -468,31 +468,34 @@ def test_gluon_dswiglu_matches_reference_and_is_deterministic(kept, limit, pingp
 
 @pytest.mark.parametrize("block_m", [256, 128])
 def test_gluon_wgrad_matches_reference_and_the_triton_kernel(block_m, monkeypatch):
-    # The warp-specialized Gluon weight gradient of gate and up (WgradTiles.gluon) inside the
-    # layer, the shared expert's included: against the reference, itself run to run, and the
+    # The warp-specialized Gluon weight gradients (WgradTiles.gluon: gate/up's, and down's with
+    # the rows of d_output scaled by the router weights, its tiles transposed) inside the
+    # layer, the shared expert's included: against the reference, themselves run to run, and the
     # Triton kernel; skewed routing (experts of uneven sizes, some without rows, whose tiles
-    # write zeros). Then alone, on a d_gate_up whose rows past the used ones are NaN: no row
-    # past an expert's own is read into its sums.
+    # write zeros). Then alone, over a d_gate_up and an h whose rows past the used ones are NaN:
+    # no row past an expert's own is read into its sums.
     from mok.ops import experts
 
     assert arch_of(torch.device("cuda")).warp_specialized, "these GPU tests expect an sm_90 GPU"
     launches = []
-    launch = experts._wgrad_gate_up_gluon
+    launch = experts._wgrad_gluon
 
     def counted(*args):
-        launches.append(args[0].shape)
+        launches.append("gate_up" if args[5] is not None else "down")
         return launch(*args)
 
-    monkeypatch.setattr(experts, "_wgrad_gate_up_gluon", counted)
+    monkeypatch.setattr(experts, "_wgrad_gluon", counted)
     inputs = make_inputs(6000, 1536, 512, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=9, routing=RoutingPattern.SKEWED)
     base = dataclasses.replace(ops.default_tiles(torch.device("cuda")), use_tuned=False)
+    # gate/up's tiles: block_m along I; down's (block_m along H, block_n along I) the same sizes
     gluon = WgradTiles(block_m, 128, 64, group_m=1, num_warps=8,
                        num_stages=3 if block_m == 256 else 4, gluon=True)
     triton = WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3, pair=True)
     _, grads, schedule, _ = _repeatable_and_close_to_reference(
         inputs, None, None, dataclasses.replace(base, wgrad=gluon))
-    assert len(launches) == 4  # routed and shared experts, in each of the two runs
+    # routed and shared experts, gate/up's and down's, in each of the two runs
+    assert sorted(launches) == 4 * ["down"] + 4 * ["gate_up"]
     _, grads_triton, _, _ = run_layer(inputs, tiles=dataclasses.replace(base, wgrad=triton))
     for name, actual, expected in zip(GRAD_NAMES, grads, grads_triton, strict=True):
         if expected is not None:
@@ -501,18 +504,29 @@ def test_gluon_wgrad_matches_reference_and_the_triton_kernel(block_m, monkeypatc
 
     routing = schedule.routing
     used = int(routing.expert_offsets[-1])
-    d_gate_up = torch.randn(routing.capacity_rows, 1024, device="cuda").to(torch.bfloat16)
-    d_gate_up[(routing.row_route < 0)] = 0  # padding rows hold zeros, as the dSwiGLU writes
-    d_gate_up[used:] = float("nan")  # never written by the dSwiGLU
-    mine = ops.grouped_wgrad_gate_up(d_gate_up, inputs.x, routing, gluon, gather_x=True,
-                                     out_dtype=torch.bfloat16)
-    theirs = ops.grouped_wgrad_gate_up(d_gate_up, inputs.x, routing, triton, gather_x=True,
-                                       out_dtype=torch.bfloat16)
-    assert len(launches) == 5
-    for name, a, b in zip(("d_w_gate", "d_w_up"), mine, theirs, strict=True):
-        assert torch.isfinite(a).all(), name
-        assert_close(a.float(), b.float(), dtype=torch.bfloat16,
-                     name=f"{name} against the Triton kernel")
+    padding = routing.row_route < 0
+
+    def rows(width):  # padding rows hold zeros, as the kernels write them; past used: NaN
+        t = torch.randn(routing.capacity_rows, width, device="cuda").to(torch.bfloat16)
+        t[padding] = 0
+        t[used:] = float("nan")
+        return t
+
+    d_gate_up, h = rows(1024), rows(512)
+    route_weights = inputs.router_weights.reshape(-1)
+    bf16 = dict(out_dtype=torch.bfloat16)
+    for kind, run in (
+            ("gate_up", lambda t: ops.grouped_wgrad_gate_up(d_gate_up, inputs.x, routing, t,
+                                                            gather_x=True, **bf16)),
+            ("down", lambda t: (ops.grouped_wgrad(inputs.d_output, h, routing, t,
+                                                  gather_a=True, gather_b=False,
+                                                  router_weights=route_weights, **bf16),))):
+        mine, theirs = run(gluon), run(dataclasses.replace(triton, pair=kind == "gate_up"))
+        assert launches[-1] == kind
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.isfinite(a).all(), kind
+            assert_close(a.float(), b.float(), dtype=torch.bfloat16,
+                         name=f"{kind} alone against the Triton kernel")
 
 
 @pytest.mark.parametrize("limit", [None, 7.0], ids=["no_limit", "limit"])

@@ -116,18 +116,22 @@ def test_rule_gathers_small_experts_weight_gradient_rows_in_the_triton_kernel():
 
     for inter in (128, SMALL_WGRAD_I):
         gate_up = hopper_rule("wgrad_gate_up", inter, 1536, triton=True)
-        down = hopper_rule("wgrad_down", 1536, inter)
+        down = hopper_rule("wgrad_down", 1536, inter, triton=True)
         assert not gate_up.grouped_mm and gate_up.pair and not gate_up.gluon
         assert not down.grouped_mm and not down.pair and not down.gluon
     assert hopper_rule("wgrad_gate_up", 128, 1536).pair
     for inter in (SMALL_WGRAD_I + 128, 512, 4096):
         assert hopper_rule("wgrad_gate_up", inter, 1536, triton=True).grouped_mm
-        assert hopper_rule("wgrad_down", 1536, inter).grouped_mm
+        assert hopper_rule("wgrad_down", 1536, inter, triton=True).grouped_mm
     for inter in range(256, GLUON_WGRAD_MAX_I + 1, 256):
-        gluon = hopper_rule("wgrad_gate_up", inter, 1536)
-        assert gluon.gluon and (gluon.block_m, gluon.block_n, gluon.block_k) == (256, 128, 64)
+        gate_up = hopper_rule("wgrad_gate_up", inter, 1536)
+        down = hopper_rule("wgrad_down", 1536, inter)
+        assert gate_up.gluon and down.gluon
+        assert (gate_up.block_m, gate_up.block_n, gate_up.block_k) == (256, 128, 64)
+        assert (down.block_m, down.block_n, down.block_k) == (128, 256, 64)
     for inter in (384, GLUON_WGRAD_MAX_I + 256):
         assert not hopper_rule("wgrad_gate_up", inter, 1536).gluon
+        assert not hopper_rule("wgrad_down", 1536, inter).gluon
 
 
 def test_tuner_runs_every_kind_for_routed_and_shared_experts():
@@ -270,11 +274,10 @@ def test_plans_are_remembered_and_count_their_fallbacks():
 
 
 def test_gluon_wgrad_tiles_fall_back_where_the_kernel_does_not_run():
-    # WgradTiles.gluon asks for the warp-specialized Gluon weight gradient of gate and up,
-    # which runs on an sm_90 GPU only (tests/gpu/test_gpu.py checks it there): elsewhere, and
-    # for the down projection's gradient, which has no Gluon kernel, the plan hands the Triton
-    # kernel tiles it takes (gate and up in one launch, at most 128 wide) and says why. (The
-    # operands here are CPU tensors, so this holds on a GPU machine too.)
+    # WgradTiles.gluon asks for the warp-specialized Gluon weight gradients, which run on an
+    # sm_90 GPU only (tests/gpu/test_gpu.py checks them there): elsewhere the plan hands the
+    # Triton kernel tiles it takes (gate and up in one launch, at most 128 wide) and says why.
+    # (The operands here are CPU tensors, so this holds on a GPU machine too.)
     from mok import plan
     from mok.ops.tuning import WgradTiles
 
