@@ -174,8 +174,21 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, router_weights, *shared, w_rg, w_ru, w_rd, *saved)
 
 
+# What a second backward through a graph whose forward kept its pre-activations raises.
+_SECOND_BACKWARD = (
+    "this graph's backward already ran: the layer kept its gate/up pre-activations for one "
+    "backward and wrote their gradients over them (recompute_gate_up=False, the default); to "
+    "run backward twice through one graph (retain_graph=True), build the layer with "
+    "recompute_gate_up=True")
+
+
 def _backward(ctx, d_y, *_unused):
-    x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, *saved = ctx.saved_tensors
+    try:
+        x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, *saved = ctx.saved_tensors
+    except RuntimeError as error:  # autograd's check of the saved tensors' versions
+        if ctx.recompute_gate_up or "inplace operation" not in str(error):
+            raise
+        raise MoKInputError(_SECOND_BACKWARD) from error
     if not ctx.has_shared:
         w_sg = w_su = w_sd = None
     # The op writes the gradients over kept pre-activations (gate_up, gate_up_shared), which
@@ -397,7 +410,7 @@ class MoE(nn.Module):
     training loss) and `tokens_per_expert` [E] (device tensor, no host sync) hold that call's
     values. The experts' gate/up pre-activations are kept for the backward, which writes their
     gradients over them, so a graph runs one backward (a second, with retain_graph=True, raises
-    autograd's in-place error); recompute_gate_up=True keeps h instead and recomputes them
+    MoKInputError); recompute_gate_up=True keeps h instead and recomputes them
     (MoKConfig.recompute_gate_up): I fewer values per route of activations, a slower backward,
     and backwards through the graph may repeat.
     precision="fp8" runs the experts' row GEMMs on e4m3 operands with blockwise scales

@@ -134,13 +134,15 @@ def test_torch_compile_fullgraph_traces_the_module(recompute_gate_up):
 
 def test_kept_pre_activations_serve_one_backward():
     # The default keeps the pre-activations and the backward writes their gradients over them:
-    # a second backward through the same graph (retain_graph) is refused by autograd's
-    # saved-tensor check, never run on the gradients. Recomputing keeps h, which it may reread.
+    # a second backward through the same graph (retain_graph) is refused (autograd's
+    # saved-tensor check, said in mok's words: what to pass instead), never run on the
+    # gradients. Recomputing keeps h, which it may reread.
     x = torch.randn(2, 7, 32, device=DEVICE)
     loss = make_module()(x).float().pow(2).sum()
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(MoKInputError, match="recompute_gate_up=True") as refused:
         loss.backward()
+    assert "modified by an inplace operation" in str(refused.value.__cause__)
     recomputing = make_module(recompute_gate_up=True)
     loss = recomputing(x).float().pow(2).sum()
     loss.backward(retain_graph=True)
