@@ -1,0 +1,41 @@
+"""benchmarks.compare: the layer of an earlier commit and of the working tree, each in its own
+process (on CPU the tiny shape under the interpreter: the tool's path, not its numbers)."""
+
+import csv
+import subprocess
+
+import pytest
+
+from benchmarks import compare
+
+
+def _in_a_git_checkout() -> bool:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=compare.ROOT, capture_output=True)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _in_a_git_checkout(), reason="the base tree comes from git archive")
+def test_both_trees_run_in_turns_and_every_measurement_is_a_row(tmp_path, capsys):
+    out = tmp_path / "compare.csv"
+    compare.main(["--base", "HEAD", "--shapes", "tiny", "--rounds", "2", "--repeats", "1",
+                  "--warmup", "0", "--csv", str(out)])
+    printed = capsys.readouterr().out
+    # the rounds alternate the trees: base, new, base, new
+    order = [line.split()[2] for line in printed.splitlines() if line.startswith("  round ")]
+    assert order == ["base", "new", "base", "new"]
+    table = [line.split() for line in printed.splitlines() if line.startswith("tiny ")]
+    assert [row[1] for row in table] == ["base", "new"]
+    assert table[1][-1].endswith("%")  # the new tree's change against the base
+    with out.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["tree"], row["round"]) for row in rows] == [
+        ("base", "1"), ("new", "1"), ("base", "2"), ("new", "2")]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=compare.ROOT,
+                          capture_output=True, text=True).stdout.strip()
+    assert {row["base"] for row in rows} == {head}
+    assert all(float(row["idle_ms"]) > 0 and float(row["host_ms"]) > 0 for row in rows)
+
+
+def test_a_base_is_required():
+    with pytest.raises(SystemExit):
+        compare.main(["--shapes", "tiny"])
