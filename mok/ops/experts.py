@@ -828,11 +828,8 @@ def grouped_wgrad(
     out = torch.empty(routing.num_local_experts, a.shape[1], b.shape[1], dtype=out_dtype,
                       device=a.device)
     if tiles.gluon:  # the down projection's: a = d_output by token, b = h by row
-        if not gather_a or gather_b:
-            raise ValueError("wgrad_down: the Gluon kernel (WgradTiles.gluon) takes a by token "
-                             "and b by row; mok.plan gives its tiles only where it does")
         _check_gluon_wgrad("wgrad_down", tiles, b, a, routing, out_dtype,
-                           intermediate=b.shape[1])
+                           intermediate=b.shape[1], gathered=gather_a and not gather_b)
         _wgrad_gluon(b, a, routing, tiles, out, None, router_weights)
         return out
     _launch_wgrad(a, None, b, out, None, routing, tiles, gather_a=gather_a, gather_b=gather_b,
@@ -865,11 +862,8 @@ def grouped_wgrad_gate_up(
     d_w_gate = torch.empty(shape, dtype=out_dtype, device=x.device)
     d_w_up = torch.empty(shape, dtype=out_dtype, device=x.device)
     if tiles.gluon:
-        if not gather_x:
-            raise ValueError("wgrad_gate_up: the Gluon kernel (WgradTiles.gluon) gathers x by "
-                             "token; mok.plan gives its tiles only where it does")
         _check_gluon_wgrad("wgrad_gate_up", tiles, d_gate_up, x, routing, out_dtype,
-                           intermediate=intermediate)
+                           intermediate=intermediate, gathered=gather_x)
         _wgrad_gluon(d_gate_up, x, routing, tiles, d_w_gate, d_w_up, None)
     elif tiles.pair:
         _launch_wgrad(d_gate, d_up, x, d_w_gate, d_w_up, routing, tiles, gather_a=False,
@@ -896,17 +890,19 @@ def gluon_takes_wgrad(kind: str, tiles: WgradTiles, dtype: torch.dtype,
 
 
 def _check_gluon_wgrad(kind: str, tiles: WgradTiles, rows: torch.Tensor, tokens: torch.Tensor,
-                       routing: Routing, out_dtype: torch.dtype, *, intermediate: int) -> None:
+                       routing: Routing, out_dtype: torch.dtype, *, intermediate: int,
+                       gathered: bool) -> None:
     """Raise unless the Gluon weight gradient of `kind` takes this launch: rows (d_gate_up or
-    h) by row, tokens (x or d_output) by token (mok.plan gives its tiles only where it does)."""
-    if not (arch_of(tokens.device).warp_specialized and gluon_reads_rows(rows)
+    h) by row, tokens (x or d_output) by token (gathered: the launch asks for them so); mok.plan
+    gives its tiles only where it does."""
+    if not (gathered and arch_of(tokens.device).warp_specialized and gluon_reads_rows(rows)
             and gluon_reads_rows(tokens) and rows.dtype == tokens.dtype
             and gluon_takes_wgrad(kind, tiles, tokens.dtype, out_dtype,
                                   hidden=tokens.shape[1], intermediate=intermediate,
                                   align=routing.align)):
         raise ValueError(f"{kind}: the tiles ask for the Gluon kernel (WgradTiles.gluon), which "
-                         f"does not take this launch (GPU, dtype, layout or sizes); mok.plan "
-                         f"gives Gluon tiles only where it does")
+                         f"does not take this launch (GPU, operands by row and by token, dtype, "
+                         f"layout or sizes); mok.plan gives Gluon tiles only where it does")
 
 
 def _wgrad_gluon(rows: torch.Tensor, tokens: torch.Tensor, routing: Routing, tiles: WgradTiles,

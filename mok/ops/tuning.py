@@ -309,9 +309,9 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
     dSwiGLU) or 256 (down, d_x: epilogues in halves), 64 deep; the recomputing dSwiGLU as two
     launches (DswigluTiles.apart); the weight gradients by torch._grouped_mm, except for experts
     at most SMALL_WGRAD_I wide: there the Triton kernel gathers the rows itself (gate and up in
-    one launch), which beat copying them for torch._grouped_mm; and gate/up's of experts at
-    most GLUON_WGRAD_MAX_I wide (I a multiple of 256) by the Gluon kernel, 256 x 128 x 64 at 3
-    stages (WgradTiles.gluon). The kept dSwiGLU of experts up
+    one launch), which beat copying them for torch._grouped_mm; and both of experts at most
+    GLUON_WGRAD_MAX_I wide (I a multiple of 256) by the Gluon kernel, tiles of 256 along I and
+    128 along H, 64 deep, 3 stages (WgradTiles.gluon). The kept dSwiGLU of experts up
     to 768 wide over H up to PINGPONG_MAX_H: 64-row tiles, two MMA partitions taking turns
     (pingpong); wider experts or longer H: 128-row tiles. Where a Gluon kernel does not take a
     launch, mok.plan runs the same tiles on the Triton kernel. Small experts take the same
