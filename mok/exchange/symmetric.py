@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import triton
 
 from mok import ops
 from mok.errors import NUM_ERROR_FLAGS
@@ -54,6 +53,7 @@ from mok.exchange.base import (
     route_capacity,
 )
 from mok.ops import Routing, comm
+from mok.ops.launch import cdiv
 
 
 class FlagSlots:
@@ -173,7 +173,7 @@ class SymmetricExchange(Exchange):
     def ready(self, phase: Phase, minibatch: int) -> torch.Tensor:
         """Ready flags of `phase`'s pulls, one per minibatch of the group's tokens in pull order
         (zeros at first; the values only grow)."""
-        needed = max(triton.cdiv(self.world_size * self.num_tokens, minibatch), 1)
+        needed = max(cdiv(self.world_size * self.num_tokens, minibatch), 1)
         flags = self._ready.get(phase)
         if flags is None or flags.shape[0] < needed:
             flags = torch.zeros(needed, dtype=torch.int64, device=self.device)

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import triton
 
 from mok import _env
 from mok.kernels import comm as kernels
-from mok.ops.launch import launch
+from mok.ops.launch import cdiv, launch, next_power_of_2
 
 HAS_TIMER = not _env.INTERPRET
 # The interpreter has no clock: its waits count spins instead, about this many a second on an idle
@@ -47,7 +46,7 @@ def row_align(itemsize: int, *strides: int) -> int:
 
 
 def _p_pad(world_size: int) -> int:
-    return triton.next_power_of_2(max(world_size, 2))
+    return next_power_of_2(max(world_size, 2))
 
 
 class SymmetricBuffer:
@@ -226,8 +225,8 @@ def gather_peers(peer: PeerFlags, src: torch.Tensor, dst: torch.Tensor, src_delt
                  phase: int, publish_slot: int) -> None:
     """dst [P, *src.shape] = every rank's src, each once that rank published `phase`."""
     numel = src.numel()
-    block = min(4096, triton.next_power_of_2(max(numel, 16)))
-    programs = min(triton.cdiv(numel, block), _GATHER_PROGRAMS_PER_RANK)
+    block = min(4096, next_power_of_2(max(numel, 16)))
+    programs = min(cdiv(numel, block), _GATHER_PROGRAMS_PER_RANK)
     launch(kernels.gather_peers_kernel, (peer.world_size, programs))(
         src, src_deltas, dst, peer.flags, peer.flag_deltas, peer.seq, peer.errors,
         phase, publish_slot, numel, peer.world_size, peer.timeout,
@@ -274,7 +273,7 @@ def pull_tokens(
 
 
 def _k_pad(topk: int) -> int:
-    return triton.next_power_of_2(max(int(topk), 1))
+    return next_power_of_2(max(int(topk), 1))
 
 
 def scatter_route_values(values: torch.Tensor, route_row: torch.Tensor, out: torch.Tensor,
@@ -285,7 +284,7 @@ def scatter_route_values(values: torch.Tensor, route_row: torch.Tensor, out: tor
     if num_routes == 0:
         return
     block = 256
-    launch(kernels.scatter_route_values_kernel, (triton.cdiv(num_routes, block),))(
+    launch(kernels.scatter_route_values_kernel, (cdiv(num_routes, block),))(
         values, route_row, out, out_deltas, num_routes, routes_per_rank, BLOCK=block)
 
 
@@ -306,8 +305,8 @@ def clear_dropped_routes(peer: PeerFlags, report_slot: int, topk: torch.Tensor,
         return
     block_r = 256
     width = rows.shape[1] if rows is not None else 1
-    block_w = min(32, triton.next_power_of_2(width))
-    launch(kernels.clear_dropped_routes_kernel, (triton.cdiv(num_routes, block_r),))(
+    block_w = min(32, next_power_of_2(width))
+    launch(kernels.clear_dropped_routes_kernel, (cdiv(num_routes, block_r),))(
         topk, route_row, rows if rows is not None else route_row,
         rows_deltas if rows is not None else route_row,
         values if values is not None else route_row,
@@ -337,8 +336,8 @@ def pull_blocks(width: int, minibatch: int, itemsize: int, num_warps: int) -> tu
     """(rows, columns) of a pulling program's step: PULL_BYTES_PER_THREAD a thread, at most a
     minibatch of rows and 512 columns."""
     elements = PULL_BYTES_PER_THREAD * 32 * max(1, num_warps) // itemsize
-    block_w = min(512, triton.next_power_of_2(width))
-    return max(1, min(triton.next_power_of_2(minibatch), elements // block_w)), block_w
+    block_w = min(512, next_power_of_2(width))
+    return max(1, min(next_power_of_2(minibatch), elements // block_w)), block_w
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ import dataclasses
 import functools
 
 import torch
-import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -21,7 +20,7 @@ from mok.kernels import gluon_dswiglu, gluon_gate_up, gluon_rows, gluon_wgrad
 from mok.kernels import grouped_gemm as gemm_kernels
 from mok.ops import comm
 from mok.ops.comm import Pull, ScatterRows
-from mok.ops.launch import launch
+from mok.ops.launch import cdiv, launch, next_power_of_2
 from mok.ops.routing import Routing
 from mok.ops.tuning import DswigluTiles, RowTiles, WgradTiles
 
@@ -138,7 +137,7 @@ def _row_grid(routing: Routing, tiles: RowTiles, n: int) -> tuple[int, int]:
     """(row blocks of the schedule, GEMM programs): a program per tile, or with
     tiles.persistent at most one per SM, striding over the tiles of the rows in use."""
     num_m_blocks = routing.capacity_rows // tiles.block_m
-    num_tiles = num_m_blocks * triton.cdiv(n, tiles.block_n)
+    num_tiles = num_m_blocks * cdiv(n, tiles.block_n)
     if tiles.persistent:
         return num_m_blocks, min(num_tiles, _num_programs(routing.row_route.device))
     return num_m_blocks, num_tiles
@@ -495,8 +494,8 @@ def combine(
     out = torch.empty(num_tokens, width, dtype=out_dtype, device=rows.device)
     if num_tokens == 0:
         return out
-    block_t, block_n = 16, min(256, triton.next_power_of_2(width))
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_n))
+    block_t, block_n = 16, min(256, next_power_of_2(width))
+    grid = (cdiv(num_tokens, block_t), cdiv(width, block_n))
     launch(combine_kernels.combine_kernel, grid)(
         rows, routing.route_row, shared_rows if shared_rows is not None else rows, out,
         num_tokens, width,
@@ -547,7 +546,7 @@ def down_bwd_dswiglu(
                                                         device=x.device)
     partial = None
     if router_weights is not None:
-        partial = torch.empty(rows, triton.cdiv(intermediate, tiles.block_n),
+        partial = torch.empty(rows, cdiv(intermediate, tiles.block_n),
                               dtype=torch.float32, device=x.device)
     _check_gate_up_args(gate_up, h_out, routing, intermediate)
     copied = pull is not None and pull.copied
@@ -958,8 +957,8 @@ def copy_rows(
     src's dtype; 0 on padding rows. Rows past the schedule's used rows are left unwritten."""
     width = src.shape[1]
     out = torch.empty(routing.capacity_rows, width, dtype=src.dtype, device=src.device)
-    block_m, block_n = 16, min(256, triton.next_power_of_2(max(width, 1)))
-    launch(combine_kernels.copy_rows_kernel, (triton.cdiv(routing.capacity_rows, block_m),))(
+    block_m, block_n = 16, min(256, next_power_of_2(max(width, 1)))
+    launch(combine_kernels.copy_rows_kernel, (cdiv(routing.capacity_rows, block_m),))(
         src, routing.row_route, router_weights if router_weights is not None else src, out,
         routing.used_rows, width, routing.topk, src.stride(0), out.stride(0),
         GATHER=gather, SCALE=router_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -1001,8 +1000,8 @@ def _grouped_mm_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, ends: torch.Te
 
 def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, router_weights):
     width_p, width_q = a.shape[1], b.shape[1]
-    num_tiles = (routing.num_local_experts * triton.cdiv(width_p, tiles.block_m)
-                 * triton.cdiv(width_q, tiles.block_n))
+    num_tiles = (routing.num_local_experts * cdiv(width_p, tiles.block_m)
+                 * cdiv(width_q, tiles.block_n))
     grid = min(num_tiles, _num_programs(a.device)) if tiles.persistent else num_tiles
     launch(gemm_kernels.grouped_wgrad_kernel, (grid,))(
         a_ptr=a, a2_ptr=a2 if a2 is not None else a, b_ptr=b, out_ptr=out,
@@ -1026,8 +1025,8 @@ def router_grad(partial: torch.Tensor, routing: Routing) -> torch.Tensor:
                       device=partial.device)
     if num_routes == 0:
         return out
-    block_r, block_p = 64, min(64, triton.next_power_of_2(partial.shape[1]))
-    launch(combine_kernels.router_grad_kernel, (triton.cdiv(num_routes, block_r),))(
+    block_r, block_p = 64, min(64, next_power_of_2(partial.shape[1]))
+    launch(combine_kernels.router_grad_kernel, (cdiv(num_routes, block_r),))(
         partial, routing.route_row, out, num_routes, partial.shape[1], partial.stride(0),
         BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4,
     )

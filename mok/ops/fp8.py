@@ -8,12 +8,11 @@ import weakref
 from typing import NamedTuple
 
 import torch
-import triton
 
 from mok import _env
 from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
-from mok.ops.launch import launch
+from mok.ops.launch import cdiv, launch
 from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_weights
 from mok.ops.routing import Routing
 from mok.ops.tuning import RowTiles, fp8_tiles
@@ -138,7 +137,7 @@ def gate_up_swiglu_fp8(
     device = x.data.device
     if quantize_h:
         out = torch.empty(rows, inter, dtype=E4M3, device=device)
-        out_scales = torch.empty(rows, triton.cdiv(inter, QUANT_BLOCK), dtype=torch.float32,
+        out_scales = torch.empty(rows, cdiv(inter, QUANT_BLOCK), dtype=torch.float32,
                                  device=device)
     else:
         out = torch.empty(rows, inter, dtype=out_dtype, device=device)
@@ -283,8 +282,8 @@ def _rows_operand(rows: Quantized, name: str) -> tuple[int, int]:
         raise MoKInputError(f"{name} must be float8_e4m3fn rows with fp32 scales "
                             f"(mok.ops.quantize_rows), got {data.dtype} and {scales.dtype}")
     count, width = data.shape
-    if scales.shape != (count, triton.cdiv(width, QUANT_BLOCK)):
-        raise MoKInputError(f"{name}'s scales must be [{count}, {triton.cdiv(width, QUANT_BLOCK)}]"
+    if scales.shape != (count, cdiv(width, QUANT_BLOCK)):
+        raise MoKInputError(f"{name}'s scales must be [{count}, {cdiv(width, QUANT_BLOCK)}]"
                             f" (one per 1 x {QUANT_BLOCK} block), got {tuple(scales.shape)}")
     if data.stride(1) != 1 or scales.stride(1) != 1:
         raise MoKInputError(f"{name} and its scales need unit column strides")
@@ -299,7 +298,7 @@ def _weights_operand(w: Quantized, name: str, k: int) -> tuple[int, int, int]:
     experts, n, width = data.shape
     if width != k:
         raise MoKInputError(f"{name} is [E, N, {width}], the rows it multiplies are {k} wide")
-    blocks = (experts, triton.cdiv(n, QUANT_BLOCK), triton.cdiv(k, QUANT_BLOCK))
+    blocks = (experts, cdiv(n, QUANT_BLOCK), cdiv(k, QUANT_BLOCK))
     if scales.shape != blocks:
         raise MoKInputError(f"{name}'s scales must be {list(blocks)} (one per {QUANT_BLOCK} x "
                             f"{QUANT_BLOCK} block), got {tuple(scales.shape)}")
@@ -333,7 +332,7 @@ def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_li
     gate_up = gate_up if gate_up is not None else out
     h = h if h is not None else out
     partial = partial if partial is not None else out_scales
-    launch(kernels.fp8_rows_kernel, (num_m_blocks * triton.cdiv(n, tiles.block_n),))(
+    launch(kernels.fp8_rows_kernel, (num_m_blocks * cdiv(n, tiles.block_n),))(
         a.data, a.scales, w.data, w.scales, second.data, second.scales, out, out_scales,
         routing.row_route, routing.block_expert, routing.used_rows,
         router_weights if router_weights is not None else a.scales, gate_up, h, partial,

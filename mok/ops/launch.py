@@ -34,6 +34,18 @@ ENABLED = True
 _TRITON_RUN = JITFunction.run
 _NO_DEFAULT = inspect.Parameter.empty
 _PRIMITIVE = (int, float, bool, str, type(None))
+_TENSOR = torch.Tensor
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of integers, as triton.cdiv (whose constexpr wrapper costs the host some
+    microseconds a call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (0 for n <= 0), as triton.next_power_of_2."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 class _KernelLaunches:
@@ -46,8 +58,8 @@ class _KernelLaunches:
         self.defaults = {name: param.default
                          for name, param in kernel.signature.parameters.items()
                          if param.default is not _NO_DEFAULT}
-        # key -> (compiled kernel, the constexpr and descriptor-layout objects the key names by
-        # identity, kept alive so that their ids are not reused)
+        # key -> (its _runner, the compiled kernel, the constexpr and descriptor-layout objects
+        # the key names by identity, kept alive so that their ids are not reused)
         self.compiled: dict[tuple, tuple[CompiledKernel, list]] = {}
 
 
@@ -55,38 +67,33 @@ def _key(device: int, kwargs: dict, runtime: set, keep: list) -> tuple:
     """What Triton's specialization reads from the arguments, and the values of constexprs and
     options (other objects than numbers, strings and None by identity, appended to keep); raises
     TypeError for an argument of a type it does not know. The names come first, then one record
-    per argument whose first item (a type or a dtype) fixes its length."""
+    per argument: a tensor's (dtype, 16-byte aligned); a constexpr's (type, value); a runtime
+    integer's value below 16 in magnitude, else (divisible by 16, within int32, beyond int64);
+    a bool's, float's or None's type; a TMA descriptor's (type, dtype, box, layout, padding).
+    Records of different kinds never compare equal."""
     key = [device, *kwargs]
     add = key.append
     for name, value in kwargs.items():
         kind = type(value)
-        if kind is torch.Tensor:
-            add(value.dtype)
-            add(value.data_ptr() % 16 == 0)
+        if kind is _TENSOR:
+            add((value.dtype, value.data_ptr() & 15 == 0))
         elif name not in runtime:
-            if kind not in _PRIMITIVE:
+            if kind in _PRIMITIVE:
+                add((kind, value))
+            else:
                 keep.append(value)
-                value = id(value)
-            add(kind)
-            add(value)
-        elif kind is int:  # 1, divisible by 16, beyond int32, beyond int64
-            add(int)
-            add((value == 1) + 2 * (value % 16 == 0) + 4 * (not -2**31 <= value < 2**31)
-                + 8 * (value >= 2**63))
+                add((kind, id(value)))
+        elif kind is int:
+            add(value if -16 < value < 16 else
+                (value & 15 == 0, -2**31 <= value < 2**31, value >= 2**63))
         elif kind is bool or kind is float or value is None:
             add(kind)
-        elif isinstance(value, torch.Tensor):
-            add(torch.Tensor)
-            add(value.dtype)
-            add(value.data_ptr() % 16 == 0)
-        elif isinstance(getattr(value, "base", None), torch.Tensor):  # a TMA descriptor
+        elif isinstance(value, _TENSOR):
+            add((value.dtype, value.data_ptr() & 15 == 0))
+        elif isinstance(getattr(value, "base", None), _TENSOR):  # a TMA descriptor
             layout = getattr(value, "layout", None)  # Gluon's descriptors have one
             keep.append(layout)
-            add(kind)
-            add(value.base.dtype)
-            add(tuple(value.block_shape))
-            add(id(layout))
-            add(value.padding)
+            add((kind, value.base.dtype, tuple(value.block_shape), id(layout), value.padding))
         else:
             raise TypeError(f"no launch key for an argument of type {kind.__name__}")
     return tuple(key)
@@ -113,7 +120,8 @@ def _launch(kernel: JITFunction, grid, args: tuple, kwargs: dict) -> None:
         launches = kernel._mok_launches = _KernelLaunches(kernel)
     if args:
         kwargs = dict(zip(launches.names, args, strict=False), **kwargs)
-    device = driver.active.get_current_device()
+    active = driver.active
+    device = active.get_current_device()
     keep: list = []
     try:
         key = _key(device, kwargs, launches.runtime, keep)
@@ -125,16 +133,35 @@ def _launch(kernel: JITFunction, grid, args: tuple, kwargs: dict) -> None:
         compiled = kernel[grid](**kwargs)
         if isinstance(compiled, CompiledKernel) and all(
                 name in kwargs or name in launches.defaults for name in launches.names):
-            launches.compiled[key] = (compiled, keep)
+            launches.compiled[key] = (_runner(compiled), compiled, keep)
         return
-    compiled = entry[0]
+    run, compiled = entry[0], entry[1]
     values = [kwargs[name] if name in kwargs else launches.defaults[name]
               for name in launches.names]
     if _env.CHECK_LAUNCH:
         _check(kernel, device, kwargs, compiled)
-    stream = driver.active.get_current_stream(device)
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
+    run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+        active.get_current_stream(device), values)
+
+
+def _runner(compiled: CompiledKernel):
+    """run(grid_0, grid_1, grid_2, stream, values) launching `compiled` with no launch hooks.
+    Without scratch memory to allocate, it calls the launcher's own launch function (what
+    Triton's launcher object calls after allocating the scratch)."""
+    launcher, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    plain = getattr(launcher, "launch", None)
+    if (plain is None or getattr(launcher, "global_scratch_size", 1) != 0
+            or getattr(launcher, "profile_scratch_size", 1) != 0):
+        def run(grid_0, grid_1, grid_2, stream, values):
+            launcher(grid_0, grid_1, grid_2, stream, function, metadata, None, None, None,
+                     *values)
+        return run
+    cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+
+    def run(grid_0, grid_1, grid_2, stream, values):
+        plain(grid_0, grid_1, grid_2, stream, function, cooperative, pdl, None, None, metadata,
+              None, None, None, *values)
+    return run
 
 
 def _check(kernel: JITFunction, device: int, kwargs: dict, compiled: CompiledKernel) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from mok import _env
 from mok.errors import MoKInputError
 from mok.kernels import quantize as kernels
-from mok.ops.launch import launch
+from mok.ops.launch import cdiv, launch
 
 QUANT_BLOCK = 128  # the scales' block: 1 x 128 for rows, 128 x 128 for weights
 _ROWS_PER_PROGRAM = 32
@@ -53,12 +52,12 @@ def _check(x: torch.Tensor, name: str, *, dims: tuple[int, ...]) -> None:
 def _quantize(x: torch.Tensor, *, rows: int, pow2_scales: bool, squeeze: bool) -> Quantized:
     batch, m, k = x.shape
     q = torch.empty(batch, m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale_rows = m if rows == 1 else triton.cdiv(m, rows)
-    scales = torch.empty(batch, scale_rows, triton.cdiv(k, QUANT_BLOCK), dtype=torch.float32,
+    scale_rows = m if rows == 1 else cdiv(m, rows)
+    scales = torch.empty(batch, scale_rows, cdiv(k, QUANT_BLOCK), dtype=torch.float32,
                          device=x.device)
     block_m = _ROWS_PER_PROGRAM if rows == 1 else rows
     if x.numel() > 0:
-        launch(kernels.quantize_e4m3_kernel, (triton.cdiv(m, block_m), triton.cdiv(k, QUANT_BLOCK),
+        launch(kernels.quantize_e4m3_kernel, (cdiv(m, block_m), cdiv(k, QUANT_BLOCK),
                                               batch))(
             x, q, scales, m, k, x.stride(0), x.stride(1), x.stride(2), q.stride(0), q.stride(1),
             scales.stride(0), scales.stride(1), BLOCK_M=block_m, BLOCK_K=QUANT_BLOCK,

@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from mok import _env  # noqa: F401  (decides TRITON_INTERPRET before kernels load)
 from mok.kernels import routing as kernels
-from mok.ops.launch import launch
+from mok.ops.launch import cdiv, launch, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ class Routing:
 
 def capacity_rows(num_routes: int, num_local_experts: int, align: int, route_capacity: int) -> int:
     """Rows for `route_capacity` routes once each expert's rows are padded to `align`."""
-    padded = triton.cdiv(min(num_routes, route_capacity), align) + num_local_experts
+    padded = cdiv(min(num_routes, route_capacity), align) + num_local_experts
     return max(padded, 1) * align
 
 
@@ -63,7 +62,7 @@ _SCATTER_BLOCK = 1024
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return next_power_of_2(max(int(n), 1))
 
 
 def build_routing(
@@ -91,8 +90,8 @@ def build_routing(
     # that at most _HISTOGRAM_PROGRAMS of them cover the routes (the offsets launch, one
     # program, walks every chunk's counts).
     sub = max(16, min(1024, _pow2(_ONE_HOT_VALUES // e_pad)))
-    chunk = sub * _pow2(max(triton.cdiv(num_routes, sub * _HISTOGRAM_PROGRAMS), 1))
-    num_chunks = max(triton.cdiv(num_routes, chunk), 1)
+    chunk = sub * _pow2(max(cdiv(num_routes, sub * _HISTOGRAM_PROGRAMS), 1))
+    num_chunks = max(cdiv(num_routes, chunk), 1)
     flat = topk_experts.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -101,7 +100,7 @@ def build_routing(
     # The launches' own scratch (per chunk: counts, then bases; per route: rank in its chunk)
     # shares one allocation (each part 16-byte aligned).
     counts = num_chunks * e_pad
-    part = triton.cdiv(counts, 4) * 4
+    part = cdiv(counts, 4) * 4
     scratch = torch.empty(2 * part + max(num_routes, 1), **i32)
     chunk_counts = scratch[:counts].view(num_chunks, e_pad)
     chunk_base = scratch[part:part + counts].view(num_chunks, e_pad)
@@ -115,7 +114,7 @@ def build_routing(
     expert_offsets = torch.empty(num_local_experts + 1, **i32)
 
     scalars = (num_routes, num_experts, first_local_expert, num_local_experts)
-    fill_rows = triton.cdiv(triton.cdiv(rows, num_chunks), sub) * sub
+    fill_rows = cdiv(cdiv(rows, num_chunks), sub) * sub
     launch(kernels.route_histogram_kernel, (num_chunks,))(
         flat, chunk_counts, route_rank, row_route, error_flags, *scalars, rows, fill_rows,
         CHUNK=chunk, SUB=sub, E_PAD=e_pad,
@@ -128,7 +127,7 @@ def build_routing(
     block = min(chunk, _SCATTER_BLOCK)
     num_blocks = rows // align
     owner_blocks = max(1, min(128, 8192 // e_pad))  # a [blocks, E_PAD] tile of 8192 at most
-    programs = max(triton.cdiv(num_routes, block), triton.cdiv(num_blocks, owner_blocks), 1)
+    programs = max(cdiv(num_routes, block), cdiv(num_blocks, owner_blocks), 1)
     launch(kernels.route_scatter_kernel, (programs,))(
         flat, route_rank, chunk_base, expert_offsets, row_route, route_row, block_expert,
         *scalars, rows, num_blocks,
@@ -140,7 +139,7 @@ def build_routing(
 
 def dense_routing(num_tokens: int, align: int, device: torch.device) -> Routing:
     """The identity schedule of a dense MLP (the shared expert): row t is token t, one expert."""
-    rows = max(triton.cdiv(num_tokens, align), 1) * align
+    rows = max(cdiv(num_tokens, align), 1) * align
     i32 = dict(dtype=torch.int32, device=device)
     row_route = torch.arange(rows, **i32)
     row_route[num_tokens:] = -1
@@ -170,7 +169,7 @@ def exchange_routes(topk_experts: torch.Tensor, routes_per_rank: int, num_expert
     published = torch.empty(routes_per_rank, **i32)
     source_route_row = torch.empty(flat.shape[0], **i32)
     block = 1024
-    launch(kernels.exchange_routes_kernel, (max(triton.cdiv(routes_per_rank, block), 1),))(
+    launch(kernels.exchange_routes_kernel, (max(cdiv(routes_per_rank, block), 1),))(
         flat, published, source_route_row, flat.shape[0], routes_per_rank, num_experts,
         GHOST=bool(ghost_expert), BLOCK=block)
     return published, source_route_row

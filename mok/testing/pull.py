@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from mok.exchange import pull_order
 from mok.ops import Routing, comm, local_first_blocks
+from mok.ops.launch import cdiv
 
 _PHASE = 1
 _PUBLISH_SLOT = 0
@@ -52,7 +52,7 @@ def local_pull(x: torch.Tensor, routing: Routing, router_weights: torch.Tensor |
     pull = comm.Pull(
         peer, x, zero, router_weights.reshape(-1) if router_weights is not None else None,
         zero if router_weights is not None else None, weights, order, position, moving,
-        torch.zeros(triton.cdiv(tokens, minibatch), **i64), _PHASE, _PUBLISH_SLOT, tokens,
+        torch.zeros(cdiv(tokens, minibatch), **i64), _PHASE, _PUBLISH_SLOT, tokens,
         routing.topk, num_programs, minibatch, in_gluon=in_gluon)
     local = LocalPull(pull, rows, weights)
     local.next_round()
