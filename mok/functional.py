@@ -16,9 +16,9 @@ with, when swiglu_limit L is given, swiglu(g, u) = silu(min(g, L)) * clamp(u, -L
 
 Data errors (expert ids out of range, schedule capacity overflow) are found on the device without a
 host sync; they are raised as MoKDataError by the first mok call that finds the device's check
-finished (on CPU: the next call), at once by `check_errors(workspace)`, and at once by
-`build_schedule(..., validate=True)` or MOK_VALIDATE=1. Routes affected are left out, never
-written out of bounds.
+finished (on CPU: the next call; the check starts once the forward has launched its kernels), at
+once by `check_errors(workspace)`, and at once by `build_schedule(..., validate=True)` or
+MOK_VALIDATE=1. Routes affected are left out, never written out of bounds.
 
 NaN/Inf policy: no checks are made on values. Non-finite values propagate as IEEE arithmetic
 says: a non-finite x[t] or router weight of token t makes y[t] (and d_x[t]) non-finite and the
@@ -175,8 +175,10 @@ class Workspace:
         self.ep_size, self.ep_rank = self.exchange.num_ranks, self.exchange.rank
         pin = device.type == "cuda"
         self._host_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, pin_memory=pin)
+        self._host_view = self._host_flags.numpy()  # the same memory: read without torch
         self._flags_event: torch.cuda.Event | None = None
         self._flags_pending = False
+        self._schedule_unpublished = False
         self._dense_routing: dict[tuple[int, int], Routing] = {}
 
     # -- device-side error flags -------------------------------------------------------------
@@ -194,6 +196,14 @@ class Workspace:
         self._flags_event.record()
         self._flags_pending = True
 
+    def _publish_schedule_errors(self) -> None:
+        """Publish the flags once after each schedule: called at the end of the forward (after
+        its launches, which the copy would delay) and by the next build_schedule (a schedule
+        that no forward used)."""
+        if self._schedule_unpublished:
+            self._schedule_unpublished = False
+            self._publish_errors()
+
     def _poll_errors(self) -> None:
         """Raise the errors of an earlier call whose flag copy has landed; never waits."""
         if not self._flags_pending:
@@ -203,7 +213,8 @@ class Workspace:
         if self._flags_event is not None and not self._flags_event.query():
             return
         self._flags_pending = False
-        self._raise_if_set(self._host_flags.tolist())  # host memory: no device sync
+        if self._host_view.any():  # host memory: no device sync
+            self._raise_if_set(self._host_flags.tolist())
 
     def check_errors(self) -> None:
         """Synchronize with the device and raise MoKDataError if any data error was flagged."""
@@ -508,6 +519,7 @@ def build_schedule(
     validate: synchronize and raise at once on invalid data (default: MOK_VALIDATE).
     """
     workspace._poll_errors()
+    workspace._publish_schedule_errors()
     if not isinstance(topk_experts, torch.Tensor) or topk_experts.dim() != 2:
         raise MoKInputError("topk_experts must be a 2-d tensor [num_tokens, topk]")
     num_tokens = topk_experts.shape[0]
@@ -521,7 +533,7 @@ def build_schedule(
     tiles = tiles or ops.default_tiles(workspace.device)
     routing, plan = workspace.exchange.build_schedule(
         topk_experts, config=config, num_local_experts=int(num_local_experts), align=tiles.align)
-    workspace._publish_errors()
+    workspace._schedule_unpublished = True
     if validate or (validate is None and _env.VALIDATE):
         workspace.check_errors()
     return Schedule(routing, workspace.dense_routing(num_tokens, tiles.align), tiles,
@@ -727,7 +739,10 @@ def forward(
     shared, routed = _Experts.shared(*shared), _Experts(*routed)
     if config.precision == "fp8":
         _check_fp8(workspace, shared, routed)
-        return _forward_fp8(config, schedule, x, router_weights, shared, routed, swiglu_limit)
+        y, context = _forward_fp8(config, schedule, x, router_weights, shared, routed,
+                                  swiglu_limit)
+        workspace._publish_schedule_errors()
+        return y, context
     exchange, plan = workspace.exchange, schedule.exchange
     plans = routed_plan, shared_plan = _forward_plans(config, schedule, x, shared, routed)
     # schedule -> rows in -> gate/up
@@ -742,6 +757,7 @@ def forward(
                                     shared_plan.down, None)
     exchange.deliveries_done(plan, Phase.FORWARD, x.dtype, values=False, wait=True)
     y = exchange.combine(plan, rows, schedule.routing, shared_rows, x.dtype)
+    workspace._publish_schedule_errors()
     return y, context.kept_for_backward()
 
 

@@ -138,6 +138,8 @@ def test_bad_ids_raise_at_next_call_and_at_once_with_validate():
     with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE"):
         F.build_schedule(workspace, config, bad, num_local_experts=4, validate=True)
     F.build_schedule(workspace, config, bad, num_local_experts=4)  # queued, not raised yet
+    # No forward used that schedule: the next call starts its check, the one after raises.
+    F.build_schedule(workspace, config, good, num_local_experts=4)
     with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE"):
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
@@ -267,3 +269,31 @@ def test_exchange_routes(dtype, ghost):
     assert torch.equal(published.cpu(), expected)
     rows = torch.arange(flat.shape[0], dtype=torch.int32)
     assert torch.equal(source_row.cpu(), torch.where(valid, rows, -1))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_bad_ids_of_a_layer_call_raise_at_a_later_call(precision):
+    # The forward starts the check of its schedule once its kernels are launched; a later
+    # call raises (on a GPU once the check has finished: here after a sync).
+    from mok.testing import make_inputs
+
+    from ..conftest import tiles_for_tests
+
+    tokens, hidden, inter, experts, topk = 16, 128, 128, 4, 2
+    inputs = make_inputs(tokens, hidden, inter, experts, topk, device=DEVICE, seed=3)
+    config = F.MoKConfig(precision=precision)
+    workspace = F.create_workspace(config, None, device=DEVICE, num_local_tokens=tokens,
+                                   hidden_size=hidden, topk=topk)
+    bad = inputs.topk_experts.clone()
+    bad[5, 1] = experts  # out of range
+    tiles = tiles_for_tests(32)
+    schedule = F.build_schedule(workspace, config, bad, num_local_experts=experts, tiles=tiles)
+    F.forward(config, workspace, schedule, *inputs.layer_args)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE"):
+        F.build_schedule(workspace, config, inputs.topk_experts, num_local_experts=experts,
+                         tiles=tiles)
+    F.build_schedule(workspace, config, inputs.topk_experts, num_local_experts=experts,
+                     tiles=tiles)
+    F.check_errors(workspace)  # raised once, then cleared
