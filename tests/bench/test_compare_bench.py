@@ -15,11 +15,14 @@ def _in_a_git_checkout() -> bool:
 
 
 @pytest.mark.skipif(not _in_a_git_checkout(), reason="the base tree comes from git archive")
-def test_both_trees_run_in_turns_and_every_measurement_is_a_row(tmp_path, capsys):
+@pytest.mark.parametrize("forward", [False, True], ids=["forward+backward", "forward"])
+def test_both_trees_run_in_turns_and_every_measurement_is_a_row(tmp_path, capsys, forward):
     out = tmp_path / "compare.csv"
     compare.main(["--base", "HEAD", "--shapes", "tiny", "--rounds", "2", "--repeats", "1",
-                  "--warmup", "0", "--csv", str(out)])
+                  "--warmup", "0", "--csv", str(out), *(["--forward"] if forward else [])])
     printed = capsys.readouterr().out
+    mode = "forward" if forward else "forward+backward"
+    assert f"mok {mode}, ms per round" in printed
     # the rounds alternate the trees: base, new, base, new
     order = [line.split()[2] for line in printed.splitlines() if line.startswith("  round ")]
     assert order == ["base", "new", "base", "new"]
@@ -33,6 +36,7 @@ def test_both_trees_run_in_turns_and_every_measurement_is_a_row(tmp_path, capsys
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=compare.ROOT,
                           capture_output=True, text=True).stdout.strip()
     assert {row["base"] for row in rows} == {head}
+    assert {row["mode"] for row in rows} == {mode}
     assert all(float(row["idle_ms"]) > 0 and float(row["host_ms"]) > 0 for row in rows)
 
 
