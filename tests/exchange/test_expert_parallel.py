@@ -659,16 +659,18 @@ def _overflow_body(rank, world_size, pattern, multiplier, tiles=None):
     workspace.exchange.combine_buffer(inputs.x.dtype).fill_(1000.0)
     workspace.exchange.d_weights.fill_(1000.0)
     y, context = F.forward(config, workspace, schedule, *inputs.layer_args)
-    grads = F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
     dist.all_reduce(dropped, op=dist.ReduceOp.MAX)
     assert int(dropped.sum()) > 0, "the case must overflow"
     own = dropped[rank * tokens * topk:(rank + 1) * tokens * topk].view(tokens, topk).bool()
-    # A rank some of whose routes were left out is told so: the error reaches it too.
+    # A rank some of whose routes were left out is told so by the forward: the error reaches
+    # it too (checked here, before the backward, which would otherwise raise it: the forward
+    # starts its flags' check when its kernels are launched).
     if bool(own.any()):
         with pytest.raises(MoKDataError, match="CAPACITY_OVERFLOW"):
             F.check_errors(workspace)
     else:
         F.check_errors(workspace)
+    grads = F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
     left_out = dataclasses.replace(
         inputs, router_weights=torch.where(own, 0.0, inputs.router_weights))
     y_ref, grads_ref = moe_reference_grads(left_out, group=dist.group.WORLD,
