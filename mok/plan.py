@@ -39,7 +39,8 @@ class Operands:
     """What the plan reads of a call's tensors (host-known facts, never device values): their
     device and dtype, and whether the Gluon kernels can read each of them (mok.ops.experts.
     gluon_reads_rows, gluon_reads_weights): the token rows x and d_output (the backward's; rows
-    that move arrive in buffers of mok's own) and the expert weights gate, up and down."""
+    that move arrive in buffers of mok's own) and the expert weights gate, up and down; the
+    number of experts."""
 
     device: torch.device
     dtype: torch.dtype
@@ -48,6 +49,7 @@ class Operands:
     gate: bool
     up: bool
     down: bool
+    experts: int = 1
 
     @classmethod
     def of(cls, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -57,7 +59,8 @@ class Operands:
         experts in the exchange's buffers) and of the weights (down None: not read)."""
         rows = [moved or gluon_reads_rows(t) for t in (x, d_output if d_output is not None else x)]
         return cls(x.device, x.dtype, *rows,
-                   *(w is not None and gluon_reads_weights(x.dtype, w) for w in (gate, up, down)))
+                   *(w is not None and gluon_reads_weights(x.dtype, w) for w in (gate, up, down)),
+                   experts=gate.shape[0])
 
 
 @dataclass(frozen=True)
@@ -171,9 +174,9 @@ _KEYS = {"gate_up": ("intermediate", "hidden"), "gate_up_saved": ("intermediate"
 
 
 def _picker(tiles: TileConfig, dtype: torch.dtype, sizes: dict):
-    def pick(kind: str, triton: bool = False):
+    def pick(kind: str, triton: bool = False, experts: int | None = None):
         n, k = (sizes[name] for name in _KEYS[kind])
-        return tiles.pick(kind, n, k, dtype=dtype, triton=triton)
+        return tiles.pick(kind, n, k, dtype=dtype, triton=triton, experts=experts)
     return pick
 
 
@@ -234,8 +237,9 @@ def _wgrad(kind: str, tiles: WgradTiles, operands: Operands, *, fallback: WgradT
 
 def _wgrads(pick, operands: Operands, align: int, sizes: dict) -> tuple[WgradTiles, WgradTiles]:
     """The weight gradients' tiles (wgrad_gate_up, wgrad_down) where their kernels take them."""
-    return tuple(_wgrad(kind, pick(kind), operands, fallback=pick(kind, triton=True),
-                        align=align, **sizes) for kind in ("wgrad_gate_up", "wgrad_down"))
+    return tuple(_wgrad(kind, pick(kind, experts=operands.experts), operands,
+                        fallback=pick(kind, triton=True), align=align, **sizes)
+                 for kind in ("wgrad_gate_up", "wgrad_down"))
 
 
 # Plans made, by (maker, id(tiles), the other arguments): (tiles, plan, the fallbacks it

@@ -197,13 +197,14 @@ class TileConfig:
                 raise ValueError(f"{name}.block_m={tiles.block_m} must divide align={self.align}")
 
     def pick(self, kind: str, n: int, k: int, *, dtype: torch.dtype = torch.bfloat16,
-             triton: bool = False) -> Tiles:
+             triton: bool = False, experts: int | None = None) -> Tiles:
         """Tiles for GEMM `kind` (see KINDS; a record of KIND_TILES[kind]) at problem size
         (n, k) in dtype: with use_tuned, the measured table's, else the rule of the config's
         architecture (RULES) for 16-bit dtypes; else the config's own. triton: for a launch the
         Gluon kernels cannot take (the expert-parallel dSwiGLU, whose tiles wait on rows its own
         programs pull): where the table's tiles are Gluon (or apart) ones, its best Triton tiles
-        (TRITON), and the rule's Triton tiles."""
+        (TRITON), and the rule's Triton tiles. experts: the launch's expert count, where known
+        (the rule's weight-gradient tiles depend on it)."""
         table = tuned_table() if self.use_tuned else None
         if table is not None and table.serves(self.arch, dtype):
             tuned = table.entries.get((kind, n, k))
@@ -213,7 +214,7 @@ class TileConfig:
                 return tuned
         rule = RULES.get(self.arch) if self.use_tuned and dtype.itemsize == 2 else None
         if rule is not None:
-            ruled = rule(kind, n, k, triton)
+            ruled = rule(kind, n, k, triton, experts)
             if ruled is not None and self._fits(kind, ruled):
                 return ruled
         if kind.startswith("wgrad"):
@@ -296,12 +297,17 @@ SMALL_WGRAD_I = 256
 # hopper_rule (docs/measurements.md, 2026-12-04: gate/up's won at I = 256-768, lost by 2% at
 # 1536).
 GLUON_WGRAD_MAX_I = 768
+# The Gluon weight gradients' programs in one wave (the SMs of an H100 SXM or an H200): where a
+# launch's 256-wide tiles number fewer, hopper_rule takes 128 x 128 tiles, twice as many
+# (docs/measurements.md, 2026-12-04 (evening): the shared expert of qwen3-next-80b-a3b).
+WGRAD_WAVE = 132
 # The kept dSwiGLU of experts up to 768 wide takes 64-row pingpong tiles where H is at most
 # this, 128-row tiles beyond (docs/measurements.md, 2026-12-03 (night): H = 768-2048 and 4096).
 PINGPONG_MAX_H = 2048
 
 
-def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None:
+def hopper_rule(kind: str, n: int, k: int, triton: bool = False,
+                experts: int | None = None) -> Tiles | None:
     """sm_90, 16-bit dtypes: the tiles of `kind` at (n, k) where the table has none, and with
     triton the Triton kernel's (TileConfig.pick's triton). The measured table's choice at most
     of its shapes (mok/ops/tuned_tiles.json, six expert sizes from I = 768 to 14336): Gluon
@@ -311,9 +317,10 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
     at most SMALL_WGRAD_I wide: there the Triton kernel gathers the rows itself (gate and up in
     one launch), which beat copying them for torch._grouped_mm; and both of experts at most
     GLUON_WGRAD_MAX_I wide (I a multiple of 256) by the Gluon kernel, tiles of 256 along I and
-    128 along H, 64 deep, 3 stages (WgradTiles.gluon). The kept dSwiGLU of experts up
-    to 768 wide over H up to PINGPONG_MAX_H: 64-row tiles, two MMA partitions taking turns
-    (pingpong); wider experts or longer H: 128-row tiles. Where a Gluon kernel does not take a
+    128 along H, 64 deep, 3 stages (WgradTiles.gluon), or, where fewer such tiles than
+    WGRAD_WAVE cover the launch's `experts`, 128 x 128 tiles, 4 stages. The kept dSwiGLU of
+    experts up to 768 wide over H up to PINGPONG_MAX_H: 64-row tiles, two MMA partitions taking
+    turns (pingpong); wider experts or longer H: 128-row tiles. Where a Gluon kernel does not take a
     launch, mok.plan runs the same tiles on the Triton kernel. Small experts take the same
     tiles: their launches cost the host more than the config's tiles do, but the GPU less, and a
     training step captured in a CUDA graph (`mok.app.train.GraphedStep`) pays only the GPU's
@@ -349,7 +356,14 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False) -> Tiles | None
     if kind in ("wgrad_gate_up", "wgrad_down"):
         intermediate = n if kind == "wgrad_gate_up" else k
         if not triton and intermediate <= GLUON_WGRAD_MAX_I and intermediate % 256 == 0:
-            # 256 along I, 128 along H (down's out [E, H, I]: block_m along H)
+            # 256 along I, 128 along H (down's out [E, H, I]: block_m along H); gate/up's tiles
+            # span d_w_gate and d_w_up (2I rows)
+            gate_up = kind == "wgrad_gate_up"
+            hidden = k if gate_up else n
+            tiles = intermediate // 256 * (2 if gate_up else 1) * -(-hidden // 128)
+            if experts is not None and experts * tiles < WGRAD_WAVE:
+                return WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=4,
+                                  gluon=True)
             along = (256, 128) if kind == "wgrad_gate_up" else (128, 256)
             return WgradTiles(*along, 64, group_m=1, num_warps=8, num_stages=3, gluon=True)
         if intermediate <= SMALL_WGRAD_I:  # the Triton kernel, rows gathered in its loads

@@ -295,3 +295,32 @@ def test_gluon_wgrad_tiles_fall_back_where_the_kernel_does_not_run():
     # sizes it does not take (I not a multiple of block_m) fall back on any device
     odd = plan.backward_plan(config, operands, hidden=256, intermediate=384, kept=True)
     assert not odd.wgrad_gate_up.gluon
+
+
+def test_rule_takes_128_row_gluon_wgrad_tiles_where_256_row_ones_leave_sms_idle():
+    # A launch whose 256-wide tiles number fewer than WGRAD_WAVE (one expert: a shared expert)
+    # takes 128 x 128 tiles, twice as many; many experts keep the 256-wide ones.
+    from mok import plan
+    from mok.ops.tuning import WGRAD_WAVE
+
+    for kind, key in (("wgrad_gate_up", (512, 2048)), ("wgrad_down", (2048, 512))):
+        wide = hopper_rule(kind, *key)
+        assert hopper_rule(kind, *key, experts=128) == wide
+        narrow = hopper_rule(kind, *key, experts=1)
+        assert narrow.gluon and (narrow.block_m, narrow.block_n, narrow.num_stages) == (128, 128, 4)
+        assert HOPPER_TILES.pick(kind, *key, experts=1) == narrow
+    # gate/up's tiles of I = 256, H = 768 per expert: 2 x 6 = 12 (d_w_gate and d_w_up)
+    fewer = -(-WGRAD_WAVE // 12) - 1  # the most experts whose tiles number fewer
+    assert hopper_rule("wgrad_gate_up", 256, 768, experts=fewer).block_m == 128
+    assert hopper_rule("wgrad_gate_up", 256, 768, experts=fewer + 1).block_m == 256
+    # the plan passes the launch's expert count: a shared expert is a group of one
+    x = torch.randn(8, 2048, dtype=torch.bfloat16)
+    for experts in (1, 4):
+        w = torch.randn(experts, 512, 2048, dtype=torch.bfloat16)
+        assert plan.Operands.of(x, w, w, w.transpose(1, 2)).experts == experts
+    picked = []
+    operands = plan.Operands.of(x, w[:1], w[:1], w[:1].transpose(1, 2))
+    plan._wgrads(lambda kind, triton=False, experts=None: picked.append(experts) or
+                 HOPPER_TILES.pick(kind, 512, 2048, triton=triton, experts=experts),
+                 operands, 128, dict(hidden=2048, intermediate=512))
+    assert picked[0::2] == [1, 1]
