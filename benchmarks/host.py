@@ -1,6 +1,7 @@
 """Host time of one mok training step, per launcher: where the host's share of a step goes.
 
     python -m benchmarks.host [--shapes SHAPE ...] [--repeats N] [--recompute] [--profile N]
+    python -m benchmarks.host --parts [--shapes SHAPE ...] [--repeats N] [--recompute]
     python -m benchmarks.host --ep P [--shapes ...] [--repeats N] [--recompute] [--profile N]
 
 A call that starts on an idle GPU waits for the host to launch its first long kernel (the
@@ -11,7 +12,13 @@ allocations, views) and the whole step. On a GPU the device sleeps before each s
 launch waits on it. Medians over --repeats steps, in microseconds; on CPU (Triton's
 interpreter) the launchers' times are the interpreter running the kernels, not launch costs.
 --profile N also prints the N Python functions with the most host time of their own (cProfile
-over the same steps).
+over the same steps); cProfile inflates short calls, so it misranks what they cost.
+
+--parts: the forward and the backward apart, each with the host time spent in named parts
+(launches through mok.ops.launch and their keys, TMA descriptors, allocations, the error flags'
+copy to the host and its poll, the CUDA calls under them: each part inclusive of what it
+calls, so parts overlap), and when the forward had built its schedule and launched gate/up,
+from its start. Each part is timed by clocks wrapped around its function, without a profiler.
 
 --ep P: the same for expert parallelism over P processes (`mok.testing.run_distributed`; on a
 machine with one GPU set MOK_RANKS_SHARE_GPU=1, the host's times do not depend on it), each rank
@@ -121,6 +128,90 @@ def host_times(shape, *, recompute: bool, repeats: int, device: torch.device,
         pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     return {name: statistics.median(values) * 1e6 for name, values in samples.items()
             if any(values)}
+
+
+def _parts() -> list[tuple[str, object, str]]:
+    """(label, owner, attribute) of each function --parts times."""
+    from mok.ops import experts, launch
+
+    parts = [("launches through mok.ops.launch", launch, "_launch"),
+             ("their keys", launch, "_key"),
+             ("Gluon descriptors", experts, "_gluon_descriptor"),
+             ("allocations (torch.empty)", torch, "empty"),
+             ("the flags' copy to the host", F.Workspace, "_publish_errors"),
+             ("the flags' poll", F.Workspace, "_poll_errors"),
+             ("plans", F, "forward_plan"), ("plans", F, "backward_plan"),
+             ("Tensor.copy_", torch.Tensor, "copy_"),
+             ("Event.record", torch.cuda.Event, "record"),
+             ("Event.query", torch.cuda.Event, "query")]
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:  # a Triton without the CUDA backend
+        return parts
+    return [*parts, ("TMA descriptors filled (Triton)", driver, "make_tensordesc_arg")]
+
+
+def host_parts(shape, *, recompute: bool, repeats: int, device: torch.device) -> dict[str, float]:
+    """{"forward" / "backward" / "forward: <part>" / "backward: <part>" / the forward's
+    milestones: median host microseconds} (see --parts)."""
+    inputs = make_shape_inputs(shape, device=device, seed=0)
+    config = F.MoKConfig(recompute_gate_up=recompute)
+    workspace = F.create_workspace(config, None, device=device,
+                                   num_local_tokens=shape.num_tokens,
+                                   hidden_size=shape.hidden_size, topk=shape.topk)
+    totals: dict[str, float] = defaultdict(float)
+    marks: dict[str, float] = {}
+
+    def forward():
+        schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                    num_local_experts=inputs.num_local_experts)
+        marks.setdefault("schedule built", time.perf_counter())
+        return schedule, F.forward(config, workspace, schedule, *inputs.layer_args)[1]
+
+    def backward(schedule, context):
+        return F.backward(config, workspace, schedule, context, inputs.d_output,
+                          *inputs.layer_args)
+
+    backward(*forward())  # compiles
+    gate_up = ops.gate_up_swiglu
+
+    def gate_up_marked(*args, **kwargs):
+        done = gate_up(*args, **kwargs)
+        marks.setdefault("gate/up launched", time.perf_counter())
+        return done
+
+    originals = [(owner, attribute, getattr(owner, attribute)) for _, owner, attribute in _parts()]
+    samples: dict[str, list[float]] = defaultdict(list)
+    try:
+        for (label, owner, attribute), (_, _, fn) in zip(_parts(), originals, strict=True):
+            setattr(owner, attribute, _timed(fn, totals, label))
+        ops.gate_up_swiglu = gate_up_marked
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                hold_device()
+            totals.clear()
+            marks.clear()
+            start = time.perf_counter()
+            saved = forward()
+            middle = time.perf_counter()
+            forward_parts = dict(totals)
+            totals.clear()
+            backward(*saved)
+            samples["forward"].append(middle - start)
+            samples["backward"].append(time.perf_counter() - middle)
+            for mark, at in marks.items():
+                samples[f"forward: {mark} at"].append(at - start)
+            for phase, parts in (("forward", forward_parts), ("backward", dict(totals))):
+                for label in dict.fromkeys(label for label, _, _ in _parts()):
+                    samples[f"{phase}: {label}"].append(parts.get(label, 0.0))
+    finally:
+        for owner, attribute, fn in originals:
+            setattr(owner, attribute, fn)
+        ops.gate_up_swiglu = gate_up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return {name: statistics.median(values) * 1e6 for name, values in samples.items()}
 
 
 def _ep_variants(recompute: bool) -> list[tuple[str, F.MoKConfig]]:
@@ -302,11 +393,22 @@ def main(argv=None) -> None:
                         help="--ep: how many functions of the host breakdown to print")
     parser.add_argument("--ep", type=int, default=0, metavar="P",
                         help="expert parallelism over P processes (see above)")
+    parser.add_argument("--parts", action="store_true",
+                        help="the forward and backward by named parts (see above)")
     args = parser.parse_args(argv)
     if args.ep:
         ep_main(args)
         return
     device = torch.device("cuda" if cuda else "cpu")
+    if args.parts:
+        for name in args.shapes:
+            times = host_parts(BENCH_SHAPES[name], recompute=args.recompute,
+                               repeats=args.repeats, device=device)
+            print(f"== {name} ({'recompute' if args.recompute else 'kept gate/up'}): host us, "
+                  f"median of {args.repeats}; parts include what they call")
+            for label, us in times.items():
+                print(f"  {label:48s} {us:10.1f}")
+        return
     for name in args.shapes:
         times = host_times(BENCH_SHAPES[name], recompute=args.recompute, repeats=args.repeats,
                            device=device, profile=args.profile)

@@ -246,6 +246,24 @@ def test_host_times_cover_every_launcher_of_a_step(capsys):
     assert "cProfile of 1 steps" in out and "tottime" in out
 
 
+def test_host_parts_of_the_forward_and_the_backward(capsys):
+    from benchmarks import host
+
+    wrapped = [getattr(owner, attribute) for _, owner, attribute in host._parts()]
+    times = host.host_parts(TINY, recompute=False, repeats=1, device=DEVICE)
+    assert [getattr(owner, attribute) for _, owner, attribute in host._parts()] == wrapped
+    assert host.ops.gate_up_swiglu.__module__ != host.__name__  # restored
+    forward = times["forward"]
+    assert 0 < times["forward: schedule built at"] < times["forward: gate/up launched at"] < forward
+    assert 0 < times["forward: allocations (torch.empty)"] < forward
+    assert 0 < times["forward: the flags' copy to the host"] < forward  # once, in the forward
+    assert times["backward: the flags' copy to the host"] == 0
+    assert 0 < times["backward: allocations (torch.empty)"] < times["backward"]
+    host.main(["--parts", "--shapes", TINY.name, "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "parts include what they call" in out and "forward: gate/up launched at" in out
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2
                     and not RANKS_SHARE_GPU,
                     reason="two ranks need two GPUs, or MOK_RANKS_SHARE_GPU=1")
