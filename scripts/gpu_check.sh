@@ -4,10 +4,13 @@
 # expert-parallel launches' pulls and scatters on one GPU. Each step has its own time limit and
 # writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_STEP (a training step
 # by kernel kind and step mode) RUN_TRAIN_BENCH (end to end) RUN_TUNE RUN_BENCH RUN_HOST
-# RUN_BREAKDOWN RUN_EP_LOCAL RUN_FP8 (the FP8 kernels beside bf16, benchmarks.fp8) (1 runs
+# RUN_BREAKDOWN RUN_EP_LOCAL RUN_FP8 (the FP8 kernels beside bf16, benchmarks.fp8) RUN_COMPARE
+# (benchmarks.compare; COMPARE_ARGS names the base: on a copy of the tree without its git
+# history, --base REV --base-dir DIR with REV's mok extracted in DIR beforehand) (1 runs
 # it); *_TIMEOUT seconds; *_ARGS extra arguments; TESTS_JOBS groups of tests side by side,
 # TESTS_BY_ID=1 dealt by test rather than by file.
-# The tests also leave $OUT/gpu-tests/<date>_<commit>.log (benchmarks.gpu_test_log: commit, date,
+# The tests leave $OUT/tests.log (every group's tests and log) and
+# $OUT/gpu-tests/<date>_<commit>.log (benchmarks.gpu_test_log: commit, date,
 # GPU, versions, the pytest commands, each group's failures and counts). It is meant to be
 # committed under benchmarks/results/gpu-tests/, the record of which commit passed on a GPU. The
 # commit is that of the tree holding the mok that ran (mok.provenance): in a copy of the tree
@@ -60,6 +63,14 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
   done
   for ((j = 0; j < jobs; j++)); do echo "-- group $j"; tail -n 25 "$OUT/pytest.$j.log"; done
   python3 -m benchmarks.gpu_test_log --out-dir "$OUT/gpu-tests" "${summary[@]}"
+  # The groups' logs and test ids in one file: a call brings back a few files only.
+  for ((j = 0; j < jobs; j++)); do
+    echo "== group $j"
+    if [ -f "$OUT/pytest.$j.ids" ]; then echo "-- its tests"; cat "$OUT/pytest.$j.ids"; fi
+    echo "-- its log"
+    cat "$OUT/pytest.$j.log"
+  done > "$OUT/tests.log"
+  rm -f "$OUT"/pytest.*.log "$OUT"/pytest.*.ids
 fi
 if [ "${RUN_TRAIN:-0}" = 1 ]; then
   step train "${TRAIN_TIMEOUT:-150}" train.log python3 -m mok train --out "$OUT/train" \
@@ -92,6 +103,10 @@ fi
 if [ "${RUN_FP8:-0}" = 1 ]; then
   step fp8 "${FP8_TIMEOUT:-200}" fp8.log python3 -m benchmarks.fp8 --csv "$OUT/fp8.csv" \
     ${FP8_ARGS:-}
+fi
+if [ "${RUN_COMPARE:-0}" = 1 ]; then
+  step compare "${COMPARE_TIMEOUT:-300}" compare.log python3 -m benchmarks.compare \
+    --csv "$OUT/compare.csv" ${COMPARE_ARGS:-}
 fi
 if [ "${RUN_EP_LOCAL:-0}" = 1 ]; then
   step ep_local "${EP_LOCAL_TIMEOUT:-200}" ep_local.log python3 -m benchmarks.ep_local \

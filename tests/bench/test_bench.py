@@ -596,6 +596,11 @@ def test_gpu_check_script_writes_the_test_log(tmp_path):
     assert "FAILED tests/test_bad.py::test_bad - assert 1 == 2" in text
     assert "== group 1 (pytest.1.log): exit status 0: passed" in text
     assert "1 passed in " in text
+    # the groups' logs end up in one file (a GPU call brings back a few files only)
+    out = tmp_path / "out"
+    assert not list(out.glob("pytest.*"))
+    merged = (out / "tests.log").read_text()
+    assert "== group 0" in merged and "== group 1" in merged and "test_bad" in merged
 
 
 def test_rows_gain_new_columns_without_losing_old_ones(tmp_path):
