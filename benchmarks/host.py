@@ -180,10 +180,12 @@ def host_parts(shape, *, recompute: bool, repeats: int, device: torch.device) ->
         marks.setdefault("gate/up launched", time.perf_counter())
         return done
 
-    originals = [(owner, attribute, getattr(owner, attribute)) for _, owner, attribute in _parts()]
+    parts = _parts()
+    labels = list(dict.fromkeys(label for label, _, _ in parts))
+    originals = [(owner, attribute, getattr(owner, attribute)) for _, owner, attribute in parts]
     samples: dict[str, list[float]] = defaultdict(list)
     try:
-        for (label, owner, attribute), (_, _, fn) in zip(_parts(), originals, strict=True):
+        for (label, owner, attribute), (_, _, fn) in zip(parts, originals, strict=True):
             setattr(owner, attribute, _timed(fn, totals, label))
         ops.gate_up_swiglu = gate_up_marked
         for _ in range(repeats):
@@ -202,9 +204,9 @@ def host_parts(shape, *, recompute: bool, repeats: int, device: torch.device) ->
             samples["backward"].append(time.perf_counter() - middle)
             for mark, at in marks.items():
                 samples[f"forward: {mark} at"].append(at - start)
-            for phase, parts in (("forward", forward_parts), ("backward", dict(totals))):
-                for label in dict.fromkeys(label for label, _, _ in _parts()):
-                    samples[f"{phase}: {label}"].append(parts.get(label, 0.0))
+            for phase, timed in (("forward", forward_parts), ("backward", dict(totals))):
+                for label in labels:
+                    samples[f"{phase}: {label}"].append(timed.get(label, 0.0))
     finally:
         for owner, attribute, fn in originals:
             setattr(owner, attribute, fn)

@@ -213,8 +213,7 @@ class Workspace:
         if self._flags_event is not None and not self._flags_event.query():
             return
         self._flags_pending = False
-        if self._host_view.any():  # host memory: no device sync
-            self._raise_if_set(self._host_flags.tolist())
+        self._raise_if_set(self._host_view.tolist())  # host memory: no device sync
 
     def check_errors(self) -> None:
         """Synchronize with the device and raise MoKDataError if any data error was flagged."""

@@ -881,8 +881,7 @@ def gluon_takes_wgrad(kind: str, tiles: WgradTiles, dtype: torch.dtype,
     16-bit operands and gradients of one dtype, block_k dividing the schedule's align, and the
     tile's side along I (wgrad_gate_up: block_m; wgrad_down: block_n) 128 or 256 and dividing
     I, its side along H dividing H."""
-    along_i, along_h = ((tiles.block_m, tiles.block_n) if kind == "wgrad_gate_up"
-                        else (tiles.block_n, tiles.block_m))
+    along_i, along_h = tiles.gluon_sides(kind)
     return (dtype in _GLUON_DTYPES and out_dtype == dtype and along_i in (128, 256)
             and intermediate % along_i == 0 and hidden % along_h == 0
             and align % tiles.block_k == 0)
@@ -913,10 +912,11 @@ def _wgrad_gluon(rows: torch.Tensor, tokens: torch.Tensor, routing: Routing, til
     experts = out.shape[0]
     dtype = _GLUON_DTYPES[tokens.dtype]
     pair = out2 is not None
+    kind = "wgrad_gate_up" if pair else "wgrad_down"
     width = rows.shape[1] // 2 if pair else rows.shape[1]  # I
     hidden = tokens.shape[1]
     # the kernel's tile: BLOCK_P along I (its MMA's M), BLOCK_Q along H
-    bp, bq = (tiles.block_m, tiles.block_n) if pair else (tiles.block_n, tiles.block_m)
+    bp, bq = tiles.gluon_sides(kind)
     br = tiles.block_k
     if pair:
         out_desc = _gluon_descriptor(out.view(experts * width, hidden), [bp, bq], dtype)
@@ -925,7 +925,7 @@ def _wgrad_gluon(rows: torch.Tensor, tokens: torch.Tensor, routing: Routing, til
         out_desc = out2_desc = _gluon_descriptor(out.view(experts * hidden, width), [bq, bp],
                                                  dtype)
     num_out = 2 if pair else 1
-    num_tiles = experts * (num_out * width // bp) * (hidden // bq)
+    num_tiles = experts * tiles.gluon_tiles(kind, hidden=hidden, intermediate=width)
     launch(gluon_wgrad.wgrad_ws_kernel, (min(num_tiles, _num_programs(tokens.device)),))(
         a_desc=_gluon_descriptor(rows, [br, bp], dtype), b_ptr=tokens, out_desc=out_desc,
         out2_desc=out2_desc, row_route_ptr=routing.row_route,

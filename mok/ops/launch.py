@@ -20,6 +20,7 @@ direct launch as Triton would and raises if Triton would have picked another com
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from triton import knobs
@@ -60,7 +61,7 @@ class _KernelLaunches:
                          if param.default is not _NO_DEFAULT}
         # key -> (its _runner, the compiled kernel, the constexpr and descriptor-layout objects
         # the key names by identity, kept alive so that their ids are not reused)
-        self.compiled: dict[tuple, tuple[CompiledKernel, list]] = {}
+        self.compiled: dict[tuple, tuple[Callable, CompiledKernel, list]] = {}
 
 
 def _key(device: int, kwargs: dict, runtime: set, keep: list) -> tuple:

@@ -151,6 +151,19 @@ class WgradTiles(Tiles):
     grouped_mm: bool = False
     gluon: bool = False
 
+    def gluon_sides(self, kind: str) -> tuple[int, int]:
+        """The Gluon kernel's tile sides (along I, along H) for `kind`: gate/up's block_m runs
+        along I, down's block_n."""
+        if kind == "wgrad_gate_up":
+            return self.block_m, self.block_n
+        return self.block_n, self.block_m
+
+    def gluon_tiles(self, kind: str, *, hidden: int, intermediate: int) -> int:
+        """The Gluon kernel's output tiles per expert (gate/up's span d_w_gate and d_w_up)."""
+        along_i, along_h = self.gluon_sides(kind)
+        outputs = 2 if kind == "wgrad_gate_up" else 1
+        return outputs * -(-intermediate // along_i) * -(-hidden // along_h)
+
 
 # The record type of each kind's tiles.
 KIND_TILES: dict[str, type[Tiles]] = {
@@ -356,16 +369,15 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False,
     if kind in ("wgrad_gate_up", "wgrad_down"):
         intermediate = n if kind == "wgrad_gate_up" else k
         if not triton and intermediate <= GLUON_WGRAD_MAX_I and intermediate % 256 == 0:
-            # 256 along I, 128 along H (down's out [E, H, I]: block_m along H); gate/up's tiles
-            # span d_w_gate and d_w_up (2I rows)
-            gate_up = kind == "wgrad_gate_up"
-            hidden = k if gate_up else n
-            tiles = intermediate // 256 * (2 if gate_up else 1) * -(-hidden // 128)
-            if experts is not None and experts * tiles < WGRAD_WAVE:
+            # 256 along I, 128 along H (down's out [E, H, I]: block_m along H)
+            along = (256, 128) if kind == "wgrad_gate_up" else (128, 256)
+            wide = WgradTiles(*along, 64, group_m=1, num_warps=8, num_stages=3, gluon=True)
+            hidden = k if kind == "wgrad_gate_up" else n
+            if experts is not None and experts * wide.gluon_tiles(
+                    kind, hidden=hidden, intermediate=intermediate) < WGRAD_WAVE:
                 return WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=4,
                                   gluon=True)
-            along = (256, 128) if kind == "wgrad_gate_up" else (128, 256)
-            return WgradTiles(*along, 64, group_m=1, num_warps=8, num_stages=3, gluon=True)
+            return wide
         if intermediate <= SMALL_WGRAD_I:  # the Triton kernel, rows gathered in its loads
             if kind == "wgrad_gate_up":
                 return WgradTiles(128, 128, 64, group_m=1, num_warps=8, num_stages=3, pair=True)
