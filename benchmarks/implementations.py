@@ -22,8 +22,10 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   the expert outputs). Its layout: gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I],
   int32 top-k ids with their weights. It has no shared expert, so the shared MLP runs in PyTorch
   beside it. Taken from an installed liger_kernel, else from the wheel in .whl/. It autotunes
-  each kernel on its first call at every (H, I) (minutes on a GPU); without autotuning it runs
-  one pinned config per kernel and its rows are named liger_untuned.
+  each kernel on its first call at every (H, I) (minutes on a GPU: over 4 minutes for its
+  backward at qwen3-30b-a3b); the results are kept in LIGER_TUNING (Settings.liger_tuning) and
+  read back by later runs on the same Triton and GPU, which then skip the tuning. Without
+  autotuning it runs one pinned config per kernel and its rows are named liger_untuned.
 - compile: the mok.testing reference, in bf16, under torch.compile (graph breaks where the
   reference synchronizes; what compiling naive code gives).
 - loop: what naive code does (the eager MoE blocks of Hugging Face models): for each expert, find
@@ -56,6 +58,7 @@ from mok.testing.tolerance import FP8_TOLERANCE, Tolerance
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WHEELS = REPO_ROOT / ".whl"
+LIGER_TUNING = REPO_ROOT / "benchmarks" / "liger_tuning"
 
 SONICMOE_UNAVAILABLE = (
     "SonicMoE (Dao-AILab/sonic-moe) is not supported by this benchmark: it runs QuACK's CuTe-DSL "
@@ -71,11 +74,13 @@ class Unavailable(RuntimeError):
 @dataclass(frozen=True)
 class Settings:
     """device: where inputs live; liger_autotune: let Liger autotune its kernels (else pinned);
-    host_ahead: time the kernels alone, the whole call queued before the GPU starts it
-    (benchmarks.layer.measure)."""
+    liger_tuning: the folder of Liger's autotuning results kept between runs (None: Triton's
+    own cache only); host_ahead: time the kernels alone, the whole call queued before the GPU
+    starts it (benchmarks.layer.measure)."""
 
     device: torch.device
     liger_autotune: bool = True
+    liger_tuning: Path | None = LIGER_TUNING
     host_ahead: bool = False
 
 
@@ -230,11 +235,46 @@ def grouped_mm_compile_implementation(shape: MoEShape, settings: Settings) -> Im
     return autograd_implementation("grouped_mm_compile", compiled, fuse_gate_up=True)
 
 
-def _import_liger_fused_moe(autotune: bool):
+def kept_tuning_cache(folder: Path) -> type:
+    """A Triton cache manager class that keeps autotuning results (*.autotune.json) in `folder`
+    (folder/<key>/<name>, read from there first) and every other file where Triton's own cache
+    manager does. Triton names the key from its version, the GPU, the kernel's source, the
+    configs and the tuning key, so a result is reused only where it was measured."""
+    from triton.runtime.cache import FileCacheManager
+
+    class KeptTuning(FileCacheManager):
+        def get_file(self, filename):
+            if filename.endswith(".autotune.json"):
+                kept = folder / self.key / filename
+                if kept.is_file():
+                    return str(kept)
+            return super().get_file(filename)
+
+        def put(self, data, filename, binary=True):
+            path = super().put(data, filename, binary=binary)
+            if filename.endswith(".autotune.json"):
+                kept = folder / self.key / filename
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                partial = kept.with_name(f"{filename}.{os.getpid()}")
+                partial.write_text(data if isinstance(data, str) else data.decode())
+                partial.replace(kept)
+            return path
+
+    return KeptTuning
+
+
+def _import_liger_fused_moe(autotune: bool, tuning: Path | None = None):
     """(LigerFusedMoEFunction, whether it autotunes), from an installed liger_kernel or from
     .whl/liger_kernel-*.whl (unpacked beside it). Liger reads LIGER_FUSED_MOE_AUTOTUNE once, at
-    import, so a process keeps its first choice; the second value reports it."""
+    import, so a process keeps its first choice; the second value reports it. With `tuning`,
+    Triton's autotuner caches its results (TRITON_CACHE_AUTOTUNING, read when Liger's kernels
+    are defined) and the cache manager keeps them in that folder (kept_tuning_cache)."""
     os.environ["LIGER_FUSED_MOE_AUTOTUNE"] = "1" if autotune else "0"
+    if autotune and tuning is not None:
+        import triton
+
+        os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+        triton.knobs.cache.manager_class = kept_tuning_cache(Path(tuning))
     try:
         import liger_kernel  # noqa: F401
     except ImportError:
@@ -262,7 +302,8 @@ def _import_liger_fused_moe(autotune: bool):
 
 
 def liger_implementation(shape: MoEShape, settings: Settings) -> Implementation:
-    function, autotuned = _import_liger_fused_moe(settings.liger_autotune)
+    function, autotuned = _import_liger_fused_moe(settings.liger_autotune,
+                                                   settings.liger_tuning)
 
     def layer(x, topk_experts, router_weights, routed, shared):
         w_gate_up, w_down = routed

@@ -37,7 +37,13 @@ from pathlib import Path
 import torch
 
 from benchmarks import append_rows, commit_id, finish_chart, newest_gpu_rows
-from benchmarks.implementations import IMPLEMENTATIONS, REPO_ROOT, Implementation, Settings
+from benchmarks.implementations import (
+    IMPLEMENTATIONS,
+    LIGER_TUNING,
+    REPO_ROOT,
+    Implementation,
+    Settings,
+)
 from benchmarks.timing import HOST_AHEAD_S, hold_device, measure  # noqa: F401
 from mok import plan
 from mok.testing import (
@@ -190,10 +196,11 @@ def _fallbacks_since(before: dict) -> str:
 
 def run(shapes: list[MoEShape], impl_names: list[str], modes: list[Mode], *, repeats: int = 20,
         warmup: int = 5, num_input_sets: int = 3, csv_path: Path | None = None,
-        liger_autotune: bool = True, host_ahead: bool = False) -> tuple[list[dict], list[Skip]]:
+        liger_autotune: bool = True, liger_tuning: Path | None = LIGER_TUNING,
+        host_ahead: bool = False) -> tuple[list[dict], list[Skip]]:
     """Benchmark; returns (rows as appended to csv_path, skips). Draws csv_path's chart."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    settings = Settings(device, liger_autotune=liger_autotune,
+    settings = Settings(device, liger_autotune=liger_autotune, liger_tuning=liger_tuning,
                         host_ahead=host_ahead and device.type == "cuda")
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = dict(gpu=gpu, commit=commit_id(),
@@ -361,6 +368,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="let Liger autotune its kernels on its first call per shape "
                              "(minutes each on a GPU); --no-liger-autotune pins one config "
                              "(rows named liger_untuned)")
+    parser.add_argument("--liger-tuning", type=Path, default=LIGER_TUNING, metavar="DIR",
+                        help="folder where Liger's autotuning results are kept and read back "
+                             "by later runs on the same Triton and GPU (default: %(default)s)")
     parser.add_argument("--host-ahead", action="store_true",
                         help="time the kernels alone: the GPU sleeps before each call until the "
                              "host has queued all of it, as when the host runs ahead in training "
@@ -382,7 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     run([BENCH_SHAPES[name] for name in args.shapes], list(dict.fromkeys(args.impls)),
         [Mode(mode) for mode in dict.fromkeys(args.modes)], repeats=args.repeats,
         warmup=args.warmup, num_input_sets=args.input_sets, csv_path=csv_path,
-        liger_autotune=args.liger_autotune, host_ahead=args.host_ahead)
+        liger_autotune=args.liger_autotune, liger_tuning=args.liger_tuning,
+        host_ahead=args.host_ahead)
     for (kind, reason), count in plan.fallbacks().items():
         print(f"fallback: mok's {kind}: {reason} ({count} plans)")
     print(f"rows appended to {csv_path}; chart {csv_path.with_suffix('.png')}")

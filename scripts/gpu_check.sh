@@ -93,6 +93,11 @@ if [ "${RUN_BENCH:-1}" = 1 ]; then
   step bench "${BENCH_TIMEOUT:-240}" bench.log python3 -m mok bench --csv "$OUT/layer.csv" \
     ${BENCH_ARGS:-}
 fi
+# Liger's autotuning results (benchmarks/liger_tuning, read back by later runs) in one file:
+# unpack it in the repository's root and commit it.
+if [ -n "$(ls -A benchmarks/liger_tuning 2>/dev/null)" ]; then
+  tar -cf "$OUT/liger_tuning.tar" benchmarks/liger_tuning
+fi
 if [ "${RUN_HOST:-0}" = 1 ]; then
   step host "${HOST_TIMEOUT:-120}" host.log python3 -m benchmarks.host ${HOST_ARGS:-}
 fi

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import hashlib
 import math
 import os
 import shutil
@@ -179,6 +180,36 @@ def test_liger_adapter_computes_the_reference_layer_in_fp32():
     reference = moe_reference_grads(inputs, compute_dtype=torch.float64)
     report = layer.check(impl, inputs, reference, trains=True)
     assert report.max_rel <= TOLERANCES[torch.float32].max_rel
+
+
+def test_liger_tuning_is_kept_in_its_folder_and_read_back(tmp_path, monkeypatch):
+    """What Triton's autotuner writes through the cache manager (check_disk_cache: get_file,
+    then put of <kernel>.autotune.json) lands in the kept folder, is found there by a later run
+    whose own Triton cache is empty, and other files stay in Triton's cache only."""
+    triton = pytest.importorskip("triton")
+    from triton.runtime.cache import get_cache_manager
+
+    kept = tmp_path / "kept"
+    with triton.knobs.cache.scope():
+        triton.knobs.cache.manager_class = implementations.kept_tuning_cache(kept)
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "run1"))
+        key, other = hashlib.sha256(b"tuning").hexdigest(), hashlib.sha256(b"other").hexdigest()
+        first = get_cache_manager(key)
+        assert first.get_file("_kernel.autotune.json") is None
+        timings = '{"key": [1024, 512], "configs_timings": [[{"kwargs": {}}, [0.5, 0.5, 0.5]]]}'
+        first.put(timings, "_kernel.autotune.json", binary=False)
+        first.put(b"cubin", "_kernel.cubin")
+        (held,) = kept.rglob("*.json")
+        assert held.read_text() == timings and held.parent.name == first.key
+        assert not list(kept.rglob("*.cubin"))
+        assert (tmp_path / "run1" / first.key / "_kernel.cubin").read_bytes() == b"cubin"
+
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "run2"))  # a fresh machine
+        second = get_cache_manager(key)
+        assert Path(second.get_file("_kernel.autotune.json")).read_text() == timings
+        assert second.get_file("_kernel.cubin") is None
+        assert get_cache_manager(other).get_file("_kernel.autotune.json") is None
+    assert triton.knobs.cache.manager_class is None
 
 
 def test_redraw_charts_the_newest_gpu_row_of_each_cell(tmp_path, capsys):
