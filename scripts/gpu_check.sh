@@ -33,7 +33,7 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
   # themselves (node ids, TESTS_ARGS applied when collecting) instead of whole files, so that
   # one long file is spread over the groups too; each group's ids go to $OUT/pytest.J.ids.
   shopt -s nullglob
-  jobs=${TESTS_JOBS:-4} files=(tests/test_*.py tests/*/test_*.py) pids=() commands=() summary=()
+  jobs=${TESTS_JOBS:-5} files=(tests/test_*.py tests/*/test_*.py) pids=() commands=() summary=()
   shopt -u nullglob
   if [ "${TESTS_BY_ID:-0}" = 1 ]; then
     mapfile -t files < <(python3 -m pytest --collect-only -q -p no:cacheprovider \
