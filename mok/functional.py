@@ -54,6 +54,8 @@ from mok.plan import (
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 PRECISIONS = ("bf16", "fp8")
+# backward's swiglu_limit when not given: the forward context's
+FROM_CONTEXT = object()
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -291,9 +293,11 @@ def get_workspace(
     return _WORKSPACES[key]
 
 
-def check_errors(workspace: Workspace) -> None:
-    """Synchronize and raise MoKDataError for any data error flagged so far on this workspace."""
-    workspace.check_errors()
+def check_errors(workspace: Workspace | None = None) -> None:
+    """Synchronize and raise MoKDataError for any data error flagged so far on this workspace,
+    or (None) on every workspace get_workspace made: those mok.nn's layers run in."""
+    for each in [workspace] if workspace is not None else list(_WORKSPACES.values()):
+        each.check_errors()
 
 
 @dataclass(frozen=True)
@@ -365,6 +369,8 @@ class ForwardContext:
     outputs are never kept (the router-weight gradient is computed from h).
     precision: the config's. An "fp8" context keeps no h (the FP8 backward recomputes the
     pre-activations, and h from them, when they are not kept).
+    swiglu_limit: the limit the forward (or recompute_forward_context) ran with; the backward
+    runs with it.
     A context with kept pre-activations serves one backward: the backward writes their
     gradients over them (and bumps their version counters). A second backward on it raises
     MoKInputError; recompute_forward_context makes a fresh one.
@@ -376,6 +382,7 @@ class ForwardContext:
     gate_up: torch.Tensor | None = None
     gate_up_shared: torch.Tensor | None = None
     precision: str = "bf16"
+    swiglu_limit: float | None = None
     kept_versions: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -602,7 +609,7 @@ def _gate_up(config, schedule, x, router_weights, shared: _Experts | None, route
                            swiglu_limit, pull=rows.pull, gate_up=gate_up)
     exchange.rows_read(Phase.FORWARD)
     context = ForwardContext(h, h_shared, weights_group=rows.kept_weights, gate_up=gate_up,
-                             gate_up_shared=gate_up_shared)
+                             gate_up_shared=gate_up_shared, swiglu_limit=swiglu_limit)
     return context, rows.route_weights
 
 
@@ -659,7 +666,7 @@ def _forward_fp8(config, schedule, x, router_weights, shared: _Experts | None,
     rows, gate_up = expert_rows(routed, schedule.routing, router_weights)
     y = ops.combine(rows, schedule.routing, shared_rows, x.dtype)
     return y, ForwardContext(None, None, gate_up=gate_up, gate_up_shared=gate_up_shared,
-                             precision="fp8")
+                             precision="fp8", swiglu_limit=swiglu_limit)
 
 
 def _backward_fp8(schedule, context: ForwardContext, d_output, x, router_weights,
@@ -806,7 +813,7 @@ def _recompute_fp8(config, schedule, x, shared: _Experts | None, routed: _Expert
     """recompute_forward_context in FP8: the kept pre-activations; a recomputing context holds
     nothing (the backward recomputes them)."""
     if config.recompute_gate_up:
-        return ForwardContext(None, None, precision="fp8")
+        return ForwardContext(None, None, precision="fp8", swiglu_limit=swiglu_limit)
     xq = ops.quantize_rows(x)
     kept = [None, None]
     for i, (experts, routing) in enumerate(((routed, schedule.routing),
@@ -815,7 +822,8 @@ def _recompute_fp8(config, schedule, x, shared: _Experts | None, routed: _Expert
             weights = ops.cached_quantize_experts(experts.gate, experts.up, None)
             kept[i] = _fp8_pre_activations(schedule, x, xq, experts, weights, routing,
                                            swiglu_limit)
-    return ForwardContext(None, None, gate_up=kept[0], gate_up_shared=kept[1], precision="fp8")
+    return ForwardContext(None, None, gate_up=kept[0], gate_up_shared=kept[1], precision="fp8",
+                          swiglu_limit=swiglu_limit)
 
 
 def _check_context_rows(h, gate_up, routing, intermediate, suffix, *,
@@ -913,10 +921,12 @@ def backward(
     w_routed_up: torch.Tensor,
     w_routed_down: torch.Tensor,
     *,
-    swiglu_limit: float | None = None,
+    swiglu_limit: float | None | object = FROM_CONTEXT,
 ) -> tuple[torch.Tensor, ...]:
     """The MoE layer's backward, from d_output [T, H] (x's dtype).
 
+    swiglu_limit: the forward context's (the limit its forward ran with) unless given; a limit
+    given here must equal it (MoKInputError otherwise).
     Returns (d_x [T, H], d_router_weights [T, k] fp32, d_w_routed_gate, d_w_routed_up,
     d_w_routed_down, d_w_shared_gate, d_w_shared_up, d_w_shared_down), each weight gradient in
     its weight's shape and dtype; the shared ones are None without a shared expert.
@@ -943,6 +953,12 @@ def backward(
         raise MoKInputError(f"the forward context was made with precision "
                             f"{context.precision!r}, the config asks {config.precision!r}")
     context.check_unused()
+    if swiglu_limit is FROM_CONTEXT:
+        swiglu_limit = context.swiglu_limit
+    elif swiglu_limit != context.swiglu_limit:
+        raise MoKInputError(f"backward's swiglu_limit={swiglu_limit!r} differs from the "
+                            f"forward's ({context.swiglu_limit!r}): the gradients would be "
+                            "those of another layer; leave it out to use the forward's")
     fp8 = config.precision == "fp8"
     _check_context_rows(context.h, context.gate_up, schedule.routing, routed.intermediate, "",
                         may_be_empty=fp8)

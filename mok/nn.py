@@ -144,7 +144,7 @@ def _moe_backward(
     context = F.ForwardContext(h if holds_h else None, h_shared if has_shared and holds_h else None,
                                gate_up=gate_up if kept else None,
                                gate_up_shared=gate_up_shared if kept and has_shared else None,
-                               precision=precision)
+                               precision=precision, swiglu_limit=swiglu_limit)
     grads = F.backward(config, workspace, schedule, context, d_y, x, router_weights,
                        w_shared_gate, w_shared_up, w_shared_down, w_routed_gate, w_routed_up,
                        w_routed_down, swiglu_limit=swiglu_limit)
@@ -352,7 +352,16 @@ class RoutingOutput:
 
 
 class Router(nn.Module):
-    """Linear scores over experts, top-k selection and the balancing losses (fp32 throughout)."""
+    """Linear scores over experts, top-k selection and the balancing losses, in fp32 (also under
+    torch.autocast); expert_bias stays fp32 whatever dtype the module is cast to.
+
+    With RouterConfig.bias_update_rate, a training forward routes with the bias and leaves its
+    load pending: the next forward routes with the updated bias (next_bias) and, in training,
+    stores it in expert_bias. A forward recomputed inside the backward (activation
+    checkpointing) routes with expert_bias, as the first run did, and changes nothing. So
+    expert_bias is the bias of the last training forward; state_dict saves next_bias, the one
+    the next forward routes with, and loading one drops the pending load.
+    """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
                  config: RouterConfig = RouterConfig(), *, device=None, dtype=None) -> None:
@@ -364,17 +373,46 @@ class Router(nn.Module):
                                                dtype=dtype))
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device,
                                                         dtype=torch.float32))
+        # The last training forward's tokens per expert, whose bias update is pending.
+        self.register_buffer("expert_load", torch.zeros(num_experts, device=device,
+                                                        dtype=torch.float32), persistent=False)
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.register_state_dict_post_hook(_save_next_bias)
+        self.register_load_state_dict_pre_hook(_drop_pending_load)
+
+    def next_bias(self) -> torch.Tensor:
+        """The bias the next forward routes with: expert_bias plus the pending update,
+        rate * sign(mean load - load) (DeepSeek-V3's balancing step)."""
+        rate = self.config.bias_update_rate
+        if not rate:
+            return self.expert_bias
+        load = self.expert_load
+        return self.expert_bias + rate * torch.sign(load.mean() - load)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype), .half() and the like cast floating buffers: these stay fp32 (a bf16 bias
+        # rounds the balancing steps away) and move only to fn's device.
+        kept = {name: self._buffers[name] for name in ("expert_bias", "expert_load")}
+        for name in kept:
+            self._buffers[name] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, buffer in kept.items():
+                self._buffers[name] = buffer.to(fn(buffer[:0]).device)
+        return self
 
     def forward(self, x: torch.Tensor) -> RoutingOutput:
         cfg = self.config
-        logits = torch_f.linear(x.float(), self.weight.float())
+        recomputed = self.training and _in_backward()
+        bias = self.expert_bias if recomputed else self.next_bias()
+        logits = _fp32_linear(x, self.weight)
         if RouterScoring(cfg.scoring) is RouterScoring.SOFTMAX:
             scores = logits.softmax(dim=-1)
             selection = scores
         else:
             scores = logits.sigmoid()
-            selection = scores + self.expert_bias
+            selection = scores + bias
         topk_experts = selection.topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, topk_experts)
         if cfg.normalize_topk:
@@ -391,11 +429,36 @@ class Router(nn.Module):
                 fraction * probs.mean(dim=0)).sum()
         if cfg.z_loss_coef and x.shape[0]:
             aux_loss = aux_loss + cfg.z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
-        if cfg.bias_update_rate and self.training:
+        if cfg.bias_update_rate and self.training and not recomputed:
             with torch.no_grad():
-                load = tokens_per_expert.float()
-                self.expert_bias += cfg.bias_update_rate * torch.sign(load.mean() - load)
+                self.expert_bias.copy_(bias)
+                self.expert_load.copy_(tokens_per_expert)
         return RoutingOutput(topk_experts, weights, logits, tokens_per_expert, aux_loss)
+
+
+def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in fp32, autocast or not."""
+    if torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            return torch_f.linear(x.float(), weight.float())
+    return torch_f.linear(x.float(), weight.float())
+
+
+def _in_backward() -> bool:
+    """Whether this runs inside autograd's backward: a forward recomputed by activation
+    checkpointing (False while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+def _save_next_bias(router: Router, state_dict, prefix, local_metadata) -> None:
+    state_dict[prefix + "expert_bias"] = router.next_bias().detach()
+
+
+def _drop_pending_load(router: Router, state_dict, prefix, *args) -> None:
+    with torch.no_grad():
+        router.expert_load.zero_()
 
 
 class MoE(nn.Module):

@@ -5,7 +5,8 @@ import re
 import pytest
 import torch
 
-from mok.errors import MoKInputError
+import mok.functional as F
+from mok.errors import MoKDataError, MoKInputError
 from mok.nn import Backend, MoE, Router, RouterConfig, RouterScoring, moe_experts
 from mok.testing import assert_close, distributed_test, make_inputs, moe_reference, rank_device
 from mok.testing.tolerance import FP8_TOLERANCE
@@ -104,10 +105,82 @@ def test_sigmoid_router_bias_steers_selection_not_weights():
     router.train()
     before = router.expert_bias.clone()
     router(x)
-    # Overloaded experts 0 and 1 are pushed down, the idle ones up, by exactly the rate.
-    step = router.expert_bias - before
-    torch.testing.assert_close(step, torch.tensor([-0.01, -0.01] + [0.01] * 6, device=DEVICE),
-                               atol=1e-6, rtol=0)
+    # Overloaded experts 0 and 1 are pushed down, the idle ones up, by exactly the rate: the
+    # update is pending (this forward routed with the bias before it), the next forward routes
+    # with it, and state_dict saves it.
+    pushed = torch.tensor([-0.01, -0.01] + [0.01] * 6, device=DEVICE)
+    assert torch.equal(router.expert_bias, before)
+    for bias in (router.next_bias(), router.state_dict()["expert_bias"]):
+        torch.testing.assert_close(bias - before, pushed, atol=1e-6, rtol=0)
+    router.eval()
+    assert torch.equal(router(x).topk_experts, routed_with(router, x, router.next_bias()))
+    router.train()
+    out = router(x)
+    assert torch.equal(out.topk_experts, routed_with(router, x, before + pushed))
+    torch.testing.assert_close(router.expert_bias - before, pushed, atol=1e-6, rtol=0)
+    # Loading a state dict takes its bias as the next one and drops the pending load.
+    fresh = Router(16, 8, 2, config).to(DEVICE)
+    fresh.load_state_dict(router.state_dict())
+    assert torch.equal(fresh.next_bias(), router.next_bias())
+    assert not fresh.expert_load.any()
+
+
+def routed_with(router, x, bias):
+    scores = torch.sigmoid(x @ router.weight.T)
+    return (scores + bias).topk(router.top_k, dim=-1).indices
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointing_routes_the_recomputed_forward_as_the_first(use_reentrant):
+    # Activation checkpointing runs the forward again inside the backward. With the
+    # auxiliary-loss-free bias update that second run must route with the first run's bias and
+    # update nothing: gradients and biases then equal those of the module run plainly.
+    router = RouterConfig(scoring=RouterScoring.SIGMOID, bias_update_rate=1e-3)
+    plain = MoE(32, 16, 8, 2, router=router, backend="reference", device=DEVICE,
+                dtype=torch.float64)
+    checkpointed = MoE(32, 16, 8, 2, router=router, backend="reference", device=DEVICE,
+                       dtype=torch.float64)
+    checkpointed.load_state_dict(plain.state_dict())
+    for step in range(3):
+        x = torch.randn(64, 32, device=DEVICE, dtype=torch.float64,
+                        generator=torch.Generator(DEVICE).manual_seed(step))
+        d_y = torch.randn_like(x)
+        x_plain, x_checkpointed = x.clone().requires_grad_(), x.clone().requires_grad_()
+        plain(x_plain).backward(d_y)
+        y = torch.utils.checkpoint.checkpoint(checkpointed, x_checkpointed,
+                                              use_reentrant=use_reentrant)
+        y.backward(d_y)
+        assert torch.equal(x_plain.grad, x_checkpointed.grad), step
+        assert torch.equal(plain.router.expert_bias, checkpointed.router.expert_bias), step
+        assert torch.equal(plain.router.next_bias(), checkpointed.router.next_bias()), step
+        for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), (step, name)
+    assert plain.router.next_bias().abs().max() > 0  # the bias did move
+
+
+def test_router_keeps_fp32_bias_and_scores_under_casts_and_autocast():
+    router = Router(16, 4, 2, RouterConfig(scoring=RouterScoring.SIGMOID,
+                                           bias_update_rate=1e-3)).to(DEVICE)
+    with torch.no_grad():
+        router.expert_bias.fill_(0.5)
+    router.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == router.expert_load.dtype == torch.float32
+    assert bool((router.expert_bias == 0.5).all())
+    router.half().float()
+    assert router.expert_bias.dtype == torch.float32
+    x = torch.randn(24, 16, device=DEVICE)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out = router.eval()(x)
+    router.train()
+    assert out.logits.dtype == out.weights.dtype == torch.float32
+    assert torch.equal(out.logits, x.float() @ router.weight.float().T)
+    # Ten updates of 1e-3 around 0.5 keep their size (in bf16 most would round away).
+    expected = torch.full((4,), 0.5, dtype=torch.float64, device=DEVICE)
+    for i in range(10):
+        load = router(x[i:i + 1]).tokens_per_expert.double()
+        expected += 1e-3 * torch.sign(load.mean() - load)
+    torch.testing.assert_close(router.next_bias().double(), expected, atol=1e-6, rtol=0)
 
 
 def test_aux_and_z_losses():
@@ -222,6 +295,19 @@ def test_moe_experts_names_a_bad_backend():
     with pytest.raises(ValueError, match="backend must be one of 'mok', 'reference'"):
         moe_experts(inputs.x, inputs.topk_experts, inputs.router_weights, None, None, None,
                     *inputs.routed_weights, backend="cuda")
+
+
+def test_bad_expert_ids_raise_at_check_errors():
+    # moe_experts with ids past the experts: no sync in the call; check_errors() with no
+    # workspace checks those the layer ran in and raises at once, then the flags are clear.
+    inputs = make_inputs(6, 32, 16, 4, 2, device=DEVICE, seed=3)
+    ids = inputs.topk_experts.clone()
+    ids[2, 1] = 4
+    F.check_errors()
+    moe_experts(inputs.x, ids, inputs.router_weights, None, None, None, *inputs.routed_weights)
+    with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE"):
+        F.check_errors()
+    F.check_errors()
 
 
 def test_gate_and_up_in_different_layouts():

@@ -532,6 +532,39 @@ def test_kept_context_serves_one_backward():
         assert (a is None and b is None) or torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept_gate_up"])
+def test_backward_runs_with_the_forwards_swiglu_limit(recompute_gate_up):
+    # The context records the forward's limit: a backward not given one uses it (a backward
+    # without it had silently computed another layer's gradients, NaN with kept
+    # pre-activations), and one given another limit is refused.
+    case = CASES[1]
+    inputs = case.inputs()
+    config = F.MoKConfig(recompute_gate_up=recompute_gate_up)
+    tiles = tiles_for_tests(case.block, case.align)
+    _, expected, _, _ = run_layer(inputs, config=config, swiglu_limit=case.limit, tiles=tiles)
+    schedule = case.schedule(inputs, config, tiles)
+    workspace = schedule.workspace
+    _, context = F.forward(config, workspace, schedule, *inputs.layer_args,
+                           swiglu_limit=case.limit)
+    assert context.swiglu_limit == case.limit
+    for other in (None, 2 * case.limit):
+        with pytest.raises(MoKInputError, match="differs from the forward's"):
+            F.backward(config, workspace, schedule, context, inputs.d_output,
+                       *inputs.layer_args, swiglu_limit=other)
+    grads = F.backward(config, workspace, schedule, context, inputs.d_output,
+                       *inputs.layer_args)
+    for name, a, b in zip(GRAD_NAMES, expected, grads, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    rebuilt = F.recompute_forward_context(
+        config, workspace, schedule, inputs.x, inputs.w_shared_gate, inputs.w_shared_up,
+        inputs.w_routed_gate, inputs.w_routed_up, swiglu_limit=case.limit)
+    assert rebuilt.swiglu_limit == case.limit
+    again = F.backward(config, workspace, schedule, rebuilt, inputs.d_output,
+                       *inputs.layer_args)
+    for name, a, b in zip(GRAD_NAMES, expected, again, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
 def with_dswiglu_apart(tiles):
     """`tiles` (the table left out) with the recomputing dSwiGLU in two launches
     (DswigluTiles.apart)."""
