@@ -169,6 +169,9 @@ class Workspace:
         self.hidden_size = int(hidden_size)
         self.topk = int(topk)
         self.error_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device)
+        if group is not None and dist.get_world_size(group) > 1:
+            _check_same_on_every_rank(group, num_local_tokens=self.num_local_tokens,
+                                      hidden_size=self.hidden_size, topk=self.topk)
         # How rows reach the experts (mok.exchange): one GPU, a node, or nodes.
         self.exchange: Exchange = create_exchange(
             group, device, num_tokens=self.num_local_tokens, hidden_size=self.hidden_size,
@@ -249,6 +252,22 @@ class Workspace:
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}
+
+
+def _check_same_on_every_rank(group: dist.ProcessGroup, **sizes: int) -> None:
+    """Raise MoKInputError on every rank of `group` where the ranks' sizes differ (each rank's
+    buffers, which the others read, are laid out by them)."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, sizes, group=group)
+    differ = [name for name in sizes if len({each[name] for each in gathered}) > 1]
+    if differ:
+        by_rank = "; ".join(f"{name}: " + ", ".join(str(each[name]) for each in gathered)
+                            for name in differ)
+        raise MoKInputError(
+            f"the ranks of the expert-parallel group made workspaces of different sizes "
+            f"({by_rank}, by rank): every rank must pass the same sizes. Ranks passing "
+            "different numbers of tokens need ep_max_tokens (mok.nn), or num_local_tokens "
+            "(mok.functional), set to the same bound on every rank")
 
 
 def create_workspace(

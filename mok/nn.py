@@ -360,15 +360,19 @@ class Router(nn.Module):
     stores it in expert_bias. A forward recomputed inside the backward (activation
     checkpointing) routes with expert_bias, as the first run did, and changes nothing. So
     expert_bias is the bias of the last training forward; state_dict saves next_bias, the one
-    the next forward routes with, and loading one drops the pending load.
+    the next forward routes with, and loading one drops the pending load. load_group: the
+    ranks whose loads add up to the one the update sees (MoE passes its expert-parallel group,
+    so that the replicated router's bias stays the same on every rank).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
-                 config: RouterConfig = RouterConfig(), *, device=None, dtype=None) -> None:
+                 config: RouterConfig = RouterConfig(), *, load_group=None, device=None,
+                 dtype=None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.config = num_experts, top_k, config
+        self.load_group = load_group
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device,
                                                dtype=dtype))
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device,
@@ -433,6 +437,8 @@ class Router(nn.Module):
             with torch.no_grad():
                 self.expert_bias.copy_(bias)
                 self.expert_load.copy_(tokens_per_expert)
+                if self.load_group is not None:  # no host sync: stream-ordered on a GPU
+                    dist.all_reduce(self.expert_load, group=self.load_group)
         return RoutingOutput(topk_experts, weights, logits, tokens_per_expert, aux_loss)
 
 
@@ -531,7 +537,8 @@ class MoE(nn.Module):
         F.MoKConfig(precision=precision)  # checks it
         self.precision = precision
         factory = dict(device=device, dtype=dtype)
-        self.router = Router(hidden_size, num_experts, top_k, router, **factory)
+        self.router = Router(hidden_size, num_experts, top_k, router, load_group=self.ep_group,
+                             **factory)
         self.w_gate = nn.Parameter(torch.empty(num_local, intermediate_size, hidden_size,
                                                **factory))
         self.w_up = nn.Parameter(torch.empty(num_local, intermediate_size, hidden_size,

@@ -405,6 +405,43 @@ def test_expert_parallel_module_matches_reference_backend(rank, world_size):
     _ep_module_body(rank, world_size)
 
 
+def _ep_sizes_and_bias_body(rank, world_size):
+    """Under expert parallelism: ranks passing different token counts without ep_max_tokens are
+    told so on every rank (their buffers would differ in size, which the others read); the
+    replicated router's bias follows the group's load, so it stays the same on every rank."""
+    import torch.distributed as dist
+
+    device = rank_device(rank)
+    torch.manual_seed(0)
+    config = RouterConfig(scoring=RouterScoring.SIGMOID, bias_update_rate=1e-2)
+    module = MoE(32, 16, 2 * world_size, 2, device=device, ep_group=dist.group.WORLD,
+                 router=config)
+
+    def tokens(count, seed):
+        return torch.randn(count, 32, device=device,
+                           generator=torch.Generator(device=device).manual_seed(seed))
+
+    with pytest.raises(MoKInputError, match="different sizes.*ep_max_tokens"):
+        module.eval()(tokens(8 + 2 * rank, rank))
+    module.train()
+    expected = torch.zeros(2 * world_size, device=device)
+    for step in range(2):
+        module(tokens(8, 10 * step + rank)).sum().backward()
+        load = module.tokens_per_expert.float()
+        dist.all_reduce(load)
+        expected += 1e-2 * torch.sign(load.mean() - load)
+    biases = [torch.empty_like(expected) for _ in range(world_size)]
+    dist.all_gather(biases, module.router.next_bias())
+    for bias in biases:
+        torch.testing.assert_close(bias, expected, atol=1e-6, rtol=0)
+    assert bool(expected.abs().max() > 0)
+
+
+@distributed_test(world_sizes=(2,))
+def test_expert_parallel_sizes_checked_and_router_bias_kept_alike(rank, world_size):
+    _ep_sizes_and_bias_body(rank, world_size)
+
+
 def test_fp8_module_trains_close_to_the_reference_and_compiles():
     # MoE(precision="fp8"): the experts' row GEMMs in e4m3 (widths multiples of 128).
     torch.manual_seed(5)
