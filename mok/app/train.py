@@ -488,9 +488,12 @@ def build_model(config: ModelConfig, backend: str, seed: int, device: torch.devi
 # -- training --------------------------------------------------------------------------------
 
 def lr_multiplier(step: int, config: TrainConfig) -> float:
-    """Linear warmup to 1, then a cosine to min_lr_ratio at schedule_steps, then flat."""
+    """Linear warmup to 1, then a cosine to min_lr_ratio at schedule_steps, then flat (from
+    schedule_steps on, a warmup as long as the schedule or longer included)."""
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
+    if step >= config.schedule_steps:
+        return config.min_lr_ratio
     decay_steps = max(1, config.schedule_steps - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / decay_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))

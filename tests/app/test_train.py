@@ -197,6 +197,10 @@ def test_learning_rate_schedule():
     assert all(a >= b for a, b in zip(multipliers[9:], multipliers[10:], strict=False))
     assert multipliers[55] == pytest.approx(0.55)  # half way down the cosine
     assert multipliers[100] == multipliers[119] == pytest.approx(0.1)
+    # A warmup as long as the schedule: flat at the minimum from schedule_steps on.
+    short = dataclasses.replace(config, schedule_steps=10)
+    assert train.lr_multiplier(9, short) == pytest.approx(1.0)
+    assert train.lr_multiplier(10, short) == train.lr_multiplier(11, short) == 0.1
 
 
 @pytest.mark.gpu
