@@ -11,6 +11,7 @@ balancing (DeepSeek-V3), the load-balancing auxiliary loss and the router z-loss
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from dataclasses import dataclass
@@ -147,7 +148,7 @@ def _moe_backward(
                                precision=precision, swiglu_limit=swiglu_limit)
     grads = F.backward(config, workspace, schedule, context, d_y, x, router_weights,
                        w_shared_gate, w_shared_up, w_shared_down, w_routed_gate, w_routed_up,
-                       w_routed_down, swiglu_limit=swiglu_limit)
+                       w_routed_down)  # the context's swiglu_limit
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
@@ -408,7 +409,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> RoutingOutput:
         cfg = self.config
-        recomputed = self.training and _in_backward()
+        updates = bool(cfg.bias_update_rate) and self.training
+        recomputed = updates and _in_backward()
         bias = self.expert_bias if recomputed else self.next_bias()
         logits = _fp32_linear(x, self.weight)
         if RouterScoring(cfg.scoring) is RouterScoring.SOFTMAX:
@@ -433,7 +435,7 @@ class Router(nn.Module):
                 fraction * probs.mean(dim=0)).sum()
         if cfg.z_loss_coef and x.shape[0]:
             aux_loss = aux_loss + cfg.z_loss_coef * torch.logsumexp(logits, dim=-1).pow(2).mean()
-        if cfg.bias_update_rate and self.training and not recomputed:
+        if updates and not recomputed:
             with torch.no_grad():
                 self.expert_bias.copy_(bias)
                 self.expert_load.copy_(tokens_per_expert)
@@ -444,10 +446,10 @@ class Router(nn.Module):
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T in fp32, autocast or not."""
-    if torch.is_autocast_enabled(x.device.type):
-        with torch.autocast(x.device.type, enabled=False):
-            return torch_f.linear(x.float(), weight.float())
-    return torch_f.linear(x.float(), weight.float())
+    device = x.device.type
+    with (torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device)
+          else contextlib.nullcontext()):
+        return torch_f.linear(x.float(), weight.float())
 
 
 def _in_backward() -> bool:
