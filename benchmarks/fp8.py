@@ -9,7 +9,9 @@ random routes), stage by stage:
              (bytes read and written);
   gate_up    mok's bf16 gate/up with SwiGLU (the layer's plan and tiles), and
              gate_up_swiglu_fp8 (h in e4m3 with its scales);
-  down       mok's bf16 down, and down_proj_fp8 on that h;
+  down       mok's bf16 down, and down_proj_fp8 on that h (the Triton kernel, and on an sm_90
+             GPU the Gluon one);
+  d_x        d_x_rows_fp8 on random e4m3 d_gate_up rows (Triton, Gluon);
   dense      the ceilings at gate/up's and down's FLOPs, all T*k routes as one matrix: bf16
              torch.mm, and e4m3 torch._scaled_mm with one scale per tensor.
 
@@ -34,6 +36,7 @@ import torch
 import mok.functional as F
 from benchmarks import append_rows, commit_id
 from mok import ops, plan
+from mok.arch import arch_of
 from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
 from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
 from mok.reference import dequantize_e4m3, swiglu
@@ -99,6 +102,20 @@ def fp8_checks(x_q, gate_q, up_q, down_q, h32, h_q, rows_out, routing, router_we
     return h_err, y_err
 
 
+def d_x_checked(d_gate_up_q, gate_up_t, routing) -> torch.Tensor:
+    """d_x's rows in use from the dequantized operands, an expert at a time."""
+    row_route = routing.row_route.long()
+    rows = (row_route >= 0).nonzero().flatten()
+    experts = routing.block_expert.long()[rows // routing.align]
+    d_gate_up = dequantize_e4m3(d_gate_up_q.data, d_gate_up_q.scales, (1, QUANT_BLOCK))[rows]
+    w = dequantize_e4m3(gate_up_t.data, gate_up_t.scales, (QUANT_BLOCK, QUANT_BLOCK))
+    out = torch.empty(len(rows), w.shape[1], device=w.device)
+    for e in range(w.shape[0]):
+        mine = experts == e
+        out[mine] = d_gate_up[mine] @ w[e].T
+    return out
+
+
 def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int) -> list[dict]:
     inputs = make_shape_inputs(shape, device=device, seed=7)
     x, router_weights = inputs.x, inputs.router_weights.reshape(-1).float()
@@ -113,7 +130,12 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
     forward = plan.forward_plan(schedule.tiles, plan.Operands.of(x, w_gate, w_up, w_down),
                                 hidden=hidden, intermediate=inter, keep_gate_up=False)
     # The FP8 plan's tiles, within the schedule's alignment (32 under the interpreter).
-    tiles, down_tiles = (ops.fp8_tiles(kind, routing.align) for kind in ("gate_up", "down"))
+    tiles, down_tiles, d_x_tiles = (ops.fp8_tiles(kind, routing.align)
+                                    for kind in ("gate_up", "down", "d_x"))
+    # The warp-specialized Gluon kernels' tiles where the GPU runs them (the plan's choice).
+    gluon = arch_of(device).warp_specialized
+    gluon_tiles = {kind: ops.fp8_tiles(kind, routing.align, gluon=True)
+                   for kind in ("down", "d_x")} if gluon else {}
     x_q = quantize_rows(x)
     gate_q, up_q, down_q = (quantize_weights(w) for w in (w_gate, w_up, w_down))
     h = ops.gate_up_swiglu(x, w_gate, w_up, routing, forward.gate_up, None)
@@ -126,6 +148,26 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                               router_weights)
     print(f"== {shape.name}: check against dequantized math: gate/up max rel "
           f"{h_err:.2e}, down {y_err:.2e}", flush=True)
+    # d_x: random e4m3 d_gate_up rows against the transposed gate and up weights.
+    d_gate_up_q = quantize_rows(torch.randn(routing.capacity_rows, 2 * inter, device=device,
+                                            dtype=torch.bfloat16))
+    gate_up_t = ops.quantize_experts(w_gate, w_up, w_down).gate_up_t
+    used = routing.row_route >= 0
+    d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing, d_x_tiles,
+                                out_dtype=torch.float32)
+    d_x_err = max_rel_err(d_x_rows[used], d_x_checked(d_gate_up_q, gate_up_t, routing))
+    errors = {("gate_up", "mok_fp8"): h_err, ("down", "mok_fp8"): y_err,
+              ("d_x", "mok_fp8"): d_x_err}
+    print(f"   d_x max rel {d_x_err:.2e}", flush=True)
+    if gluon:  # the Gluon launches against the Triton ones (same products and K order)
+        mine = down_proj_fp8(h_q, down_q, routing, gluon_tiles["down"], router_weights,
+                             out_dtype=torch.float32)
+        errors[("down", "mok_fp8_gluon")] = max_rel_err(mine[used], rows_out[used])
+        mine = ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing, gluon_tiles["d_x"],
+                                out_dtype=torch.float32)
+        errors[("d_x", "mok_fp8_gluon")] = max_rel_err(mine[used], d_x_rows[used])
+        print(f"   Gluon against Triton: down max rel {errors[('down', 'mok_fp8_gluon')]:.2e}, "
+              f"d_x {errors[('d_x', 'mok_fp8_gluon')]:.2e}", flush=True)
 
     routes = shape.num_tokens * shape.topk
     gemm = 2.0 * routes * hidden * inter
@@ -157,7 +199,17 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                                                    router_weights), gemm, 0),
         ("down", "mok_fp8", lambda: down_proj_fp8(h_q, down_q, routing, down_tiles,
                                                   router_weights), gemm, 0),
+        ("d_x", "mok_fp8", lambda: ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing,
+                                                     d_x_tiles), 2 * gemm, 0),
     ]
+    if gluon:
+        stages += [
+            ("down", "mok_fp8_gluon", lambda: down_proj_fp8(h_q, down_q, routing,
+                                                            gluon_tiles["down"], router_weights),
+             gemm, 0),
+            ("d_x", "mok_fp8_gluon", lambda: ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing,
+                                                               gluon_tiles["d_x"]), 2 * gemm, 0),
+        ]
     if device.type == "cuda":  # torch._scaled_mm needs a GPU
         stages += [
             ("dense_gate_up", "cublas_bf16", lambda: dense_mm(routes, hidden, 2 * inter, False),
@@ -167,8 +219,9 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
             ("dense_down", "cublas_bf16", lambda: dense_mm(routes, inter, hidden, False), gemm, 0),
             ("dense_down", "scaled_mm_fp8", lambda: dense_mm(routes, inter, hidden, True), gemm,
              0),
+            ("dense_d_x", "scaled_mm_fp8", lambda: dense_mm(routes, 2 * inter, hidden, True),
+             2 * gemm, 0),
         ]
-    errors = {("gate_up", "mok_fp8"): h_err, ("down", "mok_fp8"): y_err}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
     rows = []

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mok import _env
 from mok.arch import arch_of
 from mok.exchange.base import Movement
 from mok.ops import DswigluTiles, RowTiles, TileConfig, WgradTiles, fp8_tiles
@@ -159,10 +160,13 @@ class Fp8Plan:
 
 def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int,
              intermediate: int) -> Fp8Plan:
-    """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment)."""
+    """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment):
+    with MOK_FP8_GLUON the Gluon kernels where the GPU runs them (their operands are mok's own
+    buffers and e4m3 weight copies, which they can read whenever H is a multiple of 16)."""
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
-    return Fp8Plan(*(fp8_tiles(kind, tiles.align) for kind in FP8_KINDS),
+    gluon = _env.FP8_GLUON and arch_of(operands.device).warp_specialized and hidden % 16 == 0
+    return Fp8Plan(*(fp8_tiles(kind, tiles.align, gluon=gluon) for kind in FP8_KINDS),
                    *_wgrads(pick, operands, tiles.align, sizes))
 
 

@@ -419,6 +419,33 @@ def main(argv=None) -> None:
             ("d_x fp8", ops.fp8_tiles("d_x", 128), lambda tt: fp8.d_x_rows_fp8(
                 quantized(rows, 2 * inter), quantized(experts, hid, 2 * inter), routing, tt)),
         ]
+        # The Gluon FP8 kernels (mok.kernels.gluon_fp8), as an sm_90 GPU would run them.
+        fp8.gluon_takes_fp8 = lambda *args, **kwargs: True
+        gate_up_gluon = ops.fp8_tiles("gate_up", 128, gluon=True)
+        runs += [
+            ("gate_up fp8 gluon", gate_up_gluon,
+             lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt)),
+            ("gate_up fp8 gluon keeping limit", gate_up_gluon,
+             lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt, 7.0, gate_up=dgu)),
+            ("gate_up fp8 gluon h fp32", gate_up_gluon,
+             lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt, quantize_h=False,
+                                               out_dtype=torch.float32)),
+            ("gate_up saving fp8 gluon limit", ops.fp8_tiles("gate_up_saved", 128, gluon=True),
+             lambda tt: fp8.gate_up_fp8(x8, g8, g8, routing, tt, 7.0)),
+        ]
+        fp8_gluon = dataclasses.replace(ops.fp8_tiles("down", 128), block_m=128, num_stages=4,
+                                        gluon=True)
+        for label, variant in (("", {}), (" s5", dict(num_stages=5)),
+                               (" 64x128 s6", dict(block_m=64, num_stages=6))):
+            runs += [
+                (f"down fp8 gluon{label}", r(fp8_gluon, **variant),
+                 lambda tt: fp8.down_proj_fp8(quantized(rows, inter),
+                                              quantized(experts, hid, inter), routing, tt,
+                                              rw.view(-1))),
+                (f"d_x fp8 gluon{label}", r(fp8_gluon, **variant),
+                 lambda tt: fp8.d_x_rows_fp8(quantized(rows, 2 * inter),
+                                             quantized(experts, hid, 2 * inter), routing, tt)),
+            ]
     if not args.json:
         print(f"{args.shape}: H={hid} I={inter} k={k}; sm_90; tiles (m, n, k, warps, stages)")
     rows_out = []

@@ -8,10 +8,15 @@ import weakref
 from typing import NamedTuple
 
 import torch
+from triton.experimental.gluon import language as gl
 
 from mok import _env
+from mok.arch import HOPPER, arch_of
 from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
+from mok.kernels import gluon_fp8
+from mok.ops.experts import _gluon_descriptor as _descriptor
+from mok.ops.experts import _num_programs, _nvmma_layout
 from mok.ops.launch import cdiv, launch
 from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_weights
 from mok.ops.routing import Routing
@@ -142,8 +147,12 @@ def gate_up_swiglu_fp8(
     else:
         out = torch.empty(rows, inter, dtype=out_dtype, device=device)
         out_scales = out
-    _launch(x, w_gate, w_up, out, out_scales, routing, tiles, None, swiglu_limit,
-            gather=True, epilogue="swiglu", quantize_out=quantize_h, gate_up=gate_up)
+    if tiles.gluon and rows > 0:
+        _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h=out,
+                       h_scales=out_scales if quantize_h else None, gate_up=gate_up)
+    else:
+        _launch(x, w_gate, w_up, out, out_scales, routing, tiles, None, swiglu_limit,
+                gather=True, epilogue="swiglu", quantize_out=quantize_h, gate_up=gate_up)
     return Quantized(out, out_scales) if quantize_h else out
 
 
@@ -163,8 +172,12 @@ def gate_up_fp8(
     inter = _gate_up_operands(x, w_gate, w_up)
     _check_tiles(tiles, routing, quantize_out=False)
     out = torch.empty(routing.capacity_rows, 2 * inter, dtype=out_dtype, device=x.data.device)
-    _launch(x, w_gate, w_up, out, out, routing, tiles, None, swiglu_limit, gather=True,
-            epilogue="gate_up", quantize_out=False)
+    if tiles.gluon and routing.capacity_rows > 0:
+        _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h=None, h_scales=None,
+                       gate_up=out)
+    else:
+        _launch(x, w_gate, w_up, out, out, routing, tiles, None, swiglu_limit, gather=True,
+                epilogue="gate_up", quantize_out=False)
     return out
 
 
@@ -245,9 +258,71 @@ def _schedule_rows_gemm(a: Quantized, a_name: str, w: Quantized, w_name: str,
     _check_router_weights(router_weights, routing)
     _check_tiles(tiles, routing, quantize_out=False)
     out = torch.empty(capacity, n, dtype=out_dtype, device=a.data.device)
-    _launch(a, w, None, out, out, routing, tiles, router_weights, None, gather=False,
-            epilogue="plain", quantize_out=False)
+    if tiles.gluon and capacity > 0 and n > 0:
+        _rows_gluon(a, w, out, routing, tiles, router_weights)
+    else:
+        _launch(a, w, None, out, out, routing, tiles, router_weights, None, gather=False,
+                epilogue="plain", quantize_out=False)
     return out
+
+
+def gluon_takes_fp8(kind: str, a: Quantized, w: Quantized, out_dtype: torch.dtype,
+                    tiles: RowTiles) -> bool:
+    """Whether the Gluon FP8 kernel of `kind` (mok.kernels.gluon_fp8, FP8_GLUON_KINDS) can run
+    a[r or token] @ w[e]^T into out_dtype with these tiles: an sm_90 GPU, operands TMA and
+    16-byte copies can read (aligned starts and row strides, experts back to back), outputs
+    in an e4m3 or 16- or 32-bit dtype, K steps of 128, 128 columns (64 for down and d_x too)
+    and 128 rows (64 for down and d_x too)."""
+    data, experts, rows = a.data, w.data, w.data.shape[1]
+    gathered = kind in ("gate_up", "gate_up_saved")
+    return (data.is_cuda and arch_of(data.device).warp_specialized
+            and out_dtype in _GLUON_OUT and tiles.block_k == QUANT_BLOCK
+            and (tiles.block_n, tiles.block_m) in ({(128, 128)} if gathered
+                                                   else {(64, 64), (64, 128), (128, 64),
+                                                         (128, 128)})
+            and data.stride(0) % 16 == 0 and data.data_ptr() % 16 == 0
+            and (not gathered or data.shape[1] % 16 == 0)
+            and experts.stride(1) % 16 == 0 and experts.data_ptr() % 16 == 0
+            and experts.stride(0) == rows * experts.stride(1))
+
+
+def gluon_takes_fp8_rows(a: Quantized, w: Quantized, out_dtype: torch.dtype,
+                         tiles: RowTiles) -> bool:
+    """gluon_takes_fp8 of the row GEMMs (down, d_x)."""
+    return gluon_takes_fp8("down", a, w, out_dtype, tiles)
+
+
+_GLUON_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+              E4M3: gl.float8e4nv}
+_GLUON_LOAD_REGS = 24  # the row GEMMs' loader: one warp issuing TMA copies
+_GLUON_GATHER_WARPS = 4  # gate/up's loader: x's rows by cp.async, the weights by TMA
+_GLUON_GATHER_REGS = 64
+_GLUON_MMA_REGS = 224  # the second MMA partition (the first takes what is left)
+_SMEM = HOPPER.shared_memory - 1024  # a program's shared memory, less the barriers'
+
+
+def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
+                tiles: RowTiles, router_weights: torch.Tensor | None) -> None:
+    """The schedule's row GEMM by the warp-specialized Gluon kernel (mok.kernels.gluon_fp8)."""
+    if not gluon_takes_fp8_rows(a, w, out.dtype, tiles):
+        raise ValueError("the tiles ask for the Gluon FP8 kernel (RowTiles.gluon), which does "
+                         "not take this launch (GPU, layout or tiles); mok.plan gives Gluon "
+                         "tiles only where it does")
+    experts, n, k = w.data.shape
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    launch(gluon_fp8.fp8_rows_ws_kernel, (_num_programs(out.device),))(
+        a_desc=_descriptor(a.data, [bm, bk], gl.float8e4nv),
+        w_desc=_descriptor(w.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
+        out_desc=_descriptor(out, [64, bn], _GLUON_OUT[out.dtype]),
+        a_scale_ptr=a.scales, w_scale_ptr=w.scales,
+        router_weights_ptr=router_weights if router_weights is not None else a.scales,
+        row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
+        used_rows_ptr=routing.used_rows, N=n, K=k, stride_as=a.scales.stride(0),
+        stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
+        NUM_STAGES=tiles.num_stages, LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_GLUON_MMA_REGS,
+        HAS_WEIGHT=router_weights is not None, num_warps=4,
+    )
 
 
 def _gate_up_operands(x: Quantized, w_gate: Quantized, w_up: Quantized) -> int:
@@ -347,4 +422,52 @@ def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_li
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, UPCAST=_env.INTERPRET, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+    )
+
+
+def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Routing,
+                   tiles: RowTiles, swiglu_limit: float | None, *, h: torch.Tensor | None,
+                   h_scales: torch.Tensor | None, gate_up: torch.Tensor | None) -> None:
+    """gate/up by the warp-specialized Gluon kernel (mok.kernels.gluon_fp8): h (e4m3 with
+    h_scales, or unquantized; None: the pre-activations alone) and the pre-activations into
+    gate_up (or None)."""
+    kind = "gate_up" if h is not None else "gate_up_saved"
+    out_dtype = h.dtype if h is not None else gate_up.dtype
+    if not gluon_takes_fp8(kind, x, w_gate, out_dtype, tiles) or (
+            gate_up is not None and gate_up.dtype not in _GLUON_OUT):
+        raise ValueError("the tiles ask for the Gluon FP8 kernel (RowTiles.gluon), which does "
+                         "not take this launch (GPU, layout or tiles); mok.plan gives Gluon "
+                         "tiles only where it does")
+    experts, n, k = w_gate.data.shape
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    kept = gate_up is not None
+    gate_desc = up_desc = None
+    if kept:
+        gate_desc, up_desc = (_descriptor(half, [64, bn], _GLUON_OUT[gate_up.dtype])
+                              for half in (gate_up[:, :n], gate_up[:, n:]))
+    h_desc = _descriptor(h, [64, bn], _GLUON_OUT[h.dtype]) if h is not None else gate_desc
+    # the ring's stages within shared memory beside the epilogue's buffers (two of each)
+    epilogue = 2 * 64 * bn * ((h.element_size() if h is not None else 0)
+                              + (gate_up.element_size() if kept else 0))
+    stages = min(tiles.num_stages, (_SMEM - epilogue) // ((bm + 2 * bn) * bk))
+    w_view = [experts * n, k]
+    launch(gluon_fp8.fp8_gate_up_ws_kernel, (_num_programs(x.data.device),))(
+        x_ptr=x.data,
+        w_gate_desc=_descriptor(w_gate.data.view(w_view), [bn, bk], gl.float8e4nv),
+        w_up_desc=_descriptor(w_up.data.view(w_view), [bn, bk], gl.float8e4nv),
+        h_desc=h_desc, gate_desc=gate_desc if kept else h_desc,
+        up_desc=up_desc if kept else h_desc, x_scale_ptr=x.scales,
+        w_gate_scale_ptr=w_gate.scales, w_up_scale_ptr=w_up.scales,
+        h_scale_ptr=h_scales if h_scales is not None else x.scales,
+        row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
+        used_rows_ptr=routing.used_rows, N=n, K=k, topk=routing.topk,
+        swiglu_limit=swiglu_limit if swiglu_limit is not None else 0.0,
+        stride_xm=x.data.stride(0), stride_xs=x.scales.stride(0),
+        stride_wse=w_gate.scales.stride(0), stride_wsn=w_gate.scales.stride(1),
+        stride_hs=h_scales.stride(0) if h_scales is not None else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
+        NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
+        MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
+        HAS_LIMIT=swiglu_limit is not None, SWIGLU=h is not None,
+        QUANTIZE_H=h_scales is not None, SAVE_GATE_UP=kept, num_warps=4,
     )

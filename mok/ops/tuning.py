@@ -100,9 +100,9 @@ class RowTiles(Tiles):
             raise ValueError(f"{type(self).__name__}: epilogue_split={self.epilogue_split} must "
                              f"be 1 or 2")
         if self.gluon and (self.block_m not in (64, 128) or self.block_n > 256
-                           or self.block_k not in (32, 64)):
+                           or self.block_k not in (32, 64, 128)):
             raise ValueError(f"{type(self).__name__}(gluon=True): block_m 64 or 128, block_n <= "
-                             f"256, block_k 32 or 64; got "
+                             f"256, block_k 32, 64 or 128 (FP8); got "
                              f"{self.block_m}x{self.block_n}x{self.block_k}")
 
 
@@ -391,14 +391,26 @@ def hopper_rule(kind: str, n: int, k: int, triton: bool = False,
 FP8_KINDS = ("gate_up", "gate_up_saved", "down", "down_bwd_saved", "d_x")
 
 
-def fp8_tiles(kind: str, align: int) -> RowTiles:
-    """The tiles of an FP8 row GEMM (mok.kernels.fp8_gemm, FP8_KINDS): K steps of one scale
-    block (128), 128 columns (an e4m3 output's 1 x 128 blocks); rows and warps as measured on
-    one H200 at qwen3-30b-a3b and kimi-ep64-slice (docs/measurements.md, 2026-12-03, FP8): 64
-    rows, except the pre-activations' 128 (the SwiGLU and dSwiGLU epilogues cost more at 128
-    rows, and 256 columns spilled); block_m at most align."""
+# FP8 kinds with a warp-specialized Gluon kernel (mok.kernels.gluon_fp8).
+FP8_GLUON_KINDS = ("gate_up", "gate_up_saved", "down", "d_x")
+
+
+def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:
+    """The tiles of an FP8 row GEMM (FP8_KINDS): K steps of one scale block (128), 128 columns
+    (an e4m3 output's 1 x 128 blocks). The Triton kernel's (mok.kernels.fp8_gemm), as measured
+    on one H200 at qwen3-30b-a3b and kimi-ep64-slice (docs/measurements.md, 2026-12-03, FP8):
+    64 rows, except the pre-activations' 128 (the SwiGLU and dSwiGLU epilogues cost more at 128
+    rows, and 256 columns spilled). With gluon, for FP8_GLUON_KINDS where align takes their
+    rows (gate/up 128, down and d_x 64), the Gluon kernel's: 128 x 128, up to 4 stages.
+    block_m at most align."""
     if kind not in FP8_KINDS:
         raise ValueError(f"no FP8 tiles for {kind!r}")
+    if gluon and kind in FP8_GLUON_KINDS and align % (64 if kind in ("down", "d_x")
+                                                       else 128) == 0:
+        # gate/up's two MMA partitions take 64 rows each; its launcher fits the stages to
+        # shared memory
+        return RowTiles(min(128, align), 128, 128, group_m=8, num_warps=4, num_stages=4,
+                        gluon=True)
     if kind == "gate_up_saved":
         tiles = RowTiles(128, 128, 128, group_m=8, num_warps=8, num_stages=3)
     elif kind in ("down", "d_x"):

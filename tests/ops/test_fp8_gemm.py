@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import mok.reference as reference
+from mok import ops
 from mok.errors import MoKInputError
 from mok.ops import build_routing
 from mok.ops.fp8 import (
@@ -24,7 +25,7 @@ TILES = RowTiles(16, 64, QUANT_BLOCK, group_m=2, num_warps=4, num_stages=2)
 H_TILES = RowTiles(16, 128, QUANT_BLOCK, group_m=2, num_warps=4, num_stages=2)
 
 
-def setup(device, *, tokens=37, hidden=256, inter=200, experts=4, topk=2, seed=0):
+def setup(device, *, tokens=37, hidden=256, inter=200, experts=4, topk=2, seed=0, align=ALIGN):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=generator).bfloat16().to(device)
     weights = [(torch.randn(experts, n, k, generator=generator) / k ** 0.5).bfloat16().to(device)
@@ -33,7 +34,7 @@ def setup(device, *, tokens=37, hidden=256, inter=200, experts=4, topk=2, seed=0
     router_weights = torch.rand(tokens * topk, generator=generator).to(device)
     flags = torch.zeros(4, dtype=torch.int32, device=device)
     routing = build_routing(topk_experts, flags, num_experts=experts, first_local_expert=0,
-                            num_local_experts=experts, align=ALIGN,
+                            num_local_experts=experts, align=align,
                             route_capacity=tokens * topk)
     return x, weights, topk_experts, router_weights, routing
 
@@ -326,7 +327,7 @@ def test_quantize_experts_gives_every_copy_the_launchers_read(device):
 
 
 def test_fp8_tiles_fit_the_schedule():
-    from mok.ops.tuning import FP8_KINDS, fp8_tiles
+    from mok.ops.tuning import FP8_GLUON_KINDS, FP8_KINDS, fp8_tiles
 
     for kind in FP8_KINDS:
         for align in (16, 32, 128):
@@ -335,3 +336,34 @@ def test_fp8_tiles_fit_the_schedule():
             assert align % tiles.block_m == 0
     with pytest.raises(ValueError, match="no FP8 tiles"):
         fp8_tiles("wgrad_down", 128)
+    # The Gluon kernels' tiles (mok.kernels.gluon_fp8) where the alignment takes their rows:
+    # gate/up's two MMA partitions 64 rows each, down and d_x 64 or 128.
+    for kind in FP8_KINDS:
+        for align in (16, 32, 64, 128, 256):
+            tiles = fp8_tiles(kind, align, gluon=True)
+            expected = kind in FP8_GLUON_KINDS and align % (
+                128 if kind.startswith("gate_up") else 64) == 0
+            assert tiles.gluon == expected, (kind, align)
+            assert align % tiles.block_m == 0 and tiles.block_k == QUANT_BLOCK
+            if tiles.gluon:
+                assert (tiles.block_m, tiles.block_n) == (min(128, align), 128)
+
+
+def test_gluon_fp8_tiles_off_sm90_raise_and_the_plan_does_not_give_them(device, monkeypatch):
+    from mok import _env, plan
+    from mok.ops.tuning import fp8_tiles
+
+    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=256, align=128)
+    experts = quantize_experts(w_g, w_u, w_d)
+    xq = quantize_rows(x)
+    h = gate_up_swiglu_fp8(xq, experts.gate, experts.up, routing, H_TILES)
+    for kind, run in (
+            ("gate_up", lambda t: gate_up_swiglu_fp8(xq, experts.gate, experts.up, routing, t)),
+            ("gate_up_saved", lambda t: gate_up_fp8(xq, experts.gate, experts.up, routing, t)),
+            ("down", lambda t: down_proj_fp8(h, experts.down, routing, t, router_weights))):
+        with pytest.raises(ValueError, match="Gluon FP8 kernel"):
+            run(fp8_tiles(kind, 128, gluon=True))
+    monkeypatch.setattr(_env, "FP8_GLUON", True)
+    tiles = ops.default_tiles(device)
+    fp8 = plan.fp8_plan(tiles, plan.Operands.of(x, w_g, w_u, w_d), hidden=256, intermediate=256)
+    assert not any(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.d_x))

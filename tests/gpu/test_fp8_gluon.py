@@ -1,0 +1,210 @@
+"""The warp-specialized Gluon FP8 kernels (mok.kernels.gluon_fp8: gate/up, the pre-activations,
+down and d_x; RowTiles.gluon) on an sm_90 GPU: against the same math on the dequantized
+operands, against the Triton FP8 kernels, bitwise deterministic, 0 on padding rows, and the
+layer on them (MOK_FP8_GLUON) against the layer on the Triton kernels."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import mok.reference as reference
+from mok.arch import arch_of
+from mok.ops import build_routing
+from mok.ops.fp8 import (
+    d_x_rows_fp8,
+    down_proj_fp8,
+    gate_up_fp8,
+    gate_up_swiglu_fp8,
+    gluon_takes_fp8_rows,
+    quantize_experts,
+)
+from mok.ops.quantize import QUANT_BLOCK, quantize_rows
+from mok.ops.tuning import RowTiles, fp8_tiles
+from mok.testing import RoutingPattern, make_topk
+
+pytestmark = pytest.mark.gpu
+SM90 = pytest.mark.skipif(not torch.cuda.is_available()
+                          or not arch_of(torch.device("cuda")).warp_specialized,
+                          reason="needs an sm_90 GPU")
+
+ALIGN = 128
+GLUON = RowTiles(128, 128, QUANT_BLOCK, group_m=8, num_warps=4, num_stages=4, gluon=True)
+
+
+def _setup(*, tokens, hidden, inter, experts, topk, seed):
+    generator = torch.Generator().manual_seed(seed)
+    w_g, w_u = ((torch.randn(experts, inter, hidden, generator=generator) / hidden ** 0.5)
+                .bfloat16().cuda() for _ in range(2))
+    w_d = (torch.randn(experts, hidden, inter, generator=generator) / inter ** 0.5).bfloat16()
+    topk_experts = make_topk(tokens, experts, topk, RoutingPattern.SKEWED, generator).cuda()
+    router_weights = torch.rand(tokens * topk, generator=generator).cuda()
+    flags = torch.zeros(4, dtype=torch.int32, device="cuda")
+    routing = build_routing(topk_experts, flags, num_experts=experts, first_local_expert=0,
+                            num_local_experts=experts, align=ALIGN,
+                            route_capacity=tokens * topk)
+    weights = quantize_experts(w_g, w_u, w_d.cuda())
+    return weights, router_weights, routing, generator
+
+
+def _rows(routing):
+    row_route = routing.row_route.long()
+    rows = (row_route >= 0).nonzero().flatten()
+    return rows, row_route[rows], routing.block_expert.long()[rows // routing.align]
+
+
+def _schedule_rows(routing, width, generator):
+    """Random e4m3 rows [C, width] with their scales, NaN codes on the padding rows (the kernel
+    must still write 0 there)."""
+    rows = torch.randn(routing.capacity_rows, width, generator=generator).bfloat16().cuda()
+    q = quantize_rows(rows)
+    padding = routing.row_route < 0
+    q.data.view(torch.uint8)[padding] = 0x7F
+    return q
+
+
+@SM90
+@pytest.mark.parametrize(("hidden", "inter", "tiles"), [
+    (512, 384, GLUON),  # 3 K blocks in down, 6 in d_x
+    (640, 256, dataclasses.replace(GLUON, num_stages=5)),  # N not a multiple of 128 x 2
+    (512, 256, dataclasses.replace(GLUON, block_m=64, num_stages=6)),
+], ids=["128x128", "n640_s5", "64x128"])
+def test_gluon_fp8_rows_match_dequantized_math_and_the_triton_kernel(hidden, inter, tiles):
+    weights, router_weights, routing, generator = _setup(
+        tokens=3000, hidden=hidden, inter=inter, experts=16, topk=4, seed=hidden + inter)
+    rows, routes, experts = _rows(routing)
+    triton = fp8_tiles("down", ALIGN)
+    n = int(routing.used_rows)
+    block = (QUANT_BLOCK, QUANT_BLOCK)
+    for kind, width, w in (("down", inter, weights.down), ("d_x", 2 * inter, weights.gate_up_t)):
+        a = _schedule_rows(routing, width, generator)
+        assert gluon_takes_fp8_rows(a, w, torch.float32, tiles)
+        weighted = router_weights if kind == "down" else None
+
+        def run(t, a=a, w=w, kind=kind, weighted=weighted):
+            if kind == "down":
+                return down_proj_fp8(a, w, routing, t, weighted, out_dtype=torch.float32)
+            return d_x_rows_fp8(a, w, routing, t, out_dtype=torch.float32)
+
+        out = run(tiles)
+        assert torch.equal(out[:n], run(tiles)[:n]), kind  # bitwise deterministic
+        expected = torch.einsum(
+            "rk,rnk->rn", reference.dequantize_e4m3(a.data, a.scales, (1, QUANT_BLOCK))[rows],
+            reference.dequantize_e4m3(w.data, w.scales, block)[experts])
+        if weighted is not None:
+            expected = expected * weighted[routes, None]
+        # The tensor cores sum a K step's products with fewer bits than fp32.
+        err = (out[rows] - expected).abs().max() / expected.abs().max()
+        assert err < 1e-4, (kind, float(err))
+        padding = routing.row_route[:n] < 0
+        assert padding.any() and (out[:n][padding] == 0).all(), kind
+        theirs = run(triton)
+        err = (out[rows] - theirs[rows]).abs().max() / theirs[rows].abs().max()
+        assert err < 1e-4, (kind, float(err))
+        bf16 = (down_proj_fp8(a, w, routing, tiles, weighted) if kind == "down"
+                else d_x_rows_fp8(a, w, routing, tiles))
+        assert bf16.dtype == torch.bfloat16
+        torch.testing.assert_close(bf16[:n].float(), out[:n], rtol=1e-2, atol=1e-2)
+
+
+def _token_rows(tokens, width, generator):
+    x = torch.randn(tokens, width, generator=generator).bfloat16().cuda()
+    return quantize_rows(x)
+
+
+@SM90
+@pytest.mark.parametrize(("hidden", "limit"), [(512, None), (400, 1.5)],
+                         ids=["plain", "k_tail_limit"])
+def test_gluon_fp8_gate_up_matches_dequantized_math_and_the_triton_kernel(hidden, limit):
+    # hidden 400: 4 K blocks, the last one 16 columns deep (TMA and the gather zero past K).
+    weights, _, routing, generator = _setup(tokens=3000, hidden=hidden, inter=256, experts=16,
+                                            topk=4, seed=hidden)
+    xq = _token_rows(3000, hidden, generator)
+    tiles, saved = (fp8_tiles(kind, ALIGN, gluon=True) for kind in ("gate_up", "gate_up_saved"))
+    assert tiles.gluon and saved.gluon
+    triton, triton_saved = (fp8_tiles(kind, ALIGN) for kind in ("gate_up", "gate_up_saved"))
+    rows, _, experts = _rows(routing)
+    n = int(routing.used_rows)
+    x = reference.dequantize_e4m3(xq.data, xq.scales, (1, QUANT_BLOCK))
+    block = (QUANT_BLOCK, QUANT_BLOCK)
+    tokens = routing.row_route.long()[rows] // routing.topk
+    g, u = (torch.einsum("rk,rnk->rn", x[tokens],
+                         reference.dequantize_e4m3(w.data, w.scales, block)[experts])
+            for w in (weights.gate, weights.up))
+    expected_h = reference.swiglu(g, u, limit)
+    padding = routing.row_route[:n] < 0
+    assert padding.any()
+
+    def h32(t):
+        return gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, t, limit,
+                                  quantize_h=False, out_dtype=torch.float32)
+
+    h = h32(tiles)
+    assert torch.equal(h[:n], h32(tiles)[:n])
+    err = (h[rows] - expected_h).abs().max() / expected_h.abs().max()
+    assert err < 1e-4, float(err)
+    assert (h[:n][padding] == 0).all()
+    theirs = h32(triton)
+    assert (h[rows] - theirs[rows]).abs().max() / theirs[rows].abs().max() < 1e-4
+
+    # h in e4m3 with its row scales: the quantization of the unquantized h (mok's rule), and
+    # the pre-activations kept alongside, as gate_up_fp8 stores them.
+    kept = torch.empty(routing.capacity_rows, 512, dtype=torch.bfloat16, device="cuda")
+    hq = gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, tiles, limit, gate_up=kept)
+    again = gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, tiles, limit)
+    assert torch.equal(hq.data[:n].view(torch.uint8), again.data[:n].view(torch.uint8))
+    q_ref, scales_ref = reference.quantize_e4m3(h[:n], (1, QUANT_BLOCK))
+    assert torch.equal(hq.scales[:n], scales_ref)
+    assert torch.equal(hq.data[:n].view(torch.uint8), q_ref.view(torch.uint8))
+    assert (hq.scales[:n][padding] == 1).all()
+    pre = gate_up_fp8(xq, weights.gate, weights.up, routing, saved, limit)
+    assert torch.equal(pre[:n], kept[:n])
+    theirs = gate_up_fp8(xq, weights.gate, weights.up, routing, triton_saved, limit)
+    finite = pre[rows].isfinite()
+    assert torch.equal(finite, theirs[rows].isfinite())  # the same values clamped (+-inf)
+    torch.testing.assert_close(pre[rows][finite].float(), theirs[rows][finite].float(),
+                               rtol=1e-2, atol=1e-2)
+    assert (pre[:n][padding] == 0).all()
+
+
+@SM90
+@pytest.mark.parametrize(("recompute", "limit"), [(True, None), (False, 7.0)],
+                         ids=["recompute", "kept_limit"])
+def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
+    # MOK_FP8_GLUON: the layer's FP8 plan takes the Gluon kernels, which give the Triton
+    # kernels' layer within the recipe's tolerance (other sums inside each K block move some
+    # e4m3 roundings), bitwise deterministic.
+    import mok.functional as F
+    from mok import _env
+    from mok.ops import fp8 as fp8_ops
+    from mok.testing import GRAD_NAMES, assert_close, make_inputs
+
+    from ..conftest import run_layer
+    from ..layer.test_fp8 import RECIPE
+
+    inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
+                         seed=5)
+    config = F.MoKConfig(precision="fp8", recompute_gate_up=recompute)
+    triton = run_layer(inputs, config=config, swiglu_limit=limit)
+    monkeypatch.setattr(_env, "FP8_GLUON", True)
+    launches = []
+    for name in ("_rows_gluon", "_gate_up_gluon"):
+        launcher = getattr(fp8_ops, name)
+
+        def counted(*args, name=name, launcher=launcher, **kwargs):
+            launches.append(name)
+            return launcher(*args, **kwargs)
+        monkeypatch.setattr(fp8_ops, name, counted)
+    y, grads, _, _ = run_layer(inputs, config=config, swiglu_limit=limit)
+    # forward: gate/up and down, backward: d_x (and the pre-activations recomputed), for the
+    # routed and the shared experts
+    assert sorted(set(launches)) == ["_gate_up_gluon", "_rows_gluon"]
+    assert launches.count("_rows_gluon") == 4
+    assert launches.count("_gate_up_gluon") == (4 if recompute else 2)
+    y2, grads2, _, _ = run_layer(inputs, config=config, swiglu_limit=limit)
+    assert torch.equal(y, y2)
+    assert_close(y, triton[0], dtype=torch.bfloat16, name="y", tolerance=RECIPE)
+    for name, a, b, theirs in zip(GRAD_NAMES, grads, grads2, triton[1], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+        if theirs is not None:
+            assert_close(a, theirs, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
