@@ -8,9 +8,12 @@ random routes), stage by stage:
   quantize   quantize_rows(x) and quantize_weights of the three expert weights: ms and GB/s
              (bytes read and written);
   gate_up    mok's bf16 gate/up with SwiGLU (the layer's plan and tiles), and
-             gate_up_swiglu_fp8 (h in e4m3 with its scales);
+             gate_up_swiglu_fp8 (h in e4m3 with its scales; Triton, and on an sm_90 GPU
+             Gluon);
   down       mok's bf16 down, and down_proj_fp8 on that h (the Triton kernel, and on an sm_90
              GPU the Gluon one);
+  dswiglu    dswiglu_fp8 on random e4m3 d_output rows over the kept pre-activations (Triton,
+             Gluon);
   d_x        d_x_rows_fp8 on random e4m3 d_gate_up rows (Triton, Gluon);
   dense      the ceilings at gate/up's and down's FLOPs, all T*k routes as one matrix: bf16
              torch.mm, and e4m3 torch._scaled_mm with one scale per tensor.
@@ -116,6 +119,26 @@ def d_x_checked(d_gate_up_q, gate_up_t, routing) -> torch.Tensor:
     return out
 
 
+def partial_checked(d_out_q, down_t, kept, routing) -> torch.Tensor:
+    """dswiglu_fp8's router-weight partial sums (sum over each 128 columns of dh0 * h, dh0 =
+    d_out[token] @ w_down[e] from the dequantized operands, h of the kept pre-activations) of
+    the rows in use, an expert at a time."""
+    row_route = routing.row_route.long()
+    rows = (row_route >= 0).nonzero().flatten()
+    experts = routing.block_expert.long()[rows // routing.align]
+    d_out = dequantize_e4m3(d_out_q.data, d_out_q.scales, (1, QUANT_BLOCK))[
+        row_route[rows] // routing.topk]
+    w = dequantize_e4m3(down_t.data, down_t.scales, (QUANT_BLOCK, QUANT_BLOCK))
+    inter = w.shape[1]
+    h = swiglu(kept[rows, :inter].float(), kept[rows, inter:].float())
+    out = torch.empty(len(rows), inter // QUANT_BLOCK, device=w.device)
+    for e in range(w.shape[0]):
+        mine = experts == e
+        out[mine] = ((d_out[mine] @ w[e].T) * h[mine]).reshape(-1, inter // QUANT_BLOCK,
+                                                              QUANT_BLOCK).sum(-1)
+    return out
+
+
 def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int) -> list[dict]:
     inputs = make_shape_inputs(shape, device=device, seed=7)
     x, router_weights = inputs.x, inputs.router_weights.reshape(-1).float()
@@ -135,7 +158,8 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
     # The warp-specialized Gluon kernels' tiles where the GPU runs them (the plan's choice).
     gluon = arch_of(device).warp_specialized
     gluon_tiles = {kind: ops.fp8_tiles(kind, routing.align, gluon=True)
-                   for kind in ("down", "d_x")} if gluon else {}
+                   for kind in ("gate_up", "down", "down_bwd_saved", "d_x")} if gluon else {}
+    dswiglu_tiles = ops.fp8_tiles("down_bwd_saved", routing.align)
     x_q = quantize_rows(x)
     gate_q, up_q, down_q = (quantize_weights(w) for w in (w_gate, w_up, w_down))
     h = ops.gate_up_swiglu(x, w_gate, w_up, routing, forward.gate_up, None)
@@ -151,23 +175,48 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
     # d_x: random e4m3 d_gate_up rows against the transposed gate and up weights.
     d_gate_up_q = quantize_rows(torch.randn(routing.capacity_rows, 2 * inter, device=device,
                                             dtype=torch.bfloat16))
-    gate_up_t = ops.quantize_experts(w_gate, w_up, w_down).gate_up_t
+    fp8_experts = ops.quantize_experts(w_gate, w_up, w_down)
+    gate_up_t = fp8_experts.gate_up_t
+    # dSwiGLU: random e4m3 d_output rows against the transposed w_down, over the kept
+    # pre-activations (each call writes d_gate_up over its buffer: timed calls after the first
+    # read earlier gradients, which costs the kernels the same)
+    d_out_q = quantize_rows(torch.randn_like(x))
+    kept = ops.gate_up_fp8(x_q, gate_q, up_q, routing, ops.fp8_tiles("gate_up_saved",
+                                                                      routing.align))
+    kept_buffers = {impl: kept.clone() for impl in ("mok_fp8", "mok_fp8_gluon")}
+    _, _, partial = ops.dswiglu_fp8(d_out_q, fp8_experts.down_t, kept.clone(), routing,
+                                    dswiglu_tiles, router_weights)
+    dswiglu_err = max_rel_err(partial[routing.row_route >= 0],
+                              partial_checked(d_out_q, fp8_experts.down_t, kept, routing))
     used = routing.row_route >= 0
     d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing, d_x_tiles,
                                 out_dtype=torch.float32)
     d_x_err = max_rel_err(d_x_rows[used], d_x_checked(d_gate_up_q, gate_up_t, routing))
     errors = {("gate_up", "mok_fp8"): h_err, ("down", "mok_fp8"): y_err,
-              ("d_x", "mok_fp8"): d_x_err}
-    print(f"   d_x max rel {d_x_err:.2e}", flush=True)
+              ("dswiglu", "mok_fp8"): dswiglu_err, ("d_x", "mok_fp8"): d_x_err}
+    print(f"   dswiglu (its router-weight partial sums) max rel {dswiglu_err:.2e}, d_x "
+          f"{d_x_err:.2e}", flush=True)
     if gluon:  # the Gluon launches against the Triton ones (same products and K order)
+        mine = gate_up_swiglu_fp8(x_q, gate_q, up_q, routing, gluon_tiles["gate_up"],
+                                  quantize_h=False, out_dtype=torch.float32)
+        errors[("gate_up", "mok_fp8_gluon")] = max_rel_err(mine[used], h32[used])
         mine = down_proj_fp8(h_q, down_q, routing, gluon_tiles["down"], router_weights,
                              out_dtype=torch.float32)
         errors[("down", "mok_fp8_gluon")] = max_rel_err(mine[used], rows_out[used])
         mine = ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing, gluon_tiles["d_x"],
                                 out_dtype=torch.float32)
         errors[("d_x", "mok_fp8_gluon")] = max_rel_err(mine[used], d_x_rows[used])
-        print(f"   Gluon against Triton: down max rel {errors[('down', 'mok_fp8_gluon')]:.2e}, "
-              f"d_x {errors[('d_x', 'mok_fp8_gluon')]:.2e}", flush=True)
+        theirs, mine = (kept.clone() for _ in range(2))
+        ops.dswiglu_fp8(d_out_q, fp8_experts.down_t, theirs, routing, dswiglu_tiles,
+                        router_weights)
+        ops.dswiglu_fp8(d_out_q, fp8_experts.down_t, mine, routing,
+                        gluon_tiles["down_bwd_saved"], router_weights)
+        errors[("dswiglu", "mok_fp8_gluon")] = max_rel_err(mine[used], theirs[used].float())
+        print(f"   Gluon against Triton: gate/up max rel "
+              f"{errors[('gate_up', 'mok_fp8_gluon')]:.2e}, down "
+              f"{errors[('down', 'mok_fp8_gluon')]:.2e}, dswiglu "
+              f"{errors[('dswiglu', 'mok_fp8_gluon')]:.2e}, d_x "
+              f"{errors[('d_x', 'mok_fp8_gluon')]:.2e}", flush=True)
 
     routes = shape.num_tokens * shape.topk
     gemm = 2.0 * routes * hidden * inter
@@ -199,14 +248,22 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                                                    router_weights), gemm, 0),
         ("down", "mok_fp8", lambda: down_proj_fp8(h_q, down_q, routing, down_tiles,
                                                   router_weights), gemm, 0),
+        ("dswiglu", "mok_fp8", lambda: ops.dswiglu_fp8(
+            d_out_q, fp8_experts.down_t, kept_buffers["mok_fp8"], routing, dswiglu_tiles,
+            router_weights), gemm, 0),
         ("d_x", "mok_fp8", lambda: ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing,
                                                      d_x_tiles), 2 * gemm, 0),
     ]
     if gluon:
         stages += [
+            ("gate_up", "mok_fp8_gluon", lambda: gate_up_swiglu_fp8(
+                x_q, gate_q, up_q, routing, gluon_tiles["gate_up"]), 2 * gemm, 0),
             ("down", "mok_fp8_gluon", lambda: down_proj_fp8(h_q, down_q, routing,
                                                             gluon_tiles["down"], router_weights),
              gemm, 0),
+            ("dswiglu", "mok_fp8_gluon", lambda: ops.dswiglu_fp8(
+                d_out_q, fp8_experts.down_t, kept_buffers["mok_fp8_gluon"], routing,
+                gluon_tiles["down_bwd_saved"], router_weights), gemm, 0),
             ("d_x", "mok_fp8_gluon", lambda: ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing,
                                                                gluon_tiles["d_x"]), 2 * gemm, 0),
         ]

@@ -187,16 +187,17 @@ def fp8_rows_ws_kernel(
 # -- gate/up: the token rows gathered, two products, SwiGLU and h quantized --------------------
 
 @gluon.jit
-def _gate_up_load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
-                            used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K, topk,
-                            stride_xm,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, ALIGN: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr):
-    """Fills the ring: the gate and up boxes by TMA into the two halves of a stage's B buffer,
-    the tile's token rows of x by cp.async (16-byte copies, zero-filled on padding rows and
-    past K) into its A buffer."""
-    w_bytes: gl.constexpr = 2 * w_gate_desc.block_type.nbytes
+def _gather_load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
+                           used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K, topk,
+                           stride_xm,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, ALIGN: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
+                           NUM_B: gl.constexpr):
+    """Fills the ring: the weight boxes by TMA (NUM_B 2: gate's and up's, into the two halves
+    of a stage's B buffer; 1: w_gate_desc's alone), the tile's token rows of x by cp.async
+    (16-byte copies, zero-filled on padding rows and past K) into its A buffer."""
+    w_bytes: gl.constexpr = NUM_B * w_gate_desc.block_type.nbytes
     TPW_K: gl.constexpr = BLOCK_K // 16
     gather: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_K, TPW_K], [LOAD_WARPS, 1],
                                             [1, 0])
@@ -220,8 +221,9 @@ def _gate_up_load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_
             mbarrier.expect(bar, w_bytes)
             tma.async_copy_global_to_shared(w_gate_desc, [w_row, k0], bar,
                                             b_buf.slice(0, BLOCK_N))
-            tma.async_copy_global_to_shared(w_up_desc, [w_row, k0], bar,
-                                            b_buf.slice(BLOCK_N, BLOCK_N))
+            if NUM_B == 2:
+                tma.async_copy_global_to_shared(w_up_desc, [w_row, k0], bar,
+                                                b_buf.slice(BLOCK_N, BLOCK_N))
             mask = valid[:, None] & ((k0 + cols) < K)[None, :]
             async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + k0, mask=mask)
             async_copy.mbarrier_arrive(bar, increment_count=False)
@@ -385,8 +387,243 @@ def fp8_gate_up_ws_kernel(
                                   stride_xs, stride_wse, stride_wsn, stride_hs, BLOCK_M,
                                   BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES, HAS_LIMIT,
                                   SWIGLU, QUANTIZE_H, SAVE_GATE_UP, 1)),
-        (_gate_up_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr,
-                                   block_expert_ptr, used_rows_ptr, a_bufs, b_bufs, ready_bars,
-                                   empty_bars, N, K, topk, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
-                                   GROUP_M, ALIGN, NUM_STAGES, LOAD_WARPS)),
+        (_gather_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr,
+                                  block_expert_ptr, used_rows_ptr, a_bufs, b_bufs, ready_bars,
+                                  empty_bars, N, K, topk, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  GROUP_M, ALIGN, NUM_STAGES, LOAD_WARPS, 2)),
+    ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
+
+
+# -- dSwiGLU: d_out's token rows gathered times the transposed w_down, then dSwiGLU ------------
+
+@gluon.jit
+def _dswiglu_math(dh0, gate_smem, up_smem, weight, swiglu_limit, layout: gl.constexpr,
+                  HAS_LIMIT: gl.constexpr, HAS_WEIGHT: gl.constexpr):
+    """(d_gate, d_up, h) of a column slice from dh0 there and the kept pre-activations in
+    gate_smem and up_smem, as mok.kernels.fp8_gemm._dswiglu_epilogue computes them."""
+    gate = gate_smem.load(layout).to(gl.float32)
+    up = up_smem.load(layout).to(gl.float32)
+    if HAS_LIMIT:
+        gate_pass, up_pass = activation.passes(gate, up, swiglu_limit, True)
+        gate, up = activation.clamp(gate, up, swiglu_limit)
+    sig, silu = activation.silu(gate)
+    h = silu * up
+    d_h = dh0
+    if HAS_WEIGHT:
+        d_h = dh0 * weight[:, None]
+    d_gate, d_up = activation.dswiglu(d_h, gate, up, sig, silu)
+    if HAS_LIMIT:
+        d_gate = gl.where(gate_pass, d_gate, 0.0)
+        d_up = gl.where(up_pass, d_up, 0.0)
+    return d_gate, d_up, h
+
+
+@gluon.jit
+def _row_amax(t):
+    """max |t| of each row, NaN left out."""
+    magnitude = gl.abs(t)
+    return gl.max(gl.where(magnitude == magnitude, magnitude, 0.0), axis=1)
+
+
+@gluon.jit
+def _to_e4m3(t, inverse):
+    """t times its row's 448 / amax, saturated at +-448, as e4m3 (_quantize_rows)."""
+    scaled = t * inverse[:, None]
+    return gl.minimum(gl.maximum(scaled, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
+
+
+@gluon.jit
+def _scales(amax):
+    """(scale, 448 / amax) of rows with this amax (_quantize_rows's rule)."""
+    amax = gl.where(amax == 0.0, E4M3_MAX, amax)
+    full = gl.full(amax.shape, E4M3_MAX, gl.float32, amax.type.layout)
+    return gl.div_rn(amax, full), gl.div_rn(full, amax)
+
+
+@gluon.jit
+def _dswiglu_mma_partition(gate_desc, up_desc, h_desc, q_desc, a_bufs, b_bufs, ready_bars,
+                           empty_bars, in_smem, c_smem, q_smem, epi_bar, d_out_scale_ptr,
+                           w_scale_ptr, q_scale_ptr, router_weights_ptr, partial_ptr,
+                           row_route_ptr, block_expert_ptr, used_rows_ptr, N, K, topk,
+                           swiglu_limit, stride_ds, stride_wse, stride_wsn, stride_qs,
+                           stride_pm,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, ALIGN: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                           HAS_WEIGHT: gl.constexpr, HALF: gl.constexpr):
+    """Rows HALF * 64 .. + 64 of every tile: the scaled K loop of dh0 (the kept gate and up
+    landing meanwhile), then the epilogue in two column halves, twice: first h, d_gate and d_up
+    in gate_up's dtype, the partial sums and each row's amax of d_gate and d_up; then d_gate
+    and d_up computed again and stored in e4m3 with those rows' scales (the fp32 values, as
+    the Triton kernel quantizes them, without holding them all in registers)."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    WIDTH: gl.constexpr = BLOCK_N // 2
+    slice_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    slice_rows: gl.constexpr = gl.SliceLayout(1, slice_layout)
+    rows = HALF * 64 + gl.arange(0, 64, layout=row_layout)
+    out_rows = HALF * 64 + gl.arange(0, 64, layout=slice_rows)
+    in_bytes: gl.constexpr = 4 * gate_desc.block_type.nbytes
+
+    num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
+    k_blocks = gl.cdiv(K, BLOCK_K)
+    tmp = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
+    i = 0
+    t = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
+        r = r0 + HALF * 64
+        # The kept gate and up, two column halves each, land during the K loop (the previous
+        # tile's stores have read nothing from these buffers).
+        mbarrier.expect(epi_bar, in_bytes)
+        for j in gl.static_range(2):
+            tma.async_copy_global_to_shared(gate_desc, [r, c0 + j * WIDTH], epi_bar,
+                                            in_smem.index(j))
+            tma.async_copy_global_to_shared(up_desc, [r, c0 + j * WIDTH], epi_bar,
+                                            in_smem.index(2 + j))
+        route = gl.load(row_route_ptr + r0 + rows)
+        valid = route >= 0
+        token = gl.where(valid, route // topk, 0).to(gl.int64)
+        scale_ptrs = d_out_scale_ptr + token * stride_ds
+        expert = gl.load(block_expert_ptr + r0 // ALIGN).to(gl.int64)
+        w_tile_scale_ptr = w_scale_ptr + expert * stride_wse + (c0 // 128) * stride_wsn
+        acc = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
+        next_scale = _step_scale(scale_ptrs, w_tile_scale_ptr, 0, k_blocks, valid)
+        for kk in range(k_blocks):
+            s = i % NUM_STAGES
+            mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
+            fence_async_shared()  # cp.async (generic proxy) -> wgmma (async proxy)
+            tmp = warpgroup_mma(a_bufs.index(s).slice(HALF * 64, 64),
+                                b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
+                                is_async=True)
+            scale = next_scale
+            next_scale = _step_scale(scale_ptrs, w_tile_scale_ptr, kk + 1, k_blocks, valid)
+            tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
+            mbarrier.arrive(empty_bars.index(s))
+            acc += tmp * scale[:, None]
+            i += 1
+
+        out_route = gl.load(row_route_ptr + r0 + out_rows)
+        out_valid = out_route >= 0
+        if HAS_WEIGHT:
+            weight = gl.load(router_weights_ptr + out_route, mask=out_valid, other=0.0)
+        else:
+            weight = out_rows.to(gl.float32)  # unused
+        dh_a, dh_b = _column_halves(gl.where(valid[:, None], acc, 0.0), slice_layout)
+        mbarrier.wait(epi_bar, t & 1)
+        partial = gl.zeros([64], gl.float32, slice_rows)
+        amax_g = gl.zeros([64], gl.float32, slice_rows)
+        amax_u = gl.zeros([64], gl.float32, slice_rows)
+        for j in gl.static_range(2):
+            dh = dh_a if j == 0 else dh_b
+            d_gate, d_up, h = _dswiglu_math(dh, in_smem.index(j), in_smem.index(2 + j), weight,
+                                            swiglu_limit, slice_layout, HAS_LIMIT, HAS_WEIGHT)
+            d_gate = gl.where(out_valid[:, None], d_gate, 0.0)
+            d_up = gl.where(out_valid[:, None], d_up, 0.0)
+            h = gl.where(out_valid[:, None], h, 0.0)
+            if HAS_WEIGHT:
+                partial += gl.sum(dh * h, axis=1)
+            amax_g = gl.maximum(amax_g, _row_amax(d_gate))
+            amax_u = gl.maximum(amax_u, _row_amax(d_up))
+            _put(h_desc, h, r, c0 + j * WIDTH, c_smem)
+            _put(gate_desc, d_gate, r, c0 + j * WIDTH, c_smem)  # in place of gate
+            _put(up_desc, d_up, r, c0 + j * WIDTH, c_smem)
+        if HAS_WEIGHT:
+            gl.store(partial_ptr + (r0 + out_rows).to(gl.int64) * stride_pm + c0 // 128,
+                     partial)
+        scale_g, inverse_g = _scales(amax_g)
+        scale_u, inverse_u = _scales(amax_u)
+        q_rows = q_scale_ptr + (r0 + out_rows).to(gl.int64) * stride_qs
+        gl.store(q_rows + c0 // 128, scale_g)
+        gl.store(q_rows + gl.cdiv(N, 128) + c0 // 128, scale_u)
+        tma.store_wait(pendings=0)  # the previous tile's e4m3 stores have read q_smem
+        for j in gl.static_range(2):
+            dh = dh_a if j == 0 else dh_b
+            d_gate, d_up, h = _dswiglu_math(dh, in_smem.index(j), in_smem.index(2 + j), weight,
+                                            swiglu_limit, slice_layout, HAS_LIMIT, HAS_WEIGHT)
+            q_smem.index(j).store(_to_e4m3(d_gate, inverse_g))
+            q_smem.index(2 + j).store(_to_e4m3(d_up, inverse_u))
+        fence_async_shared()
+        for j in gl.static_range(2):
+            tma.async_copy_shared_to_global(q_desc, [r, c0 + j * WIDTH], q_smem.index(j))
+            tma.async_copy_shared_to_global(q_desc, [r, N + c0 + j * WIDTH],
+                                            q_smem.index(2 + j))
+        t += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _column_halves(t, layout: gl.constexpr):
+    """t [M, W] -> t[:, :W // 2], t[:, W // 2:] in `layout`."""
+    M: gl.constexpr = t.shape[0]
+    W: gl.constexpr = t.shape[1]
+    first, second = t.reshape([M, 2, W // 2]).permute((0, 2, 1)).split()
+    return gl.convert_layout(first, layout), gl.convert_layout(second, layout)
+
+
+@gluon.jit
+def fp8_dswiglu_ws_kernel(
+    d_out_ptr, w_desc, gate_desc, up_desc, h_desc, q_desc, d_out_scale_ptr, w_scale_ptr,
+    q_scale_ptr, router_weights_ptr, partial_ptr, row_route_ptr, block_expert_ptr,
+    used_rows_ptr, N, K, topk, swiglu_limit, stride_dm, stride_ds, stride_wse, stride_wsn,
+    stride_qs, stride_pm,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
+    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_LAYOUT: gl.constexpr,
+    HAS_LIMIT: gl.constexpr, HAS_WEIGHT: gl.constexpr,
+):
+    """The FP8 dSwiGLU of mok.kernels.fp8_gemm ("dswiglu" epilogue with QUANTIZE_OUT) with
+    BLOCK_M 128 (two MMA partitions of 64 rows) and BLOCK_N 128: dh0 = d_out[token(r)] .
+    w_down_t[e, n], each K block's product scaled by d_out's row scale and the weight block's;
+    over the kept pre-activations gate_up [R, 2N] (gate_desc, up_desc: its halves [R, N], row
+    stride 2N, [64, BLOCK_N // 2] boxes; d_gate and d_up replace them in place, in their
+    dtype): h into h_desc's [R, N] (same boxes), d_gate and d_up in e4m3 into q_desc's [R, 2N]
+    ([64, BLOCK_N // 2] boxes) with a scale per row and 128 columns into q_scale [R, 2N / 128]
+    (d_gate's blocks, then d_up's), and with HAS_WEIGHT d_h = router weight * dh0 and the
+    router-weight gradient's partial sums sum_n dh0 * h into partial [R, N / 128]. Padding rows
+    get 0 (scales 1). Launched with one program per SM and num_warps = 4; d_out [T, K] e4m3
+    (row stride stride_dm, K a multiple of 16) with scales [T, cdiv(K, 128)]; w_down_t viewed
+    [E * N, K] with [BLOCK_N, BLOCK_K] boxes, scales [E, N / 128, cdiv(K, 128)]."""
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, BLOCK_K],
+                                       w_desc.layout)
+    WIDTH: gl.constexpr = BLOCK_N // 2
+    in_smem = gl.allocate_shared_memory(gate_desc.dtype, [4, 64, WIDTH], gate_desc.layout)
+    in_smem2 = gl.allocate_shared_memory(gate_desc.dtype, [4, 64, WIDTH], gate_desc.layout)
+    c_smem = gl.allocate_shared_memory(h_desc.dtype, [64, WIDTH], h_desc.layout)
+    c_smem2 = gl.allocate_shared_memory(h_desc.dtype, [64, WIDTH], h_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, 64, WIDTH], q_desc.layout)
+    q_smem2 = gl.allocate_shared_memory(gl.float8e4nv, [4, 64, WIDTH], q_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    epi_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready_bars.index(s), count=LOAD_WARPS * 32 + 1)
+        mbarrier.init(empty_bars.index(s), count=2)
+    for c in gl.static_range(2):
+        mbarrier.init(epi_bars.index(c), count=1)
+
+    gl.warp_specialize([
+        (_dswiglu_mma_partition, (gate_desc, up_desc, h_desc, q_desc, a_bufs, b_bufs,
+                                  ready_bars, empty_bars, in_smem, c_smem, q_smem,
+                                  epi_bars.index(0), d_out_scale_ptr, w_scale_ptr, q_scale_ptr,
+                                  router_weights_ptr, partial_ptr, row_route_ptr,
+                                  block_expert_ptr, used_rows_ptr, N, K, topk, swiglu_limit,
+                                  stride_ds, stride_wse, stride_wsn, stride_qs, stride_pm,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
+                                  HAS_LIMIT, HAS_WEIGHT, 0)),
+        (_dswiglu_mma_partition, (gate_desc, up_desc, h_desc, q_desc, a_bufs, b_bufs,
+                                  ready_bars, empty_bars, in_smem2, c_smem2, q_smem2,
+                                  epi_bars.index(1), d_out_scale_ptr, w_scale_ptr, q_scale_ptr,
+                                  router_weights_ptr, partial_ptr, row_route_ptr,
+                                  block_expert_ptr, used_rows_ptr, N, K, topk, swiglu_limit,
+                                  stride_ds, stride_wse, stride_wsn, stride_qs, stride_pm,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
+                                  HAS_LIMIT, HAS_WEIGHT, 1)),
+        (_gather_load_partition, (d_out_ptr, w_desc, w_desc, row_route_ptr, block_expert_ptr,
+                                  used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
+                                  topk, stride_dm, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
+                                  NUM_STAGES, LOAD_WARPS, 1)),
     ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

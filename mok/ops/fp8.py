@@ -210,9 +210,13 @@ def dswiglu_fp8(
     h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
     partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
                if router_weights is not None else None)
-    _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
-            swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True, gate_up=gate_up,
-            h=h, partial=partial)
+    if tiles.gluon and rows > 0:
+        _dswiglu_gluon(d_output, w_down_t, gate_up, routing, tiles, router_weights,
+                       swiglu_limit, Quantized(out, out_scales), h, partial)
+    else:
+        _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
+                swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True,
+                gate_up=gate_up, h=h, partial=partial)
     return Quantized(out, out_scales), h, partial
 
 
@@ -274,7 +278,7 @@ def gluon_takes_fp8(kind: str, a: Quantized, w: Quantized, out_dtype: torch.dtyp
     in an e4m3 or 16- or 32-bit dtype, K steps of 128, 128 columns (64 for down and d_x too)
     and 128 rows (64 for down and d_x too)."""
     data, experts, rows = a.data, w.data, w.data.shape[1]
-    gathered = kind in ("gate_up", "gate_up_saved")
+    gathered = kind in ("gate_up", "gate_up_saved", "down_bwd_saved")
     return (data.is_cuda and arch_of(data.device).warp_specialized
             and out_dtype in _GLUON_OUT and tiles.block_k == QUANT_BLOCK
             and (tiles.block_n, tiles.block_m) in ({(128, 128)} if gathered
@@ -470,4 +474,46 @@ def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Ro
         MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
         HAS_LIMIT=swiglu_limit is not None, SWIGLU=h is not None,
         QUANTIZE_H=h_scales is not None, SAVE_GATE_UP=kept, num_warps=4,
+    )
+
+
+def _dswiglu_gluon(d_output: Quantized, w_down_t: Quantized, gate_up: torch.Tensor,
+                   routing: Routing, tiles: RowTiles, router_weights: torch.Tensor | None,
+                   swiglu_limit: float | None, out: Quantized, h: torch.Tensor,
+                   partial: torch.Tensor | None) -> None:
+    """dswiglu_fp8 by the warp-specialized Gluon kernel (mok.kernels.gluon_fp8)."""
+    if not gluon_takes_fp8("down_bwd_saved", d_output, w_down_t, gate_up.dtype, tiles) or (
+            gate_up.stride(0) % 8 or gate_up.data_ptr() % 16):
+        raise ValueError("the tiles ask for the Gluon FP8 kernel (RowTiles.gluon), which does "
+                         "not take this launch (GPU, layout or tiles); mok.plan gives Gluon "
+                         "tiles only where it does")
+    experts, n, k = w_down_t.data.shape
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    width = bn // 2
+    dtype = _GLUON_OUT[gate_up.dtype]
+    gate_desc, up_desc = (_descriptor(half, [64, width], dtype)
+                          for half in (gate_up[:, :n], gate_up[:, n:]))
+    # the ring's stages beside each MMA partition's buffers: the kept gate and up in halves,
+    # one output slice in gate_up's dtype, d_gate's and d_up's e4m3 halves
+    epilogue = 2 * 64 * width * (5 * gate_up.element_size() + 4)
+    stages = min(tiles.num_stages, (_SMEM - epilogue) // ((bm + bn) * bk))
+    weighted = router_weights is not None
+    launch(gluon_fp8.fp8_dswiglu_ws_kernel, (_num_programs(h.device),))(
+        d_out_ptr=d_output.data,
+        w_desc=_descriptor(w_down_t.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
+        gate_desc=gate_desc, up_desc=up_desc, h_desc=_descriptor(h, [64, width], dtype),
+        q_desc=_descriptor(out.data, [64, width], gl.float8e4nv),
+        d_out_scale_ptr=d_output.scales, w_scale_ptr=w_down_t.scales, q_scale_ptr=out.scales,
+        router_weights_ptr=router_weights if weighted else d_output.scales,
+        partial_ptr=partial if weighted else out.scales,
+        row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
+        used_rows_ptr=routing.used_rows, N=n, K=k, topk=routing.topk,
+        swiglu_limit=swiglu_limit if swiglu_limit is not None else 0.0,
+        stride_dm=d_output.data.stride(0), stride_ds=d_output.scales.stride(0),
+        stride_wse=w_down_t.scales.stride(0), stride_wsn=w_down_t.scales.stride(1),
+        stride_qs=out.scales.stride(0), stride_pm=partial.stride(0) if weighted else 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
+        NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
+        MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
+        HAS_LIMIT=swiglu_limit is not None, HAS_WEIGHT=weighted, num_warps=4,
     )

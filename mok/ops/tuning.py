@@ -392,7 +392,7 @@ FP8_KINDS = ("gate_up", "gate_up_saved", "down", "down_bwd_saved", "d_x")
 
 
 # FP8 kinds with a warp-specialized Gluon kernel (mok.kernels.gluon_fp8).
-FP8_GLUON_KINDS = ("gate_up", "gate_up_saved", "down", "d_x")
+FP8_GLUON_KINDS = ("gate_up", "gate_up_saved", "down", "down_bwd_saved", "d_x")
 
 
 def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:
@@ -401,14 +401,15 @@ def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:
     on one H200 at qwen3-30b-a3b and kimi-ep64-slice (docs/measurements.md, 2026-12-03, FP8):
     64 rows, except the pre-activations' 128 (the SwiGLU and dSwiGLU epilogues cost more at 128
     rows, and 256 columns spilled). With gluon, for FP8_GLUON_KINDS where align takes their
-    rows (gate/up 128, down and d_x 64), the Gluon kernel's: 128 x 128, up to 4 stages.
+    rows (gate/up and dSwiGLU 128, down and d_x 64), the Gluon kernel's: 128 x 128, up to 4
+    stages.
     block_m at most align."""
     if kind not in FP8_KINDS:
         raise ValueError(f"no FP8 tiles for {kind!r}")
     if gluon and kind in FP8_GLUON_KINDS and align % (64 if kind in ("down", "d_x")
                                                        else 128) == 0:
-        # gate/up's two MMA partitions take 64 rows each; its launcher fits the stages to
-        # shared memory
+        # gate/up's and dSwiGLU's two MMA partitions take 64 rows each; their launchers fit
+        # the stages to shared memory
         return RowTiles(min(128, align), 128, 128, group_m=8, num_warps=4, num_stages=4,
                         gluon=True)
     if kind == "gate_up_saved":

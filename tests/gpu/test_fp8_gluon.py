@@ -14,6 +14,7 @@ from mok.ops import build_routing
 from mok.ops.fp8 import (
     d_x_rows_fp8,
     down_proj_fp8,
+    dswiglu_fp8,
     gate_up_fp8,
     gate_up_swiglu_fp8,
     gluon_takes_fp8_rows,
@@ -188,7 +189,7 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
     triton = run_layer(inputs, config=config, swiglu_limit=limit)
     monkeypatch.setattr(_env, "FP8_GLUON", True)
     launches = []
-    for name in ("_rows_gluon", "_gate_up_gluon"):
+    for name in ("_rows_gluon", "_gate_up_gluon", "_dswiglu_gluon"):
         launcher = getattr(fp8_ops, name)
 
         def counted(*args, name=name, launcher=launcher, **kwargs):
@@ -196,10 +197,10 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
             return launcher(*args, **kwargs)
         monkeypatch.setattr(fp8_ops, name, counted)
     y, grads, _, _ = run_layer(inputs, config=config, swiglu_limit=limit)
-    # forward: gate/up and down, backward: d_x (and the pre-activations recomputed), for the
-    # routed and the shared experts
-    assert sorted(set(launches)) == ["_gate_up_gluon", "_rows_gluon"]
-    assert launches.count("_rows_gluon") == 4
+    # forward: gate/up and down, backward: dSwiGLU and d_x (and the pre-activations
+    # recomputed), for the routed and the shared experts
+    assert sorted(set(launches)) == ["_dswiglu_gluon", "_gate_up_gluon", "_rows_gluon"]
+    assert launches.count("_rows_gluon") == 4 and launches.count("_dswiglu_gluon") == 2
     assert launches.count("_gate_up_gluon") == (4 if recompute else 2)
     y2, grads2, _, _ = run_layer(inputs, config=config, swiglu_limit=limit)
     assert torch.equal(y, y2)
@@ -208,3 +209,65 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
         assert (a is None and b is None) or torch.equal(a, b), name
         if theirs is not None:
             assert_close(a, theirs, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+
+
+@SM90
+@pytest.mark.parametrize(("limit", "weighted"), [(None, True), (1.5, True), (None, False)],
+                         ids=["plain", "limit", "shared"])
+def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit, weighted):
+    from ..ops.test_fp8_gemm import dswiglu_reference
+
+    weights, router_weights, routing, generator = _setup(tokens=3000, hidden=512, inter=256,
+                                                         experts=16, topk=4, seed=11)
+    xq = _token_rows(3000, 512, generator)
+    d_out_q = _token_rows(3000, 512, generator)
+    gate_up = gate_up_fp8(xq, weights.gate, weights.up, routing,
+                          fp8_tiles("gate_up_saved", ALIGN), limit)
+    route_weights = router_weights if weighted else None
+    tiles = fp8_tiles("down_bwd_saved", ALIGN, gluon=True)
+    assert tiles.gluon
+
+    def run(t):
+        d_gate_up = gate_up.clone()
+        q, h, partial = dswiglu_fp8(d_out_q, weights.down_t, d_gate_up, routing, t,
+                                    route_weights, limit)
+        return d_gate_up, q, h, partial
+
+    d_gate_up, q, h, partial = run(tiles)
+    n = int(routing.used_rows)
+    again = run(tiles)
+    for a, b in ((d_gate_up, again[0]), (q.data.view(torch.uint8), again[1].data.view(
+            torch.uint8)), (q.scales, again[1].scales), (h, again[2]), (partial, again[3])):
+        assert (a is None and b is None) or torch.equal(a[:n], b[:n])
+    rows, routes, experts = _rows(routing)
+    tokens = routing.row_route.long()[rows] // routing.topk
+    dh0 = torch.einsum(
+        "rk,rnk->rn",
+        reference.dequantize_e4m3(d_out_q.data, d_out_q.scales, (1, QUANT_BLOCK))[tokens],
+        reference.dequantize_e4m3(weights.down_t.data, weights.down_t.scales,
+                                  (QUANT_BLOCK, QUANT_BLOCK))[experts])
+    weights_of_rows = router_weights[routes] if weighted else torch.ones_like(dh0[:, 0])
+    d_gate, d_up, h_ref, terms = dswiglu_reference(
+        dh0, gate_up[rows, :256].float(), gate_up[rows, 256:].float(), weights_of_rows, limit)
+    bf16 = dict(rtol=1.6e-2, atol=1e-3)
+    torch.testing.assert_close(h[rows].float(), h_ref, **bf16)
+    torch.testing.assert_close(d_gate_up[rows].float(), torch.cat([d_gate, d_up], 1), **bf16)
+    if weighted:
+        torch.testing.assert_close(partial[rows], terms.reshape(len(rows), -1, 128).sum(-1),
+                                   rtol=1e-4, atol=1e-4)
+    else:
+        assert partial is None
+    expected = torch.cat([d_gate, d_up], 1)
+    block_scales = expected.abs().reshape(len(rows), -1, 128).amax(-1) / 448
+    block_scales = torch.where(block_scales == 0, 1.0, block_scales)
+    torch.testing.assert_close(q.scales[rows], block_scales, rtol=1e-4, atol=0)
+    back = reference.dequantize_e4m3(q.data, q.scales, (1, QUANT_BLOCK))[rows]
+    step = q.scales[rows].repeat_interleave(128, dim=1)
+    assert ((back - expected).abs() <= expected.abs() * 2.0 ** -4 + step * 2.0 ** -8).all()
+    padding = routing.row_route[:n] < 0
+    assert (d_gate_up[:n][padding] == 0).all() and (h[:n][padding] == 0).all()
+    assert (q.data[:n].float()[padding] == 0).all() and (q.scales[:n][padding] == 1).all()
+    # The Triton kernel on the same operands: the same up to the order of the sums.
+    theirs = run(fp8_tiles("down_bwd_saved", ALIGN))
+    torch.testing.assert_close(d_gate_up[rows].float(), theirs[0][rows].float(), **bf16)
+    torch.testing.assert_close(q.scales[rows], theirs[1].scales[rows], rtol=1e-4, atol=0)

@@ -337,12 +337,12 @@ def test_fp8_tiles_fit_the_schedule():
     with pytest.raises(ValueError, match="no FP8 tiles"):
         fp8_tiles("wgrad_down", 128)
     # The Gluon kernels' tiles (mok.kernels.gluon_fp8) where the alignment takes their rows:
-    # gate/up's two MMA partitions 64 rows each, down and d_x 64 or 128.
+    # gate/up's and dSwiGLU's two MMA partitions 64 rows each, down and d_x 64 or 128.
     for kind in FP8_KINDS:
         for align in (16, 32, 64, 128, 256):
             tiles = fp8_tiles(kind, align, gluon=True)
             expected = kind in FP8_GLUON_KINDS and align % (
-                128 if kind.startswith("gate_up") else 64) == 0
+                64 if kind in ("down", "d_x") else 128) == 0
             assert tiles.gluon == expected, (kind, align)
             assert align % tiles.block_m == 0 and tiles.block_k == QUANT_BLOCK
             if tiles.gluon:
@@ -360,10 +360,14 @@ def test_gluon_fp8_tiles_off_sm90_raise_and_the_plan_does_not_give_them(device, 
     for kind, run in (
             ("gate_up", lambda t: gate_up_swiglu_fp8(xq, experts.gate, experts.up, routing, t)),
             ("gate_up_saved", lambda t: gate_up_fp8(xq, experts.gate, experts.up, routing, t)),
-            ("down", lambda t: down_proj_fp8(h, experts.down, routing, t, router_weights))):
+            ("down", lambda t: down_proj_fp8(h, experts.down, routing, t, router_weights)),
+            ("down_bwd_saved", lambda t: dswiglu_fp8(
+                xq, experts.down_t, gate_up_fp8(xq, experts.gate, experts.up, routing, H_TILES),
+                routing, t, router_weights))):
         with pytest.raises(ValueError, match="Gluon FP8 kernel"):
             run(fp8_tiles(kind, 128, gluon=True))
     monkeypatch.setattr(_env, "FP8_GLUON", True)
     tiles = ops.default_tiles(device)
     fp8 = plan.fp8_plan(tiles, plan.Operands.of(x, w_g, w_u, w_d), hidden=256, intermediate=256)
-    assert not any(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.d_x))
+    assert not any(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.dswiglu,
+                                     fp8.d_x))
