@@ -36,6 +36,8 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   T*k routes as one expert: [T*k, H] x [H, 2I] and [T*k, I] x [I, H], plus the shared expert's
   two over T rows); its backward is their input and weight gradients (twice the FLOPs). It
   computes no layer, so it is not checked against the reference.
+- dense_fp8: the FP8 ceiling: the same dense GEMMs as torch._scaled_mm on e4m3 operands (one
+  scale per tensor), what the FP8 rows compare with. Not checked.
 - triton_dense: the same dense GEMMs in a plain Triton kernel (benchmarks.triton_gemm: TMA loads,
   wgmma, a few tiles autotuned): what Triton itself reaches there, to tell the compiler's share
   of mok's gap to cuBLAS from the MoE structure's. Not checked either.
@@ -420,6 +422,51 @@ def _dense_gemms_implementation(name: str, shape: MoEShape, settings: Settings,
                           backward, checked=False)
 
 
+def dense_fp8_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    """The FP8 ceiling: the same dense GEMMs as torch._scaled_mm on e4m3 operands with one
+    scale per tensor (the cheapest scaling cuBLAS has), bf16 out. The operands are e4m3 before
+    the timed calls, each in the layout _scaled_mm reads (A row-major, B column-major), so only
+    the GEMMs are timed."""
+    if any(size % 16 for gemm in dense_gemms(shape) for size in gemm):
+        raise Unavailable("torch._scaled_mm takes sizes that are multiples of 16")
+    e4m3 = torch.float8_e4m3fn
+    one = torch.ones((), device=settings.device)
+    operands_by_set: dict[int, list] = {}
+
+    def operands(inputs):
+        """[(a, w, w^T, d_out, d_out^T, a^T)] in e4m3, each contiguous, one list per input set."""
+        key = id(inputs)
+        if key not in operands_by_set:
+            gen = torch.Generator(settings.device).manual_seed(len(operands_by_set))
+
+            def randn(*size):
+                return torch.randn(*size, generator=gen, device=settings.device)
+
+            sets = []
+            for m, k, n in dense_gemms(shape):
+                a, w, d_out = randn(m, k), randn(n, k) / k ** 0.5, randn(m, n)
+                sets.append(tuple(t.contiguous().to(e4m3) for t in (a, w, w.T, d_out, d_out.T,
+                                                                     a.T)))
+            operands_by_set[key] = sets
+        return operands_by_set[key]
+
+    def scaled(a, b_t):
+        """a [M, K] @ b_t^T with b_t [N, K] row-major (so b_t.T is column-major)."""
+        return torch._scaled_mm(a, b_t.T, one, one, out_dtype=torch.bfloat16)
+
+    def forward(inputs):
+        return [scaled(a, w) for a, w, *_ in operands(inputs)]
+
+    def backward(saved, inputs):
+        # d_a = d_out @ w (w^T [K, N] row-major as b_t), d_w = d_out^T @ a (a^T [K, M])
+        return tuple(grad for _, _, w_t, d_out, d_out_t, a_t in saved
+                     for grad in (scaled(d_out, w_t), scaled(d_out_t, a_t)))
+
+    return Implementation("dense_fp8", forward, lambda inputs: (forward(inputs),
+                                                                operands(inputs)),
+                          backward, checked=False)
+
+
 IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok": mok_implementation,
     "mok_recompute": mok_recompute_implementation,
@@ -427,6 +474,7 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8_recompute": mok_fp8_recompute_implementation,
     "mok_fp8_gluon": mok_fp8_gluon_implementation,
     "dense": dense_implementation,
+    "dense_fp8": dense_fp8_implementation,
     "triton_dense": triton_dense_implementation,
     "grouped_mm": grouped_mm_implementation,
     "grouped_mm_compile": grouped_mm_compile_implementation,

@@ -34,7 +34,7 @@ from benchmarks.implementations import (
 from benchmarks.layer import CSV_FIELDS, TINY, Mode
 from mok import _env, provenance
 from mok.app.cli import main as mok_main
-from mok.testing import SHAPES, TOLERANCES, make_inputs, moe_reference_grads
+from mok.testing import SHAPES, TOLERANCES, MoEShape, make_inputs, moe_reference_grads
 from mok.testing.distributed import RANKS_SHARE_GPU
 
 from ..conftest import DEVICE
@@ -257,6 +257,31 @@ def test_triton_dense_computes_what_dense_computes():
         assert actual.shape == expected.shape and actual.dtype == torch.bfloat16
         rel = (actual.float() - expected.float()).norm() / expected.float().norm()
         assert rel < 1e-2, rel
+
+
+def test_dense_fp8_computes_the_dense_products_of_its_e4m3_operands():
+    # The FP8 ceiling: each of the dense anchor's products (a @ w.T, d_out @ w, d_out.T @ a) by
+    # torch._scaled_mm, on e4m3 operands made before the timed calls.
+    shape = MoEShape("fp8-tiny", 4, 128, 64, 2, 64)
+    settings = Settings(DEVICE, liger_autotune=False)
+    inputs = make_inputs(shape.num_tokens, shape.hidden_size, shape.intermediate_size,
+                         shape.num_experts, shape.topk, device=DEVICE, seed=4)
+    dense_fp8 = implementations.dense_fp8_implementation(shape, settings)
+    outputs, saved = dense_fp8.forward_train(inputs)
+    grads = dense_fp8.backward(saved, inputs)
+    assert len(outputs) == len(dense_gemms(shape)) and len(grads) == 2 * len(outputs)
+    for i, (a, w, w_t, d_out, d_out_t, a_t) in enumerate(saved):
+        assert a.dtype == torch.float8_e4m3fn
+        assert torch.equal(w_t.float(), w.float().T) and torch.equal(a_t.float(), a.float().T)
+        assert torch.equal(d_out_t.float(), d_out.float().T)
+        for actual, expected in ((outputs[i], a.float() @ w.float().T),
+                                 (grads[2 * i], d_out.float() @ w.float()),
+                                 (grads[2 * i + 1], d_out.float().T @ a.float())):
+            assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+            torch.testing.assert_close(actual.float(), expected, rtol=1e-2, atol=1e-2)
+    odd = MoEShape("odd", 4, 136, 72, 2, 24)
+    with pytest.raises(implementations.Unavailable, match="multiples of 16"):
+        implementations.dense_fp8_implementation(odd, settings)
 
 
 def test_host_times_cover_every_launcher_of_a_step(capsys):
