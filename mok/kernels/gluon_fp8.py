@@ -1,15 +1,18 @@
-"""Warp-specialized persistent grouped GEMM on float8_e4m3fn operands with blockwise scales for
-Hopper (sm_90), in Gluon: the FP8 path's row GEMMs whose A operand is read whole (down, d_x).
+"""Warp-specialized persistent grouped GEMMs on float8_e4m3fn operands with blockwise scales for
+Hopper (sm_90), in Gluon: the FP8 path's row GEMMs of mok.kernels.fp8_gemm (same rows, products
+and K order), for GPUs only (Gluon kernels do not run under Triton's interpreter).
 
-    out[r, n] = w(r) * sum over K blocks b of (sum_{k in b} a[r, k] * w[e, n, k])
-                * a_scale[r, b] * w_scale[e, n // 128, b]
+    out[r, n] = sum over K blocks b of (sum_{k in b} a[src(r), k] * w[e, n, k])
+                * a_scale[src(r), b] * w_scale[e, n // 128, b]
 
-a [R, K] e4m3 rows in schedule order with a scale per 1 x 128 block (a_scale [R, K / 128]);
-w [E, N, K] e4m3 with a scale per 128 x 128 block (w_scale [E, N / 128, K / 128]); e =
-block_expert[r // ALIGN]; w(r) = router_weights[route(r)] with HAS_WEIGHT, else 1; padding
-rows (route -1) are 0. The same product and K order as mok.kernels.fp8_gemm's "plain" epilogue:
-down (a = h, w = w_down, K = I) and d_x (a = d_gate_up, w = the transposed gate and up side by
-side, K = 2I).
+a e4m3 rows with a scale per 1 x 128 block; w [E, N, K] e4m3 with a scale per 128 x 128 block;
+e = block_expert[r // ALIGN]; padding rows (route -1) give 0.
+- fp8_rows_ws_kernel: a read whole (src(r) = r) by TMA: down (a = h, K = I, the router weight
+  in the epilogue) and d_x (a = d_gate_up, w = the transposed gate and up side by side, K = 2I).
+- fp8_gate_up_ws_kernel: a = x's token rows (src(r) = token(r)) gathered by cp.async, the gate
+  and the up products, then SwiGLU with h quantized in the epilogue, or the pre-activations.
+- fp8_dswiglu_ws_kernel: a = d_output's token rows, w the transposed w_down, then the dSwiGLU
+  over the kept pre-activations (d_gate_up in bf16 and e4m3, h, the router-weight partials).
 
 Each K step is one scale block (BLOCK_K = 128): its e4m3 wgmma (K-major operands, the only
 layout fp8 wgmma takes) goes into a scratch accumulator, which is scaled and added to the fp32
@@ -20,19 +23,23 @@ scales, the other's wgmma runs.
 
 One CTA per SM strides over the [BLOCK_M, BLOCK_N] output tiles of the used rows (GROUP_M row
 blocks at a time). Partitions:
-- loader (worker, one warp): per K step the A box [BLOCK_M, BLOCK_K] and the weight box
-  [BLOCK_N, BLOCK_K] by TMA into a ring of NUM_STAGES stages, continuous across tiles.
+- loader (worker): per K step the A box [BLOCK_M, BLOCK_K] (by TMA, one warp; or gathered by
+  16-byte cp.async, LOAD_WARPS warps) and the weight box(es) [BLOCK_N, BLOCK_K] by TMA into a
+  ring of NUM_STAGES stages, continuous across tiles.
 - MMA (BLOCK_M // 64 of them, the default partition and with BLOCK_M 128 a worker of MMA_REGS
-  registers): its 64 rows of every tile's A and the whole weight box; then the epilogue
-  (router weight, through its own shared-memory buffer and a TMA store in the output's dtype).
+  registers): its 64 rows of every tile's A and the whole weight box; then the epilogue through
+  its own shared-memory buffers and TMA stores.
 
 Barriers (stage s = i % NUM_STAGES of the i-th K step counted over all of this CTA's tiles,
-round = i // NUM_STAGES, phase parity = round & 1): ready[s] (count 1): the loader arrives with
-expect-tx, the MMA partitions wait on parity round & 1; empty[s] (count BLOCK_M // 64): each
-MMA partition arrives once its wgmma of stage s has completed; the loader waits on parity
-(round & 1) ^ 1 before refilling s, so the first round passes at once.
+round = i // NUM_STAGES, phase parity = round & 1): ready[s]: the loader arrives with
+expect-tx (count 1; gathering, each loader thread once more through
+cp.async.mbarrier.arrive.noinc: count LOAD_WARPS * 32 + 1), the MMA partitions wait on parity
+round & 1 (gathering, then fence: cp.async writes through the generic proxy); empty[s] (count
+BLOCK_M // 64): each MMA partition arrives once its wgmma of stage s has completed; the loader
+waits on parity (round & 1) ^ 1 before refilling s, so the first round passes at once. A
+partition cannot run more than a ring ahead of the other, so no barrier is two phases ahead of
+a waiter.
 """
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -50,6 +57,8 @@ from mok.kernels.gluon_rows import _load_step
 
 E4M3_MAX = gl.constexpr(448.0)  # the largest finite float8_e4m3fn
 
+
+# -- down and d_x: every operand by TMA -------------------------------------------------------
 
 @gluon.jit
 def _load_partition(a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
