@@ -390,6 +390,7 @@ class ForwardContext:
     pre-activations, and h from them, when they are not kept).
     swiglu_limit: the limit the forward (or recompute_forward_context) ran with; the backward
     runs with it.
+    has_shared: whether the forward ran a shared expert (None: what the context holds says).
     A context with kept pre-activations serves one backward: the backward writes their
     gradients over them (and bumps their version counters). A second backward on it raises
     MoKInputError; recompute_forward_context makes a fresh one.
@@ -402,9 +403,13 @@ class ForwardContext:
     gate_up_shared: torch.Tensor | None = None
     precision: str = "bf16"
     swiglu_limit: float | None = None
+    has_shared: bool | None = None
     kept_versions: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.has_shared is None:
+            object.__setattr__(self, "has_shared", self.h_shared is not None
+                               or self.gate_up_shared is not None)
         object.__setattr__(self, "kept_versions",
                            tuple(_version(t) for t in (self.gate_up, self.gate_up_shared)))
 
@@ -685,7 +690,8 @@ def _forward_fp8(config, schedule, x, router_weights, shared: _Experts | None,
     rows, gate_up = expert_rows(routed, schedule.routing, router_weights)
     y = ops.combine(rows, schedule.routing, shared_rows, x.dtype)
     return y, ForwardContext(None, None, gate_up=gate_up, gate_up_shared=gate_up_shared,
-                             precision="fp8", swiglu_limit=swiglu_limit)
+                             precision="fp8", swiglu_limit=swiglu_limit,
+                             has_shared=shared is not None)
 
 
 def _backward_fp8(schedule, context: ForwardContext, d_output, x, router_weights,
@@ -832,7 +838,8 @@ def _recompute_fp8(config, schedule, x, shared: _Experts | None, routed: _Expert
     """recompute_forward_context in FP8: the kept pre-activations; a recomputing context holds
     nothing (the backward recomputes them)."""
     if config.recompute_gate_up:
-        return ForwardContext(None, None, precision="fp8", swiglu_limit=swiglu_limit)
+        return ForwardContext(None, None, precision="fp8", swiglu_limit=swiglu_limit,
+                              has_shared=shared is not None)
     xq = ops.quantize_rows(x)
     kept = [None, None]
     for i, (experts, routing) in enumerate(((routed, schedule.routing),
@@ -842,7 +849,7 @@ def _recompute_fp8(config, schedule, x, shared: _Experts | None, routed: _Expert
             kept[i] = _fp8_pre_activations(schedule, x, xq, experts, weights, routing,
                                            swiglu_limit)
     return ForwardContext(None, None, gate_up=kept[0], gate_up_shared=kept[1], precision="fp8",
-                          swiglu_limit=swiglu_limit)
+                          swiglu_limit=swiglu_limit, has_shared=shared is not None)
 
 
 def _check_context_rows(h, gate_up, routing, intermediate, suffix, *,
@@ -960,9 +967,7 @@ def backward(
     context = forward_context
     if not isinstance(context, ForwardContext):
         raise MoKInputError("forward_context must come from forward or recompute_forward_context")
-    holds_nothing = all(t is None for t in (context.h, context.gate_up))  # FP8, recomputing
-    holds_shared = context.h_shared is not None or context.gate_up_shared is not None
-    if not holds_nothing and holds_shared != (w_shared_gate is not None):
+    if context.has_shared != (w_shared_gate is not None):
         raise MoKInputError("the forward context and the shared-expert weights disagree")
     exchange, plan = workspace.exchange, schedule.exchange
     if (context.weights_group is None) != exchange.rows_here:

@@ -145,7 +145,8 @@ def _moe_backward(
     context = F.ForwardContext(h if holds_h else None, h_shared if has_shared and holds_h else None,
                                gate_up=gate_up if kept else None,
                                gate_up_shared=gate_up_shared if kept and has_shared else None,
-                               precision=precision, swiglu_limit=swiglu_limit)
+                               precision=precision, swiglu_limit=swiglu_limit,
+                               has_shared=has_shared)
     grads = F.backward(config, workspace, schedule, context, d_y, x, router_weights,
                        w_shared_gate, w_shared_up, w_shared_down, w_routed_gate, w_routed_up,
                        w_routed_down)  # the context's swiglu_limit

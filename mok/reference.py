@@ -151,7 +151,8 @@ def quantize_e4m3(x: torch.Tensor, block: tuple[int, int], *,
     amax = magnitude.amax(dim=(-3, -1))
     # Tensor by tensor: `scalar / tensor` multiplies by a reciprocal, rounding twice.
     largest = torch.full_like(amax, E4M3_MAX)
-    amax = torch.where(amax == 0, largest, amax)  # a block of zeros: scale 1
+    # a block of zeros: scale 1; amax at least 448 * 2**-126 (448 / amax stays finite)
+    amax = torch.where(amax == 0, largest, amax.clamp_min(E4M3_MAX * 2.0 ** -126))
     if pow2_scales:
         bits = (amax / largest).view(torch.int32)
         exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).int()

@@ -56,6 +56,7 @@ from mok.kernels.gluon_gate_up import _put, _tile_corner, _tile_grid
 from mok.kernels.gluon_rows import _load_step
 
 E4M3_MAX = gl.constexpr(448.0)  # the largest finite float8_e4m3fn
+AMAX_FLOOR = gl.constexpr(448.0 * 2.0 ** -126)  # mok.kernels.quantize's
 
 
 # -- down and d_x: every operand by TMA -------------------------------------------------------
@@ -240,17 +241,34 @@ def _gather_load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_e
 
 
 @gluon.jit
+def _row_amax(t):
+    """max |t| of each row, NaN left out."""
+    magnitude = gl.abs(t)
+    return gl.max(gl.where(magnitude == magnitude, magnitude, 0.0), axis=1)
+
+
+@gluon.jit
+def _to_e4m3(t, inverse):
+    """t times its row's 448 / amax, saturated at +-448, as e4m3 (_quantize_rows)."""
+    scaled = t * inverse[:, None]
+    return gl.minimum(gl.maximum(scaled, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
+
+
+@gluon.jit
+def _scales(amax):
+    """(scale, 448 / amax) of rows with this amax (_quantize_rows's rule)."""
+    amax = gl.where(amax == 0.0, E4M3_MAX, gl.maximum(amax, AMAX_FLOOR))
+    full = gl.full(amax.shape, E4M3_MAX, gl.float32, amax.type.layout)
+    return gl.div_rn(amax, full), gl.div_rn(full, amax)
+
+
+@gluon.jit
 def _quantize_rows(h):
     """(e4m3 q, scale per row) of an fp32 tile, mok.kernels.quantize's rule for 1 x 128
-    blocks: amax with NaN left out, a block of zeros scale 1, correctly rounded divisions,
-    saturating at +-448."""
-    magnitude = gl.abs(h)
-    amax = gl.max(gl.where(magnitude == magnitude, magnitude, 0.0), axis=1)
-    amax = gl.where(amax == 0.0, E4M3_MAX, amax)
-    full = gl.full(amax.shape, E4M3_MAX, gl.float32, amax.type.layout)
-    scaled = h * gl.div_rn(full, amax)[:, None]
-    scaled = gl.minimum(gl.maximum(scaled, -E4M3_MAX), E4M3_MAX)
-    return scaled.to(gl.float8e4nv), gl.div_rn(amax, full)
+    blocks: amax with NaN left out, a block of zeros scale 1, amax at least AMAX_FLOOR,
+    correctly rounded divisions, saturating at +-448."""
+    scale, inverse = _scales(_row_amax(h))
+    return _to_e4m3(h, inverse), scale
 
 
 @gluon.jit
@@ -425,28 +443,6 @@ def _dswiglu_math(dh0, gate_smem, up_smem, weight, swiglu_limit, layout: gl.cons
         d_gate = gl.where(gate_pass, d_gate, 0.0)
         d_up = gl.where(up_pass, d_up, 0.0)
     return d_gate, d_up, h
-
-
-@gluon.jit
-def _row_amax(t):
-    """max |t| of each row, NaN left out."""
-    magnitude = gl.abs(t)
-    return gl.max(gl.where(magnitude == magnitude, magnitude, 0.0), axis=1)
-
-
-@gluon.jit
-def _to_e4m3(t, inverse):
-    """t times its row's 448 / amax, saturated at +-448, as e4m3 (_quantize_rows)."""
-    scaled = t * inverse[:, None]
-    return gl.minimum(gl.maximum(scaled, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
-
-
-@gluon.jit
-def _scales(amax):
-    """(scale, 448 / amax) of rows with this amax (_quantize_rows's rule)."""
-    amax = gl.where(amax == 0.0, E4M3_MAX, amax)
-    full = gl.full(amax.shape, E4M3_MAX, gl.float32, amax.type.layout)
-    return gl.div_rn(amax, full), gl.div_rn(full, amax)
 
 
 @gluon.jit

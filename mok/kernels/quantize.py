@@ -8,8 +8,10 @@ ROW_SCALES: a scale per row of the tile (1 x BLOCK_K blocks, activations); else 
     scale = 2 ** ceil(log2(amax / 448)), q = e4m3(x * (1 / scale))  (POW2)
 
 with correctly rounded fp32 divisions, e4m3 rounding to nearest even and saturating at +-448; a
-block of zeros has scale 1. A NaN stays NaN; an inf makes its block's scale inf (the block
-dequantizes to NaN). x = q * scale up to e4m3's rounding.
+block of zeros has scale 1, and amax is taken at least AMAX_FLOOR = 448 * 2**-126 (the scale
+then at least fp32's smallest normal, 448 / amax finite: below it the division would overflow
+and turn the block's zeros into NaN). A NaN stays NaN; an inf makes its block's scale inf (the
+block dequantizes to NaN). x = q * scale up to e4m3's rounding.
 """
 
 import triton
@@ -17,11 +19,13 @@ import triton.language as tl
 
 from mok.kernels.common import E4M3_MAX, to_e4m3
 
+AMAX_FLOOR = tl.constexpr(448.0 * 2.0 ** -126)  # the least amax a block's scale is taken from
+
 
 @triton.jit
 def _block_scale(amax, POW2: tl.constexpr):
     """(scale, 1 / scale as the quantization multiplies by it) of blocks with this amax."""
-    amax = tl.where(amax == 0.0, E4M3_MAX, amax)  # a block of zeros: scale 1
+    amax = tl.where(amax == 0.0, E4M3_MAX, tl.maximum(amax, AMAX_FLOOR))  # zeros: scale 1
     if POW2:
         ratio = tl.math.div_rn(amax, E4M3_MAX).to(tl.uint32, bitcast=True)
         exponent = (ratio >> 23) + ((ratio & 0x7FFFFF) != 0).to(tl.uint32)

@@ -4,10 +4,12 @@ pre-activations, dSwiGLU and d_x."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from triton.experimental.gluon import language as gl
 
 from mok import _env
@@ -49,6 +51,11 @@ def quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
     if w_gate.shape != w_up.shape or w_down.shape != (*w_gate.shape[:1], *w_gate.shape[:0:-1]):
         raise MoKInputError(f"w_gate, w_up [E, I, H] and w_down [E, H, I] do not match: "
                             f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}")
+    with torch.autocast(w_gate.device.type, enabled=False):  # autocast cannot cat e4m3
+        return _quantize_experts(w_gate, w_up, w_down, pow2_scales)
+
+
+def _quantize_experts(w_gate, w_up, w_down, pow2_scales: bool) -> Fp8Experts:
     gate, up, down = (quantize_weights(w, pow2_scales=pow2_scales)
                       for w in (w_gate, w_up, w_down))
     if w_gate.shape[1] % QUANT_BLOCK:  # gate's last block and up's first would share one
@@ -65,48 +72,66 @@ def _transposed(t: torch.Tensor) -> torch.Tensor:
 
 
 class _CacheEntry(NamedTuple):
-    weights: tuple[weakref.ref, ...]  # the entry lives as long as every weight it was made of
+    # the weights' storages: the entry lives while each does and is theirs (a weak reference to
+    # a storage, not to the tensor, which would keep torch.utils.swap_tensors from swapping it)
+    storages: tuple[weakref.ref, ...]
     versions: tuple[int, ...]
     experts: Fp8Experts
 
 
 _CACHE: dict[tuple, _CacheEntry] = {}
+_STEP_HOOK = None  # clears the cache after every torch.optim step, registered with the first entry
 
 
 def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
                             w_down: torch.Tensor | None) -> Fp8Experts:
     """quantize_experts of these weights, reused while none of them was written: an entry per
-    weight memory (address, shape, strides, dtype), valid while the tensors' version counters
-    (bumped by every in-place write, an optimizer step's too) are those it was made at, and
-    dropped when one of the weight tensors is freed. An entry's e4m3 copies take as many bytes
-    as its weights. Writes the counters do not see (through `.data`, or by another process)
-    need `clear_fp8_cache`. While a CUDA graph is being captured it quantizes afresh and caches
-    nothing, so that each replay quantizes the weights it reads. w_down None: gate and up only,
-    from a valid entry with any down weight, else quantized afresh (the other fields None)."""
+    weight memory (address, shape, strides, dtype; views of one weight share their base's
+    entries), valid while the same storages hold the weights, their version counters (bumped
+    by in-place writes) are those it was made at and no torch.optim optimizer has stepped since
+    (a step post hook clears the cache: fused optimizers write without bumping the counters).
+    An entry is dropped with its weights' storages; its e4m3 copies take as many bytes as its
+    weights. Writes neither the counters nor an optimizer step announce (through `.data`, by
+    another process or another library's kernels) need `clear_fp8_cache`. While a CUDA graph
+    is being captured it quantizes afresh and caches nothing, so that each replay quantizes the
+    weights it reads. w_down None: gate and up only, from a valid entry with any down weight,
+    else quantized afresh (the other fields None)."""
     weights = (w_gate, w_up, w_down) if w_down is not None else (w_gate, w_up)
     fresh = ((w_gate.is_cuda and torch.cuda.is_current_stream_capturing())
              or any(w.is_inference() for w in weights))  # inference tensors: no version counter
     if not fresh:
         key = tuple(_memory(w) for w in weights)
         versions = tuple(w._version for w in weights)
+        storages = tuple(w.untyped_storage() for w in weights)
         for entry_key, entry in _CACHE.items():
             if (entry_key[:len(key)] == key and entry.versions[:len(key)] == versions
-                    and all(ref() is not None for ref in entry.weights)):
+                    and all(ref() is storage
+                            for ref, storage in zip(entry.storages, storages, strict=False))):
                 return entry.experts
     if w_down is None:
         gate, up = (quantize_weights(w) for w in weights)
         return Fp8Experts(gate, up, None, None, None)
     experts = quantize_experts(*weights)
     if not fresh:
-        entry = None
-
-        def drop(_ref, key=key):
-            if entry is not None and _CACHE.get(key) is entry:
-                del _CACHE[key]
-
-        entry = _CacheEntry(tuple(weakref.ref(w, drop) for w in weights), versions, experts)
-        _CACHE[key] = entry
+        _watch_optimizer_steps()
+        refs = tuple(weakref.ref(storage, functools.partial(_drop, key)) for storage in storages)
+        _CACHE[key] = _CacheEntry(refs, versions, experts)
     return experts
+
+
+def _drop(key: tuple, dead: weakref.ref) -> None:
+    """A weight storage of the entry at key was freed: drop the entry if it is still the one
+    that storage belonged to."""
+    entry = _CACHE.get(key)
+    if entry is not None and any(ref is dead for ref in entry.storages):
+        del _CACHE[key]
+
+
+def _watch_optimizer_steps() -> None:
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        _STEP_HOOK = register_optimizer_step_post_hook(
+            lambda optimizer, args, kwargs: clear_fp8_cache())
 
 
 def clear_fp8_cache() -> None:

@@ -103,6 +103,73 @@ def test_fp8_recompute_forward_context_gives_the_forward_s(device):
         F.backward(config, workspace, schedule, rebuilt, inputs.d_output, *inputs.layer_args)
 
 
+def test_fp8_layer_stays_finite_with_tokens_of_tiny_values(device):
+    # Rows of normal bf16 values below 448 * 2**-126: their blocks' scales come from that
+    # floor (448 / amax overflowed and turned the block's zeros into NaN, which reached y, d_x
+    # and the whole weight gradients of the experts the token was routed to).
+    inputs = make_inputs(16, 256, 128, 4, 2, shared_intermediate_size=128, device=device,
+                         seed=9)
+    with torch.no_grad():
+        inputs.x[3] *= 1e-37
+        inputs.d_output[5] *= 1e-37
+    y, grads, _, _ = fp8_run(inputs, recompute=False)
+    assert torch.isfinite(y).all()
+    for name, grad in zip(GRAD_NAMES, grads, strict=True):
+        assert grad is None or torch.isfinite(grad).all(), name
+    y_ref, grads_ref = moe_reference_fp8_grads(inputs)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
+def test_fp8_backward_refuses_shared_weights_the_forward_did_not_run(device, recompute):
+    # A recomputing FP8 context keeps no tensor that would tell whether the forward ran a
+    # shared expert; it records it.
+    inputs = make_inputs(24, 256, 128, 4, 2, shared_intermediate_size=128, device=device,
+                         seed=11)
+    config = F.MoKConfig(precision="fp8", recompute_gate_up=recompute)
+    no_shared = (inputs.x, inputs.router_weights, None, None, None, *inputs.routed_weights)
+    for forward_args, backward_args in ((inputs.layer_args, no_shared),
+                                        (no_shared, inputs.layer_args)):
+        workspace = F.create_workspace(config, None, device=device, num_local_tokens=24,
+                                       hidden_size=256, topk=2)
+        schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                    num_local_experts=4, tiles=tiles_for_tests(32))
+        _, context = F.forward(config, workspace, schedule, *forward_args)
+        with pytest.raises(MoKInputError, match="disagree"):
+            F.backward(config, workspace, schedule, context, inputs.d_output, *backward_args)
+
+
+def test_fp8_module_trains_under_autocast(device):
+    # The backward quantizes the shared expert's weights (views made per call), inside
+    # autocast when the loss's backward runs there: autocast must not reach the e4m3 copies.
+    from mok.nn import MoE
+
+    ops.clear_fp8_cache()
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(2)).to(device)
+    grads = []
+    for inside in (True, False):
+        torch.manual_seed(0)
+        module = MoE(256, 128, 4, 2, shared_intermediate_size=128, precision="fp8",
+                     dtype=torch.bfloat16, device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = module(x.bfloat16()).float().pow(2).mean()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        grads.append({name: p.grad for name, p in module.named_parameters()})
+    # the experts' gradients as outside autocast; the router's backward matmul runs in bf16
+    # inside it (PyTorch's autocast, not mok's)
+    for name, grad in grads[0].items():
+        if name.startswith("router"):
+            torch.testing.assert_close(grad, grads[1][name], rtol=1e-2, atol=1e-4)
+        else:
+            assert torch.equal(grad, grads[1][name]), name
+
+
 def test_fp8_weight_cache_follows_in_place_writes(device):
     ops.clear_fp8_cache()
     inputs = make_inputs(8, 256, 128, 2, 1, device=device, seed=6)
@@ -127,6 +194,52 @@ def test_fp8_weight_cache_follows_in_place_writes(device):
     assert len(fp8_cache_entries()) == 1
     del weights, inputs
     assert not fp8_cache_entries()
+
+
+def test_fp8_weight_cache_is_cleared_by_optimizer_steps_that_bump_no_version(device):
+    # A fused optimizer writes the weights without bumping their version counters; every
+    # torch.optim step clears the cache, so the next forward quantizes the new weights.
+    ops.clear_fp8_cache()
+    inputs = make_inputs(8, 256, 128, 2, 1, device=device, seed=7)
+    weights = [torch.nn.Parameter(w.clone()) for w in inputs.routed_weights]
+    first = ops.cached_quantize_experts(*weights)
+    versions = [w._version for w in weights]
+    for w in weights:
+        w.grad = torch.randn_like(w)
+    torch.optim.AdamW(weights, lr=0.1, fused=True).step()
+    assert [w._version for w in weights] == versions  # what makes the hook necessary
+    second = ops.cached_quantize_experts(*weights)
+    assert second is not first
+    for got, want in zip(second, ops.quantize_experts(*weights), strict=True):
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+
+
+def test_fp8_weight_cache_serves_views_frees_superseded_copies_and_lets_tensors_swap(device):
+    import gc
+    import weakref
+
+    ops.clear_fp8_cache()
+    inputs = make_inputs(8, 256, 128, 2, 1, device=device, seed=8)
+    weights = [torch.nn.Parameter(w.clone()) for w in inputs.routed_weights]
+    first = ops.cached_quantize_experts(*weights)
+    # views of the same memory (a fresh one per call, as the shared expert's) share the entry
+    assert ops.cached_quantize_experts(*(w[:] for w in weights)) is first
+    gc.disable()  # superseded copies go without the cycle collector
+    try:
+        old = weakref.ref(first.gate.data)
+        del first
+        with torch.no_grad():
+            weights[1].add_(1)
+        ops.cached_quantize_experts(*weights)
+        assert old() is None
+    finally:
+        gc.enable()
+    # no weak reference to the weights themselves: they can still be swapped
+    swapped = torch.nn.Parameter(weights[0].detach() * 2)
+    torch.utils.swap_tensors(weights[0], swapped)
+    got = ops.cached_quantize_experts(*weights).gate
+    want = ops.quantize_weights(weights[0])
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
 
 
 def fp8_cache_entries():

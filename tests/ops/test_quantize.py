@@ -158,6 +158,37 @@ def test_special_values_stay_in_their_block(device):
     assert torch.isfinite(scales[:, :1][1:]).all() and torch.isfinite(scales[[0, 1, 3], 1]).all()
 
 
+@pytest.mark.parametrize("pow2_scales", [False, True], ids=["scales", "pow2"])
+def test_blocks_of_tiny_values_stay_finite(device, pow2_scales):
+    # 448 / amax overflows fp32 for amax below 448 * 2**-126 (about 5.3e-36), normal bf16
+    # values: the scale is taken from that floor instead, so the block's zeros stay 0 (they
+    # were NaN, 0 * inf) and its values keep e4m3's precision.
+    floor = E4M3_MAX * 2.0 ** -126
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
+    x[:, ::3] = 0  # zeros in every block
+    x[0] *= 1e-37  # both blocks of row 0 below the floor
+    x[1, :128] *= 1e-38  # one block with subnormal fp32 values
+    x[2, 128:] *= 3e-36  # near the floor
+    x = x.to(device)
+    for block, quantize in (((1, QUANT_BLOCK), quantize_rows),
+                            ((128, 128), quantize_weights)):
+        data = x if block[0] == 1 else x.repeat(32, 1)  # 128 rows: one block per 128 columns
+        q, scales = quantize(data, pow2_scales=pow2_scales)
+        q_ref, scales_ref = quantize_e4m3(data.cpu(), block, pow2_scales=pow2_scales)
+        assert_same_codes(q.cpu(), q_ref)
+        assert torch.equal(scales.cpu(), scales_ref)
+        assert torch.isfinite(scales).all() and not q.float().isnan().any()
+        back = dequantize_e4m3(q, scales, block)
+        assert (back[data == 0] == 0).all()
+        if block[0] == 1:
+            assert scales[0].tolist() == [floor / E4M3_MAX] * 2  # 2**-126
+            # within e4m3's rounding of the tiny values (scaled up to about 8, not to 448):
+            # half a unit of 3 mantissa bits, or of the subnormal step 2**-9
+            step = scales[0].repeat_interleave(QUANT_BLOCK)
+            assert ((back[0] - data[0]).abs()
+                    <= data[0].abs() * 2.0 ** -4 + step * 2.0 ** -10).all()
+
+
 def test_quantize_is_deterministic(device):
     x = spread_values((96, 512), seed=8, dtype=torch.bfloat16, device=device)
     first = quantize_rows(x)
