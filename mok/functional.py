@@ -242,7 +242,8 @@ class Workspace:
     def dense_routing(self, num_tokens: int, align: int) -> Routing:
         key = (num_tokens, align)
         if key not in self._dense_routing:
-            self._dense_routing[key] = ops.dense_routing(num_tokens, align, self.device)
+            with torch.inference_mode(False):  # kept for calls outside inference mode too
+                self._dense_routing[key] = ops.dense_routing(num_tokens, align, self.device)
         return self._dense_routing[key]
 
     def __repr__(self) -> str:
@@ -281,12 +282,15 @@ def create_workspace(
     ranks_per_node: int | None = None,
 ) -> Workspace:
     """A new workspace (not cached). num_local_tokens: the most tokens a schedule may hold.
+    Its buffers are ordinary tensors even when made under torch.inference_mode, so calls
+    outside it can use them too.
 
     ranks_per_node: with a group spanning nodes, its ranks per node (default: found from the
     host names; the ranks must be numbered node by node, as torchrun does).
     """
-    return Workspace(config, group, device=device, num_local_tokens=num_local_tokens,
-                     hidden_size=hidden_size, topk=topk, ranks_per_node=ranks_per_node)
+    with torch.inference_mode(False):
+        return Workspace(config, group, device=device, num_local_tokens=num_local_tokens,
+                         hidden_size=hidden_size, topk=topk, ranks_per_node=ranks_per_node)
 
 
 def get_workspace(

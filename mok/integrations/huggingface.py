@@ -29,12 +29,18 @@ Layout facts this relies on (checked at patch time, an unexpected layout raises 
   module, so calling it keeps that working.
 - DeepSeek-V3's shared_experts is an MLP of bias-free nn.Linear gate_proj, up_proj [I_s, H] and
   down_proj [H, I_s] with SiLU: exactly mok's shared expert, so it runs inside mok's kernels.
+  Checked at every call: a shared expert that is no longer that (an adapter such as LoRA or a
+  quantized layer in place of a Linear, hooks on it or its layers, a size the kernels cannot
+  run) runs through its own forward, added to the routed experts' output as the original does.
 - every block's forward maps hidden_states [B, S, H] to a tensor [B, S, H] of the input's dtype
   (no router-logit tuple in transformers 5.x); the replacement does the same.
 
 The experts module's own forward is not called (its weights are read directly), so hooks on it,
 such as accelerate's weight offloading, and config._experts_implementation do not apply to patched
-blocks. transformers' own expert-parallel experts and quantized experts are refused.
+blocks; an experts module replaced or wrapped after patching raises MoKInputError.
+transformers' own expert-parallel experts and quantized experts are refused. The hooks and the
+plain attributes (config, top_k, ...) of a block move to its replacement (the same hook dicts,
+so their handles still remove them).
 
 Expert parallelism (`patch_moe_blocks(model, ep_group=group)`, P ranks, the same model on each):
 rank r computes experts [r * E / P, (r + 1) * E / P) for the tokens of every rank (mok's
@@ -53,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mok.errors import MoKInputError
 from mok.functional import MoKConfig
 from mok.nn import Backend, moe_experts
 
@@ -67,6 +74,13 @@ FAMILIES: tuple[tuple[str, str], ...] = (
 )
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# A module's hooks, which the replacement block takes over (the same dicts, so the handles that
+# registered them still remove them).
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
 @functools.cache
@@ -104,7 +118,7 @@ def _check_experts(experts: nn.Module, router: nn.Module, where: str) -> None:
     if tuple(down.shape) != (num_experts, hidden, two_i // 2):
         raise ValueError(f"{where}: down_proj {tuple(down.shape)} does not match gate_up_proj "
                          f"{tuple(gate_up.shape)} ([E, H, I] against [E, 2I, H])")
-    if not gate_up.is_floating_point() or not down.is_floating_point():
+    if gate_up.dtype not in _WEIGHT_DTYPES or down.dtype not in _WEIGHT_DTYPES:
         raise ValueError(f"{where}: expert weights of dtype {gate_up.dtype} (quantized?) are "
                          "not supported")
     # The flags transformers' use_experts_implementation sets (absent in some versions: their
@@ -133,21 +147,26 @@ def _check_experts(experts: nn.Module, router: nn.Module, where: str) -> None:
                          f"experts, the experts hold {num_experts} (expert parallelism?)")
 
 
-def _check_shared(shared: nn.Module, hidden: int, where: str) -> None:
-    """Raise ValueError unless `shared` is a bias-free SiLU MLP in nn.Linear's layout."""
+def _fused_shared(shared: nn.Module, hidden: int) -> bool:
+    """Whether mok's kernels can run `shared` themselves: a bias-free SiLU MLP of plain
+    nn.Linear gate_proj, up_proj [I_s, H] and down_proj [H, I_s] (forward not overridden,
+    16/32-bit weights, I_s a positive multiple of 8, no hooks on it or its layers). Anything
+    else (LoRA or quantized layers, hooks) runs through its own forward."""
     linears = [getattr(shared, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(layer, nn.Linear) and layer.bias is None for layer in linears):
-        raise ValueError(f"{where}: shared_experts needs bias-free nn.Linear gate_proj, up_proj "
-                         "and down_proj")
+    if not all(isinstance(layer, nn.Linear) and type(layer).forward is nn.Linear.forward
+               and layer.bias is None and layer.weight.dtype in _WEIGHT_DTYPES
+               and not _has_hooks(layer) for layer in linears):
+        return False
     gate, up, down = (layer.weight for layer in linears)
     size = gate.shape[0]
-    if (tuple(gate.shape) != (size, hidden) or tuple(up.shape) != (size, hidden)
-            or tuple(down.shape) != (hidden, size)):
-        raise ValueError(f"{where}: shared_experts weights {tuple(gate.shape)}, "
-                         f"{tuple(up.shape)}, {tuple(down.shape)} are not [I_s, H], [I_s, H], "
-                         "[H, I_s]")
-    if not isinstance(getattr(shared, "act_fn", None), _silu_types()):
-        raise ValueError(f"{where}: the shared experts' activation is not SiLU")
+    return (tuple(gate.shape) == (size, hidden) and tuple(up.shape) == (size, hidden)
+            and tuple(down.shape) == (hidden, size) and size > 0 and size % 8 == 0
+            and isinstance(getattr(shared, "act_fn", None), _silu_types())
+            and not _has_hooks(shared))
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return any(getattr(module, name, None) for name in _HOOK_DICTS[:7])
 
 
 def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -188,6 +207,12 @@ class MokSparseMoeBlock(nn.Module):
                                  persistent=name not in block._non_persistent_buffers_set)
         for name, child in block._modules.items():
             self.add_module(name, child)
+        for name in _HOOK_DICTS:  # the block's hooks, the same dicts
+            if hasattr(block, name):
+                object.__setattr__(self, name, getattr(block, name))
+        for name, value in vars(block).items():  # its plain attributes (config, top_k, ...)
+            if not name.startswith("_") and name not in vars(self) and name != "training":
+                object.__setattr__(self, name, value)
         self.gate: nn.Module
         self.experts: nn.Module
         self.shared_experts: nn.Module | None
@@ -198,9 +223,14 @@ class MokSparseMoeBlock(nn.Module):
         _check_experts(self.experts, self.gate, where)
         if "shared_experts" not in self._modules:
             self.shared_experts = None
-        elif self.shared_experts is not None:
-            _check_shared(self.shared_experts, self.experts.gate_up_proj.shape[2], where)
         self.block_type = where
+        self.backend = Backend.parse(backend)
+        num_experts, two_i, hidden = self.experts.gate_up_proj.shape
+        if self.backend is Backend.MOK:
+            for name, value in (("hidden size", hidden), ("expert intermediate size", two_i // 2)):
+                if value % 8:
+                    raise ValueError(f"{where}: {name} {value}: the mok backend needs a multiple "
+                                     "of 8 (16-byte rows); backend='reference' takes any size")
         self.ep_group = ep_group if ep_group is not None and dist.get_world_size(ep_group) > 1 \
             else None
         self._local_experts = slice(None)
@@ -212,7 +242,6 @@ class MokSparseMoeBlock(nn.Module):
                                  f"expert-parallel group's {ranks} ranks")
             per_rank = num_experts // ranks
             self._local_experts = slice(rank * per_rank, (rank + 1) * per_rank)
-        self.backend = Backend.parse(backend)
         self.swiglu_limit = swiglu_limit
         self.recompute_gate_up = recompute_gate_up
         MoKConfig(precision=precision)  # checks it
@@ -234,10 +263,20 @@ class MokSparseMoeBlock(nn.Module):
 
     def _experts(self, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
-        """Routed (+ shared) experts: x [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H]."""
+        """Routed (+ shared) experts: x [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H].
+        The shared expert runs inside mok's call where _fused_shared says it can, else through
+        its own forward (as the original block runs it), added to the routed experts' output."""
+        experts = self.experts
+        if not (isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
+                and isinstance(getattr(experts, "down_proj", None), torch.Tensor)):
+            raise MoKInputError(
+                f"{self.block_type}: the experts module is now {type(experts).__name__}, "
+                "without gate_up_proj and down_proj tensors: it was replaced or wrapped after "
+                "patching (an adapter on the experts?), which mok cannot run; apply such "
+                "adapters to an unpatched model")
         # This rank's experts (all of them without expert parallelism): views, no copy.
-        gate_up = self.experts.gate_up_proj[self._local_experts]
-        down = self.experts.down_proj[self._local_experts]
+        gate_up = experts.gate_up_proj[self._local_experts]
+        down = experts.down_proj[self._local_experts]
         intermediate = down.shape[-1]
         if self.backend is Backend.REFERENCE:
             cast = lambda t: t
@@ -248,8 +287,9 @@ class MokSparseMoeBlock(nn.Module):
         # of the parameter itself.
         gate_up = cast(gate_up)
         shared: list[torch.Tensor | None] = [None, None, None]
-        if self.shared_experts is not None:
-            mlp = self.shared_experts
+        mlp = self.shared_experts
+        fused = mlp is not None and _fused_shared(mlp, x.shape[-1])
+        if fused:
             shared = [cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight),
                       cast(mlp.down_proj.weight)]
         with torch.autocast(x.device.type, enabled=False):
@@ -258,7 +298,10 @@ class MokSparseMoeBlock(nn.Module):
                             swiglu_limit=self.swiglu_limit, backend=self.backend,
                             group=self.ep_group, recompute_gate_up=self.recompute_gate_up,
                             precision=self.precision)
-        return y.to(x.dtype)
+        y = y.to(x.dtype)
+        if mlp is not None and not fused:
+            y = y + mlp(x)
+        return y
 
     def extra_repr(self) -> str:
         ep = "" if self.ep_group is None else \
@@ -284,7 +327,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     graph (retain_graph=True) allowed.
     precision="fp8": the experts' row GEMMs on e4m3 operands with blockwise scales
     (mok.functional.MoKConfig.precision).
-    Raises ValueError (before changing anything) when a block has a layout mok cannot run.
+    Raises ValueError (before changing anything) when a block has a layout mok cannot run, or
+    (backend "mok") sizes its kernels cannot (H and I multiples of 8).
     """
     block_types = supported_block_types()
     replacements: dict[int, nn.Module] = {}

@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from mok.errors import MoKInputError
 from mok.integrations.huggingface import MokSparseMoeBlock, patch_moe_blocks
 from mok.nn import Backend
 from mok.testing import TOLERANCES, Tolerance, assert_close, distributed_test, error_report
@@ -429,3 +430,88 @@ def test_fp8_patch_runs_the_experts_in_fp8():
                      tolerance=FP8_TOLERANCE)
     with pytest.raises(ValueError, match="precision"):
         patch_moe_blocks(copy.deepcopy(original), precision="fp16")
+
+
+class _Tripled(nn.Linear):
+    """An nn.Linear whose own forward differs (as LoRA-wrapped or quantized layers' do)."""
+
+    def forward(self, x):
+        return 3 * super().forward(x)
+
+
+def test_shared_expert_changed_after_patching_runs_its_own_forward():
+    # An adapter or a hook on DeepSeek-V3's shared expert, added after patching: the block runs
+    # the shared expert through its forward (it read the plain layer's weights and ignored it).
+    original = build(BY_NAME["deepseek_v3"]).eval()
+    patched, _ = patched_copy(original, "mok")
+    fired = []
+    blocks = []
+    for model in (original, patched):
+        block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
+        mlp = block.shared_experts
+        old = mlp.gate_proj
+        mlp.gate_proj = _Tripled(old.in_features, old.out_features, bias=False)
+        mlp.gate_proj.weight = old.weight
+        mlp.register_forward_hook(lambda *args: fired.append(1))
+        blocks.append(block)
+    assert isinstance(blocks[1], MokSparseMoeBlock)
+    x = torch.randn(BATCH, SEQ, COMMON["hidden_size"], device=DEVICE)
+    with torch.no_grad():
+        expected = blocks[0](x)
+        fired.clear()
+        actual = blocks[1](x)
+    assert fired == [1]
+    assert_close(actual, expected, dtype=torch.float32, name="block", tolerance=MODEL_BF16)
+
+
+def test_block_hooks_registered_before_patching_still_run():
+    original = build(BY_NAME["qwen3_moe"]).eval()
+    patched = copy.deepcopy(original)
+    handles = []
+    for model in (original, patched):
+        for block in model.modules():
+            if type(block).__name__ == "Qwen3MoeSparseMoeBlock":
+                handles.append(block.register_forward_hook(lambda m, i, o: torch.zeros_like(o)))
+    assert patch_moe_blocks(patched) == BY_NAME["qwen3_moe"].moe_layers
+    ids = token_ids()
+    with torch.no_grad():
+        expected, actual = original(ids).logits, patched(ids).logits
+    assert_close(actual, expected, dtype=torch.float32, name="logits", tolerance=MODEL_BF16)
+    for handle in handles:  # the handles still remove them
+        handle.remove()
+    assert not any(block._forward_hooks for block in patched.modules()
+                   if isinstance(block, MokSparseMoeBlock))
+    # the block's plain attributes come along (code reading block.top_k, block.config)
+    for before, after in zip((m for m in original.modules()
+                              if type(m).__name__ == "Qwen3MoeSparseMoeBlock"),
+                             (m for m in patched.modules() if isinstance(m, MokSparseMoeBlock)),
+                             strict=True):
+        public = {name for name in vars(before) if not name.startswith("_")} - {"training"}
+        assert all(getattr(after, name) is getattr(before, name) for name in public), public
+
+
+def test_patch_refuses_sizes_the_kernels_cannot_run_and_replaced_experts():
+    family = dataclasses.replace(BY_NAME["qwen3_moe"],
+                                 config={**BY_NAME["qwen3_moe"].config,
+                                         "moe_intermediate_size": 20})
+    model = build(family)
+    with pytest.raises(ValueError, match="multiple of 8.*backend='reference'"):
+        patch_moe_blocks(model)
+    assert not any(isinstance(m, MokSparseMoeBlock) for m in model.modules())
+    assert patch_moe_blocks(model, backend="reference") == family.moe_layers
+    patched, _ = patched_copy(build(BY_NAME["qwen3_moe"]), "mok")
+    block = next(m for m in patched.modules() if isinstance(m, MokSparseMoeBlock))
+    block.experts = nn.Identity()  # what wrapping the experts (an adapter) leaves
+    with pytest.raises(MoKInputError, match="replaced or wrapped after patching"):
+        patched(token_ids())
+
+
+def test_patched_model_runs_outside_inference_mode_after_running_in_it():
+    patched, _ = patched_copy(build(BY_NAME["qwen3_moe"]), "mok")
+    ids = token_ids()
+    with torch.inference_mode():
+        first = patched(ids).logits
+    with torch.no_grad():  # the same token count: the workspace made under inference mode
+        again = patched(ids).logits
+    assert torch.equal(first, again)
+    patched(ids).logits.sum().backward()
