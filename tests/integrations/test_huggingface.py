@@ -515,3 +515,13 @@ def test_patched_model_runs_outside_inference_mode_after_running_in_it():
         again = patched(ids).logits
     assert torch.equal(first, again)
     patched(ids).logits.sum().backward()
+
+
+def test_float8_expert_weights_are_refused():
+    model = build(BY_NAME["qwen3_moe"])
+    for block in model.modules():
+        experts = getattr(block, "experts", None)
+        if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            experts.gate_up_proj.data = experts.gate_up_proj.data.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="quantized"):
+        patch_moe_blocks(model)
