@@ -52,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mok.kernels import gluon_activation as activation
+from mok.kernels.gluon_dswiglu import _column_halves
 from mok.kernels.gluon_gate_up import _put, _tile_corner, _tile_grid
 from mok.kernels.gluon_rows import _load_step
 
@@ -557,15 +558,6 @@ def _dswiglu_mma_partition(gate_desc, up_desc, h_desc, q_desc, a_bufs, b_bufs, r
                                             q_smem.index(2 + j))
         t += 1
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _column_halves(t, layout: gl.constexpr):
-    """t [M, W] -> t[:, :W // 2], t[:, W // 2:] in `layout`."""
-    M: gl.constexpr = t.shape[0]
-    W: gl.constexpr = t.shape[1]
-    first, second = t.reshape([M, 2, W // 2]).permute((0, 2, 1)).split()
-    return gl.convert_layout(first, layout), gl.convert_layout(second, layout)
 
 
 @gluon.jit
