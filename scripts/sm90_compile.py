@@ -423,19 +423,20 @@ def main(argv=None) -> None:
         fp8.gluon_takes_fp8 = lambda *args, **kwargs: True
         gate_up_gluon = ops.fp8_tiles("gate_up", 128, gluon=True)
         runs += [
-            ("gate_up fp8 gluon", gate_up_gluon,
+            ("gate_up fp8 gluon tma", gate_up_gluon,
              lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt)),
-            ("gate_up fp8 gluon keeping limit", gate_up_gluon,
+            ("gate_up fp8 gluon tma keeping limit", gate_up_gluon,
              lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt, 7.0, gate_up=dgu)),
-            ("gate_up fp8 gluon h fp32", gate_up_gluon,
+            ("gate_up fp8 gluon tma h fp32", gate_up_gluon,
              lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt, quantize_h=False,
                                                out_dtype=torch.float32)),
-            ("gate_up saving fp8 gluon limit", ops.fp8_tiles("gate_up_saved", 128, gluon=True),
+            ("gate_up saving fp8 gluon tma limit", ops.fp8_tiles("gate_up_saved", 128, gluon=True),
              lambda tt: fp8.gate_up_fp8(x8, g8, g8, routing, tt, 7.0)),
-            ("down_bwd saved fp8 gluon limit", ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
+            ("down_bwd saved fp8 gluon tma limit", ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0)),
-            ("down_bwd saved shared fp8 gluon", ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
+            ("down_bwd saved shared fp8 gluon tma",
+             ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
              lambda tt: fp8.dswiglu_fp8(x8, quantized(experts, inter, hid), dgu, routing, tt)),
         ]
         fp8_gluon = dataclasses.replace(ops.fp8_tiles("down", 128), block_m=128, num_stages=4,
@@ -443,11 +444,11 @@ def main(argv=None) -> None:
         for label, variant in (("", {}), (" s5", dict(num_stages=5)),
                                (" 64x128 s6", dict(block_m=64, num_stages=6))):
             runs += [
-                (f"down fp8 gluon{label}", r(fp8_gluon, **variant),
+                (f"down fp8 gluon tma{label}", r(fp8_gluon, **variant),
                  lambda tt: fp8.down_proj_fp8(quantized(rows, inter),
                                               quantized(experts, hid, inter), routing, tt,
                                               rw.view(-1))),
-                (f"d_x fp8 gluon{label}", r(fp8_gluon, **variant),
+                (f"d_x fp8 gluon tma{label}", r(fp8_gluon, **variant),
                  lambda tt: fp8.d_x_rows_fp8(quantized(rows, 2 * inter),
                                              quantized(experts, hid, 2 * inter), routing, tt)),
             ]

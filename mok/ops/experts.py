@@ -268,7 +268,8 @@ def gluon_reads_weights(dtype: torch.dtype, *weights: torch.Tensor) -> bool:
 def gluon_takes(kind: str, tiles: RowTiles, *, hidden: int, intermediate: int,
                 dtype: torch.dtype) -> bool:
     """Whether the Gluon kernel of GEMM `kind` (mok.ops.tuning.KINDS) takes these tiles at these
-    sizes, its operands aside (gluon_reads_rows, gluon_reads_weights): a 16-bit dtype, and
+    sizes, its operands aside (gluon_reads_rows, gluon_reads_weights): a 16-bit dtype, K steps
+    of 32 or 64 (128 is the FP8 kernels'), and
     - gate/up: H a multiple of block_k, I of 8, block_n at most 128 (gate and up share one
       wgmma of 2 * block_n columns);
     - down: rows of H and of I elements 16-byte aligned (TMA);
@@ -276,7 +277,7 @@ def gluon_takes(kind: str, tiles: RowTiles, *, hidden: int, intermediate: int,
     - the dSwiGLU: rows of I elements 16-byte aligned, H a multiple of block_k, block_n at most
       128 kept and 64 recomputing (three accumulators).
     """
-    if dtype not in _GLUON_DTYPES:
+    if dtype not in _GLUON_DTYPES or tiles.block_k not in (32, 64):
         return False
 
     def aligned(*widths: int) -> bool:

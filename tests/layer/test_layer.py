@@ -195,10 +195,11 @@ def test_gluon_tiles_run_the_triton_kernel_off_sm90(kept):
 def test_tile_options_are_checked():
     with pytest.raises(ValueError, match="flatten=True"):
         ops.RowTiles(128, 128, 64, flatten=True)
-    for block in ((32, 64, 64), (128, 512, 64), (128, 128, 128)):
+    for block in ((32, 64, 64), (128, 512, 64), (128, 128, 256)):
         with pytest.raises(ValueError, match="gluon=True"):
             ops.RowTiles(*block, gluon=True)
     ops.RowTiles(64, 128, 32, gluon=True)  # a tile the Gluon kernels take
+    fp8 = ops.RowTiles(128, 128, 128, gluon=True)  # the FP8 Gluon kernels' K steps
     with pytest.raises(ValueError, match="pingpong=True"):
         ops.DswigluTiles(128, 64, 64, pingpong=True)
     # each kind's record type: the dSwiGLU's tiles are not a row GEMM's
@@ -206,6 +207,11 @@ def test_tile_options_are_checked():
         dataclasses.replace(ops.small_tiles(16), down_bwd=ops.RowTiles(16, 16, 16))
     # block_n 256 is for down and d_x: the Gluon gate/up kernel does not take it
     from mok.ops import experts
+
+    # K steps of 128 are the FP8 Gluon kernels': the 16-bit ones do not take them (the plan
+    # gives those tiles to the Triton kernel)
+    assert not experts.gluon_takes("down", fp8, hidden=256, intermediate=256,
+                                   dtype=torch.bfloat16)
 
     def takes(kind, block_n):
         return experts.gluon_takes(kind, ops.RowTiles(128, block_n, 64, gluon=True), hidden=64,
