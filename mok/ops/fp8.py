@@ -328,15 +328,15 @@ _GLUON_GATHER_WARPS = 4  # gate/up's loader: x's rows by cp.async, the weights b
 _GLUON_GATHER_REGS = 64
 _GLUON_MMA_REGS = 224  # the second MMA partition (the first takes what is left)
 _SMEM = HOPPER.shared_memory - 1024  # a program's shared memory, less the barriers'
+_NOT_TAKEN = ("the tiles ask for the Gluon FP8 kernel (RowTiles.gluon), which does not take "
+              "this launch (GPU, layout or tiles); mok.plan gives Gluon tiles only where it does")
 
 
 def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
                 tiles: RowTiles, router_weights: torch.Tensor | None) -> None:
     """The schedule's row GEMM by the warp-specialized Gluon kernel (mok.kernels.gluon_fp8)."""
     if not gluon_takes_fp8_rows(a, w, out.dtype, tiles):
-        raise ValueError("the tiles ask for the Gluon FP8 kernel (RowTiles.gluon), which does "
-                         "not take this launch (GPU, layout or tiles); mok.plan gives Gluon "
-                         "tiles only where it does")
+        raise ValueError(_NOT_TAKEN)
     experts, n, k = w.data.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     launch(gluon_fp8.fp8_rows_ws_kernel, (_num_programs(out.device),))(
@@ -464,9 +464,7 @@ def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Ro
     out_dtype = h.dtype if h is not None else gate_up.dtype
     if not gluon_takes_fp8(kind, x, w_gate, out_dtype, tiles) or (
             gate_up is not None and gate_up.dtype not in _GLUON_OUT):
-        raise ValueError("the tiles ask for the Gluon FP8 kernel (RowTiles.gluon), which does "
-                         "not take this launch (GPU, layout or tiles); mok.plan gives Gluon "
-                         "tiles only where it does")
+        raise ValueError(_NOT_TAKEN)
     experts, n, k = w_gate.data.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     kept = gate_up is not None
@@ -509,9 +507,7 @@ def _dswiglu_gluon(d_output: Quantized, w_down_t: Quantized, gate_up: torch.Tens
     """dswiglu_fp8 by the warp-specialized Gluon kernel (mok.kernels.gluon_fp8)."""
     if not gluon_takes_fp8("down_bwd_saved", d_output, w_down_t, gate_up.dtype, tiles) or (
             gate_up.stride(0) % 8 or gate_up.data_ptr() % 16):
-        raise ValueError("the tiles ask for the Gluon FP8 kernel (RowTiles.gluon), which does "
-                         "not take this launch (GPU, layout or tiles); mok.plan gives Gluon "
-                         "tiles only where it does")
+        raise ValueError(_NOT_TAKEN)
     experts, n, k = w_down_t.data.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     width = bn // 2
