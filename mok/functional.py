@@ -104,8 +104,10 @@ class MoKConfig:
         scale per 1 x 128 block of a row and per 128 x 128 block of a weight, summed in fp32
         (mok.ops.fp8), the weights quantized once per version (mok.ops.
         cached_quantize_experts); the weight gradients, the router-weight gradient and the
-        combine as with "bf16". fp8 needs expert widths (I, I_s) that are multiples of 128 and
-        one GPU (not yet expert parallelism).
+        combine as with "bf16". fp8 needs expert widths (I, I_s) that are multiples of 128.
+        Under expert parallelism it pulls the rows in launches of their own (the forward's in
+        e4m3, the backward's in x's dtype) rather than copying them (fwd_copy_rows,
+        bwd_copy_rows) or pulling them inside the GEMMs.
     """
 
     fwd_num_comm_sms: int = 32
@@ -641,12 +643,14 @@ def _gate_up(config, schedule, x, router_weights, shared: _Experts | None, route
     return context, rows.route_weights
 
 
-# -- FP8 (MoKConfig.precision "fp8"): one GPU, the row GEMMs of mok.ops.fp8 -------------------
+# -- FP8 (MoKConfig.precision "fp8"): the row GEMMs of mok.ops.fp8 ----------------------------
 
-def _check_fp8(workspace: Workspace, shared: _Experts | None, routed: _Experts) -> None:
-    if workspace.ep_size > 1:
-        raise MoKInputError("MoKConfig(precision='fp8') runs on one GPU: FP8 under expert "
-                            "parallelism is not built yet")
+def _check_fp8(config: MoKConfig, workspace: Workspace, shared: _Experts | None,
+               routed: _Experts) -> None:
+    if workspace.ep_size > 1 and (config.fwd_copy_rows or config.bwd_copy_rows):
+        raise MoKInputError("MoKConfig(precision='fp8') pulls the rows under expert "
+                            "parallelism: fwd_copy_rows and bwd_copy_rows apply to 16-bit "
+                            "precision only")
     for name, experts in (("intermediate_size", routed), ("the shared intermediate size", shared)):
         if experts is not None and experts.intermediate % ops.QUANT_BLOCK:
             raise MoKInputError(f"MoKConfig(precision='fp8') needs {name} a multiple of "
@@ -654,9 +658,12 @@ def _check_fp8(workspace: Workspace, shared: _Experts | None, routed: _Experts) 
                                 f"{experts.intermediate}")
 
 
-def _fp8_plan(schedule: Schedule, x: torch.Tensor, experts: _Experts) -> Fp8Plan:
-    return fp8_plan(schedule.tiles, experts.operands(x), hidden=x.shape[1],
-                    intermediate=experts.intermediate)
+def _fp8_plan(schedule: Schedule, x: torch.Tensor, experts: _Experts, *,
+              moved: bool = False) -> Fp8Plan:
+    """moved: the routed experts' rows, which reach them in the exchange's buffers and whose
+    outputs go back to the tokens' ranks."""
+    return fp8_plan(schedule.tiles, experts.operands(x, moved=moved), hidden=x.shape[1],
+                    intermediate=experts.intermediate, scatter=moved)
 
 
 def _fp8_weights(experts: _Experts) -> ops.Fp8Experts:
@@ -664,81 +671,116 @@ def _fp8_weights(experts: _Experts) -> ops.Fp8Experts:
 
 
 def _fp8_pre_activations(schedule, x, xq, experts: _Experts, weights: ops.Fp8Experts,
-                         routing: Routing, swiglu_limit) -> torch.Tensor:
+                         routing: Routing, swiglu_limit, *, moved: bool = False) -> torch.Tensor:
     """The pre-activations [C, 2I] in x's dtype of x quantized (xq), as a keeping forward
     stores them."""
     return ops.gate_up_fp8(xq, weights.gate, weights.up, routing,
-                           _fp8_plan(schedule, x, experts).gate_up_saved, swiglu_limit,
-                           out_dtype=x.dtype)
+                           _fp8_plan(schedule, x, experts, moved=moved).gate_up_saved,
+                           swiglu_limit, out_dtype=x.dtype)
+
+
+def _moved(workspace: Workspace) -> bool:
+    return not workspace.exchange.rows_here
 
 
 def _forward_fp8(config, schedule, x, router_weights, shared: _Experts | None,
                  routed: _Experts, swiglu_limit) -> tuple[torch.Tensor, ForwardContext]:
-    """forward in FP8: x quantized once, each group of experts' gate/up with SwiGLU (h in e4m3,
-    the pre-activations kept alongside unless recomputed) and down, then the combine."""
+    """forward in FP8: x quantized once; each group of experts' gate/up with SwiGLU (h in e4m3,
+    the pre-activations kept alongside unless recomputed) and down, then the combine. With
+    expert parallelism the routed experts' rows come quantized from their ranks (the shared
+    expert's first, meanwhile) and down's rows go back to them."""
+    exchange, plan = schedule.workspace.exchange, schedule.exchange
     keep = not config.recompute_gate_up
+    moved = _moved(schedule.workspace)
+    dtype = x.dtype
     xq = ops.quantize_rows(x)
 
-    def expert_rows(experts: _Experts, routing: Routing, route_weights):
-        plan = _fp8_plan(schedule, x, experts)
+    def expert_rows(experts: _Experts, routing: Routing, rows: ops.Quantized, route_weights,
+                    scatter=None):
+        fp8 = _fp8_plan(schedule, x, experts, moved=scatter is not None)
         weights = _fp8_weights(experts)
         gate_up = ops.gate_up_buffer(x, experts.gate, routing) if keep else None
-        h = ops.gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, plan.gate_up,
+        h = ops.gate_up_swiglu_fp8(rows, weights.gate, weights.up, routing, fp8.gate_up,
                                    swiglu_limit, gate_up=gate_up)
-        return ops.down_proj_fp8(h, weights.down, routing, plan.down, route_weights,
-                                 out_dtype=x.dtype), gate_up
+        return ops.down_proj_fp8(h, weights.down, routing, fp8.down, route_weights,
+                                 out_dtype=dtype, scatter=scatter), gate_up
 
     shared_rows = gate_up_shared = None
     if shared is not None:
-        shared_rows, gate_up_shared = expert_rows(shared, schedule.shared_routing, None)
-    rows, gate_up = expert_rows(routed, schedule.routing, router_weights)
-    y = ops.combine(rows, schedule.routing, shared_rows, x.dtype)
-    return y, ForwardContext(None, None, gate_up=gate_up, gate_up_shared=gate_up_shared,
-                             precision="fp8", swiglu_limit=swiglu_limit,
-                             has_shared=shared is not None)
+        shared_rows, gate_up_shared = expert_rows(shared, schedule.shared_routing, xq, None)
+    tokens, token_weights = exchange.tokens(x, router_weights)
+    rows = exchange.forward_rows_fp8(plan, tokens, xq if tokens is x else None, token_weights,
+                                     config=config)
+    out, gate_up = expert_rows(routed, schedule.routing, rows.x, rows.route_weights,
+                               exchange.scatter(plan, dtype) if moved else None)
+    exchange.deliveries_done(plan, Phase.FORWARD, dtype, values=False, wait=True)
+    y = exchange.combine(plan, out, schedule.routing, shared_rows, dtype)
+    return y, ForwardContext(None, None, weights_group=rows.kept_weights, gate_up=gate_up,
+                             gate_up_shared=gate_up_shared, precision="fp8",
+                             swiglu_limit=swiglu_limit, has_shared=shared is not None)
 
 
-def _backward_fp8(schedule, context: ForwardContext, d_output, x, router_weights,
+def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router_weights,
                   shared: _Experts | None, routed: _Experts, swiglu_limit) -> tuple:
     """backward in FP8: d_output quantized once; per group of experts the pre-activations (kept,
     or recomputed from x quantized), dSwiGLU (d_gate_up in e4m3 and in x's dtype, h, the
     router-weight gradient's partial sums) and the d_x rows on e4m3 operands; the weight
-    gradients in x's dtype from d_gate_up, h, x and d_output, as the 16-bit backward's."""
+    gradients in x's dtype from d_gate_up, h, x and d_output, as the 16-bit backward's. With
+    expert parallelism the routed experts' d_output and x rows come from their ranks in x's
+    dtype (the weight gradients read them so) and are quantized there; d_x rows and
+    router-weight gradients go back."""
+    exchange, plan = schedule.workspace.exchange, schedule.exchange
+    dtype = x.dtype
+    moved = _moved(schedule.workspace)
     dq = ops.quantize_rows(d_output)
-    xq = None  # x quantized, once, where a group recomputes its pre-activations
 
-    def input_grads(experts: _Experts, routing: Routing, gate_up, route_weights):
-        nonlocal xq
-        plan = _fp8_plan(schedule, x, experts)
+    def input_grads(experts: _Experts, routing: Routing, gate_up, route_weights, d_rows, dq,
+                    x_rows, scatter=None):
+        fp8 = _fp8_plan(schedule, x, experts, moved=scatter is not None)
         weights = _fp8_weights(experts)
         if gate_up is None:
-            xq = xq if xq is not None else ops.quantize_rows(x)
-            gate_up = _fp8_pre_activations(schedule, x, xq, experts, weights, routing,
-                                           swiglu_limit)
+            gate_up = _fp8_pre_activations(schedule, x, ops.quantize_rows(x_rows), experts,
+                                           weights, routing, swiglu_limit,
+                                           moved=scatter is not None)
         d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
-                                                  plan.dswiglu, route_weights, swiglu_limit)
+                                                  fp8.dswiglu, route_weights, swiglu_limit)
         _overwritten(gate_up)
-        d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, plan.d_x,
-                                    out_dtype=x.dtype)
-        return plan, d_x_rows, partial, [gate_up, h]  # gate_up holds d_gate_up now
+        d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, fp8.d_x,
+                                    out_dtype=dtype, scatter=scatter)
+        return fp8, d_x_rows, partial, [gate_up, h]  # gate_up holds d_gate_up now
 
     d_shared = (None, None, None)
     d_x_shared_rows = None
-    if shared is not None:
-        plan, d_x_shared_rows, _, saved = input_grads(shared, schedule.shared_routing,
-                                                      context.gate_up_shared, None)
-        grads = _weight_grads(plan, schedule.shared_routing, d_output, x, saved, None, shared,
+    if shared is not None:  # first: with expert parallelism it overlaps the exchange
+        fp8, d_x_shared_rows, _, saved = input_grads(
+            shared, schedule.shared_routing, context.gate_up_shared, None, d_output, dq, x)
+        grads = _weight_grads(fp8, schedule.shared_routing, d_output, x, saved, None, shared,
                               down_first=context.gate_up_shared is not None)
         d_shared = tuple(grad[0] for grad in grads)
+    d_tokens, x_tokens, router_weights = exchange.tokens(d_output, x, router_weights)
+    rows = exchange.backward_rows_fp8(plan, d_tokens, x_tokens, config=config)
+    route_weights = context.weights_group if context.weights_group is not None else router_weights
     routing = schedule.routing
-    plan, d_x_rows, partial, saved = input_grads(routed, routing, context.gate_up,
-                                                 router_weights)
-    d_router_weights = ops.router_grad(partial, routing)
-    # The d_x rows are freed before the weight gradients are allocated (as the 16-bit backward).
-    d_x = ops.combine(d_x_rows, routing, d_x_shared_rows, x.dtype)
-    del d_x_rows, d_x_shared_rows
-    d_routed = _weight_grads(plan, routing, d_output, x, saved, router_weights, routed,
+    fp8, d_x_rows, partial, saved = input_grads(
+        routed, routing, context.gate_up, route_weights, rows.d_output,
+        dq if rows.d_output is d_output else ops.quantize_rows(rows.d_output), rows.x,
+        exchange.scatter(plan, dtype) if moved else None)
+    by_route = ops.router_grad(partial, routing)
+    exchange.send_route_values(plan, by_route)
+    exchange.deliveries_done(plan, Phase.BACKWARD, dtype, values=True, wait=False)
+    d_x = None
+    if exchange.rows_here:
+        # The d_x rows are freed before the weight gradients are allocated (as the 16-bit
+        # backward).
+        d_x = exchange.combine(plan, d_x_rows, routing, d_x_shared_rows, dtype)
+        d_x_rows = d_x_shared_rows = None
+    d_routed = _weight_grads(fp8, routing, rows.d_output, rows.x, saved, route_weights, routed,
                              down_first=context.gate_up is not None)
+    del rows
+    exchange.landed(Phase.BACKWARD)
+    if d_x is None:
+        d_x = exchange.combine(plan, d_x_rows, routing, d_x_shared_rows, dtype)
+    d_router_weights = exchange.route_values(plan, by_route)
     return (d_x, d_router_weights, *d_routed, *d_shared)
 
 
@@ -773,7 +815,7 @@ def forward(
     router_weights = router_weights.contiguous()
     shared, routed = _Experts.shared(*shared), _Experts(*routed)
     if config.precision == "fp8":
-        _check_fp8(workspace, shared, routed)
+        _check_fp8(config, workspace, shared, routed)
         y, context = _forward_fp8(config, schedule, x, router_weights, shared, routed,
                                   swiglu_limit)
         workspace._publish_schedule_errors()
@@ -830,30 +872,46 @@ def recompute_forward_context(
     shared = _Experts.shared(w_shared_gate, w_shared_up, None)
     routed = _Experts(w_routed_gate, w_routed_up, None)
     if config.precision == "fp8":
-        _check_fp8(workspace, shared, routed)
-        return _recompute_fp8(config, schedule, x, shared, routed, swiglu_limit)
+        _check_fp8(config, workspace, shared, routed)
+        return _recompute_fp8(config, schedule, x, router_weights, shared, routed, swiglu_limit)
     context, _ = _gate_up(config, schedule, x, router_weights, shared, routed, swiglu_limit,
                           _forward_plans(config, schedule, x, shared, routed))
     return context.kept_for_backward()
 
 
-def _recompute_fp8(config, schedule, x, shared: _Experts | None, routed: _Experts,
-                   swiglu_limit) -> ForwardContext:
-    """recompute_forward_context in FP8: the kept pre-activations; a recomputing context holds
-    nothing (the backward recomputes them)."""
-    if config.recompute_gate_up:
-        return ForwardContext(None, None, precision="fp8", swiglu_limit=swiglu_limit,
-                              has_shared=shared is not None)
+def _recompute_fp8(config, schedule, x, router_weights, shared: _Experts | None,
+                   routed: _Experts, swiglu_limit) -> ForwardContext:
+    """recompute_forward_context in FP8: the kept pre-activations (a recomputing context holds
+    none: the backward recomputes them); with expert parallelism the routed experts' rows and
+    router weights come again from their ranks, as in the forward."""
+    keep = not config.recompute_gate_up
+    moved = _moved(schedule.workspace)
+    context = dict(precision="fp8", swiglu_limit=swiglu_limit, has_shared=shared is not None)
+    if not keep and not moved:
+        return ForwardContext(None, None, **context)
     xq = ops.quantize_rows(x)
-    kept = [None, None]
-    for i, (experts, routing) in enumerate(((routed, schedule.routing),
-                                            (shared, schedule.shared_routing))):
-        if experts is not None:
-            weights = ops.cached_quantize_experts(experts.gate, experts.up, None)
-            kept[i] = _fp8_pre_activations(schedule, x, xq, experts, weights, routing,
-                                           swiglu_limit)
-    return ForwardContext(None, None, gate_up=kept[0], gate_up_shared=kept[1], precision="fp8",
-                          swiglu_limit=swiglu_limit, has_shared=shared is not None)
+
+    def pre_activations(experts: _Experts, routing: Routing, rows: ops.Quantized,
+                        moved: bool = False) -> torch.Tensor | None:
+        if not keep:
+            return None
+        weights = ops.cached_quantize_experts(experts.gate, experts.up, None)
+        return _fp8_pre_activations(schedule, x, rows, experts, weights, routing, swiglu_limit,
+                                    moved=moved)
+
+    gate_up_shared = (pre_activations(shared, schedule.shared_routing, xq)
+                      if shared is not None else None)
+    weights_group, rows = None, xq
+    if moved:
+        exchange = schedule.workspace.exchange
+        tokens, token_weights = exchange.tokens(x, router_weights)
+        landed = exchange.forward_rows_fp8(schedule.exchange, tokens,
+                                           xq if tokens is x else None, token_weights,
+                                           config=config)
+        weights_group, rows = landed.kept_weights, landed.x
+    return ForwardContext(None, None, weights_group=weights_group,
+                          gate_up=pre_activations(routed, schedule.routing, rows, moved),
+                          gate_up_shared=gate_up_shared, **context)
 
 
 def _check_context_rows(h, gate_up, routing, intermediate, suffix, *,
@@ -996,8 +1054,8 @@ def backward(
     x, d_output = _rowmajor(x), _rowmajor(d_output)
     router_weights = router_weights.contiguous()
     if fp8:
-        _check_fp8(workspace, shared, routed)
-        return _backward_fp8(schedule, context, d_output, x, router_weights, shared, routed,
+        _check_fp8(config, workspace, shared, routed)
+        return _backward_fp8(config, schedule, context, d_output, x, router_weights, shared, routed,
                              swiglu_limit)
     dtype = x.dtype
     d_shared = (None, None, None)

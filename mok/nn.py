@@ -486,7 +486,7 @@ class MoE(nn.Module):
     (MoKConfig.recompute_gate_up): I fewer values per route of activations, a slower backward,
     and backwards through the graph may repeat.
     precision="fp8" runs the experts' row GEMMs on e4m3 operands with blockwise scales
-    (MoKConfig.precision; I and I_s multiples of 128, one GPU), keeping an e4m3 copy of the
+    (MoKConfig.precision; I and I_s multiples of 128), keeping an e4m3 copy of the
     expert weights per optimizer step.
 
     Compute dtype: the autocast dtype under torch.autocast (the output then has that dtype, as

@@ -158,15 +158,18 @@ class Fp8Plan:
     wgrad_down: WgradTiles
 
 
-def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int,
-             intermediate: int) -> Fp8Plan:
+def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,
+             scatter: bool = False) -> Fp8Plan:
     """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment):
     with MOK_FP8_GLUON the Gluon kernels where the GPU runs them (their operands are mok's own
-    buffers and e4m3 weight copies, which they can read whenever H is a multiple of 16)."""
+    buffers and e4m3 weight copies, which they can read whenever H is a multiple of 16);
+    scatter: down and d_x write their rows to other ranks (the Triton kernel's epilogue)."""
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = _env.FP8_GLUON and arch_of(operands.device).warp_specialized and hidden % 16 == 0
-    return Fp8Plan(*(fp8_tiles(kind, tiles.align, gluon=gluon) for kind in FP8_KINDS),
+    return Fp8Plan(*(fp8_tiles(kind, tiles.align,
+                               gluon=gluon and not (scatter and kind in ("down", "d_x")))
+                     for kind in FP8_KINDS),
                    *_wgrads(pick, operands, tiles.align, sizes))
 
 

@@ -9,6 +9,8 @@ in the order the data flows:
                                             gathered from the other nodes)
     rows in       forward_rows /            the rows the first GEMM reads, and the pull or copy
                   backward_rows             that brings them (None: they are here)
+                  forward_rows_fp8 /        (MoKConfig precision "fp8") the same rows, landed
+                  backward_rows_fp8         before the GEMMs, the forward's as e4m3
                   rows_read                 after the launch that read them
     rows out      scatter                   where the last GEMM writes its rows (None: here)
                   send_route_values         the router-weight gradients, to their tokens' ranks
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mok.ops import Pull, Routing, ScatterRows
+from mok.ops import Pull, Quantized, Routing, ScatterRows
 
 
 class Phase(enum.IntEnum):
@@ -62,6 +64,17 @@ class ForwardRows:
     x: torch.Tensor
     route_weights: torch.Tensor
     pull: Pull | None = None
+    kept_weights: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Fp8ForwardRows:
+    """What the FP8 forward's gate/up GEMM reads: x, the token rows in e4m3 with their 1 x 128
+    scales (mok.ops.quantize_rows), landed ([T, H], or the group's [P * T_max, H]);
+    route_weights and kept_weights as ForwardRows'."""
+
+    x: Quantized
+    route_weights: torch.Tensor
     kept_weights: torch.Tensor | None = None
 
 
@@ -114,6 +127,18 @@ class Exchange:
                       block_m: int, kept: bool, apart: bool) -> BackwardRows:
         """kept: the forward kept its pre-activations (x is read by the weight gradients alone);
         apart: the first launch recomputes gate/up on its own (it reads x first)."""
+        raise NotImplementedError
+
+    def forward_rows_fp8(self, plan, x: torch.Tensor, xq: Quantized | None,
+                         router_weights: torch.Tensor, *, config) -> Fp8ForwardRows:
+        """The FP8 forward's rows, landed and read (no `rows_read` after): x's tokens quantized
+        (xq: quantize_rows(x) where the caller has it, else quantized here)."""
+        raise NotImplementedError
+
+    def backward_rows_fp8(self, plan, d_output: torch.Tensor, x: torch.Tensor, *,
+                          config) -> BackwardRows:
+        """The FP8 backward's rows, d_output and x in their dtype (the weight gradients read
+        them so), landed and read (no `rows_read` after); no pulls."""
         raise NotImplementedError
 
     def rows_read(self, phase: Phase) -> None:

@@ -159,6 +159,12 @@ class CrossNodeExchange(Exchange):
         return self.inner.backward_rows(plan.inner, d_output, x, config=config, block_m=block_m,
                                         kept=kept, apart=apart)
 
+    def forward_rows_fp8(self, plan, x, xq, router_weights, *, config):
+        return self.inner.forward_rows_fp8(plan.inner, x, xq, router_weights, config=config)
+
+    def backward_rows_fp8(self, plan, d_output, x, *, config):
+        return self.inner.backward_rows_fp8(plan.inner, d_output, x, config=config)
+
     def rows_read(self, phase):
         self.inner.rows_read(phase)
 

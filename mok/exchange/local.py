@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from mok import ops
-from mok.exchange.base import BackwardRows, Exchange, ForwardRows, Movement, Phase, route_capacity
+from mok.exchange.base import (
+    BackwardRows,
+    Exchange,
+    ForwardRows,
+    Fp8ForwardRows,
+    Movement,
+    Phase,
+    route_capacity,
+)
 from mok.ops import Routing
 
 
@@ -39,6 +47,12 @@ class LocalExchange(Exchange):
         return ForwardRows(x, router_weights)
 
     def backward_rows(self, plan, d_output, x, *, config, block_m, kept, apart):
+        return BackwardRows(d_output, x)
+
+    def forward_rows_fp8(self, plan, x, xq, router_weights, *, config):
+        return Fp8ForwardRows(xq if xq is not None else ops.quantize_rows(x), router_weights)
+
+    def backward_rows_fp8(self, plan, d_output, x, *, config):
         return BackwardRows(d_output, x)
 
     def rows_read(self, phase):

@@ -42,12 +42,13 @@ import torch
 import torch.distributed as dist
 
 from mok import ops
-from mok.errors import NUM_ERROR_FLAGS
+from mok.errors import NUM_ERROR_FLAGS, MoKInputError
 from mok.exchange.base import (
     NUM_PHASES,
     BackwardRows,
     Exchange,
     ForwardRows,
+    Fp8ForwardRows,
     Movement,
     Phase,
     route_capacity,
@@ -485,6 +486,50 @@ class SymmetricExchange(Exchange):
             peer, plan, d_output, x, minibatch=config.minibatch_size,
             num_programs=config.bwd_num_comm_sms, defer_x=kept, x_first=apart)
         return BackwardRows(dy_group, x_group, pull, x_pull)
+
+    def forward_rows_fp8(self, plan, x, xq, router_weights, *, config):
+        """Publish x in e4m3, each row's codes and scales packed in one byte row
+        (mok.ops.unpack_rows: about half the bytes of a bf16 row), and the router weights; pull
+        the group's rows of the local experts' routes in a launch of their own over
+        fwd_num_comm_sms programs (the FP8 GEMMs take no pull), then acknowledge them. A row
+        quantized here or on its expert's rank is the same bits: the scales are per row."""
+        peer = self.peer_flags(self.errors)
+        _check_pulls(plan)
+        tokens, width = x.shape
+        xq = xq if xq is not None else ops.quantize_rows(x)
+        packed = self.packed_pub(width)
+        codes, scales = ops.unpack_rows(packed[:tokens], width)
+        self.publish(peer, Phase.FORWARD, [
+            (codes, xq.data), (scales, xq.scales),
+            (self.weights_pub[:tokens * self.topk], router_weights.reshape(-1))])
+        rows, weights_group, _, pull = self.pull(
+            peer, Phase.FORWARD, plan, src=packed, weights=self.weights_pub,
+            minibatch=config.minibatch_size, num_programs=config.fwd_num_comm_sms)
+        pull.run_apart(rows)
+        self.pulled(peer, Phase.FORWARD)
+        return Fp8ForwardRows(ops.unpack_rows(rows, width), weights_group, weights_group)
+
+    def backward_rows_fp8(self, plan, d_output, x, *, config):
+        """Publish d_output and x; pull the group's rows of both in launches of their own over
+        bwd_num_comm_sms programs each, then acknowledge them."""
+        peer = self.peer_flags(self.errors)
+        dy_group, x_group, pull, x_pull = self.backward_pull(
+            peer, plan, d_output, x, minibatch=config.minibatch_size,
+            num_programs=config.bwd_num_comm_sms, defer_x=True)
+        pull.run_apart(dy_group)
+        x_pull.run_apart(x_group)
+        self.pulled(peer, Phase.BACKWARD)
+        return BackwardRows(dy_group, x_group)
+
+    def packed_pub(self, width: int) -> torch.Tensor:
+        """The published x as packed e4m3 rows of `width` columns (mok.ops.unpack_rows):
+        [T_max, packed_row_bytes(width)] uint8 over the 16-bit x's memory."""
+        nbytes = ops.packed_row_bytes(width)
+        if nbytes > 2 * self.hidden_size:
+            raise MoKInputError(f"packed e4m3 rows of hidden size {width} take {nbytes} bytes, "
+                                f"more than a 16-bit row's {2 * self.hidden_size}: FP8 under "
+                                "expert parallelism needs a hidden size of at least 16")
+        return self.x_pub(torch.uint8)[:, :nbytes]
 
     def rows_read(self, phase):
         """After every pull (or copy) of the phase: the published rows may be overwritten."""

@@ -14,7 +14,10 @@ tile and K step) or is a multiple of it (a scale per 128 columns). Padding rows 
 zeros and write zeros.
 
 EPILOGUE:
-- "plain": out = the product (down, d_x), with WEIGHTED scaled by the route's router weight.
+- "plain": out = the product (down, d_x), with WEIGHTED scaled by the route's router weight;
+  with SCATTER each row goes to the rank owning its token instead (mok.kernels.grouped_gemm's
+  SCATTER: row dest_route[r] % routes_per_rank of out on rank dest_route[r] // routes_per_rank,
+  at out + out_delta[rank]).
 - "swiglu": a second weight (up) and its accumulator; out = swiglu(gate, up) (with HAS_LIMIT
   the pre-activations clamped first, mok.kernels.activation); with KEEP_GATE_UP the
   pre-activations also stored into gate_up [C, 2N], as "gate_up" stores them.
@@ -34,7 +37,7 @@ import triton.language as tl
 
 from mok.kernels import activation
 from mok.kernels.common import cast_to, from_e4m3
-from mok.kernels.grouped_gemm import _tile_coords, _tile_rows
+from mok.kernels.grouped_gemm import _store_rows, _tile_coords, _tile_rows
 from mok.kernels.quantize import quantize_tile
 
 
@@ -50,13 +53,14 @@ def _dot_e4m3(a, b, UPCAST: tl.constexpr):
 def fp8_rows_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w2_ptr, w2_scale_ptr, out_ptr, out_scale_ptr,
     row_route_ptr, block_expert_ptr, used_rows_ptr, router_weights_ptr, gate_up_ptr, h_ptr,
-    partial_ptr, N, K, topk, num_m_blocks, swiglu_limit,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
-    stride_gum, stride_hm, stride_pm,
+    partial_ptr, dest_route_ptr, out_delta_ptr, N, K, topk, num_m_blocks, swiglu_limit,
+    routes_per_rank, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
+    stride_om, stride_osm, stride_gum, stride_hm, stride_pm,
     GATHER: tl.constexpr, EPILOGUE: tl.constexpr, HAS_LIMIT: tl.constexpr,
     WEIGHTED: tl.constexpr, QUANTIZE_OUT: tl.constexpr, KEEP_GATE_UP: tl.constexpr,
-    ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, ALIGN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile (see the module's docstring for the product and EPILOGUE)."""
     TWO: tl.constexpr = EPILOGUE == "swiglu" or EPILOGUE == "gate_up"
@@ -112,12 +116,12 @@ def fp8_rows_kernel(
         if WEIGHTED:
             out *= tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
         out = tl.where(keep, out, 0.0)
-        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         if QUANTIZE_OUT:
-            _store_e4m3(out, out_ptrs, out_scale_ptr + rows * stride_osm + pid_n, in_n, UPCAST)
+            _store_e4m3(out, out_ptr + rows[:, None] * stride_om + cols[None, :],
+                        out_scale_ptr + rows * stride_osm + pid_n, in_n, UPCAST)
         else:
-            tl.store(out_ptrs, cast_to(out, out_ptr.dtype.element_ty, UPCAST),
-                     mask=in_n[None, :])
+            _store_rows(out_ptr, rows, cols, N, out, stride_om, dest_route_ptr, out_delta_ptr,
+                        routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
 
 
 @triton.jit

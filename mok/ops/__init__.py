@@ -34,7 +34,14 @@ from mok.ops.fp8 import (
     gate_up_swiglu_fp8,
     quantize_experts,
 )
-from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_rows, quantize_weights
+from mok.ops.quantize import (
+    QUANT_BLOCK,
+    Quantized,
+    packed_row_bytes,
+    quantize_rows,
+    quantize_weights,
+    unpack_rows,
+)
 from mok.ops.routing import (
     Routing,
     build_routing,
@@ -94,8 +101,10 @@ __all__ = [
     "grouped_wgrad_gate_up",
     "local_first_blocks",
     "quantize_experts",
+    "packed_row_bytes",
     "quantize_rows",
     "quantize_weights",
+    "unpack_rows",
     "router_grad",
     "scatter_route_values",
     "signal_peers",

@@ -17,8 +17,9 @@ from mok.arch import HOPPER, arch_of
 from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
 from mok.kernels import gluon_fp8
+from mok.ops.comm import ScatterRows
 from mok.ops.experts import _gluon_descriptor as _descriptor
-from mok.ops.experts import _num_programs, _nvmma_layout
+from mok.ops.experts import _num_programs, _nvmma_layout, _scatter_args
 from mok.ops.launch import cdiv, launch
 from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_weights
 from mok.ops.routing import Routing
@@ -252,12 +253,14 @@ def d_x_rows_fp8(
     tiles: RowTiles = FP8_TILES,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
+    scatter: ScatterRows | None = None,
 ) -> torch.Tensor:
     """rows [C, H] = d_gate_up[r] @ w_gate_up_t[e]^T in out_dtype: d_gate @ w_gate[e] + d_up @
     w_up[e] as one GEMM over K = 2I, with d_gate_up [C, 2I] in e4m3 (dswiglu_fp8's) and
-    w_gate_up_t [E, H, 2I] the transposed gate and up weights side by side, quantized."""
+    w_gate_up_t [E, H, 2I] the transposed gate and up weights side by side, quantized.
+    scatter: each row goes to its token's rank's buffer instead (returns scatter.out)."""
     return _schedule_rows_gemm(d_gate_up, "d_gate_up", w_gate_up_t, "w_gate_up_t", routing,
-                               tiles, None, out_dtype)
+                               tiles, None, out_dtype, scatter)
 
 
 def down_proj_fp8(
@@ -268,17 +271,21 @@ def down_proj_fp8(
     router_weights: torch.Tensor | None = None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
+    scatter: ScatterRows | None = None,
 ) -> torch.Tensor:
     """rows [C, H] = router_weights[route] * h[r] @ w_down[e]^T in out_dtype (without
     router_weights [T * k] fp32, unweighted), 0 on padding rows. h: [C, I] e4m3 rows
-    (gate_up_swiglu_fp8's); w_down: [E, H, I] (mok.ops.quantize_weights)."""
+    (gate_up_swiglu_fp8's); w_down: [E, H, I] (mok.ops.quantize_weights). scatter: each row
+    goes to its token's rank's buffer instead (returns scatter.out)."""
     return _schedule_rows_gemm(h, "h", w_down, "w_down", routing, tiles, router_weights,
-                               out_dtype)
+                               out_dtype, scatter)
 
 
 def _schedule_rows_gemm(a: Quantized, a_name: str, w: Quantized, w_name: str,
-                        routing: Routing, tiles: RowTiles, router_weights, out_dtype):
-    """rows [C, N] = (router weight *) a[r] @ w[e]^T over the schedule's rows a [C, K]."""
+                        routing: Routing, tiles: RowTiles, router_weights, out_dtype,
+                        scatter: ScatterRows | None):
+    """rows [C, N] = (router weight *) a[r] @ w[e]^T over the schedule's rows a [C, K] (with
+    scatter, into scatter.out on the rows' tokens' ranks; the Triton kernel)."""
     capacity, width = _rows_operand(a, a_name)
     if capacity != routing.capacity_rows:
         raise MoKInputError(f"{a_name} has {capacity} rows, the schedule "
@@ -286,12 +293,20 @@ def _schedule_rows_gemm(a: Quantized, a_name: str, w: Quantized, w_name: str,
     _, n, _ = _weights_operand(w, w_name, width)
     _check_router_weights(router_weights, routing)
     _check_tiles(tiles, routing, quantize_out=False)
-    out = torch.empty(capacity, n, dtype=out_dtype, device=a.data.device)
+    if scatter is None:
+        out = torch.empty(capacity, n, dtype=out_dtype, device=a.data.device)
+    else:
+        out = scatter.out
+        if out.dtype != out_dtype or out.shape[1] != n or out.stride(1) != 1:
+            raise MoKInputError(f"the scatter's buffer must be [*, {n}] {out_dtype} with unit "
+                                f"column stride, got {tuple(out.shape)} {out.dtype}")
+        if tiles.gluon:
+            raise ValueError(_NOT_TAKEN)
     if tiles.gluon and capacity > 0 and n > 0:
         _rows_gluon(a, w, out, routing, tiles, router_weights)
     else:
         _launch(a, w, None, out, out, routing, tiles, router_weights, None, gather=False,
-                epilogue="plain", quantize_out=False)
+                epilogue="plain", quantize_out=False, scatter=scatter)
     return out
 
 
@@ -425,7 +440,7 @@ def _check_tiles(tiles: RowTiles, routing: Routing, *, quantize_out: bool) -> No
 
 
 def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_limit, *,
-            gather, epilogue, quantize_out, gate_up=None, h=None, partial=None):
+            gather, epilogue, quantize_out, gate_up=None, h=None, partial=None, scatter=None):
     rows = routing.capacity_rows
     n = w.data.shape[1]
     if rows == 0 or n == 0:
@@ -436,18 +451,21 @@ def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_li
     gate_up = gate_up if gate_up is not None else out
     h = h if h is not None else out
     partial = partial if partial is not None else out_scales
+    scatter_args = _scatter_args(scatter, out)
     launch(kernels.fp8_rows_kernel, (num_m_blocks * cdiv(n, tiles.block_n),))(
         a.data, a.scales, w.data, w.scales, second.data, second.scales, out, out_scales,
         routing.row_route, routing.block_expert, routing.used_rows,
         router_weights if router_weights is not None else a.scales, gate_up, h, partial,
+        scatter_args["dest_route_ptr"], scatter_args["out_delta_ptr"],
         n, a.data.shape[1], routing.topk, num_m_blocks,
-        swiglu_limit if swiglu_limit is not None else 0.0,
+        swiglu_limit if swiglu_limit is not None else 0.0, scatter_args["routes_per_rank"],
         a.data.stride(0), a.scales.stride(0), w.data.stride(0), w.data.stride(1),
         w.scales.stride(0), w.scales.stride(1), out.stride(0), out_scales.stride(0),
         gate_up.stride(0), h.stride(0), partial.stride(0),
         GATHER=gather, EPILOGUE=epilogue, HAS_LIMIT=swiglu_limit is not None,
         WEIGHTED=router_weights is not None, QUANTIZE_OUT=quantize_out,
-        KEEP_GATE_UP=keep_gate_up, ALIGN=routing.align,
+        KEEP_GATE_UP=keep_gate_up, SCATTER=scatter_args["SCATTER"],
+        ROW_ALIGN=scatter_args["ROW_ALIGN"], ALIGN=routing.align,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, UPCAST=_env.INTERPRET, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -1,5 +1,6 @@
 """Blockwise float8_e4m3fn quantization launchers (mok.kernels.quantize): activations with a
-scale per 1 x 128 block of a row, weights with one per 128 x 128 block."""
+scale per 1 x 128 block of a row, weights with one per 128 x 128 block; rows can also be packed,
+each row's codes and scales in one byte row (what expert parallelism moves)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,31 @@ def quantize_rows(x: torch.Tensor, *, pow2_scales: bool = False) -> Quantized:
     powers of two."""
     _check(x, "x", dims=(2,))
     return _quantize(x.unsqueeze(0), rows=1, pow2_scales=pow2_scales, squeeze=True)
+
+
+def packed_row_bytes(width: int) -> int:
+    """Bytes of one packed row of `width` columns (unpack_rows): the e4m3 codes, then the fp32
+    scales, each part starting at a multiple of 16 bytes."""
+    return _round16(_round16(width) + 4 * cdiv(width, QUANT_BLOCK))
+
+
+def unpack_rows(packed: torch.Tensor, width: int) -> Quantized:
+    """The codes [M, width] float8_e4m3fn and scales [M, ceil(width / 128)] fp32 of packed
+    rows, as views of `packed` [M, >= packed_row_bytes(width)] uint8 (rows 16-byte aligned):
+    each row's codes, then from the next multiple of 16 bytes its scales."""
+    start = _round16(width)
+    if (packed.dtype != torch.uint8 or packed.dim() != 2 or packed.stride(1) != 1
+            or packed.shape[1] < packed_row_bytes(width) or packed.stride(0) % 16
+            or packed.storage_offset() % 16):
+        raise MoKInputError(f"packed rows must be uint8 [M, >= {packed_row_bytes(width)}] with "
+                            "rows starting at multiples of 16 bytes")
+    blocks = cdiv(width, QUANT_BLOCK)
+    return Quantized(packed[:, :width].view(torch.float8_e4m3fn),
+                     packed[:, start:start + 4 * blocks].view(torch.float32))
+
+
+def _round16(n: int) -> int:
+    return cdiv(n, 16) * 16
 
 
 def quantize_weights(w: torch.Tensor, *, pow2_scales: bool = False) -> Quantized:

@@ -11,7 +11,13 @@ import triton.language as tl
 from mok import _env
 from mok.errors import MoKInputError
 from mok.kernels.common import to_e4m3
-from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
+from mok.ops.quantize import (
+    QUANT_BLOCK,
+    packed_row_bytes,
+    quantize_rows,
+    quantize_weights,
+    unpack_rows,
+)
 from mok.reference import E4M3_MAX, dequantize_e4m3, quantize_e4m3
 
 E4M3 = torch.float8_e4m3fn
@@ -206,3 +212,32 @@ def test_quantize_rejects_bad_inputs(device):
         quantize_rows(torch.zeros(2, 3, dtype=torch.int32, device=device))
     with pytest.raises(MoKInputError, match="bf16, fp16 or fp32"):
         quantize_weights(torch.zeros(2, 3, dtype=E4M3, device=device))
+
+
+@pytest.mark.parametrize("width", [16, 200, 2048])
+def test_packed_rows_hold_codes_then_scales(device, width):
+    # Expert parallelism moves a row's e4m3 codes and scales as one byte row: codes at the
+    # start, the scales from the next multiple of 16 bytes, rows apart by a multiple of 16.
+    x = spread_values((5, width), seed=9, dtype=torch.bfloat16, device=device)
+    q, scales = quantize_rows(x)
+    nbytes = packed_row_bytes(width)
+    start = -(-width // 16) * 16
+    assert nbytes % 16 == 0 and nbytes >= start + 4 * scales.shape[1]
+    packed = torch.randint(0, 256, (5, nbytes + 16), dtype=torch.uint8, device=device)
+    codes_view, scales_view = unpack_rows(packed, width)
+    codes_view.copy_(q)
+    scales_view.copy_(scales)
+    assert torch.equal(packed[:, :width], codes(q))
+    assert torch.equal(packed[:, start:start + 4 * scales.shape[1]],
+                       scales.contiguous().view(torch.uint8))
+    again = unpack_rows(packed, width)
+    assert torch.equal(codes(again.data), codes(q)) and torch.equal(again.scales, scales)
+
+
+def test_unpack_rows_rejects_unaligned_rows(device):
+    with pytest.raises(MoKInputError, match="multiples of 16 bytes"):
+        unpack_rows(torch.zeros(3, 40, dtype=torch.uint8, device=device), 16)  # 40-byte rows
+    with pytest.raises(MoKInputError, match="uint8"):
+        unpack_rows(torch.zeros(3, 48, dtype=torch.uint8, device=device), 128)  # too narrow
+    with pytest.raises(MoKInputError, match="uint8"):
+        unpack_rows(torch.zeros(3, 48, dtype=torch.int8, device=device), 16)

@@ -1,0 +1,183 @@
+"""MoKConfig(precision="fp8") under expert parallelism: the ranks' layer against the FP8 recipe
+(mok.reference.moe_reference_fp8_grads) run in one process on the union of their tokens and
+experts; determinism; the EP module path; what it refuses.
+
+On CPU the ranks are gloo processes whose symmetric buffers are shared-memory files, the
+kernels (the pulls of packed e4m3 rows, the FP8 GEMMs scattering their rows) run under
+Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mok.functional as F
+from mok import nn as mok_nn
+from mok.errors import MoKInputError
+from mok.exchange import CrossNodeExchange, SymmetricExchange
+from mok.reference import moe_reference_fp8_grads
+from mok.testing import GRAD_NAMES, MoEInputs, RoutingPattern, assert_close, distributed_test
+
+from ..conftest import tiles_for_tests
+from ..layer.test_fp8 import RECIPE
+from .test_expert_parallel import (
+    GPU_WORLD_SIZES,
+    MAX_TOKENS,
+    _assert_equal_grads,
+    _rank_inputs,
+    _recomputed_grads,
+    _run,
+    _uneven_tokens,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+HIDDEN, INTER, NUM_LOCAL, TOPK = 64, 128, 2, 3
+
+
+def _config(recompute: bool) -> F.MoKConfig:
+    return F.MoKConfig(precision="fp8", recompute_gate_up=recompute, fwd_num_comm_sms=2,
+                       bwd_num_comm_sms=3, minibatch_size=8, peer_timeout_s=300.0)
+
+
+def _tokens_of(rank: int, uneven: bool) -> int:
+    return _uneven_tokens(rank) if uneven else MAX_TOKENS
+
+
+def _inputs(rank, world_size, *, uneven, shared) -> MoEInputs:
+    """This rank's inputs; the shared expert's weights are rank 0's on every rank (so that the
+    union's one shared expert is every rank's)."""
+    inputs = _rank_inputs(rank, world_size, tokens=_tokens_of(rank, uneven), hidden=HIDDEN,
+                          intermediate=INTER, num_local=NUM_LOCAL, topk=TOPK,
+                          shared=INTER if shared else 0, pattern=RoutingPattern.SKEWED, seed=7)
+    for w in inputs.shared_weights:
+        if w is not None:
+            dist.broadcast(w.view(torch.uint8), 0)
+    return inputs
+
+
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's t (the same shape on each), bits exact whatever the dtype."""
+    bits = t.contiguous().view(torch.uint8)
+    out = [torch.empty_like(bits) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, bits)
+    return [o.view(t.dtype) for o in out]
+
+
+def _union(inputs: MoEInputs, world_size: int, uneven: bool) -> MoEInputs:
+    """One process's inputs of the whole group: the ranks' tokens in rank order, their experts in
+    rank order, the shared expert."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        padded = t.new_zeros((MAX_TOKENS, *t.shape[1:]))
+        padded[:t.shape[0]] = t
+        return torch.cat([g[:_tokens_of(r, uneven)] for r, g in enumerate(_gather(padded))])
+
+    return MoEInputs(rows(inputs.x), rows(inputs.topk_experts), rows(inputs.router_weights),
+                     *inputs.shared_weights,
+                     *(torch.cat(_gather(w)) for w in inputs.routed_weights),
+                     rows(inputs.d_output))
+
+
+def _check_against_union(rank, world_size, inputs, y, grads, limit, uneven):
+    union = _union(inputs, world_size, uneven)
+    y_ref, grads_ref = moe_reference_fp8_grads(union, swiglu_limit=limit)
+    first = sum(_tokens_of(r, uneven) for r in range(rank))
+    mine = slice(first, first + inputs.x.shape[0])
+    experts = slice(rank * NUM_LOCAL, (rank + 1) * NUM_LOCAL)
+    assert_close(y, y_ref[mine], dtype=torch.bfloat16, name="y", tolerance=RECIPE)
+    for name, grad, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        assert (grad is None) == (expected is None), name
+        if expected is None:
+            continue
+        if name in ("d_x", "d_router_weights"):
+            expected = expected[mine]
+        elif "routed" in name:
+            expected = expected[experts]
+        else:  # the shared expert's: each rank's holds its own tokens' part
+            grad = grad.float()
+            dist.all_reduce(grad)
+        assert grad.shape == expected.shape, name
+        assert_close(grad, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+
+
+def _fp8_body(rank, world_size, *, shared, recompute, limit, uneven, ranks_per_node=None):
+    inputs = _inputs(rank, world_size, uneven=uneven, shared=shared)
+    config = _config(recompute)
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=MAX_TOKENS, hidden_size=HIDDEN, topk=TOPK,
+                                   ranks_per_node=ranks_per_node)
+    assert isinstance(workspace.exchange, CrossNodeExchange if ranks_per_node
+                      else SymmetricExchange)
+    tiles = tiles_for_tests(32)
+    y, grads, schedule = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
+    F.check_errors(workspace)
+    _check_against_union(rank, world_size, inputs, y, grads, limit, uneven)
+    # Bitwise deterministic through a second round of every phase, and from a recomputed
+    # forward context (which pulls the rows again).
+    y2, grads2, _ = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
+    assert torch.equal(y, y2)
+    _assert_equal_grads(grads, grads2)
+    _assert_equal_grads(grads, _recomputed_grads(workspace, config, schedule, inputs, limit))
+    return inputs, y, grads
+
+
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
+def test_ep_fp8_matches_the_recipe(rank, world_size):
+    inputs, y, grads = _fp8_body(rank, world_size, shared=False, recompute=True, limit=None,
+                                 uneven=False)
+    # The module path (an autograd.Function over the group) gives the same bits.
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point())
+              for t in (inputs.x, inputs.router_weights, *inputs.routed_weights)]
+    x, router_weights, gate, up, down = leaves
+    y_module = mok_nn.moe_experts(x, inputs.topk_experts, router_weights, None, None, None,
+                                  gate, up, down, group=dist.group.WORLD, recompute_gate_up=True,
+                                  precision="fp8")
+    (y_module.float() * inputs.d_output.float()).sum().backward()
+    assert torch.equal(y_module, y)
+    for leaf, name in zip(leaves, ("d_x", "d_router_weights", "d_w_routed_gate",
+                                   "d_w_routed_up", "d_w_routed_down"), strict=True):
+        assert torch.equal(leaf.grad, grads[GRAD_NAMES.index(name)]), name
+
+
+@distributed_test(world_sizes=(2, 4))
+def test_ep_fp8_shared_kept_limit_uneven(rank, world_size):
+    # A shared expert (run on the rank's own tokens while the rows move), kept pre-activations,
+    # a SwiGLU limit, and ranks holding different token counts.
+    _fp8_body(rank, world_size, shared=True, recompute=False, limit=2.5, uneven=True)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_fp8_across_nodes(rank, world_size):
+    # Two "nodes" of one rank: the tokens gathered between nodes in x's dtype, quantized on the
+    # experts' node.
+    _fp8_body(rank, world_size, shared=True, recompute=True, limit=None, uneven=True,
+              ranks_per_node=1)
+
+
+def _refusals_body(rank, world_size):
+    inputs = _rank_inputs(rank, world_size, tokens=8, hidden=HIDDEN, intermediate=INTER,
+                          num_local=NUM_LOCAL, topk=TOPK)
+    copies = F.MoKConfig(precision="fp8", fwd_copy_rows=True, peer_timeout_s=300.0)
+    workspace = F.create_workspace(copies, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=8, hidden_size=HIDDEN, topk=TOPK)
+    schedule = F.build_schedule(workspace, copies, inputs.topk_experts,
+                                num_local_experts=NUM_LOCAL, tiles=tiles_for_tests(32))
+    with pytest.raises(MoKInputError, match="fwd_copy_rows"):
+        F.forward(copies, workspace, schedule, *inputs.layer_args)
+    # Packed e4m3 rows of a hidden size under 16 do not fit in the published 16-bit rows.
+    narrow = _rank_inputs(rank, world_size, tokens=8, hidden=8, intermediate=INTER,
+                          num_local=NUM_LOCAL, topk=TOPK)
+    config = _config(True)
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=8, hidden_size=8, topk=TOPK)
+    schedule = F.build_schedule(workspace, config, narrow.topk_experts,
+                                num_local_experts=NUM_LOCAL, tiles=tiles_for_tests(32))
+    with pytest.raises(MoKInputError, match="hidden size of at least 16"):
+        F.forward(config, workspace, schedule, *narrow.layer_args)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_fp8_refusals(rank, world_size):
+    _refusals_body(rank, world_size)
