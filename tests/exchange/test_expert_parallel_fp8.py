@@ -26,6 +26,7 @@ from .test_expert_parallel import (
     GPU_WORLD_SIZES,
     MAX_TOKENS,
     _assert_equal_grads,
+    _graph_body,
     _rank_inputs,
     _recomputed_grads,
     _run,
@@ -181,3 +182,11 @@ def _refusals_body(rank, world_size):
 @distributed_test(world_sizes=(2,))
 def test_ep_fp8_refusals(rank, world_size):
     _refusals_body(rank, world_size)
+
+
+@pytest.mark.gpu
+@distributed_test(world_sizes=(2,), gpu_world_sizes=GPU_WORLD_SIZES)
+def test_ep_fp8_no_host_sync_and_cuda_graph(rank, world_size):
+    # The FP8 step under expert parallelism: no host sync, and a CUDA graph of it (the weights
+    # quantized inside, the pulls and scatters captured) replays bitwise like eager.
+    _graph_body(rank, world_size, config=F.MoKConfig(precision="fp8"))
