@@ -243,8 +243,9 @@ def max_error(y, grads, inputs, group):
 
 def config_and_name(args) -> tuple:
     """(MoKConfig, suffix of mok's rows) of the command line's mok variant: mok_recompute
-    (and compute_only_recompute) with --recompute-gate-up, _gpull with --gluon-pull, _copy
-    with --copy-rows, _bcopy with --copy-bwd-rows, +mbN with --minibatch N."""
+    (and compute_only_recompute) with --recompute-gate-up, _fp8 with --fp8, _gpull with
+    --gluon-pull, _copy with --copy-rows, _bcopy with --copy-bwd-rows, +mbN with --minibatch
+    N."""
     import mok.functional as F
 
     config = F.MoKConfig(fwd_num_comm_sms=args.comm_sms, bwd_num_comm_sms=args.comm_sms,
@@ -252,8 +253,9 @@ def config_and_name(args) -> tuple:
                          recompute_gate_up=args.recompute_gate_up,
                          fwd_pull_in_gluon=args.gluon_pull, fwd_copy_rows=args.copy_rows,
                          bwd_copy_rows=args.copy_bwd_rows,
-                         minibatch_size=args.minibatch or F.MoKConfig().minibatch_size)
-    name = (("_recompute" if args.recompute_gate_up else "")
+                         minibatch_size=args.minibatch or F.MoKConfig().minibatch_size,
+                         precision="fp8" if args.fp8 else "bf16")
+    name = (("_recompute" if args.recompute_gate_up else "") + ("_fp8" if args.fp8 else "")
             + ("_gpull" if args.gluon_pull else "") + ("_copy" if args.copy_rows else "")
             + ("_bcopy" if args.copy_bwd_rows else "")
             + (f"+mb{args.minibatch}" if args.minibatch else ""))
@@ -268,7 +270,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
     import mok.functional as F
     from benchmarks.layer import BENCH_SHAPES
     from mok.testing import make_inputs
-    from mok.testing.tolerance import TOLERANCES
+    from mok.testing.tolerance import FP8_TOLERANCE, TOLERANCES
 
     group = dist.group.WORLD
     cuda = torch.cuda.is_available()
@@ -276,11 +278,14 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
     config = variants[0][0]
     comm_sms = config.fwd_num_comm_sms
     # compute_only's rows (mok's: the variants' suffixes)
-    recompute = "_recompute" if config.recompute_gate_up else ""
+    fp8 = config.precision == "fp8"
+    recompute = ("_recompute" if config.recompute_gate_up else "") + ("_fp8" if fp8 else "")
     rows = []
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)"
     date = datetime.datetime.now().isoformat(timespec="seconds")
     limit = TOLERANCES[torch.bfloat16].max_rel
+    # FP8's own error against the exact reference (the NCCL baseline is checked at bf16's)
+    limits = {"mok": FP8_TOLERANCE.max_rel if fp8 else limit, "nccl_grouped_mm": limit}
 
     def row(shape, impl, mode, ms, flops, compute_ms=None, gb_s=None, err=float("nan")):
         rows.append(dict(gpu=gpu, commit=commit, date=date, ep=world_size, shape=shape.name,
@@ -298,6 +303,11 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
 
     for name in shape_names:
         shape = ep_shape(BENCH_SHAPES[name], world_size)
+        if fp8 and shape.intermediate_size % 128:
+            if rank == 0:
+                print(f"== {shape.name}: skipped: FP8 needs I a multiple of 128, got "
+                      f"{shape.intermediate_size}")
+            continue
         fwd_flops = shape.flops() / 3
         mode_flops = {"forward": fwd_flops, "forward+backward": 3 * fwd_flops}
         if rank == 0:
@@ -342,9 +352,10 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
             if impl_name == "mok":
                 F.check_errors(impl.workspace)  # a peer timeout fails the run, loudly
             err = max_error(y, grads, inputs, group)
-            if err > limit:
+            if err > limits[impl_name]:
                 if rank == 0:
-                    print(f"  {impl_name}: max_rel_err {err:.2e} above {limit}: not timed")
+                    print(f"  {impl_name}: max_rel_err {err:.2e} above {limits[impl_name]}: "
+                          "not timed")
                 continue
             del y, grads
             if cuda:
@@ -359,17 +370,18 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
             if impl_name == "mok":
                 ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)
                 row(shape, f"mok{mine}", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
+            if impl_name == "mok" and not fp8:  # the bf16 down GEMM's scatter
                 scatter_ms, local_ms, nbytes = down_scatter_and_local(impl, inputs, iters,
                                                                       warmup, group)
                 row(shape, f"mok{mine}", "down_scatter", scatter_ms, 0,
                     gb_s=nbytes / scatter_ms / 1e6)
                 row(shape, f"mok{mine}", "down_local", local_ms, 0)
-                if profile and cuda:
-                    print_kernel_times(impl.step, group, quiet=rank != 0)
-                    print_timeline(impl.step, group, rank)
-                    print_host_times({"forward": impl.forward, "forward+backward": impl.step},
-                                     group, quiet=rank != 0)
-                    print_host_profile(impl.forward, group, quiet=rank != 0)
+            if impl_name == "mok" and profile and cuda:
+                print_kernel_times(impl.step, group, quiet=rank != 0)
+                print_timeline(impl.step, group, rank)
+                print_host_times({"forward": impl.forward, "forward+backward": impl.step},
+                                 group, quiet=rank != 0)
+                print_host_profile(impl.forward, group, quiet=rank != 0)
             del impl
     return rows
 
@@ -484,8 +496,10 @@ def print_host_profile(fn, group, quiet=False, top=14):
 
 
 def dispatch_only(layer, inputs, iters, warmup, group):
-    """Time the forward's publish + pull alone (fwd_copy_rows: publish + copies); bytes that
-    crossed NVLink into this rank."""
+    """Time the forward's publish + pull alone (fwd_copy_rows: publish + copies; FP8: x
+    quantized, published and pulled as packed e4m3 rows); bytes that crossed NVLink into this
+    rank."""
+    from mok import ops
     from mok.exchange import Phase
 
     workspace, config = layer.workspace, layer.config
@@ -497,6 +511,9 @@ def dispatch_only(layer, inputs, iters, warmup, group):
 
     def run():
         peer = ep.peer_flags(workspace.error_flags)
+        if config.precision == "fp8":  # publish x quantized, pull, acknowledge
+            ep.forward_rows_fp8(schedule.exchange, x, None, weights, config=config)
+            return
         if config.fwd_copy_rows:
             ep.forward_copy(peer, schedule.exchange, x, weights, block_m=block_m)
             ep.copies_joined()
@@ -510,7 +527,10 @@ def dispatch_only(layer, inputs, iters, warmup, group):
     ms = timed(run, iters, warmup, group)
     if config.fwd_copy_rows:  # every other rank's whole published x
         return ms, _min_row_bytes((ep.world_size - 1) * ep.num_tokens, x, group)
-    return ms, _pulled_bytes(schedule, ep, x, group)
+    nbytes = _pulled_bytes(schedule, ep, x, group)
+    if config.precision == "fp8":  # packed e4m3 rows (mok.ops.unpack_rows)
+        nbytes *= ops.packed_row_bytes(x.shape[1]) / (x.shape[1] * x.element_size())
+    return ms, nbytes
 
 
 def _pulled_bytes(schedule, ep, x, group) -> float:
@@ -638,6 +658,10 @@ def main(argv=None) -> None:
                         help="also time mok and compute_only with the host ahead of the GPU "
                              "(the GPU sleeps until a sample's calls are queued): the kernels "
                              "alone; rows IMPL@ahead")
+    parser.add_argument("--fp8", action="store_true",
+                        help="MoKConfig(precision='fp8') for mok and its compute-only time "
+                             "(shapes whose I is not a multiple of 128 are skipped); rows named "
+                             "mok_fp8, compute_only_fp8")
     parser.add_argument("--gluon-pull", action="store_true",
                         help="MoKConfig(fwd_pull_in_gluon=True): the Gluon gate/up pulls its "
                              "rows itself; rows named mok_gpull")
