@@ -9,13 +9,15 @@ Triton's interpreter.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import mok.functional as F
 from mok import nn as mok_nn
-from mok.errors import MoKInputError
+from mok.errors import MoKDataError, MoKInputError
 from mok.exchange import CrossNodeExchange, SymmetricExchange
 from mok.reference import moe_reference_fp8_grads
 from mok.testing import GRAD_NAMES, MoEInputs, RoutingPattern, assert_close, distributed_test
@@ -43,16 +45,21 @@ def _config(recompute: bool) -> F.MoKConfig:
                        bwd_num_comm_sms=3, minibatch_size=8, peer_timeout_s=300.0)
 
 
-def _tokens_of(rank: int, uneven: bool) -> int:
-    return _uneven_tokens(rank) if uneven else MAX_TOKENS
+def _counts(world_size: int, uneven: bool) -> list[int]:
+    """Each rank's token count."""
+    return [_uneven_tokens(r) if uneven else MAX_TOKENS for r in range(world_size)]
 
 
 def _inputs(rank, world_size, *, uneven, shared) -> MoEInputs:
-    """This rank's inputs; the shared expert's weights are rank 0's on every rank (so that the
-    union's one shared expert is every rank's)."""
-    inputs = _rank_inputs(rank, world_size, tokens=_tokens_of(rank, uneven), hidden=HIDDEN,
-                          intermediate=INTER, num_local=NUM_LOCAL, topk=TOPK,
-                          shared=INTER if shared else 0, pattern=RoutingPattern.SKEWED, seed=7)
+    return _shared_alike(_rank_inputs(
+        rank, world_size, tokens=_counts(world_size, uneven)[rank], hidden=HIDDEN,
+        intermediate=INTER, num_local=NUM_LOCAL, topk=TOPK, shared=INTER if shared else 0,
+        pattern=RoutingPattern.SKEWED, seed=7))
+
+
+def _shared_alike(inputs: MoEInputs) -> MoEInputs:
+    """The shared expert's weights made rank 0's on every rank (so that the union's one shared
+    expert is every rank's)."""
     for w in inputs.shared_weights:
         if w is not None:
             dist.broadcast(w.view(torch.uint8), 0)
@@ -67,26 +74,33 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
     return [o.view(t.dtype) for o in out]
 
 
-def _union(inputs: MoEInputs, world_size: int, uneven: bool) -> MoEInputs:
+def _rows(t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Every rank's rows of t [T_rank, ...] in rank order (counts: each rank's T)."""
+    padded = t.new_zeros((max(counts), *t.shape[1:]))
+    padded[:t.shape[0]] = t
+    return torch.cat([g[:counts[r]] for r, g in enumerate(_gather(padded))])
+
+
+def _union(inputs: MoEInputs, counts: list[int]) -> MoEInputs:
     """One process's inputs of the whole group: the ranks' tokens in rank order, their experts in
     rank order, the shared expert."""
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        padded = t.new_zeros((MAX_TOKENS, *t.shape[1:]))
-        padded[:t.shape[0]] = t
-        return torch.cat([g[:_tokens_of(r, uneven)] for r, g in enumerate(_gather(padded))])
-
-    return MoEInputs(rows(inputs.x), rows(inputs.topk_experts), rows(inputs.router_weights),
-                     *inputs.shared_weights,
+    return MoEInputs(_rows(inputs.x, counts), _rows(inputs.topk_experts, counts),
+                     _rows(inputs.router_weights, counts), *inputs.shared_weights,
                      *(torch.cat(_gather(w)) for w in inputs.routed_weights),
-                     rows(inputs.d_output))
+                     _rows(inputs.d_output, counts))
 
 
-def _check_against_union(rank, world_size, inputs, y, grads, limit, uneven):
-    union = _union(inputs, world_size, uneven)
+def _check_against_union(rank, inputs, y, grads, limit, counts, *, left_out=None):
+    """left_out [T, k] bool: routes the schedule had no room for (their router weights count as
+    0 and get no gradient)."""
+    union = _union(inputs, counts)
+    if left_out is not None:
+        union = dataclasses.replace(union, router_weights=torch.where(
+            _rows(left_out, counts), 0.0, union.router_weights))
     y_ref, grads_ref = moe_reference_fp8_grads(union, swiglu_limit=limit)
-    first = sum(_tokens_of(r, uneven) for r in range(rank))
+    first = sum(counts[:rank])
     mine = slice(first, first + inputs.x.shape[0])
-    experts = slice(rank * NUM_LOCAL, (rank + 1) * NUM_LOCAL)
+    experts = slice(rank * inputs.num_local_experts, (rank + 1) * inputs.num_local_experts)
     assert_close(y, y_ref[mine], dtype=torch.bfloat16, name="y", tolerance=RECIPE)
     for name, grad, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
         assert (grad is None) == (expected is None), name
@@ -94,6 +108,9 @@ def _check_against_union(rank, world_size, inputs, y, grads, limit, uneven):
             continue
         if name in ("d_x", "d_router_weights"):
             expected = expected[mine]
+            if name == "d_router_weights" and left_out is not None:
+                assert bool((grad[left_out] == 0).all()), "a route left out gets no gradient"
+                grad, expected = grad[~left_out], expected[~left_out]
         elif "routed" in name:
             expected = expected[experts]
         else:  # the shared expert's: each rank's holds its own tokens' part
@@ -114,7 +131,7 @@ def _fp8_body(rank, world_size, *, shared, recompute, limit, uneven, ranks_per_n
     tiles = tiles_for_tests(32)
     y, grads, schedule = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
     F.check_errors(workspace)
-    _check_against_union(rank, world_size, inputs, y, grads, limit, uneven)
+    _check_against_union(rank, inputs, y, grads, limit, _counts(world_size, uneven))
     # Bitwise deterministic through a second round of every phase, and from a recomputed
     # forward context (which pulls the rows again).
     y2, grads2, _ = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
@@ -190,3 +207,71 @@ def test_ep_fp8_no_host_sync_and_cuda_graph(rank, world_size):
     # The FP8 step under expert parallelism: no host sync, and a CUDA graph of it (the weights
     # quantized inside, the pulls and scatters captured) replays bitwise like eager.
     _graph_body(rank, world_size, config=F.MoKConfig(precision="fp8"))
+
+
+def _empty_rank_body(rank, world_size):
+    # fp16, top-1, and a rank without tokens this step: it still serves its experts.
+    counts = [10, 0]
+    inputs = _shared_alike(_rank_inputs(rank, world_size, tokens=counts[rank], hidden=HIDDEN,
+                                        intermediate=INTER, num_local=NUM_LOCAL, topk=1,
+                                        shared=INTER, seed=8))
+    inputs = dataclasses.replace(inputs, **{name: getattr(inputs, name).half() for name in (
+        "x", "d_output", "w_shared_gate", "w_shared_up", "w_shared_down", "w_routed_gate",
+        "w_routed_up", "w_routed_down")})
+    config = _config(True)
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=10, hidden_size=HIDDEN, topk=1)
+    y, grads, _ = _run(workspace, config, inputs, tiles=tiles_for_tests(32))
+    F.check_errors(workspace)
+    assert y.shape == (counts[rank], HIDDEN) and y.dtype == torch.float16
+    _check_against_union(rank, inputs, y, grads, None, counts)
+    assert grads[GRAD_NAMES.index("d_w_routed_gate")].abs().max() > 0 or rank == 0
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_fp8_rank_without_tokens_fp16_top1(rank, world_size):
+    _empty_rank_body(rank, world_size)
+
+
+def _overflow_body(rank, world_size):
+    # A schedule too small for the routes it receives: the routes without a row are reported and
+    # left out, as in 16-bit precision; what an earlier call left in the buffers the other ranks
+    # deliver into is not read.
+    config = dataclasses.replace(_config(True), schedule_capacity_multiplier=0.25)
+    inputs = _shared_alike(_rank_inputs(rank, world_size, tokens=MAX_TOKENS, hidden=HIDDEN,
+                                        intermediate=INTER, num_local=NUM_LOCAL, topk=TOPK,
+                                        pattern=RoutingPattern.ONE_EXPERT, seed=9))
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=MAX_TOKENS, hidden_size=HIDDEN, topk=TOPK)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=NUM_LOCAL, tiles=tiles_for_tests(32))
+    plan = schedule.exchange
+    experts = plan.group_topk.long()
+    mine = ((experts >= plan.first_local_expert)
+            & (experts < plan.first_local_expert + NUM_LOCAL))
+    dropped = (mine & (plan.group_routing.route_row < 0)).to(torch.int32)
+    _check_overflow(workspace, bool(dropped.any()))  # reported by the experts' rank at once
+    workspace.exchange.combine_buffer(inputs.x.dtype).fill_(1000.0)
+    workspace.exchange.d_weights.fill_(1000.0)
+    y, context = F.forward(config, workspace, schedule, *inputs.layer_args)
+    dist.all_reduce(dropped, op=dist.ReduceOp.MAX)
+    assert int(dropped.sum()) > 0, "the case must overflow"
+    own = dropped[rank * MAX_TOKENS * TOPK:(rank + 1) * MAX_TOKENS * TOPK]
+    own = own.view(MAX_TOKENS, TOPK).bool()
+    _check_overflow(workspace, bool(own.any()))  # and to the tokens' ranks by the forward
+    grads = F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
+    _check_against_union(rank, inputs, y, grads, None, [MAX_TOKENS] * world_size,
+                         left_out=own)
+
+
+def _check_overflow(workspace, expected: bool) -> None:
+    if expected:
+        with pytest.raises(MoKDataError, match="CAPACITY_OVERFLOW"):
+            F.check_errors(workspace)
+    else:
+        F.check_errors(workspace)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_fp8_capacity_overflow_leaves_the_routes_out(rank, world_size):
+    _overflow_body(rank, world_size)
