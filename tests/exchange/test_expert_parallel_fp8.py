@@ -19,8 +19,10 @@ import mok.functional as F
 from mok import nn as mok_nn
 from mok.errors import MoKDataError, MoKInputError
 from mok.exchange import CrossNodeExchange, SymmetricExchange
+from mok.ops import small_tiles
 from mok.reference import moe_reference_fp8_grads
 from mok.testing import GRAD_NAMES, MoEInputs, RoutingPattern, assert_close, distributed_test
+from mok.testing.tolerance import Tolerance
 
 from ..conftest import tiles_for_tests
 from ..layer.test_fp8 import RECIPE
@@ -38,6 +40,10 @@ from .test_expert_parallel import (
 pytestmark = pytest.mark.timeout(900)
 
 HIDDEN, INTER, NUM_LOCAL, TOPK = 64, 128, 2, 3
+# With a SwiGLU limit, on a GPU: the tensor cores' sums move a pre-activation's e4m3 rounding
+# across the limit now and then, which switches its gradient (measured on one H200: one element
+# of d_w_routed_up 0.139 off, rel_rms 5.7e-3).
+RECIPE_LIMIT = Tolerance(rel_rms=RECIPE.rel_rms, max_rel=0.3)
 
 
 def _config(recompute: bool) -> F.MoKConfig:
@@ -101,7 +107,8 @@ def _check_against_union(rank, inputs, y, grads, limit, counts, *, left_out=None
     first = sum(counts[:rank])
     mine = slice(first, first + inputs.x.shape[0])
     experts = slice(rank * inputs.num_local_experts, (rank + 1) * inputs.num_local_experts)
-    assert_close(y, y_ref[mine], dtype=torch.bfloat16, name="y", tolerance=RECIPE)
+    tolerance = RECIPE if limit is None else RECIPE_LIMIT
+    assert_close(y, y_ref[mine], dtype=torch.bfloat16, name="y", tolerance=tolerance)
     for name, grad, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
         assert (grad is None) == (expected is None), name
         if expected is None:
@@ -117,7 +124,7 @@ def _check_against_union(rank, inputs, y, grads, limit, counts, *, left_out=None
             grad = grad.float()
             dist.all_reduce(grad)
         assert grad.shape == expected.shape, name
-        assert_close(grad, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+        assert_close(grad, expected, dtype=torch.bfloat16, name=name, tolerance=tolerance)
 
 
 def _fp8_body(rank, world_size, *, shared, recompute, limit, uneven, ranks_per_node=None):
@@ -244,7 +251,7 @@ def _overflow_body(rank, world_size):
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
                                    num_local_tokens=MAX_TOKENS, hidden_size=HIDDEN, topk=TOPK)
     schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                num_local_experts=NUM_LOCAL, tiles=tiles_for_tests(32))
+                                num_local_experts=NUM_LOCAL, tiles=small_tiles(32))
     plan = schedule.exchange
     experts = plan.group_topk.long()
     mine = ((experts >= plan.first_local_expert)

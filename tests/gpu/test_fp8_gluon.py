@@ -22,7 +22,8 @@ from mok.ops.fp8 import (
 )
 from mok.ops.quantize import QUANT_BLOCK, quantize_rows
 from mok.ops.tuning import RowTiles, fp8_tiles
-from mok.testing import RoutingPattern, make_topk
+from mok.testing import RoutingPattern, assert_close, make_topk
+from mok.testing.tolerance import Tolerance
 
 pytestmark = pytest.mark.gpu
 SM90 = pytest.mark.skipif(not torch.cuda.is_available()
@@ -30,6 +31,14 @@ SM90 = pytest.mark.skipif(not torch.cuda.is_available()
                           reason="needs an sm_90 GPU")
 
 ALIGN = 128
+# Against the same math on the dequantized operands in fp32: the tensor cores sum each 128-deep
+# K step's e4m3 products with fewer bits than fp32. Measured on one H200, the largest error
+# over the largest output: down and d_x 3.2e-4 to 3.9e-4, gate/up 2.5e-4, 8.3e-4 with a
+# 16-deep K tail and a SwiGLU limit. Against the Triton kernel (the same sums) they stay 1e-4.
+DEQUANTIZED = 2e-3
+# The dSwiGLU's outputs from such products: a few of millions of bf16 elements near 0 move by
+# up to 1.8e-3 (measured), beyond bf16's rtol.
+DSWIGLU = Tolerance(rel_rms=2e-3, max_rel=2e-2)
 GLUON = RowTiles(128, 128, QUANT_BLOCK, group_m=8, num_warps=4, num_stages=4, gluon=True)
 
 
@@ -94,9 +103,8 @@ def test_gluon_fp8_rows_match_dequantized_math_and_the_triton_kernel(hidden, int
             reference.dequantize_e4m3(w.data, w.scales, block)[experts])
         if weighted is not None:
             expected = expected * weighted[routes, None]
-        # The tensor cores sum a K step's products with fewer bits than fp32.
         err = (out[rows] - expected).abs().max() / expected.abs().max()
-        assert err < 1e-4, (kind, float(err))
+        assert err < DEQUANTIZED, (kind, float(err))
         padding = routing.row_route[:n] < 0
         assert padding.any() and (out[:n][padding] == 0).all(), kind
         theirs = run(triton)
@@ -143,7 +151,7 @@ def test_gluon_fp8_gate_up_matches_dequantized_math_and_the_triton_kernel(hidden
     h = h32(tiles)
     assert torch.equal(h[:n], h32(tiles)[:n])
     err = (h[rows] - expected_h).abs().max() / expected_h.abs().max()
-    assert err < 1e-4, float(err)
+    assert err < DEQUANTIZED, float(err)
     assert (h[:n][padding] == 0).all()
     theirs = h32(triton)
     assert (h[rows] - theirs[rows]).abs().max() / theirs[rows].abs().max() < 1e-4
@@ -250,20 +258,24 @@ def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit,
     d_gate, d_up, h_ref, terms = dswiglu_reference(
         dh0, gate_up[rows, :256].float(), gate_up[rows, 256:].float(), weights_of_rows, limit)
     bf16 = dict(rtol=1.6e-2, atol=1e-3)
-    torch.testing.assert_close(h[rows].float(), h_ref, **bf16)
-    torch.testing.assert_close(d_gate_up[rows].float(), torch.cat([d_gate, d_up], 1), **bf16)
+    assert_close(h[rows], h_ref, dtype=torch.bfloat16, name="h", tolerance=DSWIGLU)
+    expected = torch.cat([d_gate, d_up], 1)
+    assert_close(d_gate_up[rows], expected, dtype=torch.bfloat16, name="d_gate_up",
+                 tolerance=DSWIGLU)
     if weighted:
-        torch.testing.assert_close(partial[rows], terms.reshape(len(rows), -1, 128).sum(-1),
-                                   rtol=1e-4, atol=1e-4)
+        assert_close(partial[rows], terms.reshape(len(rows), -1, 128).sum(-1),
+                     dtype=torch.bfloat16, name="partial", tolerance=DSWIGLU)
     else:
         assert partial is None
-    expected = torch.cat([d_gate, d_up], 1)
-    block_scales = expected.abs().reshape(len(rows), -1, 128).amax(-1) / 448
+    # e4m3 d_gate_up: each 1 x 128 block quantized from the fp32 values, which the bf16 output
+    # holds to 2^-9: its scale is the block's amax / 448, every code within e4m3's rounding.
+    ours = d_gate_up[rows].float()
+    block_scales = ours.abs().reshape(len(rows), -1, 128).amax(-1) / 448
     block_scales = torch.where(block_scales == 0, 1.0, block_scales)
-    torch.testing.assert_close(q.scales[rows], block_scales, rtol=1e-4, atol=0)
+    torch.testing.assert_close(q.scales[rows], block_scales, rtol=2.0 ** -8, atol=0)
     back = reference.dequantize_e4m3(q.data, q.scales, (1, QUANT_BLOCK))[rows]
     step = q.scales[rows].repeat_interleave(128, dim=1)
-    assert ((back - expected).abs() <= expected.abs() * 2.0 ** -4 + step * 2.0 ** -8).all()
+    assert ((back - ours).abs() <= ours.abs() * (2.0 ** -4 + 2.0 ** -7) + step * 2.0 ** -8).all()
     padding = routing.row_route[:n] < 0
     assert (d_gate_up[:n][padding] == 0).all() and (h[:n][padding] == 0).all()
     assert (q.data[:n].float()[padding] == 0).all() and (q.scales[:n][padding] == 1).all()
