@@ -12,8 +12,9 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   values per route) and the backward recomputes gate/up (one GEMM becomes three).
 - mok_fp8, mok_fp8_recompute: mok and mok_recompute with MoKConfig(precision="fp8"): the row
   GEMMs on e4m3 operands with blockwise scales, checked against the reference within
-  mok.testing.tolerance.FP8_TOLERANCE. mok_fp8_gluon: mok_fp8 on the warp-specialized Gluon
-  FP8 kernels (MOK_FP8_GLUON; sm_90 only).
+  mok.testing.tolerance.FP8_TOLERANCE; on sm_90 the plan gives most launches the warp-specialized
+  Gluon FP8 kernels (MOK_FP8_GLUON). mok_fp8_triton: mok_fp8 on the Triton FP8 kernels alone
+  (MOK_FP8_GLUON=0).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -214,27 +215,25 @@ def mok_fp8_recompute_implementation(shape: MoEShape, settings: Settings) -> Imp
                               config=F.MoKConfig(precision="fp8", recompute_gate_up=True))
 
 
-def mok_fp8_gluon_implementation(shape: MoEShape, settings: Settings) -> Implementation:
-    """mok_fp8 with MOK_FP8_GLUON: the Gluon FP8 kernels (sm_90 only)."""
+def mok_fp8_triton_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    """mok_fp8 with MOK_FP8_GLUON=0: the Triton FP8 kernels alone."""
     from mok import _env
-    from mok.arch import arch_of
 
-    if settings.device.type != "cuda" or not arch_of(settings.device).warp_specialized:
-        raise Unavailable("the Gluon FP8 kernels run on sm_90 GPUs only")
-    inner = mok_implementation(shape, settings, name="mok_fp8_gluon",
+    inner = mok_implementation(shape, settings, name="mok_fp8_triton",
                                config=F.MoKConfig(precision="fp8"))
 
-    def gluon(fn):
+    def triton_only(fn):
         def run(*args):
-            before, _env.FP8_GLUON = _env.FP8_GLUON, True
+            before, _env.FP8_GLUON = _env.FP8_GLUON, False
             try:
                 return fn(*args)
             finally:
                 _env.FP8_GLUON = before
         return run
 
-    return Implementation(inner.name, gluon(inner.forward), gluon(inner.forward_train),
-                          gluon(inner.backward), tolerance=inner.tolerance)
+    return Implementation(inner.name, triton_only(inner.forward),
+                          triton_only(inner.forward_train), triton_only(inner.backward),
+                          tolerance=inner.tolerance)
 
 
 def grouped_mm_moe(x, topk_experts, router_weights, routed, shared):
@@ -479,7 +478,7 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_recompute": mok_recompute_implementation,
     "mok_fp8": mok_fp8_implementation,
     "mok_fp8_recompute": mok_fp8_recompute_implementation,
-    "mok_fp8_gluon": mok_fp8_gluon_implementation,
+    "mok_fp8_triton": mok_fp8_triton_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,
     "triton_dense": triton_dense_implementation,

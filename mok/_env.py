@@ -14,10 +14,10 @@ MOK_TILES_FILE     a JSON file of tuned GEMM tiles to use instead of the committ
 MOK_CHECK_LAUNCH  "1": every kernel launch that skips Triton's argument binding (mok.ops.launch)
                    is also bound as Triton would and raises if Triton would pick another
                    compiled kernel (for tests on a GPU).
-MOK_FP8_GLUON      "1": on sm_90 the FP8 path (MoKConfig(precision="fp8")) runs its gate/up,
-                   pre-activations, down and d_x launches on the warp-specialized Gluon kernels
-                   (mok.kernels.gluon_fp8) instead of the Triton ones (mok.kernels.fp8_gemm).
-                   Off by default until they have been verified and measured on a GPU.
+MOK_FP8_GLUON      "0": on sm_90 the FP8 path (MoKConfig(precision="fp8")) runs every launch on
+                   the Triton kernels (mok.kernels.fp8_gemm). By default ("1") mok.plan gives
+                   its gate/up, pre-activations, down and d_x launches the warp-specialized Gluon
+                   kernels (mok.kernels.gluon_fp8).
 MOK_RANKS_SHARE_GPU "1": the processes of an expert-parallel group all run on one GPU (tests on
                    a machine with one GPU; mok.testing.distributed): their symmetric buffers are
                    mapped by CUDA IPC, since PyTorch's symmetric memory wants a GPU a rank.
@@ -30,8 +30,8 @@ import os
 import torch
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+def _flag(name: str, default: str = "0") -> bool:
+    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
 
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
@@ -43,4 +43,4 @@ TILES_FILE: str | None = os.environ.get("MOK_TILES_FILE") or None
 COMMIT: str = os.environ.get("MOK_COMMIT", "unknown")
 RANKS_SHARE_GPU: bool = _flag("MOK_RANKS_SHARE_GPU")
 CHECK_LAUNCH: bool = _flag("MOK_CHECK_LAUNCH")
-FP8_GLUON: bool = _flag("MOK_FP8_GLUON")
+FP8_GLUON: bool = _flag("MOK_FP8_GLUON", default="1")

@@ -161,16 +161,23 @@ class Fp8Plan:
 def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,
              scatter: bool = False) -> Fp8Plan:
     """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment):
-    with MOK_FP8_GLUON the Gluon kernels where the GPU runs them (their operands are mok's own
-    buffers and e4m3 weight copies, which they can read whenever H is a multiple of 16);
-    scatter: down and d_x write their rows to other ranks (the Triton kernel's epilogue)."""
+    with MOK_FP8_GLUON (the default) the Gluon kernels where the GPU runs them (their operands
+    are mok's own buffers and e4m3 weight copies, which they can read whenever H is a multiple
+    of 16), except the dSwiGLU's (_FP8_TRITON_KINDS); scatter: down and d_x write their rows to
+    other ranks (the Triton kernel's epilogue)."""
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = _env.FP8_GLUON and arch_of(operands.device).warp_specialized and hidden % 16 == 0
-    return Fp8Plan(*(fp8_tiles(kind, tiles.align,
-                               gluon=gluon and not (scatter and kind in ("down", "d_x")))
+    triton = _FP8_TRITON_KINDS + (("down", "d_x") if scatter else ())
+    return Fp8Plan(*(fp8_tiles(kind, tiles.align, gluon=gluon and kind not in triton)
                      for kind in FP8_KINDS),
                    *_wgrads(pick, operands, tiles.align, sizes))
+
+
+# FP8 launches the plan gives the Triton kernel though a Gluon one exists: the kept dSwiGLU's
+# Gluon kernel ran slower on one H200 (181 against 242 TFLOP/s at qwen3-30b-a3b, 381 against
+# 405 at kimi-ep64-slice; docs/measurements.md, 2026-12-05).
+_FP8_TRITON_KINDS = ("down_bwd_saved",)
 
 
 # Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).

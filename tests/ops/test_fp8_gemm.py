@@ -1,6 +1,8 @@
 """The forward's FP8 row GEMMs (mok.ops.fp8) against the same math on the dequantized operands
 in fp32: gate/up with SwiGLU (h in e4m3 with its scales, or in bf16) and down."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -351,6 +353,7 @@ def test_fp8_tiles_fit_the_schedule():
 
 def test_gluon_fp8_tiles_off_sm90_raise_and_the_plan_does_not_give_them(device, monkeypatch):
     from mok import _env, plan
+    from mok.arch import arch_of
     from mok.ops.tuning import fp8_tiles
 
     x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=256, align=128)
@@ -369,5 +372,32 @@ def test_gluon_fp8_tiles_off_sm90_raise_and_the_plan_does_not_give_them(device, 
     monkeypatch.setattr(_env, "FP8_GLUON", True)
     tiles = ops.default_tiles(device)
     fp8 = plan.fp8_plan(tiles, plan.Operands.of(x, w_g, w_u, w_d), hidden=256, intermediate=256)
-    assert not any(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.dswiglu,
-                                     fp8.d_x))
+    if device.type == "cpu" or not arch_of(device).warp_specialized:
+        assert not any(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.dswiglu,
+                                         fp8.d_x))
+
+
+def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
+    # By default (MOK_FP8_GLUON) on an sm_90 GPU: gate/up, the pre-activations, down and d_x on
+    # the Gluon kernels, the dSwiGLU on the Triton one (its Gluon kernel measured slower);
+    # scattering rows to other ranks (expert parallelism), down and d_x on the Triton one; H
+    # not a multiple of 16, or MOK_FP8_GLUON=0, every launch on the Triton kernels.
+    from mok import _env, plan
+    from mok.arch import HOPPER
+
+    monkeypatch.setattr(plan, "arch_of", lambda device: HOPPER)
+    x, (w_g, w_u, w_d), *_ = setup(device, inter=256, align=128)
+    operands = plan.Operands.of(x, w_g, w_u, w_d)
+    tiles = dataclasses.replace(ops.default_tiles(device), align=128)
+
+    def gluon(**kwargs):
+        fp8 = plan.fp8_plan(tiles, operands, intermediate=256, **kwargs)
+        return tuple(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.dswiglu,
+                                       fp8.d_x))
+
+    assert _env.FP8_GLUON  # the default
+    assert gluon(hidden=256) == (True, True, True, False, True)
+    assert gluon(hidden=256, scatter=True) == (True, True, False, False, False)
+    assert gluon(hidden=264) == (False,) * 5
+    monkeypatch.setattr(_env, "FP8_GLUON", False)
+    assert gluon(hidden=256) == (False,) * 5
