@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import numbers
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,7 @@ from torch import nn
 
 from mok import functional as F
 from mok.errors import MoKInputError
-from mok.ops import capacity_rows, default_tiles
+from mok.ops import QUANT_BLOCK, capacity_rows, default_tiles
 from mok.reference import moe_reference
 
 
@@ -188,7 +190,9 @@ def _backward(ctx, d_y, *_unused):
     try:
         x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd, *saved = ctx.saved_tensors
     except RuntimeError as error:  # autograd's check of the saved tensors' versions
-        if ctx.recompute_gate_up or "inplace operation" not in str(error):
+        # Only a backward that already wrote over the kept pre-activations is reported as one;
+        # an input or weight changed in place keeps PyTorch's own error, which says so.
+        if not getattr(ctx, "kept_overwritten", False) or "inplace operation" not in str(error):
             raise
         raise MoKInputError(_SECOND_BACKWARD) from error
     if not ctx.has_shared:
@@ -197,6 +201,7 @@ def _backward(ctx, d_y, *_unused):
     # bumps their versions: a second backward through this graph then fails autograd's check.
     # An empty placeholder is passed fresh, so a recomputing context stays reusable.
     saved[2:4] = [t if t.numel() else t.new_empty(t.shape) for t in saved[2:4]]
+    ctx.kept_overwritten = not ctx.recompute_gate_up
     grads = _moe_backward(d_y.contiguous(), x, router_weights, w_sg, w_su, w_sd, w_rg, w_ru,
                           w_rd, *saved, ctx.swiglu_limit, ctx.recompute_gate_up, ctx.precision)
     d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd = grads
@@ -318,19 +323,37 @@ class RouterScoring(enum.Enum):
     SOFTMAX = "softmax"  # softmax over experts, then top-k
     SIGMOID = "sigmoid"  # independent sigmoid scores (DeepSeek-V3), top-k of score + bias
 
+    @classmethod
+    def parse(cls, value: RouterScoring | str) -> RouterScoring:
+        """The scoring named by value; ValueError listing the valid names otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(repr(scoring.value) for scoring in cls)
+            raise ValueError(f"RouterConfig.scoring must be one of {names} (or RouterScoring), "
+                             f"got {value!r}") from None
+
 
 @dataclass(frozen=True)
 class RouterConfig:
     """Router options.
 
-    scoring: softmax or sigmoid scores.
+    scoring: softmax or sigmoid scores (a RouterScoring or its name, "softmax" or "sigmoid";
+        stored as RouterScoring).
     normalize_topk: rescale the k selected weights to sum to 1.
-    aux_loss_coef: weight of the load-balancing loss E * sum_e f_e * P_e (Switch Transformer).
+    aux_loss_coef: weight of the load-balancing loss E * sum_e f_e * P_e (Switch Transformer;
+        DeepSeek-V2's expert-level balance loss), with f_e the fraction of the T * k routes that
+        go to expert e (sum_e f_e = 1) and P_e the mean over tokens of expert e's score,
+        normalized over the experts. Hugging Face transformers' load_balancing_loss_func
+        (Mixtral, Qwen3-MoE) counts f_e over tokens instead (sum_e f_e = k): it is k times this
+        loss, so aux_loss_coef = k * c weights the balance as router_aux_loss_coef = c does there.
     z_loss_coef: weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE).
-    bias_update_rate: with sigmoid scoring, the auxiliary-loss-free balancing step: after each
-        training forward, expert_bias += rate * sign(mean load - load) (DeepSeek-V3). The bias
-        steers selection only; the weights come from the unbiased scores.
+    bias_update_rate: with sigmoid scoring only, the auxiliary-loss-free balancing step: after
+        each training forward, expert_bias += rate * sign(mean load - load) (DeepSeek-V3). The
+        bias steers selection only; the weights come from the unbiased scores.
     routed_scaling_factor: multiplies the routed experts' weights.
+    The coefficients and the rate are finite and non-negative; the scaling factor is finite and
+    positive. ValueError names an option out of range.
     """
 
     scoring: RouterScoring = RouterScoring.SOFTMAX
@@ -340,11 +363,35 @@ class RouterConfig:
     bias_update_rate: float = 0.0
     routed_scaling_factor: float = 1.0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scoring", RouterScoring.parse(self.scoring))
+        if not isinstance(self.normalize_topk, bool):
+            raise ValueError(f"RouterConfig.normalize_topk must be a bool, got "
+                             f"{self.normalize_topk!r}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            value = getattr(self, name)
+            if not (_is_real(value) and 0 <= value < math.inf):
+                raise ValueError(f"RouterConfig.{name} must be a finite non-negative number, "
+                                 f"got {value!r}")
+        factor = self.routed_scaling_factor
+        if not (_is_real(factor) and 0 < factor < math.inf):
+            raise ValueError(f"RouterConfig.routed_scaling_factor must be a finite positive "
+                             f"number, got {factor!r}")
+        if self.bias_update_rate and self.scoring is not RouterScoring.SIGMOID:
+            raise ValueError(f"RouterConfig.bias_update_rate={self.bias_update_rate!r} needs "
+                             f"scoring='sigmoid' (softmax scoring routes without the bias); "
+                             "set scoring=RouterScoring.SIGMOID or leave bias_update_rate at 0")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
 
 @dataclass
 class RoutingOutput:
     """topk_experts [T, k] int64; weights [T, k] fp32; logits [T, E] fp32;
-    tokens_per_expert [E] int64 (device); aux_loss scalar fp32 (0 when no loss is enabled)."""
+    tokens_per_expert [E] int64 (device); aux_loss scalar fp32 (0 when no loss is enabled).
+    T counts the tokens of every leading dimension of the router's input."""
 
     topk_experts: torch.Tensor
     weights: torch.Tensor
@@ -365,6 +412,12 @@ class Router(nn.Module):
     the next forward routes with, and loading one drops the pending load. load_group: the
     ranks whose loads add up to the one the update sees (MoE passes its expert-parallel group,
     so that the replicated router's bias stays the same on every rank).
+
+    forward(x [..., H]) routes the tokens of x flattened to [T, H], T the product of the leading
+    dimensions (as MoE does): its outputs are [T, k] and [T, E] whatever x's shape.
+    With top_k=1 and normalize_topk=True every token's weight is 1, so the task loss gives the
+    router no gradient: without aux_loss_coef, z_loss_coef or bias_update_rate the constructor
+    warns (UserWarning).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
@@ -373,6 +426,17 @@ class Router(nn.Module):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
+        if not isinstance(config, RouterConfig):
+            raise ValueError(f"the router config must be a RouterConfig, got "
+                             f"{type(config).__name__}")
+        if top_k == 1 and config.normalize_topk and not (
+                config.aux_loss_coef or config.z_loss_coef or config.bias_update_rate):
+            warnings.warn(
+                "top_k=1 with normalize_topk=True gives every token the weight 1, so the router "
+                "gets no gradient from the loss, and with aux_loss_coef, z_loss_coef and "
+                "bias_update_rate at 0 it never learns: set RouterConfig(normalize_topk=False) "
+                "(the weight is then the expert's score, as in Switch Transformer) or enable "
+                "a balancing loss", UserWarning, stacklevel=2)
         self.num_experts, self.top_k, self.config = num_experts, top_k, config
         self.load_group = load_group
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device,
@@ -409,12 +473,18 @@ class Router(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> RoutingOutput:
+        hidden_size = self.weight.shape[1]
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != hidden_size:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise MoKInputError(f"the router's input has shape {shape}; it takes a tensor "
+                                f"[..., {hidden_size}] (hidden_size last)")
+        x = x.reshape(-1, hidden_size)
         cfg = self.config
         updates = bool(cfg.bias_update_rate) and self.training
         recomputed = updates and _in_backward()
         bias = self.expert_bias if recomputed else self.next_bias()
         logits = _fp32_linear(x, self.weight)
-        if RouterScoring(cfg.scoring) is RouterScoring.SOFTMAX:
+        if cfg.scoring is RouterScoring.SOFTMAX:
             scores = logits.softmax(dim=-1)
             selection = scores
         else:
@@ -470,6 +540,14 @@ def _drop_pending_load(router: Router, state_dict, prefix, *args) -> None:
         router.expert_load.zero_()
 
 
+# The input dtypes MoE takes, by backend: the kernels' and fp32 (computed in bf16); the
+# reference computes in PyTorch and takes float64 as well.
+_INPUT_DTYPES = {
+    Backend.MOK: (torch.bfloat16, torch.float16, torch.float32),
+    Backend.REFERENCE: (torch.bfloat16, torch.float16, torch.float32, torch.float64),
+}
+
+
 class MoE(nn.Module):
     """Mixture-of-experts block: router, optional shared expert, routed SwiGLU experts.
 
@@ -492,7 +570,8 @@ class MoE(nn.Module):
     Compute dtype: the autocast dtype under torch.autocast (the output then has that dtype, as
     nn.Linear's would); otherwise the parameters' dtype when bf16/fp16; fp32 parameters are cast
     to bf16 for the kernels (gradients flow back in fp32) and the output has the input's dtype;
-    the reference backend computes fp32 parameters in fp32.
+    the reference backend computes fp32 parameters in fp32. Inputs: bf16, fp16 or fp32, and
+    float64 with backend="reference" (MoKInputError otherwise).
     """
 
     def __init__(
@@ -517,10 +596,20 @@ class MoE(nn.Module):
         backend = Backend.parse(backend)
         _check_sizes(hidden_size, intermediate_size, num_experts, top_k,
                      shared_intermediate_size, backend)
-        if swiglu_limit is not None and not (isinstance(swiglu_limit, int | float)
+        if swiglu_limit is not None and not (_is_real(swiglu_limit)
                                              and 0 < swiglu_limit < math.inf):
             raise ValueError(f"swiglu_limit must be a positive finite number or None, got "
                              f"{swiglu_limit!r}")
+        if not isinstance(recompute_gate_up, bool):
+            raise ValueError(f"recompute_gate_up must be a bool, got {recompute_gate_up!r}")
+        F.MoKConfig(precision=precision)  # checks it
+        if precision == "fp8" and backend is Backend.MOK:
+            for name, value in (("intermediate_size", intermediate_size),
+                                ("shared_intermediate_size", shared_intermediate_size)):
+                if value % QUANT_BLOCK:
+                    raise ValueError(f"{name}={value}: precision='fp8' needs a multiple of "
+                                     f"{QUANT_BLOCK} (the scales' block); use precision='bf16' "
+                                     "or sizes that are multiples of 128")
         if ep_max_tokens is not None and not (_is_int(ep_max_tokens) and ep_max_tokens >= 1):
             raise ValueError(f"ep_max_tokens must be a positive integer or None, got "
                              f"{ep_max_tokens!r}")
@@ -537,7 +626,6 @@ class MoE(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.backend = backend
         self.recompute_gate_up = recompute_gate_up
-        F.MoKConfig(precision=precision)  # checks it
         self.precision = precision
         factory = dict(device=device, dtype=dtype)
         self.router = Router(hidden_size, num_experts, top_k, router, load_group=self.ep_group,
@@ -596,16 +684,21 @@ class MoE(nn.Module):
         return y.to(out_dtype).view(hidden_states.shape)
 
     def _check_input(self, hidden_states: torch.Tensor) -> None:
-        """hidden_states [..., H]: a floating tensor on the parameters' device."""
+        """hidden_states [..., H]: bf16, fp16 or fp32 (float64 too for the reference backend),
+        on the parameters' device."""
         if not isinstance(hidden_states, torch.Tensor):
             raise MoKInputError(f"hidden_states must be a torch.Tensor, got "
                                 f"{type(hidden_states).__name__}")
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.hidden_size:
             raise MoKInputError(f"hidden_states has shape {tuple(hidden_states.shape)}; its last "
                                 f"dimension must be hidden_size={self.hidden_size}")
-        if not hidden_states.dtype.is_floating_point:
-            raise MoKInputError(f"hidden_states has dtype {hidden_states.dtype}; MoE takes "
-                                "floating-point inputs (bf16, fp16 or fp32)")
+        backend = Backend.parse(self.backend)
+        dtypes = _INPUT_DTYPES[backend]
+        if hidden_states.dtype not in dtypes:
+            names = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+            raise MoKInputError(f"hidden_states has dtype {hidden_states.dtype}; MoE with "
+                                f"backend={backend.value!r} takes floating-point inputs "
+                                f"of dtype {names}: cast the input to one of them")
         if hidden_states.device != self.w_gate.device:
             raise MoKInputError(f"hidden_states is on {hidden_states.device}, the module's "
                                 f"parameters on {self.w_gate.device}")

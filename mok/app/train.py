@@ -104,7 +104,10 @@ class ModelConfig:
     num_experts: int = 8
     top_k: int = 2
     shared_intermediate_size: int = 0
-    aux_loss_coef: float = 0.001  # Qwen3-MoE's router_aux_loss_coef
+    # Qwen3-MoE's router_aux_loss_coef, here the weight of mok's aux loss (RouterConfig), which
+    # for one layer is 1/top_k of transformers' load_balancing_loss_func; and the model sums
+    # its layers' losses, where transformers takes one loss over every layer's tokens.
+    aux_loss_coef: float = 0.001
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 

@@ -1,6 +1,8 @@
 """mok.nn: the MoE module and its router, against the reference and PyTorch's own ops."""
 
+import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -87,6 +89,63 @@ def test_softmax_router_selects_and_normalizes():
     assert torch.equal(out.tokens_per_expert,
                        torch.bincount(expected.indices.reshape(-1), minlength=8))
     assert float(out.aux_loss) == 0.0
+
+
+def test_router_routes_leading_dimensions_as_flattened_tokens():
+    # A [B, S, H] input routes its B * S tokens exactly as the same tokens passed as [T, H]:
+    # the weights gathered from each token's own scores, the losses averaged over every token.
+    torch.manual_seed(0)
+    router = Router(16, 8, 2, RouterConfig(aux_loss_coef=0.1, z_loss_coef=1e-3)).to(DEVICE)
+    x = torch.randn(3, 10, 16, device=DEVICE)
+    out, flat = router(x), router(x.reshape(30, 16))
+    for name in ("topk_experts", "weights", "logits", "tokens_per_expert", "aux_loss"):
+        assert torch.equal(getattr(out, name), getattr(flat, name)), name
+    assert out.topk_experts.shape == (30, 2) and out.logits.shape == (30, 8)
+    assert router(x[0, 0]).topk_experts.shape == (1, 2)
+    for bad in (torch.randn(4, 12, device=DEVICE), torch.randn((), device=DEVICE)):
+        with pytest.raises(MoKInputError, match=r"router's input has shape .*\[\.\.\., 16\]"):
+            router(bad)
+
+
+def test_bias_update_rate_needs_sigmoid_scoring():
+    # Softmax scoring never routes with the bias: a rate there would only move a bias that
+    # nothing reads, so it is refused.
+    needs = "bias_update_rate=0.01 needs scoring='sigmoid'"
+    with pytest.raises(ValueError, match=re.escape(needs)):
+        RouterConfig(bias_update_rate=0.01)
+    config = RouterConfig(scoring="sigmoid", bias_update_rate=0.01)
+    assert config.scoring is RouterScoring.SIGMOID
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scoring="sigmoid", bias_update_rate=math.nan),
+     "bias_update_rate must be a finite non-negative number, got nan"),
+    (dict(scoring="sigmoid", bias_update_rate=-0.01),
+     "bias_update_rate must be a finite non-negative number, got -0.01"),
+    (dict(aux_loss_coef=-0.01), "aux_loss_coef must be a finite non-negative number"),
+    (dict(aux_loss_coef=math.inf), "aux_loss_coef must be a finite non-negative number"),
+    (dict(z_loss_coef=-1e-3), "z_loss_coef must be a finite non-negative number"),
+    (dict(routed_scaling_factor=math.inf), "routed_scaling_factor must be a finite positive"),
+    (dict(routed_scaling_factor=math.nan), "routed_scaling_factor must be a finite positive"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor must be a finite positive"),
+    (dict(scoring="Softmax"),
+     "RouterConfig.scoring must be one of 'softmax', 'sigmoid' (or RouterScoring), got 'Softmax'"),
+    (dict(normalize_topk="no"), "normalize_topk must be a bool, got 'no'"),
+])
+def test_router_config_rejects_values_out_of_range(kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        RouterConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(swiglu_limit=True), "swiglu_limit must be a positive finite number or None, got True"),
+    (dict(recompute_gate_up="no"), "recompute_gate_up must be a bool, got 'no'"),
+    (dict(recompute_gate_up=1), "recompute_gate_up must be a bool, got 1"),
+    (dict(router=dict(aux_loss_coef=0.01)), "the router config must be a RouterConfig"),
+], ids=["swiglu_limit_bool", "recompute_str", "recompute_int", "router_dict"])
+def test_constructor_checks_option_types(kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        MoE(32, 16, 4, 2, **kwargs)
 
 
 def test_sigmoid_router_bias_steers_selection_not_weights():
@@ -198,6 +257,28 @@ def test_aux_and_z_losses():
     assert router.weight.grad is not None and bool(router.weight.grad.abs().sum() > 0)
 
 
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_aux_loss_is_one_kth_of_transformers_load_balancing_loss(top_k):
+    # RouterConfig's aux loss: E * sum_e f_e * P_e with f_e the fraction of the T * k routes.
+    # transformers' load_balancing_loss_func (Mixtral, Qwen3-MoE), written out here: the mean
+    # over tokens of the [T, k, E] one-hot selection, times the mean probabilities, summed over
+    # k and E, times E. It counts f_e over tokens (summing to k): k times mok's loss.
+    torch.manual_seed(top_k)
+    num_tokens, num_experts = 40, 6
+    router = Router(16, num_experts, top_k, RouterConfig(aux_loss_coef=1.0)).to(DEVICE)
+    x = torch.randn(num_tokens, 16, device=DEVICE)
+    aux_loss = router(x).aux_loss
+    probs = torch.softmax(x @ router.weight.T, dim=-1)
+    selected = probs.topk(top_k, dim=-1).indices
+    fraction = torch.bincount(selected.reshape(-1), minlength=num_experts) / (num_tokens * top_k)
+    documented = num_experts * (fraction * probs.mean(0)).sum()
+    torch.testing.assert_close(aux_loss, documented)
+    expert_mask = torch.nn.functional.one_hot(selected, num_experts).float()  # [T, k, E]
+    tokens_per_expert = expert_mask.mean(dim=0)                               # [k, E]
+    transformers_style = num_experts * (tokens_per_expert * probs.mean(0)).sum()
+    torch.testing.assert_close(transformers_style, top_k * aux_loss)
+
+
 @pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept_gate_up"])
 def test_torch_compile_fullgraph_traces_the_module(recompute_gate_up):
     module = make_module(seed=3, recompute_gate_up=recompute_gate_up)
@@ -223,6 +304,25 @@ def test_kept_pre_activations_serve_one_backward():
     loss.backward()
     for name, p in recomputing.named_parameters():
         assert torch.equal(p.grad, 2 * first[name]), name
+
+
+@pytest.mark.parametrize("change", ["input", "weight"])
+def test_in_place_change_before_backward_is_not_called_a_second_backward(change):
+    # A tensor the layer saved for its backward (here its bf16 input or w_down) changed in
+    # place between the forward and the backward: PyTorch's saved-tensor error says so. Only a
+    # backward that already ran is reported as one (test_kept_pre_activations_serve_one_backward).
+    module = make_module(dtype=torch.bfloat16)
+    x = torch.randn(2, 7, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    xi = x * 1
+    y = module(xi)
+    with torch.no_grad():
+        if change == "input":
+            xi.add_(1)
+        else:
+            module.w_down.mul_(1.01)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as refused:
+        y.float().sum().backward()
+    assert "already ran" not in str(refused.value)
 
 
 def test_autocast_runs_in_the_autocast_dtype():
@@ -288,6 +388,42 @@ def test_non_floating_input_is_an_input_error(dtype):
     module = MoE(64, 16, 4, 2, device=DEVICE)
     with pytest.raises(MoKInputError, match="floating-point"):
         module(torch.ones(16, 64, device=DEVICE).to(dtype))
+
+
+@pytest.mark.parametrize("backend, dtype", [
+    ("mok", torch.float8_e4m3fn), ("mok", torch.float8_e5m2), ("mok", torch.float64),
+    ("reference", torch.float8_e4m3fn)])
+def test_input_dtype_the_backend_does_not_take_is_an_input_error(backend, dtype):
+    # Inputs are bf16, fp16 or fp32 (float64 too on the reference backend): a float8 input
+    # would come back as float8, a float64 one through bf16 kernels.
+    module = MoE(64, 16, 4, 2, backend=backend, device=DEVICE)
+    x = torch.randn(16, 64, device=DEVICE).to(dtype)
+    with pytest.raises(MoKInputError, match=f"dtype {dtype}; MoE with backend='{backend}' takes"):
+        module(x)
+    if dtype is torch.float64:
+        module.backend = Backend.REFERENCE
+        assert module(x).dtype == torch.float64
+
+
+def test_top1_normalized_router_without_losses_warns():
+    # top_k=1 with renormalized weights: every weight is 1, so the task loss gives the router
+    # weight zero gradient (up to rounding; without renormalization it learns). The
+    # constructor warns unless something else trains it.
+    with pytest.warns(UserWarning, match="router gets no gradient.*normalize_topk=False"):
+        module = MoE(32, 16, 4, 1, backend="reference", device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        learning = MoE(32, 16, 4, 1, router=RouterConfig(normalize_topk=False),
+                       backend="reference", device=DEVICE)
+        for config in (RouterConfig(aux_loss_coef=0.01), RouterConfig(z_loss_coef=1e-3),
+                       RouterConfig(scoring="sigmoid", bias_update_rate=1e-3)):
+            MoE(32, 16, 4, 1, router=config, backend="reference", device=DEVICE)
+        MoE(32, 16, 4, 2, backend="reference", device=DEVICE)
+    learning.load_state_dict(module.state_dict())
+    x = torch.randn(8, 32, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
+    for layer in (module, learning):
+        layer(x).pow(2).sum().backward()
+    assert module.router.weight.grad.norm() < 1e-5 * learning.router.weight.grad.norm()
 
 
 def test_moe_experts_names_a_bad_backend():
@@ -461,8 +597,15 @@ def test_fp8_module_trains_close_to_the_reference_and_compiles():
 
 
 def test_fp8_module_rejects_what_it_cannot_run():
+    # Expert widths that are not multiples of 128 are refused by the constructor, not at the
+    # first forward; the reference backend ignores precision and takes them.
     with pytest.raises(ValueError, match="precision"):
         MoE(32, 16, 4, 2, precision="int8")
-    module = MoE(32, 16, 4, 2, precision="fp8", device=DEVICE)
-    with pytest.raises(MoKInputError, match="multiple of 128"):
-        module(torch.randn(4, 32, device=DEVICE))
+    with pytest.raises(ValueError, match=re.escape(
+            "intermediate_size=16: precision='fp8' needs a multiple of 128")):
+        MoE(32, 16, 4, 2, precision="fp8", device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape(
+            "shared_intermediate_size=64: precision='fp8' needs a multiple of 128")):
+        MoE(32, 128, 4, 2, 64, precision="fp8", device=DEVICE)
+    module = MoE(32, 16, 4, 2, 24, precision="fp8", backend="reference", device=DEVICE)
+    assert module(torch.randn(4, 32, device=DEVICE)).shape == (4, 32)
