@@ -38,11 +38,16 @@ class Backend(enum.Enum):
     @classmethod
     def parse(cls, value: Backend | str) -> Backend:
         """The backend named by value; ValueError listing the valid names otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(repr(backend.value) for backend in cls)
-            raise ValueError(f"backend must be one of {names}, got {value!r}") from None
+        return _parse_enum(cls, value, "backend")
+
+
+def _parse_enum(cls: type[enum.Enum], value, what: str, note: str = ""):
+    """cls's member named by value; ValueError naming `what` and the valid names otherwise."""
+    try:
+        return cls(value)
+    except ValueError:
+        names = ", ".join(repr(member.value) for member in cls)
+        raise ValueError(f"{what} must be one of {names}{note}, got {value!r}") from None
 
 
 # -- the fused layer as custom ops ------------------------------------------------------------
@@ -326,12 +331,7 @@ class RouterScoring(enum.Enum):
     @classmethod
     def parse(cls, value: RouterScoring | str) -> RouterScoring:
         """The scoring named by value; ValueError listing the valid names otherwise."""
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(repr(scoring.value) for scoring in cls)
-            raise ValueError(f"RouterConfig.scoring must be one of {names} (or RouterScoring), "
-                             f"got {value!r}") from None
+        return _parse_enum(cls, value, "RouterConfig.scoring", " (or RouterScoring)")
 
 
 @dataclass(frozen=True)
