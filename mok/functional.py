@@ -691,7 +691,6 @@ def _forward_fp8(config, schedule, x, router_weights, shared: _Experts | None,
     expert's first, meanwhile) and down's rows go back to them."""
     exchange, plan = schedule.workspace.exchange, schedule.exchange
     keep = not config.recompute_gate_up
-    moved = _moved(schedule.workspace)
     dtype = x.dtype
     xq = ops.quantize_rows(x)
 
@@ -712,7 +711,7 @@ def _forward_fp8(config, schedule, x, router_weights, shared: _Experts | None,
     rows = exchange.forward_rows_fp8(plan, tokens, xq if tokens is x else None, token_weights,
                                      config=config)
     out, gate_up = expert_rows(routed, schedule.routing, rows.x, rows.route_weights,
-                               exchange.scatter(plan, dtype) if moved else None)
+                               exchange.scatter(plan, dtype))
     exchange.deliveries_done(plan, Phase.FORWARD, dtype, values=False, wait=True)
     y = exchange.combine(plan, out, schedule.routing, shared_rows, dtype)
     return y, ForwardContext(None, None, weights_group=rows.kept_weights, gate_up=gate_up,
@@ -731,7 +730,6 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
     router-weight gradients go back."""
     exchange, plan = schedule.workspace.exchange, schedule.exchange
     dtype = x.dtype
-    moved = _moved(schedule.workspace)
     dq = ops.quantize_rows(d_output)
 
     def input_grads(experts: _Experts, routing: Routing, gate_up, route_weights, d_rows, dq,
@@ -764,7 +762,7 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
     fp8, d_x_rows, partial, saved = input_grads(
         routed, routing, context.gate_up, route_weights, rows.d_output,
         dq if rows.d_output is d_output else ops.quantize_rows(rows.d_output), rows.x,
-        exchange.scatter(plan, dtype) if moved else None)
+        exchange.scatter(plan, dtype))
     by_route = ops.router_grad(partial, routing)
     exchange.send_route_values(plan, by_route)
     exchange.deliveries_done(plan, Phase.BACKWARD, dtype, values=True, wait=False)
