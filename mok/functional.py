@@ -136,8 +136,10 @@ class MoKConfig:
             raise ValueError("MoKConfig.macrobatch_size must be a multiple of minibatch_size")
         if not self.schedule_capacity_multiplier > 0:
             raise ValueError("MoKConfig.schedule_capacity_multiplier must be positive")
-        if not self.peer_timeout_s > 0:
-            raise ValueError("MoKConfig.peer_timeout_s must be positive")
+        if not (isinstance(self.peer_timeout_s, (int, float))
+                and 0 < self.peer_timeout_s < 1e9):
+            raise ValueError(f"MoKConfig.peer_timeout_s must be a positive number of seconds "
+                             f"(below 1e9), got {self.peer_timeout_s!r}")
 
 
 class Workspace:

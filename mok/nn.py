@@ -224,12 +224,18 @@ class _ExpertParallelExperts(torch.autograd.Function):
     custom op (torch.compile breaks the graph here)."""
 
     @staticmethod
-    def forward(ctx, group, max_tokens, swiglu_limit, recompute_gate_up, precision, x,
-                topk_experts, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd):
-        config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision=precision)
+    def forward(ctx, group, max_tokens, peer_timeout_s, swiglu_limit, recompute_gate_up,
+                precision, x, topk_experts, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd):
+        config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision=precision,
+                             peer_timeout_s=peer_timeout_s)
         workspace = F.get_workspace(config, group, device=x.device,
                                     num_local_tokens=max_tokens or x.shape[0],
                                     hidden_size=x.shape[1], topk=topk_experts.shape[1])
+        # Checked once the workspace exists (its creation is a collective): the other ranks
+        # then go on to the step, whose waits on this rank time out with an error naming it.
+        if max_tokens is not None and x.shape[0] > max_tokens:
+            raise MoKInputError(f"{x.shape[0]} tokens exceed max_tokens={max_tokens} (the "
+                                "other ranks' waits on this rank will time out)")
         schedule = F.build_schedule(workspace, config, topk_experts,
                                     num_local_experts=w_rg.shape[0])
         y, context = F.forward(config, workspace, schedule, x, router_weights, w_sg, w_su, w_sd,
@@ -246,8 +252,8 @@ class _ExpertParallelExperts(torch.autograd.Function):
             config, workspace, schedule, context, d_y.contiguous(), x, router_weights, *weights,
             swiglu_limit=swiglu_limit)
         del ctx.state
-        return (None, None, None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru,
-                d_rd)
+        return (None, None, None, None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg,
+                d_ru, d_rd)
 
 
 def moe_experts(
@@ -265,6 +271,7 @@ def moe_experts(
     backend: Backend | str = Backend.MOK,
     group: dist.ProcessGroup | None = None,
     max_tokens: int | None = None,
+    peer_timeout_s: float = 60.0,
     recompute_gate_up: bool = False,
     precision: str = "bf16",
 ) -> torch.Tensor:
@@ -276,22 +283,22 @@ def moe_experts(
     gradients flow back into the viewed parameter. group: an expert-parallel process group; the
     routed weights are then this rank's experts (mok.functional's contract). max_tokens: with a
     group, the most tokens a rank passes (each rank may pass fewer); default T, which every rank
-    must then pass. recompute_gate_up: MoKConfig's (the default False keeps the gate/up
-    pre-activations for the backward; True keeps h and recomputes them: slower, less memory).
-    precision: MoKConfig's ("fp8": the experts' row GEMMs
-    on e4m3 operands with blockwise scales; the reference backend ignores it).
+    must then pass; a rank passing more raises MoKInputError, and the others' waits on it time
+    out after peer_timeout_s (MoKConfig's), reported as MoKDataError. recompute_gate_up:
+    MoKConfig's (the default False keeps the gate/up pre-activations for the backward; True
+    keeps h and recomputes them: slower, less memory). precision: MoKConfig's ("fp8": the
+    experts' row GEMMs on e4m3 operands with blockwise scales; the reference backend ignores
+    it).
     """
     if Backend.parse(backend) is Backend.REFERENCE:
         return moe_reference(x, topk_experts, router_weights, w_shared_gate, w_shared_up,
                              w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
                              swiglu_limit=swiglu_limit, group=group).to(x.dtype)
     if group is not None and dist.get_world_size(group) > 1:
-        if max_tokens is not None and x.shape[0] > max_tokens:
-            raise ValueError(f"{x.shape[0]} tokens exceed max_tokens={max_tokens}")
         return _ExpertParallelExperts.apply(
-            group, max_tokens, swiglu_limit, recompute_gate_up, precision, x, topk_experts,
-            router_weights.float(), w_shared_gate, w_shared_up, w_shared_down, w_routed_gate,
-            w_routed_up, w_routed_down)
+            group, max_tokens, peer_timeout_s, swiglu_limit, recompute_gate_up, precision, x,
+            topk_experts, router_weights.float(), w_shared_gate, w_shared_up, w_shared_down,
+            w_routed_gate, w_routed_up, w_routed_down)
     return _moe_forward(x, topk_experts, router_weights.float(), w_shared_gate, w_shared_up,
                         w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
                         swiglu_limit, recompute_gate_up, precision)[0]
@@ -554,7 +561,8 @@ class MoE(nn.Module):
     Parameters: router.weight [E, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]
     (E_local = E, or E / P with an expert-parallel `ep_group` of P ranks: this rank's experts
     [rank * E_local, (rank + 1) * E_local); the router and shared expert are replicated; with
-    `ep_max_tokens` ranks may pass different numbers of tokens, at most that many); and with
+    `ep_max_tokens` ranks may pass different numbers of tokens, at most that many;
+    `ep_timeout_s` bounds a wait on another rank, MoKConfig.peer_timeout_s); and with
     shared_intermediate_size > 0: shared_gate, shared_up [I_s, H], shared_down [H, I_s].
     forward(hidden_states [..., H]) -> [..., H]. After each forward: `aux_loss` (add it to the
     training loss) and `tokens_per_expert` [E] (device tensor, no host sync) hold that call's
@@ -586,6 +594,7 @@ class MoE(nn.Module):
         swiglu_limit: float | None = None,
         ep_group: dist.ProcessGroup | None = None,
         ep_max_tokens: int | None = None,
+        ep_timeout_s: float = 60.0,
         backend: Backend | str = Backend.MOK,
         recompute_gate_up: bool = False,
         precision: str = "bf16",
@@ -613,12 +622,14 @@ class MoE(nn.Module):
         if ep_max_tokens is not None and not (_is_int(ep_max_tokens) and ep_max_tokens >= 1):
             raise ValueError(f"ep_max_tokens must be a positive integer or None, got "
                              f"{ep_max_tokens!r}")
+        F.MoKConfig(peer_timeout_s=ep_timeout_s)  # checks it
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not a multiple of the "
                              f"expert-parallel group's {ep_size} ranks")
         self.ep_group = ep_group if ep_size > 1 else None
         self.ep_max_tokens = ep_max_tokens
+        self.ep_timeout_s = ep_timeout_s
         num_local = num_experts // ep_size
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
@@ -679,6 +690,7 @@ class MoE(nn.Module):
                             self.w_gate.to(dtype), self.w_up.to(dtype), self.w_down.to(dtype),
                             swiglu_limit=self.swiglu_limit, backend=self.backend,
                             group=self.ep_group, max_tokens=self.ep_max_tokens,
+                            peer_timeout_s=self.ep_timeout_s,
                             recompute_gate_up=self.recompute_gate_up,
                             precision=self.precision)
         return y.to(out_dtype).view(hidden_states.shape)

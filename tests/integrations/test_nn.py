@@ -578,6 +578,31 @@ def test_expert_parallel_sizes_checked_and_router_bias_kept_alike(rank, world_si
     _ep_sizes_and_bias_body(rank, world_size)
 
 
+def _ep_over_max_tokens_body(rank, world_size):
+    """A rank passing more than ep_max_tokens raises at once; on the first call, too, the others
+    do not block in the workspace's creation: their waits on it time out naming it."""
+    import torch.distributed as dist
+
+    device = rank_device(rank)
+    torch.manual_seed(0)
+    module = MoE(32, 16, 2 * world_size, 2, device=device, ep_group=dist.group.WORLD,
+                 ep_max_tokens=8, ep_timeout_s=1.0)
+    x = torch.randn(8 + rank, 32, device=device)
+    if rank == 1:
+        with pytest.raises(MoKInputError, match="9 tokens exceed max_tokens=8"):
+            module(x)
+    else:
+        module(x)
+        with pytest.raises(MoKDataError, match="PEER_TIMEOUT.*waited on rank 1"):
+            F.check_errors()
+    dist.barrier()
+
+
+@distributed_test(world_sizes=(2,))
+def test_expert_parallel_rank_over_max_tokens_is_named(rank, world_size):
+    _ep_over_max_tokens_body(rank, world_size)
+
+
 def test_fp8_module_trains_close_to_the_reference_and_compiles():
     # MoE(precision="fp8"): the experts' row GEMMs in e4m3 (widths multiples of 128).
     torch.manual_seed(5)
