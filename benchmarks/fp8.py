@@ -5,8 +5,9 @@
 Per shape, one process, the same inputs (bf16 x [T, H] and expert weights, the schedule of
 random routes), stage by stage:
 
-  quantize   quantize_rows(x) and quantize_weights of the three expert weights: ms and GB/s
-             (bytes read and written);
+  quantize   quantize_rows(x), quantize_weights of the three expert weights, and
+             quantize_experts (the three with their transposed copies, what the layer
+             quantizes per optimizer step): ms and GB/s (bytes read and written);
   gate_up    mok's bf16 gate/up with SwiGLU (the layer's plan and tiles), and
              gate_up_swiglu_fp8 (h in e4m3 with its scales; Triton, and on an sm_90 GPU
              Gluon);
@@ -240,6 +241,9 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
         ("quantize", "rows_x", lambda: quantize_rows(x), 0, x.numel() * 3),
         ("quantize", "weights", lambda: [quantize_weights(w) for w in (w_gate, w_up, w_down)], 0,
          weights_bytes),
+        # what the layer quantizes per optimizer step: the three and their transposed copies
+        ("quantize", "experts", lambda: ops.quantize_experts(w_gate, w_up, w_down), 0,
+         weights_bytes + sum(w.numel() for w in (w_gate, w_up, w_down))),
         ("gate_up", "mok_bf16", lambda: ops.gate_up_swiglu(x, w_gate, w_up, routing,
                                                            forward.gate_up, None), 2 * gemm, 0),
         ("gate_up", "mok_fp8", lambda: gate_up_swiglu_fp8(x_q, gate_q, up_q, routing, tiles),

@@ -52,13 +52,16 @@ def quantize_tile(x, ROW_SCALES: tl.constexpr, POW2: tl.constexpr, UPCAST: tl.co
 
 @triton.jit
 def quantize_e4m3_kernel(
-    x_ptr, q_ptr, scale_ptr, M, K,
+    x_ptr, q_ptr, scale_ptr, qt_ptr, scale_t_ptr, M, K,
     stride_xb, stride_xm, stride_xk, stride_qb, stride_qm, stride_sb, stride_sm,
+    stride_qtb, stride_qtk, stride_stb, stride_stk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_SCALES: tl.constexpr,
-    POW2: tl.constexpr, UPCAST: tl.constexpr,
+    POW2: tl.constexpr, TRANSPOSED: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """q[b, m, k] (unit column stride) and scale[b, m, k // BLOCK_K] (ROW_SCALES) or
-    scale[b, m // BLOCK_M, k // BLOCK_K] from x[b, m, k]; a program per tile."""
+    scale[b, m // BLOCK_M, k // BLOCK_K] from x[b, m, k]; a program per tile. TRANSPOSED (tile
+    scales): also q's transpose qt[b, k, m] (unit column stride) and the scales' transpose
+    scale_t[b, k // BLOCK_K, m // BLOCK_M]."""
     pid_m, pid_k, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -74,3 +77,9 @@ def quantize_e4m3_kernel(
         tl.store(scale_base + pid_m * stride_sm + pid_k, scale)
     q_base = q_ptr + batch.to(tl.int64) * stride_qb
     tl.store(q_base + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], q, mask=mask)
+    if TRANSPOSED:
+        tl.store(scale_t_ptr + batch.to(tl.int64) * stride_stb + pid_k * stride_stk + pid_m,
+                 scale)
+        qt_base = qt_ptr + batch.to(tl.int64) * stride_qtb
+        tl.store(qt_base + cols.to(tl.int64)[:, None] * stride_qtk + rows[None, :], tl.trans(q),
+                 mask=tl.trans(mask))

@@ -17,11 +17,12 @@ from mok.arch import HOPPER, arch_of
 from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
 from mok.kernels import gluon_fp8
+from mok.ops import graphs
 from mok.ops.comm import ScatterRows
 from mok.ops.experts import _gluon_descriptor as _descriptor
 from mok.ops.experts import _num_programs, _nvmma_layout, _scatter_args
 from mok.ops.launch import cdiv, launch
-from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_weights
+from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_weights, quantize_weights_into
 from mok.ops.routing import Routing
 from mok.ops.tuning import RowTiles, fp8_tiles
 
@@ -57,19 +58,30 @@ def quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
 
 
 def _quantize_experts(w_gate, w_up, w_down, pow2_scales: bool) -> Fp8Experts:
-    gate, up, down = (quantize_weights(w, pow2_scales=pow2_scales)
-                      for w in (w_gate, w_up, w_down))
-    if w_gate.shape[1] % QUANT_BLOCK:  # gate's last block and up's first would share one
+    num, inter, hidden = w_gate.shape
+    if inter % QUANT_BLOCK:  # gate's last block and up's first would share one
+        gate, up, down = (quantize_weights(w, pow2_scales=pow2_scales)
+                          for w in (w_gate, w_up, w_down))
         gate_up_t = quantize_weights(torch.cat([w_gate, w_up], dim=1).transpose(1, 2),
                                      pow2_scales=pow2_scales)
-    else:
-        gate_up_t = Quantized(*(_transposed(torch.cat([g, u], dim=1))
-                                for g, u in zip(gate, up, strict=True)))
-    return Fp8Experts(gate, up, down, Quantized(*map(_transposed, down)), gate_up_t)
-
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(1, 2).contiguous()
+        down_t = quantize_weights(w_down.transpose(1, 2), pow2_scales=pow2_scales)
+        return Fp8Experts(gate, up, down, down_t, gate_up_t)
+    # Each launch writes its weight's transposed copy too (gate's and up's side by side).
+    blocks_i, blocks_h = inter // QUANT_BLOCK, cdiv(hidden, QUANT_BLOCK)
+    device = w_gate.device
+    gate_up_t = Quantized(torch.empty(num, hidden, 2 * inter, dtype=E4M3, device=device),
+                          torch.empty(num, blocks_h, 2 * blocks_i, dtype=torch.float32,
+                                      device=device))
+    down_t = Quantized(torch.empty(num, inter, hidden, dtype=E4M3, device=device),
+                       torch.empty(num, blocks_i, blocks_h, dtype=torch.float32, device=device))
+    gate = quantize_weights_into(w_gate, Quantized(gate_up_t.data[..., :inter],
+                                                   gate_up_t.scales[..., :blocks_i]),
+                                 pow2_scales=pow2_scales)
+    up = quantize_weights_into(w_up, Quantized(gate_up_t.data[..., inter:],
+                                               gate_up_t.scales[..., blocks_i:]),
+                               pow2_scales=pow2_scales)
+    down = quantize_weights_into(w_down, down_t, pow2_scales=pow2_scales)
+    return Fp8Experts(gate, up, down, down_t, gate_up_t)
 
 
 class _CacheEntry(NamedTuple):
@@ -93,19 +105,23 @@ def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
     (a step post hook clears the cache: fused optimizers write without bumping the counters).
     An entry is dropped with its weights' storages; its e4m3 copies take as many bytes as its
     weights. Writes neither the counters nor an optimizer step announce (through `.data`, by
-    another process or another library's kernels) need `clear_fp8_cache`. While a CUDA graph
-    is being captured it quantizes afresh and caches nothing, so that each replay quantizes the
-    weights it reads. w_down None: gate and up only, from a valid entry with any down weight,
-    else quantized afresh (the other fields None)."""
+    another process or another library's kernels) need `clear_fp8_cache`.
+    While a CUDA graph is being captured only entries made in the same capture serve, so the
+    graph quantizes the weights it reads once (a step's forward quantizes, its backward reuses
+    that copy) and each replay quantizes them afresh; those entries serve nothing after the
+    capture and go when the next capture makes one. Where the driver does not name the capture
+    (mok.ops.graphs), every call in it quantizes afresh. w_down None: gate and up only, from a
+    valid entry with any down weight, else quantized afresh (the other fields None)."""
     weights = (w_gate, w_up, w_down) if w_down is not None else (w_gate, w_up)
-    fresh = ((w_gate.is_cuda and torch.cuda.is_current_stream_capturing())
-             or any(w.is_inference() for w in weights))  # inference tensors: no version counter
-    if not fresh:
-        key = tuple(_memory(w) for w in weights)
+    tag = _capture_tag(w_gate)
+    # (inference tensors have no version counter: never cached)
+    cached = tag is not _UNNAMED and not any(w.is_inference() for w in weights)
+    if cached:
+        key = (tag, *(_memory(w) for w in weights))
         versions = tuple(w._version for w in weights)
         storages = tuple(w.untyped_storage() for w in weights)
         for entry_key, entry in _CACHE.items():
-            if (entry_key[:len(key)] == key and entry.versions[:len(key)] == versions
+            if (entry_key[:len(key)] == key and entry.versions[:len(key) - 1] == versions
                     and all(ref() is storage
                             for ref, storage in zip(entry.storages, storages, strict=False))):
                 return entry.experts
@@ -113,11 +129,26 @@ def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
         gate, up = (quantize_weights(w) for w in weights)
         return Fp8Experts(gate, up, None, None, None)
     experts = quantize_experts(*weights)
-    if not fresh:
+    if cached:
         _watch_optimizer_steps()
+        if tag is not None:  # an earlier capture's entries serve no more
+            for old in [k for k in _CACHE if k[0] is not None and k[0] != tag]:
+                del _CACHE[old]
         refs = tuple(weakref.ref(storage, functools.partial(_drop, key)) for storage in storages)
         _CACHE[key] = _CacheEntry(refs, versions, experts)
     return experts
+
+
+_UNNAMED = object()  # the tag of a capture the driver does not name: nothing is cached in it
+
+
+def _capture_tag(w: torch.Tensor) -> object:
+    """The cache's tag for calls on w now: None outside a CUDA-graph capture; in one, the
+    capture's id (mok.ops.graphs), or _UNNAMED."""
+    if not (w.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    ident = graphs.capture_id()
+    return ("capture", ident) if ident is not None else _UNNAMED
 
 
 def _drop(key: tuple, dead: weakref.ref) -> None:

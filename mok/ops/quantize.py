@@ -75,19 +75,42 @@ def _check(x: torch.Tensor, name: str, *, dims: tuple[int, ...]) -> None:
         raise MoKInputError(f"{name} must be bf16, fp16 or fp32 to quantize, got {x.dtype}")
 
 
-def _quantize(x: torch.Tensor, *, rows: int, pow2_scales: bool, squeeze: bool) -> Quantized:
+def quantize_weights_into(w: torch.Tensor, transposed: Quantized, *,
+                          pow2_scales: bool = False) -> Quantized:
+    """quantize_weights of w [E, N, K], also writing the transpose of its codes and scales into
+    `transposed` (data [E, K, >= N] e4m3 with unit column stride, scales [E, ceil(K / 128),
+    >= ceil(N / 128)] fp32, views into larger buffers allowed): what quantize_weights of w
+    transposed gives, from one read of w."""
+    _check(w, "w", dims=(3,))
+    e, n, k = w.shape
+    data, scales = transposed
+    if (data.dtype != torch.float8_e4m3fn or data.dim() != 3 or data.shape[:2] != (e, k)
+            or data.shape[2] < n or data.stride(2) != 1 or scales.dtype != torch.float32
+            or scales.dim() != 3 or scales.shape[:2] != (e, cdiv(k, QUANT_BLOCK))
+            or scales.shape[2] < cdiv(n, QUANT_BLOCK)):
+        raise MoKInputError(f"the transposed copy of w {tuple(w.shape)} must be e4m3 [E, K, >= N] "
+                            "with unit column stride and fp32 scales [E, K / 128, >= N / 128]")
+    return _quantize(w, rows=QUANT_BLOCK, pow2_scales=pow2_scales, squeeze=False,
+                     transposed=transposed)
+
+
+def _quantize(x: torch.Tensor, *, rows: int, pow2_scales: bool, squeeze: bool,
+              transposed: Quantized | None = None) -> Quantized:
     batch, m, k = x.shape
     q = torch.empty(batch, m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale_rows = m if rows == 1 else cdiv(m, rows)
     scales = torch.empty(batch, scale_rows, cdiv(k, QUANT_BLOCK), dtype=torch.float32,
                          device=x.device)
+    qt, scales_t = transposed if transposed is not None else (q, scales)
     block_m = _ROWS_PER_PROGRAM if rows == 1 else rows
     if x.numel() > 0:
         launch(kernels.quantize_e4m3_kernel, (cdiv(m, block_m), cdiv(k, QUANT_BLOCK),
                                               batch))(
-            x, q, scales, m, k, x.stride(0), x.stride(1), x.stride(2), q.stride(0), q.stride(1),
-            scales.stride(0), scales.stride(1), BLOCK_M=block_m, BLOCK_K=QUANT_BLOCK,
-            ROW_SCALES=rows == 1, POW2=pow2_scales, UPCAST=_env.INTERPRET,
+            x, q, scales, qt, scales_t, m, k, x.stride(0), x.stride(1), x.stride(2),
+            q.stride(0), q.stride(1), scales.stride(0), scales.stride(1), qt.stride(0),
+            qt.stride(1), scales_t.stride(0), scales_t.stride(1), BLOCK_M=block_m,
+            BLOCK_K=QUANT_BLOCK, ROW_SCALES=rows == 1, POW2=pow2_scales,
+            TRANSPOSED=transposed is not None, UPCAST=_env.INTERPRET,
             num_warps=4 if rows == 1 else 8,
         )
     if squeeze:

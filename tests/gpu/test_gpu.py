@@ -596,6 +596,40 @@ def test_fp8_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up)
         changed=("w_routed_down", "w_shared_up"))
 
 
+def test_fp8_captured_step_quantizes_each_weight_once(monkeypatch):
+    # The driver names each capture (mok.ops.graphs), so a captured FP8 step quantizes each
+    # group of experts' weights once: its backward reuses its forward's copy. The replay equals
+    # the eager step.
+    import mok.ops.fp8 as fp8
+    from mok.ops import graphs
+
+    config = F.MoKConfig(precision="fp8")
+    inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
+                         seed=5)
+    workspace = F.create_workspace(config, None, device="cuda", num_local_tokens=3000,
+                                   hidden_size=512, topk=4)
+    calls, ids = [], []
+    quantize = fp8.quantize_experts
+    monkeypatch.setattr(fp8, "quantize_experts", lambda *a, **k: calls.append(1) or
+                        quantize(*a, **k))
+
+    def step():
+        ids.append(graphs.capture_id())
+        return _step(config, workspace, inputs, 7.0)
+
+    eager, graph, captured = eager_and_captured(step)
+    assert ids[:3] == [None] * 3 and ids[3] is not None  # the eager calls, then the capture
+    assert len(calls) == 2 + 2  # the first eager call's (then cached), the capture's
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured, strict=True):
+        assert torch.equal(a, b)
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second):
+        step()
+    assert ids[4] not in (None, ids[3])
+
+
 def _check_sync_free_and_graph_replay(config, tiles, changed=()):
     """A layer step without host sync, captured in a CUDA graph: the replay equals the eager
     step, and after new values and new routing are copied into the same buffers (x, routing,

@@ -242,6 +242,36 @@ def test_fp8_weight_cache_serves_views_frees_superseded_copies_and_lets_tensors_
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
 
 
+def test_fp8_weight_cache_in_a_graph_capture_serves_that_capture_only(device, monkeypatch):
+    # Inside a CUDA-graph capture (its id from the driver, simulated here) only entries made in
+    # the same capture serve: the captured forward quantizes, its backward reuses that copy, an
+    # eager entry (whose copy no replay would refresh) is not read, and a capture's entries go
+    # when the next capture makes one. A capture the driver does not name caches nothing.
+    import mok.ops.fp8 as fp8
+
+    ops.clear_fp8_cache()
+    weights = make_inputs(8, 256, 128, 2, 1, device=device, seed=9).routed_weights
+    tag = [None]
+    monkeypatch.setattr(fp8, "_capture_tag", lambda w: tag[0])
+    eager = ops.cached_quantize_experts(*weights)
+    tag[0] = ("capture", 1)
+    first = ops.cached_quantize_experts(*weights)
+    assert first is not eager
+    assert ops.cached_quantize_experts(*weights) is first
+    assert ops.cached_quantize_experts(*weights[:2], None).gate is first.gate
+    for got, want in zip(first, eager, strict=True):
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    tag[0] = ("capture", 2)
+    second = ops.cached_quantize_experts(*weights)
+    assert second is not first and len(fp8_cache_entries()) == 2  # eager's and capture 2's
+    tag[0] = None
+    assert ops.cached_quantize_experts(*weights) is eager
+    tag[0] = fp8._UNNAMED
+    unnamed = ops.cached_quantize_experts(*weights)
+    assert ops.cached_quantize_experts(*weights) is not unnamed
+    assert len(fp8_cache_entries()) == 2
+
+
 def fp8_cache_entries():
     from mok.ops.fp8 import _CACHE
 

@@ -16,6 +16,7 @@ from mok.ops.quantize import (
     packed_row_bytes,
     quantize_rows,
     quantize_weights,
+    quantize_weights_into,
     unpack_rows,
 )
 from mok.reference import E4M3_MAX, dequantize_e4m3, quantize_e4m3
@@ -111,6 +112,25 @@ def test_quantize_weights_matches_reference(device, shape, pow2_scales):
     assert scales.shape == (*batch, triton.cdiv(n, QUANT_BLOCK), triton.cdiv(k, QUANT_BLOCK))
     assert_same_codes(q, q_ref)
     assert torch.equal(scales, scales_ref)
+
+
+@pytest.mark.parametrize("pow2_scales", [False, True], ids=["scales", "pow2"])
+def test_quantize_weights_into_writes_the_transposed_copy(device, pow2_scales):
+    # The transposed codes and scales, into views of wider buffers (as gate's and up's halves
+    # of [gate, up] transposed), equal quantizing the transposed weight; edge blocks included.
+    w = spread_values((2, 200, 260), seed=6, dtype=torch.bfloat16, device=device)
+    data = torch.full((2, 260, 456), 0x11, dtype=torch.uint8, device=device).view(E4M3)
+    scales = torch.full((2, 3, 4), -1.0, device=device)
+    q, s = quantize_weights_into(w, (data[..., 256:], scales[..., 2:]), pow2_scales=pow2_scales)
+    q_ref, s_ref = quantize_weights(w, pow2_scales=pow2_scales)
+    assert_same_codes(q, q_ref)
+    assert torch.equal(s, s_ref)
+    qt_ref, st_ref = quantize_weights(w.transpose(1, 2).contiguous(), pow2_scales=pow2_scales)
+    assert_same_codes(data[..., 256:], qt_ref)
+    assert torch.equal(scales[..., 2:], st_ref)
+    assert (codes(data[..., :256]) == 0x11).all() and (scales[..., :2] == -1).all()
+    with pytest.raises(MoKInputError, match="transposed copy"):
+        quantize_weights_into(w, (data[:, :200], scales[..., 2:]))
 
 
 def test_quantize_reads_strided_inputs(device):
