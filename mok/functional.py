@@ -108,6 +108,10 @@ class MoKConfig:
         Under expert parallelism it pulls the rows in launches of their own (the forward's in
         e4m3, the backward's in x's dtype) rather than copying them (fwd_copy_rows,
         bwd_copy_rows) or pulling them inside the GEMMs.
+    fp8_weight_gradients: with precision "fp8", the weight gradients on e4m3 operands too: each
+        operand quantized along the rows, a scale per column and block of 128 of an expert's
+        rows (DeepSeek's recipe for them; mok.ops.fp8_wgrad), in a launch of its own before each
+        GEMM, the sums in fp32. Off by default: in x's dtype, as "bf16" runs them.
     """
 
     fwd_num_comm_sms: int = 32
@@ -121,6 +125,7 @@ class MoKConfig:
     fwd_copy_rows: bool = False
     bwd_copy_rows: bool = False
     precision: str = "bf16"
+    fp8_weight_gradients: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -136,6 +141,8 @@ class MoKConfig:
             raise ValueError("MoKConfig.macrobatch_size must be a multiple of minibatch_size")
         if not self.schedule_capacity_multiplier > 0:
             raise ValueError("MoKConfig.schedule_capacity_multiplier must be positive")
+        if self.fp8_weight_gradients and self.precision != "fp8":
+            raise ValueError("MoKConfig.fp8_weight_gradients needs precision='fp8'")
         if not (isinstance(self.peer_timeout_s, (int, float))
                 and 0 < self.peer_timeout_s < 1e9):
             raise ValueError(f"MoKConfig.peer_timeout_s must be a positive number of seconds "
@@ -755,7 +762,8 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
         fp8, d_x_shared_rows, _, saved = input_grads(
             shared, schedule.shared_routing, context.gate_up_shared, None, d_output, dq, x)
         grads = _weight_grads(fp8, schedule.shared_routing, d_output, x, saved, None, shared,
-                              down_first=context.gate_up_shared is not None)
+                              down_first=context.gate_up_shared is not None,
+                              fp8=config.fp8_weight_gradients)
         d_shared = tuple(grad[0] for grad in grads)
     d_tokens, x_tokens, router_weights = exchange.tokens(d_output, x, router_weights)
     rows = exchange.backward_rows_fp8(plan, d_tokens, x_tokens, config=config)
@@ -775,7 +783,8 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
         d_x = exchange.combine(plan, d_x_rows, routing, d_x_shared_rows, dtype)
         d_x_rows = d_x_shared_rows = None
     d_routed = _weight_grads(fp8, routing, rows.d_output, rows.x, saved, route_weights, routed,
-                             down_first=context.gate_up is not None)
+                             down_first=context.gate_up is not None,
+                             fp8=config.fp8_weight_gradients)
     del rows
     exchange.landed(Phase.BACKWARD)
     if d_x is None:
@@ -951,19 +960,28 @@ def _dswiglu(plan: BackwardPlan, routing: Routing, rows: BackwardRows, h, gate_u
     return d_gate_up, partial, h
 
 
-def _weight_grads(plan: BackwardPlan, routing, d_output, x, saved, route_weights,
-                  experts: _Experts, *, down_first: bool = False):
+def _weight_grads(plan: BackwardPlan | Fp8Plan, routing, d_output, x, saved, route_weights,
+                  experts: _Experts, *, down_first: bool = False, fp8: bool = False):
     """(d_w_gate, d_w_up, d_w_down) from saved = [d_gate_up, h] (emptied, so that the first
     one's operand is freed before the other gradients are allocated: d_gate_up [C, 2I], or with
-    down_first h [C, I], where d_gate_up lives on in a kept context); d_output and x by token."""
+    down_first h [C, I], where d_gate_up lives on in a kept context); d_output and x by token.
+    fp8 (MoKConfig.fp8_weight_gradients, plan an Fp8Plan): on e4m3 operands."""
     d_gate_up, h = saved
     saved.clear()
 
     def gate_up():
+        if fp8:
+            return ops.grouped_wgrad_fp8(d_gate_up, x, routing, plan.wgrad_fp8, gather_a=False,
+                                         gather_b=True, out_dtype=experts.gate.dtype,
+                                         split=experts.intermediate)
         return ops.grouped_wgrad_gate_up(d_gate_up, x, routing, plan.wgrad_gate_up,
                                          gather_x=True, out_dtype=experts.gate.dtype)
 
     def down():
+        if fp8:
+            return ops.grouped_wgrad_fp8(d_output, h, routing, plan.wgrad_fp8, gather_a=True,
+                                         gather_b=False, router_weights=route_weights,
+                                         out_dtype=experts.down.dtype)
         return ops.grouped_wgrad(d_output, h, routing, plan.wgrad_down, gather_a=True,
                                  gather_b=False, router_weights=route_weights,
                                  out_dtype=experts.down.dtype)

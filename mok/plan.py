@@ -32,7 +32,7 @@ from mok.ops.experts import (
     gluon_takes_wgrad,
     grouped_mm_takes,
 )
-from mok.ops.tuning import FP8_KINDS
+from mok.ops.tuning import FP8_KINDS, FP8_WGRAD_TILES
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,8 @@ class Fp8Plan:
     """MoKConfig(precision="fp8"): the tiles of its row GEMMs on e4m3 operands (mok.ops.fp8):
     gate_up (with SwiGLU), gate_up_saved (the pre-activations, the forward's when kept and the
     recomputing backward's), down, dswiglu, d_x; the weight gradients, in the inputs' dtype, as
-    the 16-bit plan's."""
+    the 16-bit plan's; wgrad_fp8, those of the weight gradients on e4m3 operands
+    (MoKConfig.fp8_weight_gradients)."""
 
     gate_up: RowTiles
     gate_up_saved: RowTiles
@@ -156,6 +157,7 @@ class Fp8Plan:
     d_x: RowTiles
     wgrad_gate_up: WgradTiles
     wgrad_down: WgradTiles
+    wgrad_fp8: RowTiles = FP8_WGRAD_TILES
 
 
 def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,

@@ -181,11 +181,18 @@ def _quantized(a: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return dequantize_e4m3(*quantize_e4m3(a, block), block)
 
 
-def _fp8_expert(xq, x, dq, d_out, weight, w_gate, w_up, w_down, limit, dtype):
+def _rows_quantized(a: torch.Tensor) -> torch.Tensor:
+    """a [N, K] quantized to e4m3 along its rows (a scale per column and block of 128 rows from
+    the first) and dequantized back, fp32."""
+    return _quantized(a.T, (1, 128)).T
+
+
+def _fp8_expert(xq, x, dq, d_out, weight, w_gate, w_up, w_down, limit, dtype, fp8_wgrad=False):
     """One expert's share of the FP8 recipe over its N routes (fp32 math).
 
     xq, dq: the routes' rows of x and d_out quantized (fp32); x, d_out: the same rows as given;
-    weight [N] fp32; w_gate, w_up [I, H], w_down [H, I]: the quantized weights (fp32).
+    weight [N] fp32; w_gate, w_up [I, H], w_down [H, I]: the quantized weights (fp32);
+    fp8_wgrad: the weight gradients' operands quantized along the rows.
     Returns (y_rows [N, H], d_x_rows [N, H], d_weight [N], d_w_gate, d_w_up, d_w_down).
     """
     def rnd(v):
@@ -213,14 +220,17 @@ def _fp8_expert(xq, x, dq, d_out, weight, w_gate, w_up, w_down, limit, dtype):
     d_x_rows = rnd(_quantized(d_gate_up, (1, 128)) @ torch.cat((w_gate, w_up), dim=0))
     d_gate_up_b = rnd(d_gate_up)
     x32 = x.float()
+    d_out_w, h_w = weight[:, None] * d_out.float(), rnd(h_b)
+    if fp8_wgrad:
+        d_gate_up_b, x32, d_out_w, h_w = map(_rows_quantized, (d_gate_up_b, x32, d_out_w, h_w))
     d_w_gate = d_gate_up_b[:, :w_gate.shape[0]].T @ x32
     d_w_up = d_gate_up_b[:, w_gate.shape[0]:].T @ x32
-    d_w_down = (weight[:, None] * d_out.float()).T @ rnd(h_b)
+    d_w_down = d_out_w.T @ h_w
     return y_rows, d_x_rows, d_weight, d_w_gate, d_w_up, d_w_down
 
 
 def moe_reference_fp8_grads(
-    inputs: MoEInputs, *, swiglu_limit: float | None = None
+    inputs: MoEInputs, *, swiglu_limit: float | None = None, fp8_weight_gradients: bool = False
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
     """(y, gradients) of the layer's FP8 recipe (docs/design.md section 3.5) in plain PyTorch.
 
@@ -244,7 +254,9 @@ def moe_reference_fp8_grads(
     shared expert then the routes, in fp32, rounded to dt. Weight gradients on dt operands,
     fp32 sums:
     d_w_gate[e], d_w_up[e] = sum of round(d_gate), round(d_up) outer x[t]; d_w_down[e] = sum of
-    (w * d_output[t]) outer round(h_b). An expert without routes gets zero gradients.
+    (w * d_output[t]) outer round(h_b). An expert without routes gets zero gradients. With
+    fp8_weight_gradients each of those four operands, an expert's routes in route order, is
+    quantized along the routes: Q^r(a) with a scale per column and block of 128 routes.
 
     Returns y [T, H] and d_x [T, H] in dt, the other gradients in fp32.
     """
@@ -274,7 +286,7 @@ def moe_reference_fp8_grads(
         index = (expert == e).nonzero().squeeze(1)
         rows = token[index]
         out = _fp8_expert(xq[rows], x[rows], dq[rows], d_output[rows], weight[index],
-                          *(w[e] for w in routed_q), limit, dtype)
+                          *(w[e] for w in routed_q), limit, dtype, fp8_weight_gradients)
         y_routes[index], d_x_routes[index], d_router[index] = out[:3]
         for grad, g in zip(d_routed, out[3:], strict=True):
             grad[e] = g
@@ -284,7 +296,8 @@ def moe_reference_fp8_grads(
     d_shared = [None, None, None]
     if shared[0] is not None:
         out = _fp8_expert(xq, x, dq, d_output, weight.new_ones(num_tokens),
-                          *(_quantized(w, (128, 128)) for w in shared), limit, dtype)
+                          *(_quantized(w, (128, 128)) for w in shared), limit, dtype,
+                          fp8_weight_gradients)
         y, d_x = out[0], out[1]
         d_shared = list(out[3:])
     y_routes = y_routes.view(num_tokens, topk, x.shape[1])

@@ -34,6 +34,7 @@ from mok.ops.fp8 import (
     gate_up_swiglu_fp8,
     quantize_experts,
 )
+from mok.ops.fp8_wgrad import grouped_wgrad_fp8, quantize_row_blocks
 from mok.ops.quantize import (
     QUANT_BLOCK,
     Quantized,
@@ -82,6 +83,8 @@ __all__ = [
     "copy_rows",
     "d_x_rows",
     "cached_quantize_experts",
+    "grouped_wgrad_fp8",
+    "quantize_row_blocks",
     "clear_fp8_cache",
     "d_x_rows_fp8",
     "default_tiles",

@@ -395,6 +395,11 @@ FP8_KINDS = ("gate_up", "gate_up_saved", "down", "down_bwd_saved", "d_x")
 FP8_GLUON_KINDS = ("gate_up", "gate_up_saved", "down", "down_bwd_saved", "d_x")
 
 
+# The FP8 weight gradients' tiles (mok.kernels.fp8_wgrad): block_m along the gradient's rows,
+# block_n along its columns, K steps of 128 rows (the scales' block). Not measured yet.
+FP8_WGRAD_TILES = RowTiles(128, 128, 128, num_warps=8, num_stages=3)
+
+
 def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:
     """The tiles of an FP8 row GEMM (FP8_KINDS): K steps of one scale block (128), 128 columns
     (an e4m3 output's 1 x 128 blocks). The Triton kernel's (mok.kernels.fp8_gemm), as measured

@@ -46,9 +46,10 @@ HIDDEN, INTER, NUM_LOCAL, TOPK = 64, 128, 2, 3
 RECIPE_LIMIT = Tolerance(rel_rms=RECIPE.rel_rms, max_rel=0.3)
 
 
-def _config(recompute: bool) -> F.MoKConfig:
+def _config(recompute: bool, fp8_wgrad: bool = False) -> F.MoKConfig:
     return F.MoKConfig(precision="fp8", recompute_gate_up=recompute, fwd_num_comm_sms=2,
-                       bwd_num_comm_sms=3, minibatch_size=8, peer_timeout_s=300.0)
+                       bwd_num_comm_sms=3, minibatch_size=8, peer_timeout_s=300.0,
+                       fp8_weight_gradients=fp8_wgrad)
 
 
 def _counts(world_size: int, uneven: bool) -> list[int]:
@@ -96,14 +97,26 @@ def _union(inputs: MoEInputs, counts: list[int]) -> MoEInputs:
                      _rows(inputs.d_output, counts))
 
 
-def _check_against_union(rank, inputs, y, grads, limit, counts, *, left_out=None):
+def _check_against_union(rank, inputs, y, grads, limit, counts, *, left_out=None,
+                         fp8_wgrad=False):
     """left_out [T, k] bool: routes the schedule had no room for (their router weights count as
-    0 and get no gradient)."""
+    0 and get no gradient); fp8_wgrad: the weight gradients on e4m3 operands."""
     union = _union(inputs, counts)
     if left_out is not None:
         union = dataclasses.replace(union, router_weights=torch.where(
             _rows(left_out, counts), 0.0, union.router_weights))
-    y_ref, grads_ref = moe_reference_fp8_grads(union, swiglu_limit=limit)
+    y_ref, grads_ref = moe_reference_fp8_grads(union, swiglu_limit=limit,
+                                               fp8_weight_gradients=fp8_wgrad)
+    if fp8_wgrad and inputs.shared_weights[0] is not None:
+        # Each rank's shared expert quantizes its own tokens' rows in blocks of 128: the
+        # reference is the sum of each rank's recipe on its tokens.
+        own = dataclasses.replace(union, x=inputs.x, topk_experts=inputs.topk_experts,
+                                  router_weights=inputs.router_weights, d_output=inputs.d_output)
+        shared = moe_reference_fp8_grads(own, swiglu_limit=limit, fp8_weight_gradients=True)[1]
+        grads_ref = list(grads_ref)
+        for i in range(5, 8):
+            dist.all_reduce(shared[i])
+            grads_ref[i] = shared[i]
     first = sum(counts[:rank])
     mine = slice(first, first + inputs.x.shape[0])
     experts = slice(rank * inputs.num_local_experts, (rank + 1) * inputs.num_local_experts)
@@ -127,9 +140,10 @@ def _check_against_union(rank, inputs, y, grads, limit, counts, *, left_out=None
         assert_close(grad, expected, dtype=torch.bfloat16, name=name, tolerance=tolerance)
 
 
-def _fp8_body(rank, world_size, *, shared, recompute, limit, uneven, ranks_per_node=None):
+def _fp8_body(rank, world_size, *, shared, recompute, limit, uneven, ranks_per_node=None,
+              fp8_wgrad=False):
     inputs = _inputs(rank, world_size, uneven=uneven, shared=shared)
-    config = _config(recompute)
+    config = _config(recompute, fp8_wgrad)
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
                                    num_local_tokens=MAX_TOKENS, hidden_size=HIDDEN, topk=TOPK,
                                    ranks_per_node=ranks_per_node)
@@ -138,7 +152,8 @@ def _fp8_body(rank, world_size, *, shared, recompute, limit, uneven, ranks_per_n
     tiles = tiles_for_tests(32)
     y, grads, schedule = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
     F.check_errors(workspace)
-    _check_against_union(rank, inputs, y, grads, limit, _counts(world_size, uneven))
+    _check_against_union(rank, inputs, y, grads, limit, _counts(world_size, uneven),
+                         fp8_wgrad=fp8_wgrad)
     # Bitwise deterministic through a second round of every phase, and from a recomputed
     # forward context (which pulls the rows again).
     y2, grads2, _ = _run(workspace, config, inputs, swiglu_limit=limit, tiles=tiles)
@@ -171,6 +186,14 @@ def test_ep_fp8_shared_kept_limit_uneven(rank, world_size):
     # A shared expert (run on the rank's own tokens while the rows move), kept pre-activations,
     # a SwiGLU limit, and ranks holding different token counts.
     _fp8_body(rank, world_size, shared=True, recompute=False, limit=2.5, uneven=True)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_fp8_weight_gradients(rank, world_size):
+    # MoKConfig(fp8_weight_gradients=True): the pulled x and d_output rows quantized along the
+    # rows like this rank's own.
+    _fp8_body(rank, world_size, shared=True, recompute=False, limit=None, uneven=True,
+              fp8_wgrad=True)
 
 
 @distributed_test(world_sizes=(2,))

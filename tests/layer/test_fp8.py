@@ -55,6 +55,35 @@ def test_fp8_layer_matches_the_recipe(device, shared, recompute, limit, dtype):
     assert (context.gate_up is None) == recompute
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
+def test_fp8_weight_gradients_match_the_recipe(device, recompute):
+    # MoKConfig(fp8_weight_gradients=True): experts of more than 128 rows (several row blocks)
+    # and a shared expert; the other outputs are those of the default (bf16 weight gradients).
+    inputs = make_inputs(160, 256, 128, 2, 2, shared_intermediate_size=128, device=device,
+                         seed=11)
+    config = F.MoKConfig(precision="fp8", recompute_gate_up=recompute, fp8_weight_gradients=True)
+    y, grads, _, _ = run_layer(inputs, config=config, swiglu_limit=3.0, tiles=tiles_for_tests(32))
+    y_ref, grads_ref = moe_reference_fp8_grads(inputs, swiglu_limit=3.0,
+                                               fp8_weight_gradients=True)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        assert actual.shape == expected.shape, name
+        assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+    y_bf16, grads_bf16, _, _ = fp8_run(inputs, recompute=recompute, limit=3.0)
+    assert torch.equal(y, y_bf16)
+    for name, a, b in zip(GRAD_NAMES, grads, grads_bf16, strict=True):
+        if name.startswith("d_w"):  # the e4m3 operands' error, FP8's size
+            assert_close(a, b, dtype=torch.bfloat16, name=name, tolerance=FP8_TOLERANCE)
+            assert not torch.equal(a, b), name
+        else:
+            assert torch.equal(a, b), name
+    again = run_layer(inputs, config=config, swiglu_limit=3.0, tiles=tiles_for_tests(32))[1]
+    for name, a, b in zip(GRAD_NAMES, grads, again, strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="fp8_weight_gradients needs precision='fp8'"):
+        F.MoKConfig(fp8_weight_gradients=True)
+
+
 def test_fp8_layer_is_deterministic_and_kept_equals_recomputed(device):
     inputs = make_inputs(40, 256, 128, 3, 2, device=device, seed=3)
     runs = [fp8_run(inputs, recompute=recompute) for recompute in (True, True, False)]

@@ -1,0 +1,114 @@
+"""Launchers of the weight gradients on float8_e4m3fn operands (mok.kernels.fp8_wgrad): each
+operand quantized along the schedule's rows in blocks of 128 rows and one column, then one
+grouped GEMM over the experts' rows."""
+
+from __future__ import annotations
+
+import torch
+
+from mok import _env
+from mok.errors import MoKInputError
+from mok.kernels import fp8_wgrad as kernels
+from mok.ops.launch import cdiv, launch
+from mok.ops.quantize import QUANT_BLOCK, Quantized
+from mok.ops.routing import Routing
+from mok.ops.tuning import FP8_WGRAD_TILES, RowTiles
+
+E4M3 = torch.float8_e4m3fn
+_QUANTIZE_COLUMNS = 64
+
+
+def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
+                        router_weights: torch.Tensor | None = None) -> Quantized:
+    """src's schedule rows in e4m3, quantized along the rows: (codes [N, C] transposed, each
+    column's rows contiguous; scales [C // min(align, 128), N] fp32), a scale per column and
+    block of 128 of an expert's rows (mok.kernels.fp8_wgrad). src [T, N] by token (gather: row
+    r reads token row_route[r] // topk) or [C, N] by row; router_weights (a value per route,
+    [T, k] or [T * k]): each row is first scaled by its route's weight. Padding rows are
+    zeros."""
+    rows, topk = routing.capacity_rows, routing.topk
+    expected = routing.num_tokens if gather else rows
+    if src.dim() != 2 or src.shape[0] != expected or src.stride(1) != 1:
+        raise MoKInputError(f"the rows to quantize must be [{expected}, N] with unit column "
+                            f"stride ({'by token' if gather else 'by schedule row'}), got "
+                            f"{tuple(src.shape)}")
+    if router_weights is not None:
+        if router_weights.numel() != routing.num_tokens * topk:
+            raise MoKInputError(f"router_weights must hold {routing.num_tokens * topk} values "
+                                f"(a route each), got {tuple(router_weights.shape)}")
+        router_weights = router_weights.reshape(-1)
+    sub = min(routing.align, QUANT_BLOCK)
+    width = src.shape[1]
+    codes = torch.empty(width, rows, dtype=E4M3, device=src.device)
+    scales = torch.empty(rows // sub, width, dtype=torch.float32, device=src.device)
+    if rows and width:
+        launch(kernels.quantize_row_blocks_kernel, (rows // sub, cdiv(width, _QUANTIZE_COLUMNS)))(
+            src, codes, scales, routing.row_route, routing.block_expert, routing.expert_offsets,
+            router_weights if router_weights is not None else scales, width, topk,
+            routing.num_local_experts, src.stride(0), codes.stride(0), scales.stride(0),
+            GATHER=gather, WEIGHTED=router_weights is not None, ALIGN=routing.align, SUB=sub,
+            BLOCK_N=_QUANTIZE_COLUMNS, UPCAST=_env.INTERPRET, num_warps=4,
+        )
+    return Quantized(codes, scales)
+
+
+def grouped_wgrad_fp8(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    routing: Routing,
+    tiles: RowTiles = FP8_WGRAD_TILES,
+    *,
+    gather_a: bool,
+    gather_b: bool,
+    router_weights: torch.Tensor | None = None,
+    out_dtype: torch.dtype,
+    split: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """out [E, P, Q] = sum over expert e's rows of a[row, :P]^T b[row, :Q] on e4m3 operands
+    (quantize_row_blocks of each, a's rows scaled by their route's router weight when given),
+    fp32 sums, in out_dtype. a and b: by token (gather_*) or by schedule row. split: rows
+    [0, split) of the gradient in one tensor and [split, P) in another (d_w_gate and d_w_up
+    from [d_gate, d_up]); split a multiple of tiles.block_m."""
+    if tiles.block_k != QUANT_BLOCK:
+        raise ValueError(f"the FP8 weight gradients take K steps of {QUANT_BLOCK} rows, got "
+                         f"block_k={tiles.block_k}")
+    qa = quantize_row_blocks(a, routing, gather=gather_a, router_weights=router_weights)
+    qb = quantize_row_blocks(b, routing, gather=gather_b)
+    return grouped_wgrad_fp8_quantized(qa, qb, routing, tiles, out_dtype=out_dtype, split=split)
+
+
+def grouped_wgrad_fp8_quantized(
+    qa: Quantized,
+    qb: Quantized,
+    routing: Routing,
+    tiles: RowTiles = FP8_WGRAD_TILES,
+    *,
+    out_dtype: torch.dtype,
+    split: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """grouped_wgrad_fp8 on operands quantize_row_blocks already gave."""
+    (width_a, rows), (width_b, rows_b) = qa.data.shape, qb.data.shape
+    if rows != routing.capacity_rows or rows_b != rows:
+        raise MoKInputError(f"the quantized operands must hold the schedule's "
+                            f"{routing.capacity_rows} rows, got {rows} and {rows_b}")
+    num = routing.num_local_experts
+    device = qa.data.device
+    if split is None:
+        outs = [torch.empty(num, width_a, width_b, dtype=out_dtype, device=device)]
+    else:
+        if not 0 < split < width_a or split % tiles.block_m:
+            raise ValueError(f"split={split} must lie inside the gradient's {width_a} rows and "
+                             f"be a multiple of block_m={tiles.block_m}")
+        outs = [torch.empty(num, split, width_b, dtype=out_dtype, device=device),
+                torch.empty(num, width_a - split, width_b, dtype=out_dtype, device=device)]
+    num_p, num_q = cdiv(width_a, tiles.block_m), cdiv(width_b, tiles.block_n)
+    if num and width_a and width_b:
+        launch(kernels.fp8_wgrad_kernel, (num * num_p * num_q,))(
+            qa.data, qa.scales, qb.data, qb.scales, outs[0], outs[-1], routing.expert_offsets,
+            width_a, width_b, split if split is not None else width_a, num, num_p, num_q,
+            qa.data.stride(0), qa.scales.stride(0), qb.data.stride(0), qb.scales.stride(0),
+            outs[0].stride(0), outs[-1].stride(0), outs[0].stride(1),
+            SUB=min(routing.align, QUANT_BLOCK), BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,
+            UPCAST=_env.INTERPRET, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+    return outs[0] if split is None else (outs[0], outs[1])

@@ -1,0 +1,143 @@
+"""The weight gradients on e4m3 operands (mok.ops.fp8_wgrad) against PyTorch math: codes and
+scales of the 128-row blocks bitwise equal to mok.reference.quantize_e4m3 of each expert's
+rows (transposed, blocks of (1, 128)), the gradients equal to the products of the dequantized
+operands up to fp32 summation order."""
+
+import pytest
+import torch
+
+import mok.reference as reference
+from mok.errors import MoKInputError
+from mok.ops import build_routing
+from mok.ops.fp8_wgrad import grouped_wgrad_fp8, quantize_row_blocks
+from mok.ops.quantize import QUANT_BLOCK
+from mok.ops.tuning import RowTiles
+from mok.testing import RoutingPattern, make_topk
+
+TILES = RowTiles(128, 64, QUANT_BLOCK, num_warps=4, num_stages=2)
+
+
+def schedule(device, *, tokens, experts, topk, align, seed, capacity=None, unused=()):
+    generator = torch.Generator().manual_seed(seed)
+    topk_experts = make_topk(tokens, experts, topk, RoutingPattern.RANDOM, generator)
+    for expert in unused:  # no route to these experts
+        topk_experts[topk_experts == expert] = (expert + 1) % experts
+    topk_experts = topk_experts.to(device)
+    flags = torch.zeros(4, dtype=torch.int32, device=device)
+    routing = build_routing(topk_experts, flags, num_experts=experts, first_local_expert=0,
+                            num_local_experts=experts, align=align,
+                            route_capacity=capacity or tokens * topk)
+    router_weights = torch.rand(tokens * topk, generator=generator).to(device)
+    return routing, router_weights
+
+
+def expert_rows(src, routing, *, gather, router_weights=None):
+    """Per local expert, its schedule rows of src in order (fp32; padding rows zeros), from the
+    schedule's offsets cut at the rows in use."""
+    row_route = routing.row_route.long().cpu()
+    offsets = routing.expert_offsets.long().cpu()
+    used = int(offsets[-1])
+    out = []
+    for e in range(routing.num_local_experts):
+        start, end = min(int(offsets[e]), used), min(int(offsets[e + 1]), used)
+        routes = row_route[start:end]
+        valid = routes >= 0
+        index = torch.where(valid, routes // routing.topk if gather else
+                            torch.arange(start, end), 0)
+        rows = src.float().cpu()[index]
+        if router_weights is not None:
+            rows = rows * router_weights.cpu()[routes.clamp_min(0)][:, None]
+        out.append(torch.where(valid[:, None], rows, 0.0))  # +0 on padding rows
+    return out
+
+
+def column_blocks(rows):
+    """(codes [N, n], scales [N, ceil(n / 128)]) of an expert's rows [n, N], blocks of 128
+    rows and one column from its first row."""
+    return reference.quantize_e4m3(rows.T.contiguous(), (1, QUANT_BLOCK))
+
+
+@pytest.mark.parametrize("align", [16, 128], ids=lambda a: f"align{a}")
+@pytest.mark.parametrize("gather", [True, False], ids=["by_token", "by_row"])
+def test_quantize_row_blocks_matches_reference(device, align, gather):
+    routing, router_weights = schedule(device, tokens=150, experts=3, topk=2, align=align,
+                                       seed=1, unused=(1,))
+    generator = torch.Generator().manual_seed(2)
+    rows = routing.num_tokens if gather else routing.capacity_rows
+    src = (torch.randn(rows, 200, generator=generator) * 3).bfloat16().to(device)
+    weights = router_weights if gather else None
+    codes, scales = quantize_row_blocks(src, routing, gather=gather, router_weights=weights)
+    sub = min(align, QUANT_BLOCK)
+    assert codes.shape == (200, routing.capacity_rows)
+    assert scales.shape == (routing.capacity_rows // sub, 200)
+    offsets = routing.expert_offsets.long().cpu()
+    for e, mine in enumerate(expert_rows(src, routing, gather=gather, router_weights=weights)):
+        start = int(offsets[e])
+        expected_codes, expected_scales = column_blocks(mine)
+        got = codes[:, start:start + mine.shape[0]].cpu()
+        assert torch.equal(got.view(torch.uint8), expected_codes.view(torch.uint8)), e
+        blocks = expected_scales.shape[1]
+        assert torch.equal(scales[start // sub:start // sub + blocks].T.cpu(), expected_scales)
+    assert routing.expert_counts[1] == 0
+
+
+@pytest.mark.parametrize("align", [16, 128], ids=lambda a: f"align{a}")
+def test_grouped_wgrad_fp8_matches_dequantized_math(device, align):
+    # d_w_down's form (a by token, scaled by the route's weight; b by row) and d_w_gate/up's
+    # (a by row split in two; b by token); an expert without routes gets zeros.
+    routing, router_weights = schedule(device, tokens=150, experts=3, topk=2, align=align,
+                                       seed=3, unused=(2,))
+    generator = torch.Generator().manual_seed(4)
+    by_token = torch.randn(routing.num_tokens, 96, generator=generator).bfloat16().to(device)
+    by_row = torch.randn(routing.capacity_rows, 256, generator=generator).bfloat16().to(device)
+    down = grouped_wgrad_fp8(by_token, by_row, routing, TILES, gather_a=True, gather_b=False,
+                             router_weights=router_weights, out_dtype=torch.float32)
+    gate, up = grouped_wgrad_fp8(by_row, by_token, routing, TILES, gather_a=False,
+                                 gather_b=True, out_dtype=torch.bfloat16, split=128)
+    weighted = expert_rows(by_token, routing, gather=True, router_weights=router_weights)
+    tokens = expert_rows(by_token, routing, gather=True)
+    rows = expert_rows(by_row, routing, gather=False)
+    for e in range(routing.num_local_experts):
+        qw, qt, qr = (reference.dequantize_e4m3(*column_blocks(each[e]), (1, QUANT_BLOCK))
+                      for each in (weighted, tokens, rows))
+        torch.testing.assert_close(down[e].cpu(), qw @ qr.T, rtol=1e-5, atol=1e-5)
+        expected = qr @ qt.T  # [256, 96]: gate's rows, then up's
+        torch.testing.assert_close(gate[e].float().cpu(), expected[:128].bfloat16().float(),
+                                   rtol=1e-2, atol=1e-3)
+        torch.testing.assert_close(up[e].float().cpu(), expected[128:].bfloat16().float(),
+                                   rtol=1e-2, atol=1e-3)
+    assert not down[2].any() and not gate[2].any() and not up[2].any()
+    again = grouped_wgrad_fp8(by_token, by_row, routing, TILES, gather_a=True, gather_b=False,
+                              router_weights=router_weights, out_dtype=torch.float32)
+    assert torch.equal(down, again)
+
+
+def test_grouped_wgrad_fp8_past_the_capacity_sums_the_scheduled_rows(device):
+    routing, _ = schedule(device, tokens=150, experts=3, topk=2, align=16, seed=5,
+                          capacity=200)
+    generator = torch.Generator().manual_seed(6)
+    a = torch.randn(routing.num_tokens, 64, generator=generator).bfloat16().to(device)
+    b = torch.randn(routing.capacity_rows, 128, generator=generator).bfloat16().to(device)
+    out = grouped_wgrad_fp8(a, b, routing, TILES, gather_a=True, gather_b=False,
+                            out_dtype=torch.float32)
+    for e, (a_e, b_e) in enumerate(zip(expert_rows(a, routing, gather=True),
+                                       expert_rows(b, routing, gather=False), strict=True)):
+        qa, qb = (reference.dequantize_e4m3(*column_blocks(rows), (1, QUANT_BLOCK))
+                  for rows in (a_e, b_e))
+        torch.testing.assert_close(out[e].cpu(), qa @ qb.T, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_wgrad_rejects_bad_operands(device):
+    routing, router_weights = schedule(device, tokens=20, experts=2, topk=2, align=16, seed=7)
+    x = torch.randn(20, 64, device=device).bfloat16()
+    with pytest.raises(MoKInputError, match=r"\[20, N\]"):
+        quantize_row_blocks(x[:10], routing, gather=True)
+    with pytest.raises(MoKInputError, match="router_weights"):
+        quantize_row_blocks(x, routing, gather=True, router_weights=router_weights[:5])
+    rows = torch.randn(routing.capacity_rows, 128, device=device).bfloat16()
+    with pytest.raises(ValueError, match="split"):
+        grouped_wgrad_fp8(rows, x, routing, TILES, gather_a=False, gather_b=True,
+                          out_dtype=torch.float32, split=64)
+    with pytest.raises(ValueError, match="K steps"):
+        grouped_wgrad_fp8(rows, x, routing, RowTiles(128, 64, 64), gather_a=False,
+                          gather_b=True, out_dtype=torch.float32)
