@@ -447,7 +447,9 @@ class SymmetricExchange(Exchange):
         return Movement.COPIED if copied else Movement.PULLED
 
     def build_schedule(self, topk_experts, *, config, num_local_experts, align):
-        num_routes = topk_experts.shape[0] * topk_experts.shape[1]
+        # Sized from the most tokens a rank passes (the workspace's), not this rank's own: the
+        # rows that arrive here come from every rank.
+        num_routes = self.num_tokens * topk_experts.shape[1]
         plan = self.build_plan(
             self.peer_flags(self.errors), topk_experts, num_local_experts=num_local_experts,
             align=align, route_capacity=route_capacity(num_routes, self.world_size,

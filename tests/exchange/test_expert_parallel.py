@@ -128,6 +128,30 @@ def _matches_reference_body(rank, world_size, *, shared, limit, pattern, config,
     _assert_equal_grads(grads, _recomputed_grads(workspace, config, schedule, inputs, limit))
 
 
+def _few_tokens_body(rank, world_size):
+    """A rank passing far fewer tokens than the workspace's bound still has room for the rows
+    the others send its experts: its schedule is sized from the bound, not its own count."""
+    inputs = _rank_inputs(rank, world_size, tokens=2 if rank == 1 else MAX_TOKENS, seed=2)
+    if rank == 0:  # every route to rank 1's experts
+        ids = inputs.topk_experts
+        ids.copy_(inputs.num_local_experts + torch.arange(ids.numel(), device=ids.device)
+                  .reshape(ids.shape) % inputs.num_local_experts)
+    config = F.MoKConfig()
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=MAX_TOKENS, hidden_size=inputs.x.shape[1],
+                                   topk=inputs.topk_experts.shape[1])
+    y, grads, schedule = _run(workspace, config, inputs, tiles=tiles_for_tests())
+    F.check_errors(workspace)
+    if rank == 1:  # 72 + its own routes, where 2 x its own 6 routes were the room
+        assert int(schedule.expert_counts.sum()) >= MAX_TOKENS * 3
+    _check_against_reference(inputs, y, grads, None)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_rank_with_few_tokens_has_room_for_its_experts_rows(rank, world_size):
+    _few_tokens_body(rank, world_size)
+
+
 # The cases that also run with 4 and 8 ranks on GPUs (one a rank, skipped where fewer are
 # present; or every rank on one GPU with MOK_RANKS_SHARE_GPU): 2 ranks on CPU processes, where
 # 4 and 8 would take too long under the interpreter.
