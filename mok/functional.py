@@ -27,6 +27,7 @@ weight gradients of the experts t routes to; other tokens' outputs are unaffecte
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -132,15 +133,23 @@ class MoKConfig:
             raise ValueError(f"MoKConfig.precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{self.precision!r}")
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"MoKConfig.{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MoKConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("recompute_gate_up", "fwd_pull_in_gluon", "fwd_copy_rows", "bwd_copy_rows",
+                     "fp8_weight_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoKConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.fwd_copy_rows and self.fwd_pull_in_gluon:
             raise ValueError("MoKConfig.fwd_copy_rows and fwd_pull_in_gluon exclude each "
                              "other")
         if self.macrobatch_size % self.minibatch_size != 0:
             raise ValueError("MoKConfig.macrobatch_size must be a multiple of minibatch_size")
-        if not self.schedule_capacity_multiplier > 0:
-            raise ValueError("MoKConfig.schedule_capacity_multiplier must be positive")
+        multiplier = self.schedule_capacity_multiplier
+        if isinstance(multiplier, bool) or not (isinstance(multiplier, (int, float))
+                                                and 0 < multiplier < math.inf):
+            raise ValueError(f"MoKConfig.schedule_capacity_multiplier must be a positive finite "
+                             f"number, got {multiplier!r}")
         if self.fp8_weight_gradients and self.precision != "fp8":
             raise ValueError("MoKConfig.fp8_weight_gradients needs precision='fp8'")
         if not (isinstance(self.peer_timeout_s, (int, float))
@@ -420,6 +429,10 @@ class ForwardContext:
     swiglu_limit: float | None = None
     has_shared: bool | None = None
     kept_versions: tuple = field(init=False, repr=False, compare=False)
+    # Set by forward and recompute_forward_context: the routing of the schedule they ran with;
+    # by the backward, once it reads kept pre-activations (whose gradients it writes over them).
+    made_for: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    used: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.has_shared is None:
@@ -430,9 +443,10 @@ class ForwardContext:
 
     def check_unused(self) -> None:
         """Raise MoKInputError where the kept pre-activations changed since this context was
-        made (a backward already wrote their gradients over them)."""
+        made (a backward already wrote their gradients over them: its version counters say so,
+        and for inference tensors, which have none, the context's own record)."""
         now = tuple(_version(t) for t in (self.gate_up, self.gate_up_shared))
-        if now != self.kept_versions:
+        if now != self.kept_versions or (self.used and self.keeps_pre_activations):
             raise MoKInputError(
                 "the forward context's kept pre-activations were overwritten since it was made: "
                 "a backward already used this context (it writes the gradients over them), or "
@@ -444,12 +458,21 @@ class ForwardContext:
         parts = (self.h, self.h_shared, self.weights_group, self.gate_up, self.gate_up_shared)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
+    @property
+    def keeps_pre_activations(self) -> bool:
+        return self.gate_up is not None or self.gate_up_shared is not None
+
     def kept_for_backward(self) -> ForwardContext:
         """This context without the h that kept pre-activations make redundant (what the
         forward returns; it needed h itself for the down projection)."""
         return replace(
             self, h=None if self.gate_up is not None else self.h,
             h_shared=None if self.gate_up_shared is not None else self.h_shared)
+
+
+def _made_for(context: ForwardContext, schedule: Schedule) -> ForwardContext:
+    object.__setattr__(context, "made_for", schedule.routing.row_route)
+    return context
 
 
 def _version(tensor: torch.Tensor | None) -> int | None:
@@ -465,6 +488,13 @@ def _overwritten(tensor: torch.Tensor) -> None:
 
 
 # -- input checks (host-known facts only; never reads device values) ---------------------------
+
+def _check_limit(swiglu_limit) -> None:
+    if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not (
+            isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0)):
+        raise MoKInputError(f"swiglu_limit must be a positive number or None, got "
+                            f"{swiglu_limit!r}")
+
 
 def _check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
     if tensor.device != device:
@@ -816,6 +846,7 @@ def forward(
     """
     workspace._poll_errors()
     _check_schedule(workspace, schedule)
+    _check_limit(swiglu_limit)
     shared = (w_shared_gate, w_shared_up, w_shared_down)
     routed = (w_routed_gate, w_routed_up, w_routed_down)
     _check_weights(schedule, x, shared, routed)
@@ -828,7 +859,7 @@ def forward(
         y, context = _forward_fp8(config, schedule, x, router_weights, shared, routed,
                                   swiglu_limit)
         workspace._publish_schedule_errors()
-        return y, context
+        return y, _made_for(context, schedule)
     exchange, plan = workspace.exchange, schedule.exchange
     plans = routed_plan, shared_plan = _forward_plans(config, schedule, x, shared, routed)
     # schedule -> rows in -> gate/up
@@ -844,7 +875,7 @@ def forward(
     exchange.deliveries_done(plan, Phase.FORWARD, x.dtype, values=False, wait=True)
     y = exchange.combine(plan, rows, schedule.routing, shared_rows, x.dtype)
     workspace._publish_schedule_errors()
-    return y, context.kept_for_backward()
+    return y, _made_for(context.kept_for_backward(), schedule)
 
 
 def recompute_forward_context(
@@ -869,6 +900,7 @@ def recompute_forward_context(
     _check_schedule(workspace, schedule)
     _check_weights(schedule, x, (w_shared_gate, w_shared_up, None),
                    (w_routed_gate, w_routed_up, None), need_down=False)
+    _check_limit(swiglu_limit)
     x = _rowmajor(x)
     if workspace.ep_size > 1:
         if router_weights is None:
@@ -882,10 +914,11 @@ def recompute_forward_context(
     routed = _Experts(w_routed_gate, w_routed_up, None)
     if config.precision == "fp8":
         _check_fp8(config, workspace, shared, routed)
-        return _recompute_fp8(config, schedule, x, router_weights, shared, routed, swiglu_limit)
+        return _made_for(_recompute_fp8(config, schedule, x, router_weights, shared, routed,
+                                        swiglu_limit), schedule)
     context, _ = _gate_up(config, schedule, x, router_weights, shared, routed, swiglu_limit,
                           _forward_plans(config, schedule, x, shared, routed))
-    return context.kept_for_backward()
+    return _made_for(context.kept_for_backward(), schedule)
 
 
 def _recompute_fp8(config, schedule, x, router_weights, shared: _Experts | None,
@@ -1056,6 +1089,9 @@ def backward(
     if context.precision != config.precision:
         raise MoKInputError(f"the forward context was made with precision "
                             f"{context.precision!r}, the config asks {config.precision!r}")
+    if context.made_for is not None and context.made_for is not schedule.routing.row_route:
+        raise MoKInputError("the forward context was made with another schedule: pass the "
+                            "schedule its forward (or recompute_forward_context) ran with")
     context.check_unused()
     if swiglu_limit is FROM_CONTEXT:
         swiglu_limit = context.swiglu_limit
@@ -1073,6 +1109,8 @@ def backward(
     router_weights = router_weights.contiguous()
     if fp8:
         _check_fp8(config, workspace, shared, routed)
+    object.__setattr__(context, "used", True)
+    if fp8:
         return _backward_fp8(config, schedule, context, d_output, x, router_weights, shared, routed,
                              swiglu_limit)
     dtype = x.dtype

@@ -71,6 +71,20 @@ def test_backward_rejects_bad_gradient_and_context(setup):
     F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
     with pytest.raises(MoKInputError, match="serves one backward"):
         F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
+    # The same for a forward under torch.inference_mode, whose tensors have no version counter
+    # (the second backward ran on the first one's gradients).
+    with torch.inference_mode():
+        _, context = F.forward(config, workspace, schedule, *inputs.layer_args)
+    F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
+    with pytest.raises(MoKInputError, match="serves one backward"):
+        F.backward(config, workspace, schedule, context, inputs.d_output, *inputs.layer_args)
+    # A context goes with the schedule it was made with: another of the same sizes holds other
+    # rows.
+    other = F.build_schedule(workspace, config, inputs.topk_experts.flip(0),
+                             num_local_experts=schedule.routing.num_local_experts)
+    _, context = F.forward(config, workspace, schedule, *inputs.layer_args)
+    with pytest.raises(MoKInputError, match="made with another schedule"):
+        F.backward(config, workspace, other, context, inputs.d_output, *inputs.layer_args)
 
 
 def test_schedule_rejects_bad_routing(setup):
@@ -107,11 +121,24 @@ def test_sizes_must_be_multiples_of_8():
 @pytest.mark.parametrize("kwargs", [
     dict(minibatch_size=0), dict(macrobatch_size=100, minibatch_size=64),
     dict(schedule_capacity_multiplier=0.0), dict(fwd_num_comm_sms=-1),
-    dict(peer_timeout_s=0.0),
+    dict(peer_timeout_s=0.0), dict(peer_timeout_s=float("inf")), dict(fwd_num_comm_sms=1.5),
+    dict(minibatch_size=8.0), dict(recompute_gate_up="no"), dict(fwd_copy_rows=1),
+    dict(schedule_capacity_multiplier=float("inf")), dict(fp8_weight_gradients=True),
 ])
 def test_config_rejects_bad_values(kwargs):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="MoKConfig." + next(iter(kwargs))):
         F.MoKConfig(**kwargs)
+
+
+@pytest.mark.parametrize("limit", [0.0, -1.0, float("nan"), True])
+def test_swiglu_limit_must_be_positive(setup, limit):
+    inputs, config, workspace, schedule = setup
+    with pytest.raises(MoKInputError, match="swiglu_limit must be a positive number"):
+        F.forward(config, workspace, schedule, *inputs.layer_args, swiglu_limit=limit)
+    with pytest.raises(MoKInputError, match="swiglu_limit must be a positive number"):
+        F.recompute_forward_context(config, workspace, schedule, inputs.x, inputs.w_shared_gate,
+                                    inputs.w_shared_up, inputs.w_routed_gate,
+                                    inputs.w_routed_up, swiglu_limit=limit)
 
 
 def test_get_workspace_is_cached_and_create_is_not():
