@@ -16,6 +16,9 @@ random routes), stage by stage:
   dswiglu    dswiglu_fp8 on random e4m3 d_output rows over the kept pre-activations (Triton,
              Gluon);
   d_x        d_x_rows_fp8 on random e4m3 d_gate_up rows (Triton, Gluon);
+  wgrad_*    the weight gradients of down and of gate/up: mok's bf16 launches (the layer's
+             plan), grouped_wgrad_fp8 (its operands quantized along the rows, then the GEMM),
+             and that GEMM alone (mok_fp8_gemm_only); random d_output and d_gate_up;
   dense      the ceilings at gate/up's and down's FLOPs, all T*k routes as one matrix: bf16
              torch.mm, and e4m3 torch._scaled_mm with one scale per tensor.
 
@@ -42,6 +45,7 @@ from benchmarks import append_rows, commit_id
 from mok import ops, plan
 from mok.arch import arch_of
 from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
+from mok.ops.fp8_wgrad import grouped_wgrad_fp8_quantized as wgrad_fp8_quantized
 from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
 from mok.reference import dequantize_e4m3, swiglu
 from mok.testing import SHAPES_BY_NAME, MoEShape, make_shape_inputs
@@ -219,6 +223,32 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
               f"{errors[('dswiglu', 'mok_fp8_gluon')]:.2e}, d_x "
               f"{errors[('d_x', 'mok_fp8_gluon')]:.2e}", flush=True)
 
+    # The weight gradients: bf16 with the layer's plan, and on e4m3 operands (the four
+    # quantizing launches included, and the GEMMs alone); random d_output and d_gate_up.
+    backward = plan.backward_plan(schedule.tiles, plan.Operands.of(x, w_gate, w_up, w_down),
+                                  hidden=hidden, intermediate=inter, kept=True)
+    d_out = torch.randn_like(x)
+    d_gate_up = torch.randn(routing.capacity_rows, 2 * inter, device=device, dtype=x.dtype)
+    wgrad_ops = dict(
+        down_bf16=lambda: ops.grouped_wgrad(d_out, h, routing, backward.wgrad_down,
+                                            gather_a=True, gather_b=False,
+                                            router_weights=router_weights, out_dtype=x.dtype),
+        gate_up_bf16=lambda: ops.grouped_wgrad_gate_up(d_gate_up, x, routing,
+                                                       backward.wgrad_gate_up, gather_x=True,
+                                                       out_dtype=x.dtype),
+        down_fp8=lambda: ops.grouped_wgrad_fp8(d_out, h, routing, gather_a=True, gather_b=False,
+                                               router_weights=router_weights,
+                                               out_dtype=x.dtype),
+        gate_up_fp8=lambda: ops.grouped_wgrad_fp8(d_gate_up, x, routing, gather_a=False,
+                                                  gather_b=True, out_dtype=x.dtype, split=inter))
+    quantized = {name: ops.quantize_row_blocks(t, routing, gather=gather)
+                 for name, t, gather in (("d_out", d_out, True), ("h", h, False),
+                                         ("d_gate_up", d_gate_up, False), ("x", x, True))}
+    wgrad_ops.update(
+        down_fp8_gemm=lambda: wgrad_fp8_quantized(quantized["d_out"], quantized["h"], routing,
+                                                  out_dtype=x.dtype),
+        gate_up_fp8_gemm=lambda: wgrad_fp8_quantized(quantized["d_gate_up"], quantized["x"],
+                                                     routing, out_dtype=x.dtype, split=inter))
     routes = shape.num_tokens * shape.topk
     gemm = 2.0 * routes * hidden * inter
     weights_bytes = sum(w.numel() for w in (w_gate, w_up, w_down)) * 3  # bf16 in, e4m3 out
@@ -258,6 +288,11 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
         ("d_x", "mok_fp8", lambda: ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing,
                                                      d_x_tiles), 2 * gemm, 0),
     ]
+    for kind, flops in (("down", gemm), ("gate_up", 2 * gemm)):
+        stages += [(f"wgrad_{kind}", "mok_bf16", wgrad_ops[f"{kind}_bf16"], flops, 0),
+                   (f"wgrad_{kind}", "mok_fp8", wgrad_ops[f"{kind}_fp8"], flops, 0),
+                   (f"wgrad_{kind}", "mok_fp8_gemm_only", wgrad_ops[f"{kind}_fp8_gemm"], flops,
+                    0)]
     if gluon:
         stages += [
             ("gate_up", "mok_fp8_gluon", lambda: gate_up_swiglu_fp8(

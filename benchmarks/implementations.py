@@ -14,7 +14,8 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   GEMMs on e4m3 operands with blockwise scales, checked against the reference within
   mok.testing.tolerance.FP8_TOLERANCE; on sm_90 the plan gives most launches the warp-specialized
   Gluon FP8 kernels (MOK_FP8_GLUON). mok_fp8_triton: mok_fp8 on the Triton FP8 kernels alone
-  (MOK_FP8_GLUON=0).
+  (MOK_FP8_GLUON=0). mok_fp8_wgrad: mok_fp8 with its weight gradients on e4m3 operands too
+  (MoKConfig.fp8_weight_gradients).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -213,6 +214,11 @@ def mok_fp8_implementation(shape: MoEShape, settings: Settings) -> Implementatio
 def mok_fp8_recompute_implementation(shape: MoEShape, settings: Settings) -> Implementation:
     return mok_implementation(shape, settings, name="mok_fp8_recompute",
                               config=F.MoKConfig(precision="fp8", recompute_gate_up=True))
+
+
+def mok_fp8_wgrad_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    return mok_implementation(shape, settings, name="mok_fp8_wgrad",
+                              config=F.MoKConfig(precision="fp8", fp8_weight_gradients=True))
 
 
 def mok_fp8_triton_implementation(shape: MoEShape, settings: Settings) -> Implementation:
@@ -479,6 +485,7 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8": mok_fp8_implementation,
     "mok_fp8_recompute": mok_fp8_recompute_implementation,
     "mok_fp8_triton": mok_fp8_triton_implementation,
+    "mok_fp8_wgrad": mok_fp8_wgrad_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,
     "triton_dense": triton_dense_implementation,
