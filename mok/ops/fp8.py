@@ -120,7 +120,8 @@ def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
         key = (tag, *(_memory(w) for w in weights))
         versions = tuple(w._version for w in weights)
         storages = tuple(w.untyped_storage() for w in weights)
-        for entry_key, entry in _CACHE.items():
+        exact = _CACHE.get(key)  # gate, up and down: one entry; gate and up: any with them
+        for entry_key, entry in [(key, exact)] if exact is not None else _CACHE.items():
             if (entry_key[:len(key)] == key and entry.versions[:len(key) - 1] == versions
                     and all(ref() is storage
                             for ref, storage in zip(entry.storages, storages, strict=False))):
