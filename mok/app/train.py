@@ -13,6 +13,7 @@ Backends of the feed-forward (`--backend`):
              seconds per layer and step even for the tiny model).
   mok_fp8    mok with MoE(precision="fp8"): the experts' row GEMMs on e4m3 operands with
              blockwise scales (the weight gradients in bf16); its weights quantized once a step.
+             Its expert widths must be multiples of 128: sizes small and 1b.
   reference  mok.reference, the pure-PyTorch layer, behind the same module and parameters.
   hf         Hugging Face's Qwen3MoeSparseMoeBlock, built with the same sizes and started from the
              same weights (copied from a mok.nn.MoE created with the same seed), with transformers'
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -73,6 +75,7 @@ MOE_BACKENDS = {"mok": "mok", "mok_fp8": "mok", "reference": "reference", "hf": 
 HF_EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm")
 TIMING_WARMUP_STEPS = 3  # steps left out of tokens/s: Triton compilation, allocator warm-up
 SAMPLE_PROMPT = b"The "
+SAMPLE_BYTES = 64  # generated at the end of a run (--sample-bytes)
 SAMPLE_TEMPERATURE = 0.8
 CHECKPOINT_FORMAT = "mok.train"
 CHECKPOINT_VERSION = 1
@@ -202,7 +205,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
+        raise SystemExit("mok train: --device cuda: no CUDA device is available")
     return device
 
 
@@ -735,6 +738,8 @@ class RunOptions:
     hf_experts: str
     progress: bool = True
     step_mode: str = "eager"  # eager, graph or compile (resolve_step_mode)
+    # What a resumed run reads back from the checkpoint: the corpus and these options.
+    saved: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -780,7 +785,7 @@ def _portable_state(optimizer: torch.optim.Optimizer) -> dict:
 def _save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                      step: int, losses: list[float], aux_losses: list[float],
                      model_config: ModelConfig, train_config: TrainConfig, backend: str,
-                     size: str, hf_experts: str) -> None:
+                     size: str, hf_experts: str, saved: dict) -> None:
     state = {
         "format": CHECKPOINT_FORMAT,
         "format_version": CHECKPOINT_VERSION,
@@ -796,6 +801,7 @@ def _save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimi
         "backend": backend,
         "size": size,
         "hf_experts": hf_experts,
+        "settings": saved,
     }
     save_atomically(state, path)
 
@@ -1024,7 +1030,8 @@ def train_run(model_config: ModelConfig, train_config: TrainConfig, backend: str
                 _save_checkpoint(checkpoint_path, model, optimizer, done,
                                  losses + step_losses[:local + 1].tolist(),
                                  aux_losses + step_aux[:local + 1].tolist(), model_config,
-                                 train_config, backend, size, options.hf_experts)
+                                 train_config, backend, size, options.hf_experts,
+                                 options.saved)
                 paused += time.perf_counter() - saved
         bar.close()
         synchronize(device)
@@ -1033,7 +1040,8 @@ def train_run(model_config: ModelConfig, train_config: TrainConfig, backend: str
         aux_losses += step_aux[:done - start].tolist()
         if checkpoint_path is not None:
             _save_checkpoint(checkpoint_path, model, optimizer, done, losses, aux_losses,
-                             model_config, train_config, backend, size, options.hf_experts)
+                             model_config, train_config, backend, size, options.hf_experts,
+                             options.saved)
     if stop.signum is not None:
         raise Interrupted(stop.signum, done, checkpoint_path)
     timed_steps = steps_to_run - warmup
@@ -1170,8 +1178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="steps between printed losses (default: the size's, tiny 50 and "
                              "small 25, or an eighth of the run when that is fewer)")
     parser.add_argument("--eval-batches", type=positive, help="validation batches at the end")
-    parser.add_argument("--sample-bytes", type=int_at_least(0), default=64,
-                        help="bytes to generate at the end (0: none; default: %(default)s)")
+    parser.add_argument("--sample-bytes", type=int_at_least(0),
+                        help=f"bytes to generate at the end (0: none; default: {SAMPLE_BYTES})")
     parser.add_argument("--compare", action="store_true",
                         help="also train the hf backend from the same weights on the same "
                              "batches and report the speedup")
@@ -1271,20 +1279,27 @@ def _prepare_out(out: Path, resume: bool) -> None:
         raise _fail(f"--out {out} is not writable")
 
 
-def _load_data(corpus: str | None, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation) of the corpus; exits when it cannot hold a window of seq_len + 1
-    bytes in each."""
+def _load_data(corpus: str | None, seq_len: int,
+               expected_sha256: str | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(train, validation, sha256 of its bytes) of the corpus; exits when it cannot hold a
+    window of seq_len + 1 bytes in each, or its bytes are not those of expected_sha256 (a
+    resumed run's)."""
     try:
         data = load_corpus(corpus)
     except OSError as exc:
         raise _fail(f"--corpus {corpus} cannot be read ({exc.strerror or exc})") from None
+    digest = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    if expected_sha256 is not None and digest != expected_sha256:
+        source = f"--corpus {corpus}" if corpus is not None else "the bundled corpus"
+        raise _fail(f"--resume: {source} holds other bytes than the corpus the checkpoint's run "
+                    "trained on")
     needed = minimum_corpus_bytes(seq_len)
     if data.numel() < needed:
         source = f"--corpus {corpus}" if corpus is not None else "the bundled corpus"
         raise _fail(f"{source} holds {data.numel():,} bytes; --seq-len {seq_len} needs at least "
                     f"{needed:,} (a window of seq_len + 1 bytes for training and another in "
                     "the held-out tenth)")
-    return split_corpus(data)
+    return (*split_corpus(data), digest)
 
 
 def resume_command(args: argparse.Namespace) -> str:
@@ -1343,16 +1358,32 @@ def main(argv: list[str] | None = None) -> dict:
         step_mode = resolve_step_mode(args.step_mode, device)
     except ValueError as exc:
         raise _fail(f"--step-mode: {exc}") from None
-    options = RunOptions(
+    if backend == "mok_fp8":
+        widths = (model_config.moe_intermediate_size, model_config.shared_intermediate_size)
+        if any(width % 128 for width in widths):
+            raise _fail(f"--backend mok_fp8 needs expert widths that are multiples of 128; size "
+                        f"{size} has {model_config.moe_intermediate_size} (sizes small and 1b "
+                        "run it)")
+    # A resumed run reads the corpus and the reporting options of its checkpoint unless given.
+    saved = resume.get("settings", {}) if resume is not None else {}
+
+    def option(name: str, default: int) -> int:
+        value = getattr(args, name)
+        return value if value is not None else saved.get(name, default)
+
+    corpus = args.corpus if args.corpus is not None else saved.get("corpus")
+    settings = dict(
         # Short runs log more often, so that a few dozen steps still show a curve.
-        log_every=(max(1, min(preset.log_every, train_config.steps // 8))
-                   if args.log_every is None else args.log_every),
-        checkpoint_every=(preset.checkpoint_every if args.checkpoint_every is None
-                          else args.checkpoint_every),
-        eval_batches=preset.eval_batches if args.eval_batches is None else args.eval_batches,
-        sample_bytes=args.sample_bytes, hf_experts=hf_experts,
-        progress=not args.no_progress, step_mode=step_mode)
-    train_data, val_data = _load_data(args.corpus, train_config.seq_len)
+        log_every=option("log_every", max(1, min(preset.log_every, train_config.steps // 8))),
+        checkpoint_every=option("checkpoint_every", preset.checkpoint_every),
+        eval_batches=option("eval_batches", preset.eval_batches),
+        sample_bytes=option("sample_bytes", SAMPLE_BYTES))
+    train_data, val_data, digest = _load_data(corpus, train_config.seq_len,
+                                              saved.get("corpus_sha256"))
+    options = RunOptions(
+        **settings, hf_experts=hf_experts, progress=not args.no_progress, step_mode=step_mode,
+        saved=dict(settings, corpus=str(Path(corpus).resolve()) if corpus is not None else None,
+                   corpus_sha256=digest))
     _prepare_out(out, args.resume)  # last, so that a refused command leaves no folder behind
 
     print(f"mok train: size {size}, backend {backend}, device {device}, step {step_mode}, "
@@ -1405,7 +1436,9 @@ def main(argv: list[str] | None = None) -> dict:
         "tokens_per_step": train_config.tokens_per_step,
         "config": {"model": dataclasses.asdict(model_config),
                    "train": dataclasses.asdict(train_config),
-                   "hf_experts": hf_experts if args.compare or backend == "hf" else None},
+                   "hf_experts": hf_experts if args.compare or backend == "hf" else None,
+                   "corpus": options.saved["corpus"],
+                   "corpus_sha256": options.saved["corpus_sha256"]},
         "losses": run.losses,
         "aux_losses": run.aux_losses,
         "sample": printable(run.sample) if run.sample is not None else None,

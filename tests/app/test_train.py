@@ -94,6 +94,27 @@ def test_resume_continues_exactly(tmp_path):
                     "--batch-size", "4"])
 
 
+def test_resume_reads_the_corpus_and_reporting_options_of_its_checkpoint(tmp_path):
+    # Resumed without --corpus, --eval-batches or --sample-bytes, the run is the uninterrupted
+    # one: the checkpoint names its corpus (and the bytes it held) and those options.
+    corpus = tmp_path / "digits.txt"
+    corpus.write_bytes(bytes(48 + (i * 7 + i // 13) % 10 for i in range(20_000)))
+    tiny = ["--size", "tiny", "--backend", "reference", "--corpus", str(corpus),
+            "--eval-batches", "1", "--sample-bytes", "4"]
+    run(tmp_path / "resumed", *tiny, "--steps", "4", "--schedule-steps", "8")
+    resumed = run(tmp_path / "resumed", "--resume", "--steps", "8")
+    straight = run(tmp_path / "straight", *tiny, "--steps", "8")
+    assert resumed["losses"] == straight["losses"] and resumed["val_loss"] == straight["val_loss"]
+    assert resumed["sample"] == straight["sample"] and len(resumed["sample"]) < 4 + 64
+    assert resumed["config"] == straight["config"]
+    assert resumed["config"]["corpus"] == str(corpus.resolve())
+    other = tmp_path / "other.txt"
+    other.write_bytes(corpus.read_bytes()[::-1])
+    with pytest.raises(SystemExit, match="other bytes than the corpus the checkpoint's run"):
+        train.main([*COMMON, "--out", str(tmp_path / "resumed"), "--resume", "--steps", "9",
+                    "--corpus", str(other)])
+
+
 def test_mok_backend_trains_like_the_reference(tmp_path):
     micro = ["--size", "micro", "--steps", "2", "--eval-batches", "1", "--sample-bytes", "2"]
     # The kernels run where mok runs them: compiled on a GPU, interpreted on CPU.
