@@ -287,8 +287,9 @@ def _check_same_on_every_rank(group: dist.ProcessGroup, **sizes: int) -> None:
         raise MoKInputError(
             f"the ranks of the expert-parallel group made workspaces of different sizes "
             f"({by_rank}, by rank): every rank must pass the same sizes. Ranks passing "
-            "different numbers of tokens need ep_max_tokens (mok.nn), or num_local_tokens "
-            "(mok.functional), set to the same bound on every rank")
+            "different numbers of tokens need ep_max_tokens (mok.nn.MoE, "
+            "patch_moe_blocks), or num_local_tokens (mok.functional), set to the same bound "
+            "on every rank")
 
 
 def create_workspace(

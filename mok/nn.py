@@ -306,6 +306,30 @@ def moe_experts(
 
 # -- the module -------------------------------------------------------------------------------
 
+def _check_options(backend: Backend, *, swiglu_limit, recompute_gate_up, precision,
+                   ep_max_tokens, ep_timeout_s, widths: tuple[tuple[str, int], ...]) -> None:
+    """ValueError naming the first of a layer's options it cannot run with (MoE's and
+    mok.integrations.huggingface's); widths: the expert widths, by name (FP8 takes multiples
+    of 128 on the mok backend)."""
+    if swiglu_limit is not None and not (_is_real(swiglu_limit)
+                                         and 0 < swiglu_limit < math.inf):
+        raise ValueError(f"swiglu_limit must be a positive finite number or None, got "
+                         f"{swiglu_limit!r}")
+    if not isinstance(recompute_gate_up, bool):
+        raise ValueError(f"recompute_gate_up must be a bool, got {recompute_gate_up!r}")
+    F.MoKConfig(precision=precision)  # checks it
+    if precision == "fp8" and backend is Backend.MOK:
+        for name, value in widths:
+            if value % QUANT_BLOCK:
+                raise ValueError(f"{name}={value}: precision='fp8' needs a multiple of "
+                                 f"{QUANT_BLOCK} (the scales' block); use precision='bf16' "
+                                 "or sizes that are multiples of 128")
+    if ep_max_tokens is not None and not (_is_int(ep_max_tokens) and ep_max_tokens >= 1):
+        raise ValueError(f"ep_max_tokens must be a positive integer or None, got "
+                         f"{ep_max_tokens!r}")
+    F.MoKConfig(peer_timeout_s=ep_timeout_s)  # checks it
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -605,24 +629,11 @@ class MoE(nn.Module):
         backend = Backend.parse(backend)
         _check_sizes(hidden_size, intermediate_size, num_experts, top_k,
                      shared_intermediate_size, backend)
-        if swiglu_limit is not None and not (_is_real(swiglu_limit)
-                                             and 0 < swiglu_limit < math.inf):
-            raise ValueError(f"swiglu_limit must be a positive finite number or None, got "
-                             f"{swiglu_limit!r}")
-        if not isinstance(recompute_gate_up, bool):
-            raise ValueError(f"recompute_gate_up must be a bool, got {recompute_gate_up!r}")
-        F.MoKConfig(precision=precision)  # checks it
-        if precision == "fp8" and backend is Backend.MOK:
-            for name, value in (("intermediate_size", intermediate_size),
-                                ("shared_intermediate_size", shared_intermediate_size)):
-                if value % QUANT_BLOCK:
-                    raise ValueError(f"{name}={value}: precision='fp8' needs a multiple of "
-                                     f"{QUANT_BLOCK} (the scales' block); use precision='bf16' "
-                                     "or sizes that are multiples of 128")
-        if ep_max_tokens is not None and not (_is_int(ep_max_tokens) and ep_max_tokens >= 1):
-            raise ValueError(f"ep_max_tokens must be a positive integer or None, got "
-                             f"{ep_max_tokens!r}")
-        F.MoKConfig(peer_timeout_s=ep_timeout_s)  # checks it
+        _check_options(backend, swiglu_limit=swiglu_limit, recompute_gate_up=recompute_gate_up,
+                       precision=precision, ep_max_tokens=ep_max_tokens,
+                       ep_timeout_s=ep_timeout_s,
+                       widths=(("intermediate_size", intermediate_size),
+                               ("shared_intermediate_size", shared_intermediate_size)))
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not a multiple of the "

@@ -44,7 +44,8 @@ so their handles still remove them).
 
 Expert parallelism (`patch_moe_blocks(model, ep_group=group)`, P ranks, the same model on each):
 rank r computes experts [r * E / P, (r + 1) * E / P) for the tokens of every rank (mok's
-expert-parallel layer; every rank passes the same number of tokens). The parameters stay whole and
+expert-parallel layer; every rank passes the same number of tokens, or with ep_max_tokens any
+number up to it). The parameters stay whole and
 replicated, so checkpoints are unchanged: on rank r the gradients of the other ranks' experts are
 zero and those of its own hold every rank's tokens' contributions, so the usual data-parallel
 gradient all-reduce (DDP's mean over ranks) yields the data-parallel gradient of every parameter.
@@ -54,14 +55,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mok.errors import MoKInputError
-from mok.functional import MoKConfig
-from mok.nn import Backend, moe_experts
+from mok.nn import Backend, _check_options, moe_experts
 
 __all__ = ["MokSparseMoeBlock", "patch_moe_blocks", "supported_block_types"]
 
@@ -196,8 +197,9 @@ class MokSparseMoeBlock(nn.Module):
 
     def __init__(self, block: nn.Module, *, backend: Backend | str = Backend.MOK,
                  swiglu_limit: float | None = None,
-                 ep_group: dist.ProcessGroup | None = None,
-                 recompute_gate_up: bool = False, precision: str = "bf16") -> None:
+                 ep_group: dist.ProcessGroup | None = None, ep_max_tokens: int | None = None,
+                 ep_timeout_s: float = 60.0, recompute_gate_up: bool = False,
+                 precision: str = "bf16") -> None:
         super().__init__()
         where = type(block).__name__
         for name, parameter in block._parameters.items():
@@ -242,10 +244,21 @@ class MokSparseMoeBlock(nn.Module):
                                  f"expert-parallel group's {ranks} ranks")
             per_rank = num_experts // ranks
             self._local_experts = slice(rank * per_rank, (rank + 1) * per_rank)
+        widths = [("expert intermediate size", two_i // 2)]
+        mlp = self.shared_experts
+        if mlp is not None and _fused_shared(mlp, hidden):  # runs in mok's call
+            widths.append(("shared expert intermediate size", mlp.gate_proj.weight.shape[0]))
+        try:
+            _check_options(self.backend, swiglu_limit=swiglu_limit,
+                           recompute_gate_up=recompute_gate_up, precision=precision,
+                           ep_max_tokens=ep_max_tokens, ep_timeout_s=ep_timeout_s,
+                           widths=tuple(widths))
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
         self.swiglu_limit = swiglu_limit
         self.recompute_gate_up = recompute_gate_up
-        MoKConfig(precision=precision)  # checks it
         self.precision = precision
+        self.ep_max_tokens, self.ep_timeout_s = ep_max_tokens, ep_timeout_s
         # Mixtral multiplies the block's input by U(1 - j, 1 + j) noise in training.
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.train(block.training)
@@ -296,8 +309,9 @@ class MokSparseMoeBlock(nn.Module):
             y = moe_experts(cast(x).contiguous(), topk_ids, topk_weights.float(), *shared,
                             gate_up[:, :intermediate], gate_up[:, intermediate:], cast(down),
                             swiglu_limit=self.swiglu_limit, backend=self.backend,
-                            group=self.ep_group, recompute_gate_up=self.recompute_gate_up,
-                            precision=self.precision)
+                            group=self.ep_group, max_tokens=self.ep_max_tokens,
+                            peer_timeout_s=self.ep_timeout_s,
+                            recompute_gate_up=self.recompute_gate_up, precision=self.precision)
         y = y.to(x.dtype)
         if mlp is not None and not fused:
             y = y + mlp(x)
@@ -313,6 +327,7 @@ class MokSparseMoeBlock(nn.Module):
 def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
                      swiglu_limit: float | None = None,
                      ep_group: dist.ProcessGroup | None = None,
+                     ep_max_tokens: int | None = None, ep_timeout_s: float = 60.0,
                      recompute_gate_up: bool = False, precision: str = "bf16") -> int:
     """Replace, in place, every supported sparse MoE block below `model` by a MokSparseMoeBlock.
 
@@ -320,7 +335,9 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     parameters stay the same objects, state_dict keys are unchanged, and checkpoints load into
     the unpatched model. swiglu_limit clamps gate and up as mok's swiglu_limit does, for the
     routed and the shared experts; it changes the model's math unless the model was trained so.
-    ep_group: run the experts with expert parallelism over this group (module docstring).
+    ep_group: run the experts with expert parallelism over this group (module docstring);
+    ep_max_tokens: the most tokens a rank passes a block (batch x sequence), when ranks pass
+    different counts; ep_timeout_s: how long a wait on another rank may last (mok.nn.MoE's).
     recompute_gate_up=True keeps h instead of the experts' gate/up pre-activations and
     recomputes them in the backward (mok.functional.MoKConfig.recompute_gate_up): I fewer
     values per route of activations, a slower backward, and repeated backwards through one
@@ -328,7 +345,9 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     precision="fp8": the experts' row GEMMs on e4m3 operands with blockwise scales
     (mok.functional.MoKConfig.precision).
     Raises ValueError (before changing anything) when a block has a layout mok cannot run, or
-    (backend "mok") sizes its kernels cannot (H and I multiples of 8).
+    (backend "mok") sizes its kernels cannot (H and I multiples of 8; in FP8, I and the shared
+    expert's multiples of 128), or an option mok.nn.MoE refuses. A model whose blocks are
+    already mok's is left as it is (a warning says so).
     """
     block_types = supported_block_types()
     replacements: dict[int, nn.Module] = {}
@@ -339,11 +358,13 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
                 sites.append((parent, name, child))
     for _, _, block in sites:
         if id(block) not in replacements:
-            replacements[id(block)] = MokSparseMoeBlock(block, backend=backend,
-                                                        swiglu_limit=swiglu_limit,
-                                                        ep_group=ep_group,
-                                                        recompute_gate_up=recompute_gate_up,
-                                                        precision=precision)
+            replacements[id(block)] = MokSparseMoeBlock(
+                block, backend=backend, swiglu_limit=swiglu_limit, ep_group=ep_group,
+                ep_max_tokens=ep_max_tokens, ep_timeout_s=ep_timeout_s,
+                recompute_gate_up=recompute_gate_up, precision=precision)
     for parent, name, block in sites:
         setattr(parent, name, replacements[id(block)])
+    if not replacements and any(isinstance(m, MokSparseMoeBlock) for m in model.modules()):
+        warnings.warn("patch_moe_blocks: the model's MoE blocks already run in mok; nothing was "
+                      "changed (their options stay those they were patched with)", stacklevel=2)
     return len(replacements)

@@ -328,18 +328,21 @@ def test_non_silu_experts_are_refused():
 
 
 
-def _expert_parallel_body(rank, world_size):
+def _expert_parallel_body(rank, world_size, uneven=False):
     """patch_moe_blocks(ep_group=...): each rank computes its share of the experts for every
     rank's tokens. Logits and loss equal the unpatched model's on this rank's tokens; summed over
-    the ranks (what a data-parallel all-reduce does), every gradient equals the unpatched one."""
+    the ranks (what a data-parallel all-reduce does), every gradient equals the unpatched one.
+    uneven: the ranks' sequences differ in length, under ep_max_tokens."""
     import torch.distributed as dist
 
     family = BY_NAME["qwen3_moe"]
     original = build(family).train()  # the same weights on every rank (same seed)
     patched = copy.deepcopy(original)
-    assert patch_moe_blocks(patched, ep_group=dist.group.WORLD) == family.moe_layers
+    bound = dict(ep_max_tokens=BATCH * SEQ) if uneven else {}
+    assert patch_moe_blocks(patched, ep_group=dist.group.WORLD, **bound) == family.moe_layers
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator).to(DEVICE)
+    seq = SEQ - 3 * rank if uneven else SEQ
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=generator).to(DEVICE)
     losses, routings = train_losses_and_routing((original, patched), ids)
     assert_same_routing(routings[1], routings[0])
     assert_close(losses[1], losses[0], dtype=torch.float32, name="loss", tolerance=MODEL_BF16)
@@ -363,6 +366,11 @@ def _expert_parallel_body(rank, world_size):
 @distributed_test(world_sizes=(2,))
 def test_expert_parallel_patch_matches_original(rank, world_size):
     _expert_parallel_body(rank, world_size)
+
+
+@distributed_test(world_sizes=(2,))
+def test_expert_parallel_patch_takes_uneven_batches_under_ep_max_tokens(rank, world_size):
+    _expert_parallel_body(rank, world_size, uneven=True)
 
 
 @pytest.mark.parametrize("layout", ["transposed", "row_slice", "padded_rows"])
@@ -499,6 +507,25 @@ def test_patch_refuses_sizes_the_kernels_cannot_run_and_replaced_experts():
         patch_moe_blocks(model)
     assert not any(isinstance(m, MokSparseMoeBlock) for m in model.modules())
     assert patch_moe_blocks(model, backend="reference") == family.moe_layers
+    # Options mok.nn.MoE refuses, refused before anything changes (FP8 with experts of 20).
+    for options, match in ((dict(swiglu_limit=0.0), "swiglu_limit must be a positive"),
+                           (dict(swiglu_limit=float("nan")), "swiglu_limit must be a positive"),
+                           (dict(swiglu_limit="3"), "swiglu_limit must be a positive"),
+                           (dict(precision="fp8", backend="reference"), None),
+                           (dict(ep_max_tokens=0), "ep_max_tokens must be a positive")):
+        unpatched = build(family)
+        if match is None:  # the reference backend takes any width
+            assert patch_moe_blocks(unpatched, **options) == family.moe_layers
+            continue
+        with pytest.raises(ValueError, match=match):
+            patch_moe_blocks(unpatched, backend="reference", **options)
+        assert not any(isinstance(m, MokSparseMoeBlock) for m in unpatched.modules())
+    wide = dataclasses.replace(family, config={**family.config, "moe_intermediate_size": 64})
+    with pytest.raises(ValueError, match="expert intermediate size=64: precision='fp8' needs"):
+        patch_moe_blocks(build(wide), precision="fp8")
+    # Patching a patched model changes nothing, and says so.
+    with pytest.warns(UserWarning, match="already run in mok"):
+        assert patch_moe_blocks(model, backend="mok") == 0
     patched, _ = patched_copy(build(BY_NAME["qwen3_moe"]), "mok")
     block = next(m for m in patched.modules() if isinstance(m, MokSparseMoeBlock))
     block.experts = nn.Identity()  # what wrapping the experts (an adapter) leaves
