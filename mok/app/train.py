@@ -1386,6 +1386,10 @@ def main(argv: list[str] | None = None) -> dict:
                    corpus_sha256=digest))
     _prepare_out(out, args.resume)  # last, so that a refused command leaves no folder behind
 
+    if device.type == "cpu" and size in ("small", "1b"):
+        print(f"mok train: warning: size {size} on the CPU takes minutes a step and "
+              f"{'tens of' if size == '1b' else 'several'} GB of memory (sizes micro and tiny "
+              "are the CPU's); a stop signal waits for the step in progress", file=sys.stderr)
     print(f"mok train: size {size}, backend {backend}, device {device}, step {step_mode}, "
           f"{train_config.steps} steps of {train_config.batch_size} x {train_config.seq_len} "
           f"bytes ({train_data.numel():,} training bytes, {val_data.numel():,} validation)")
