@@ -9,8 +9,9 @@ column (a scale per column and block):
 
 Expert e's rows [start_e, end_e) (the schedule's expert_offsets) split into blocks of 128 from
 start_e, the last one cut at end_e (so no block spans two experts, whatever the alignment);
-block j's scales sit at g(e, j) = start_e // SUB + j, SUB = min(ALIGN, 128) (an expert of n rows,
-n a multiple of ALIGN, has at most n / SUB blocks, so the experts' scales never meet).
+block j's scales sit at g(e, j) = start_e // SUB + j, SUB = gcd(ALIGN, 128) (an expert of n
+rows, n a multiple of ALIGN and so of SUB, has n / SUB >= ceil(n / 128) slots, so the experts'
+scales never meet).
 
 quantize_row_blocks_kernel: the codes transposed, qa [P, C] (each column's rows contiguous, the
 K-major operand an e4m3 MMA reads), and the scales [C / SUB, P], of a source read by row or,
@@ -82,7 +83,7 @@ def quantize_row_blocks_kernel(
     magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of the amax
     scale, inverse = _block_scale(tl.max(magnitude, axis=0), False)
     q = to_e4m3(x * inverse[None, :], UPCAST)
-    tl.store(scale_ptr + slot * stride_s + cols, scale, mask=in_n)
+    tl.store(scale_ptr + slot.to(tl.int64) * stride_s + cols, scale, mask=in_n)
     tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + rows[None, :], tl.trans(q),
              mask=in_n[:, None] & mine[None, :])
 
@@ -101,29 +102,35 @@ def fp8_wgrad_kernel(
     pid_p = (pid % tiles) // num_q_blocks
     pid_q = pid % num_q_blocks
     start, end = _expert_rows(expert_offsets_ptr, expert, num_experts)
+    start = tl.multiple_of(start, SUB)  # aligned row loads (the experts' rows start so)
     ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     in_p, in_q = ps < P, qs < Q
     ks = tl.arange(0, ROWS)
     acc = tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32)
-    slot = start // SUB
-    for first in range(start, end, ROWS):
-        rows = first + ks
-        mine = rows < end
-        a = tl.load(a_ptr + ps.to(tl.int64)[:, None] * stride_a + rows[None, :],
-                    mask=in_p[:, None] & mine[None, :], other=0.0)
-        b = tl.load(b_ptr + qs.to(tl.int64)[None, :] * stride_b + rows[:, None],
-                    mask=mine[:, None] & in_q[None, :], other=0.0)
-        a_scale = tl.load(a_scale_ptr + slot * stride_as + ps, mask=in_p, other=0.0)
-        b_scale = tl.load(b_scale_ptr + slot * stride_bs + qs, mask=in_q, other=0.0)
+    slot = (start // SUB).to(tl.int64)
+    a_ptrs = a_ptr + ps.to(tl.int64)[:, None] * stride_a + (start + ks)[None, :]
+    b_ptrs = b_ptr + qs.to(tl.int64)[None, :] * stride_b + (start + ks)[:, None]
+    a_scale_ptrs = a_scale_ptr + slot * stride_as + ps
+    b_scale_ptrs = b_scale_ptr + slot * stride_bs + qs
+    for block in range(0, tl.cdiv(end - start, ROWS)):  # the expert's blocks, in order
+        mine = start + block * ROWS + ks < end
+        a = tl.load(a_ptrs, mask=in_p[:, None] & mine[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mine[:, None] & in_q[None, :], other=0.0)
+        a_scale = tl.load(a_scale_ptrs, mask=in_p, other=0.0)
+        b_scale = tl.load(b_scale_ptrs, mask=in_q, other=0.0)
         acc += _dot_e4m3(a, b, UPCAST) * (a_scale[:, None] * b_scale[None, :])
-        slot += 1
+        a_ptrs += ROWS
+        b_ptrs += ROWS
+        a_scale_ptrs += stride_as
+        b_scale_ptrs += stride_bs
     value = cast_to(acc, out_ptr.dtype.element_ty, UPCAST)
     keep = in_p[:, None] & in_q[None, :]
     if pid_p * BLOCK_P < SPLIT:  # the tile lies on one side of SPLIT (BLOCK_P divides it)
-        ptrs = (out_ptr + expert.to(tl.int64) * stride_oe
-                + ps.to(tl.int64)[:, None] * stride_op + qs[None, :])
+        base = out_ptr + expert.to(tl.int64) * stride_oe
+        first_row = pid_p * BLOCK_P
     else:
-        ptrs = (out2_ptr + expert.to(tl.int64) * stride_oe2
-                + (ps - SPLIT).to(tl.int64)[:, None] * stride_op + qs[None, :])
-    tl.store(ptrs, value, mask=keep)
+        base = out2_ptr + expert.to(tl.int64) * stride_oe2
+        first_row = pid_p * BLOCK_P - SPLIT
+    rows_out = first_row + tl.arange(0, BLOCK_P)
+    tl.store(base + rows_out.to(tl.int64)[:, None] * stride_op + qs[None, :], value, mask=keep)

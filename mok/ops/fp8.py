@@ -110,16 +110,27 @@ def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
     graph quantizes the weights it reads once (a step's forward quantizes, its backward reuses
     that copy) and each replay quantizes them afresh; those entries serve nothing after the
     capture and go when the next capture makes one. Where the driver does not name the capture
-    (mok.ops.graphs), every call in it quantizes afresh. w_down None: gate and up only, from a
-    valid entry with any down weight, else quantized afresh (the other fields None)."""
+    (mok.ops.graphs), every call in it quantizes afresh. Weights a capture quantized are
+    quantized afresh by every eager call after it (the graph's replays may have written them,
+    an optimizer step in the graph too, without a version bump or a step hook). w_down None:
+    gate and up only, from a valid entry with any down weight, else quantized afresh (the other
+    fields None)."""
     weights = (w_gate, w_up, w_down) if w_down is not None else (w_gate, w_up)
     tag = _capture_tag(w_gate)
-    # (inference tensors have no version counter: never cached)
-    cached = tag is not _UNNAMED and not any(w.is_inference() for w in weights)
+    memories = tuple(_memory(w) for w in weights)
+    storages = tuple(w.untyped_storage() for w in weights)
+    if tag is not None and tag is not _UNNAMED:
+        for memory, storage in zip(memories, storages, strict=True):
+            _GRAPHED[memory] = weakref.ref(storage, functools.partial(_drop_graphed, memory))
+    # Never cached: inference tensors (no version counter), weights a CUDA graph quantizes in an
+    # eager call (its replays may write them, optimizer steps included, and bump no counter).
+    graphed = any(memory in _GRAPHED and _GRAPHED[memory]() is storage
+                  for memory, storage in zip(memories, storages, strict=True))
+    cached = (tag is not _UNNAMED and not any(w.is_inference() for w in weights)
+              and (tag is not None or not graphed))
     if cached:
-        key = (tag, *(_memory(w) for w in weights))
+        key = (tag, *memories)
         versions = tuple(w._version for w in weights)
-        storages = tuple(w.untyped_storage() for w in weights)
         exact = _CACHE.get(key)  # gate, up and down: one entry; gate and up: any with them
         for entry_key, entry in [(key, exact)] if exact is not None else _CACHE.items():
             if (entry_key[:len(key)] == key and entry.versions[:len(key) - 1] == versions
@@ -141,6 +152,8 @@ def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
 
 
 _UNNAMED = object()  # the tag of a capture the driver does not name: nothing is cached in it
+# The weights a CUDA-graph capture quantized: their storages by memory, while they live.
+_GRAPHED: dict[tuple, weakref.ref] = {}
 
 
 def _capture_tag(w: torch.Tensor) -> object:
@@ -150,6 +163,11 @@ def _capture_tag(w: torch.Tensor) -> object:
         return None
     ident = graphs.capture_id()
     return ("capture", ident) if ident is not None else _UNNAMED
+
+
+def _drop_graphed(memory: tuple, dead: weakref.ref) -> None:
+    if _GRAPHED.get(memory) is dead:
+        del _GRAPHED[memory]
 
 
 def _drop(key: tuple, dead: weakref.ref) -> None:

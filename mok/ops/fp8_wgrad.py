@@ -4,6 +4,8 @@ grouped GEMM over the experts' rows."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mok import _env
@@ -21,7 +23,7 @@ _QUANTIZE_COLUMNS = 64
 def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
                         router_weights: torch.Tensor | None = None) -> Quantized:
     """src's schedule rows in e4m3, quantized along the rows: (codes [N, C] transposed, each
-    column's rows contiguous; scales [C // min(align, 128), N] fp32), a scale per column and
+    column's rows contiguous; scales [C // gcd(align, 128), N] fp32), a scale per column and
     block of 128 of an expert's rows (mok.kernels.fp8_wgrad). src [T, N] by token (gather: row
     r reads token row_route[r] // topk) or [C, N] by row; router_weights (a value per route,
     [T, k] or [T * k]): each row is first scaled by its route's weight. Padding rows are
@@ -37,7 +39,7 @@ def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
             raise MoKInputError(f"router_weights must hold {routing.num_tokens * topk} values "
                                 f"(a route each), got {tuple(router_weights.shape)}")
         router_weights = router_weights.reshape(-1)
-    sub = min(routing.align, QUANT_BLOCK)
+    sub = _rows_per_slot(routing)
     width = src.shape[1]
     codes = torch.empty(width, rows, dtype=E4M3, device=src.device)
     scales = torch.empty(rows // sub, width, dtype=torch.float32, device=src.device)
@@ -50,6 +52,12 @@ def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
             BLOCK_N=_QUANTIZE_COLUMNS, UPCAST=_env.INTERPRET, num_warps=4,
         )
     return Quantized(codes, scales)
+
+
+def _rows_per_slot(routing: Routing) -> int:
+    """Rows per scale slot (mok.kernels.fp8_wgrad's SUB): gcd(align, 128), so that an expert
+    of n rows (a multiple of align) has n / SUB >= ceil(n / 128) slots of its own."""
+    return math.gcd(routing.align, QUANT_BLOCK)
 
 
 def grouped_wgrad_fp8(
@@ -108,7 +116,7 @@ def grouped_wgrad_fp8_quantized(
             width_a, width_b, split if split is not None else width_a, num, num_p, num_q,
             qa.data.stride(0), qa.scales.stride(0), qb.data.stride(0), qb.scales.stride(0),
             outs[0].stride(0), outs[-1].stride(0), outs[0].stride(1),
-            SUB=min(routing.align, QUANT_BLOCK), BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,
+            SUB=_rows_per_slot(routing), BLOCK_P=tiles.block_m, BLOCK_Q=tiles.block_n,
             UPCAST=_env.INTERPRET, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return outs[0] if split is None else (outs[0], outs[1])

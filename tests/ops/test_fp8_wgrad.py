@@ -3,6 +3,8 @@ scales of the 128-row blocks bitwise equal to mok.reference.quantize_e4m3 of eac
 rows (transposed, blocks of (1, 128)), the gradients equal to the products of the dequantized
 operands up to fp32 summation order."""
 
+import math
+
 import pytest
 import torch
 
@@ -57,7 +59,7 @@ def column_blocks(rows):
     return reference.quantize_e4m3(rows.T.contiguous(), (1, QUANT_BLOCK))
 
 
-@pytest.mark.parametrize("align", [16, 128], ids=lambda a: f"align{a}")
+@pytest.mark.parametrize("align", [16, 128, 192], ids=lambda a: f"align{a}")
 @pytest.mark.parametrize("gather", [True, False], ids=["by_token", "by_row"])
 def test_quantize_row_blocks_matches_reference(device, align, gather):
     routing, router_weights = schedule(device, tokens=150, experts=3, topk=2, align=align,
@@ -67,7 +69,7 @@ def test_quantize_row_blocks_matches_reference(device, align, gather):
     src = (torch.randn(rows, 200, generator=generator) * 3).bfloat16().to(device)
     weights = router_weights if gather else None
     codes, scales = quantize_row_blocks(src, routing, gather=gather, router_weights=weights)
-    sub = min(align, QUANT_BLOCK)
+    sub = math.gcd(align, QUANT_BLOCK)
     assert codes.shape == (200, routing.capacity_rows)
     assert scales.shape == (routing.capacity_rows // sub, 200)
     offsets = routing.expert_offsets.long().cpu()
@@ -81,7 +83,7 @@ def test_quantize_row_blocks_matches_reference(device, align, gather):
     assert routing.expert_counts[1] == 0
 
 
-@pytest.mark.parametrize("align", [16, 128], ids=lambda a: f"align{a}")
+@pytest.mark.parametrize("align", [16, 128, 192], ids=lambda a: f"align{a}")
 def test_grouped_wgrad_fp8_matches_dequantized_math(device, align):
     # d_w_down's form (a by token, scaled by the route's weight; b by row) and d_w_gate/up's
     # (a by row split in two; b by token); an expert without routes gets zeros.
