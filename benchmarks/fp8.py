@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import statistics
 import time
 from pathlib import Path
@@ -122,6 +123,22 @@ def d_x_checked(d_gate_up_q, gate_up_t, routing) -> torch.Tensor:
         mine = experts == e
         out[mine] = d_gate_up[mine] @ w[e].T
     return out
+
+
+def wgrad_checked(qa, qb, routing, out) -> float:
+    """Max relative error of out [E, P, Q] (grouped_wgrad_fp8's) against the products of its
+    dequantized operands (quantize_row_blocks': a scale per column and block of 128 of an
+    expert's rows), an expert at a time."""
+    offsets = routing.expert_offsets.long().tolist()
+    sub = math.gcd(routing.align, QUANT_BLOCK)
+    worst = 0.0
+    for e in range(routing.num_local_experts):
+        start, end = min(offsets[e], offsets[-1]), min(offsets[e + 1], offsets[-1])
+        slots = start // sub + torch.arange(end - start, device=out.device) // QUANT_BLOCK
+        a, b = (q.data[:, start:end].float() * q.scales[slots].T for q in (qa, qb))
+        expected = a @ b.T
+        worst = max(worst, max_rel_err(out[e], expected) if end > start else 0.0)
+    return worst
 
 
 def partial_checked(d_out_q, down_t, kept, routing) -> torch.Tensor:
@@ -249,6 +266,13 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                                                   out_dtype=x.dtype),
         gate_up_fp8_gemm=lambda: wgrad_fp8_quantized(quantized["d_gate_up"], quantized["x"],
                                                      routing, out_dtype=x.dtype, split=inter))
+    for kind, a, b in (("down", "d_out", "h"), ("gate_up", "d_gate_up", "x")):
+        out = wgrad_fp8_quantized(quantized[a], quantized[b], routing, out_dtype=torch.float32)
+        errors[(f"wgrad_{kind}", "mok_fp8")] = wgrad_checked(quantized[a], quantized[b],
+                                                             routing, out)
+    print(f"   weight gradients on e4m3 operands: down max rel "
+          f"{errors[('wgrad_down', 'mok_fp8')]:.2e}, gate/up "
+          f"{errors[('wgrad_gate_up', 'mok_fp8')]:.2e}", flush=True)
     routes = shape.num_tokens * shape.topk
     gemm = 2.0 * routes * hidden * inter
     weights_bytes = sum(w.numel() for w in (w_gate, w_up, w_down)) * 3  # bf16 in, e4m3 out

@@ -12,7 +12,8 @@ def test_fp8_benchmark_checks_and_writes_its_rows(tmp_path, capsys):
     stages = {(row["stage"], row["impl"]) for row in rows}
     assert {("quantize", "rows_x"), ("quantize", "weights"), ("gate_up", "mok_bf16"),
             ("gate_up", "mok_fp8"), ("down", "mok_bf16"), ("down", "mok_fp8"),
-            ("d_x", "mok_fp8")} <= stages
+            ("d_x", "mok_fp8"), ("quantize", "experts"), ("wgrad_down", "mok_bf16"),
+            ("wgrad_down", "mok_fp8"), ("wgrad_gate_up", "mok_fp8_gemm_only")} <= stages
     for row in rows:
         assert row["shape"] == fp8.SMALL.name and float(row["ms"]) > 0
         if row["impl"] == "mok_fp8":  # checked against the math on dequantized operands
