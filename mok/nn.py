@@ -218,6 +218,11 @@ def _backward(ctx, d_y, *_unused):
 _moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+# Per (group, device, H, k): the token bound of expert-parallel calls without max_tokens (the
+# first call's count).
+_EP_BOUNDS: dict[tuple, int] = {}
+
+
 class _ExpertParallelExperts(torch.autograd.Function):
     """The layer over an expert-parallel group. Schedules and forward contexts of expert
     parallelism hold the group's exchange state, so this is an autograd.Function rather than a
@@ -228,14 +233,23 @@ class _ExpertParallelExperts(torch.autograd.Function):
                 precision, x, topk_experts, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd):
         config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision=precision,
                              peer_timeout_s=peer_timeout_s)
-        workspace = F.get_workspace(config, group, device=x.device,
-                                    num_local_tokens=max_tokens or x.shape[0],
+        # Without max_tokens the first call's count is the bound: a later call with fewer
+        # tokens (a short last batch) reuses its workspace, whose creation is a collective
+        # that a rank alone would wait in forever.
+        key = (id(group), str(x.device), x.shape[1], topk_experts.shape[1])
+        bound = max_tokens if max_tokens is not None else _EP_BOUNDS.get(key, x.shape[0])
+        workspace = F.get_workspace(config, group, device=x.device, num_local_tokens=bound,
                                     hidden_size=x.shape[1], topk=topk_experts.shape[1])
-        # Checked once the workspace exists (its creation is a collective): the other ranks
-        # then go on to the step, whose waits on this rank time out with an error naming it.
-        if max_tokens is not None and x.shape[0] > max_tokens:
-            raise MoKInputError(f"{x.shape[0]} tokens exceed max_tokens={max_tokens} (the "
-                                "other ranks' waits on this rank will time out)")
+        if max_tokens is None:
+            _EP_BOUNDS.setdefault(key, bound)
+        # Checked once the workspace exists: the other ranks then go on to the step, whose
+        # waits on this rank time out with an error naming it.
+        if x.shape[0] > bound:
+            named = (f"max_tokens={max_tokens}" if max_tokens is not None else
+                     f"the first call's {bound} (pass max_tokens, ep_max_tokens in MoE, for a "
+                     "larger bound)")
+            raise MoKInputError(f"{x.shape[0]} tokens exceed {named}; the other ranks' waits "
+                                "on this rank will time out")
         schedule = F.build_schedule(workspace, config, topk_experts,
                                     num_local_experts=w_rg.shape[0])
         y, context = F.forward(config, workspace, schedule, x, router_weights, w_sg, w_su, w_sd,
@@ -248,10 +262,14 @@ class _ExpertParallelExperts(torch.autograd.Function):
     def backward(ctx, d_y):
         config, workspace, schedule, context, swiglu_limit = ctx.state
         x, router_weights, *weights = ctx.saved_tensors
-        d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd = F.backward(
-            config, workspace, schedule, context, d_y.contiguous(), x, router_weights, *weights,
-            swiglu_limit=swiglu_limit)
-        del ctx.state
+        try:  # ctx.state stays: a recomputing context serves a second backward
+            d_x, d_rw, d_rg, d_ru, d_rd, d_sg, d_su, d_sd = F.backward(
+                config, workspace, schedule, context, d_y.contiguous(), x, router_weights,
+                *weights, swiglu_limit=swiglu_limit)
+        except MoKInputError as error:
+            if not context.used:
+                raise
+            raise MoKInputError(_SECOND_BACKWARD) from error
         return (None, None, None, None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg,
                 d_ru, d_rd)
 
@@ -283,8 +301,9 @@ def moe_experts(
     gradients flow back into the viewed parameter. group: an expert-parallel process group; the
     routed weights are then this rank's experts (mok.functional's contract). max_tokens: with a
     group, the most tokens a rank passes (each rank may pass fewer); default T, which every rank
-    must then pass; a rank passing more raises MoKInputError, and the others' waits on it time
-    out after peer_timeout_s (MoKConfig's), reported as MoKDataError. recompute_gate_up:
+    must then pass on the first call, and at most that many later; a rank passing more than the
+    bound raises MoKInputError, and the others' waits on it time out after peer_timeout_s
+    (MoKConfig's), reported as MoKDataError. recompute_gate_up:
     MoKConfig's (the default False keeps the gate/up pre-activations for the backward; True
     keeps h and recomputes them: slower, less memory). precision: MoKConfig's ("fp8": the
     experts' row GEMMs on e4m3 operands with blockwise scales; the reference backend ignores
@@ -585,7 +604,8 @@ class MoE(nn.Module):
     Parameters: router.weight [E, H]; w_gate, w_up [E_local, I, H]; w_down [E_local, H, I]
     (E_local = E, or E / P with an expert-parallel `ep_group` of P ranks: this rank's experts
     [rank * E_local, (rank + 1) * E_local); the router and shared expert are replicated; with
-    `ep_max_tokens` ranks may pass different numbers of tokens, at most that many;
+    `ep_max_tokens` ranks may pass different numbers of tokens, at most that many, and without
+    it the same number on the first call and at most that many later;
     `ep_timeout_s` bounds a wait on another rank, MoKConfig.peer_timeout_s); and with
     shared_intermediate_size > 0: shared_gate, shared_up [I_s, H], shared_down [H, I_s].
     forward(hidden_states [..., H]) -> [..., H]. After each forward: `aux_loss` (add it to the
@@ -731,3 +751,36 @@ class MoE(nn.Module):
                 f"num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"shared_intermediate_size={self.shared_intermediate_size}, "
                 f"backend={self.backend.value}, precision={self.precision}")
+
+
+def prepare_ddp(model: nn.Module) -> list[str]:
+    """Ready a model whose MoE layers hold this rank's experts (ep_group) for
+    torch.nn.parallel.DistributedDataParallel over the same ranks; call it before wrapping.
+
+    DDP would copy rank 0's experts over every rank's own (its broadcast at start) and average
+    different experts' gradients, silently. The experts' parameters are left out of DDP
+    (returned, by name), and their gradients, which already hold every rank's tokens, are
+    divided by the group's size in the backward, as DDP averages the replicated parameters'.
+    A model without such layers is left as it is (and [] returned).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = []
+    for prefix, module in model.named_modules():
+        if not isinstance(module, MoE) or module.ep_group is None:
+            continue
+        size = dist.get_world_size(module.ep_group)
+        for name in ("w_gate", "w_up", "w_down"):
+            names.append(f"{prefix}.{name}" if prefix else name)
+            parameter = getattr(module, name)
+            if not getattr(parameter, "_mok_ddp_scaled", False):
+                parameter.register_hook(lambda grad, size=size: grad / size)
+                parameter._mok_ddp_scaled = True
+    if names:
+        # DDP's reducer names a parameter of the wrapped module itself ".name" (module name "")
+        # where its broadcast says "name": both are given.
+        ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        added = names + [f".{name}" for name in names if "." not in name]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ignored + [name for name in added if name not in ignored])
+    return names

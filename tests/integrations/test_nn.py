@@ -541,6 +541,87 @@ def test_expert_parallel_module_matches_reference_backend(rank, world_size):
     _ep_module_body(rank, world_size)
 
 
+def _ep_later_calls_body(rank, world_size):
+    """Without ep_max_tokens: a later call of fewer tokens on one rank (a short last batch)
+    runs in the first call's workspace (a new one is a collective the other rank would not
+    join: it hung); a second backward through a graph (retain_graph) as on one GPU."""
+    import torch.distributed as dist
+
+    device = rank_device(rank)
+    for recompute in (True, False):
+        torch.manual_seed(0)
+        module = MoE(32, 16, 2 * world_size, 2, 16, device=device, ep_group=dist.group.WORLD,
+                     recompute_gate_up=recompute)
+        generator = torch.Generator(device=device).manual_seed(rank)
+        module(torch.randn(12, 32, device=device, generator=generator)).sum().backward()
+        x = torch.randn(12 - 2 * rank, 32, device=device, generator=generator)
+        step = loss_and_grads(module, x)
+        module.backend = Backend.REFERENCE
+        assert_steps_close(step, loss_and_grads(module, x))
+        module.backend = Backend.MOK
+        module.zero_grad()
+        loss = module(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        first = module.w_gate.grad.clone()
+        if recompute:
+            loss.backward()
+            torch.testing.assert_close(module.w_gate.grad, 2 * first)
+        else:
+            with pytest.raises(MoKInputError, match="recompute_gate_up=True"):
+                loss.backward()
+        dist.barrier()
+
+
+@distributed_test(world_sizes=(2,))
+def test_expert_parallel_later_calls_and_second_backward(rank, world_size):
+    _ep_later_calls_body(rank, world_size)
+
+
+def _ddp_body(rank, world_size):
+    """prepare_ddp, then DDP: each rank keeps its own experts (DDP's start would copy rank 0's
+    over them) and every gradient is what the README's averaging by hand gives."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from mok.nn import prepare_ddp
+
+    device = rank_device(rank)
+
+    def build():
+        torch.manual_seed(0)
+        module = MoE(32, 16, 2 * world_size, 2, 16, device=device, ep_group=dist.group.WORLD)
+        generator = torch.Generator(device=device).manual_seed(100 + rank)
+        with torch.no_grad():  # this rank's own experts
+            for weight in (module.w_gate, module.w_up, module.w_down):
+                weight.uniform_(-0.25, 0.25, generator=generator)
+        return module
+
+    for nested in (False, True):  # the MoE wrapped itself, or inside a model
+        by_hand, inner = build(), build()
+        if nested:
+            by_hand, inner = torch.nn.Sequential(by_hand), torch.nn.Sequential(inner)
+        prefix = "0." if nested else ""
+        assert prepare_ddp(inner) == [prefix + name for name in ("w_gate", "w_up", "w_down")]
+        wrapped = DistributedDataParallel(inner, device_ids=[device] if device.type == "cuda"
+                                          else None)
+        assert torch.equal(inner.get_parameter(prefix + "w_gate"),
+                           by_hand.get_parameter(prefix + "w_gate"))  # not rank 0's
+        x = torch.randn(12, 32, device=device, generator=torch.Generator(device=device)
+                        .manual_seed(rank))
+        by_hand(x).pow(2).sum().backward()
+        wrapped(x).pow(2).sum().backward()
+        for name, parameter in by_hand.named_parameters():
+            grad = parameter.grad / world_size
+            if not name.startswith(prefix + "w_"):  # replicated: averaged over the ranks
+                dist.all_reduce(grad)
+            torch.testing.assert_close(inner.get_parameter(name).grad, grad, msg=name)
+
+
+@distributed_test(world_sizes=(2,), backend="gloo")
+def test_prepare_ddp_keeps_each_rank_s_experts(rank, world_size):
+    _ddp_body(rank, world_size)
+
+
 def _ep_sizes_and_bias_body(rank, world_size):
     """Under expert parallelism: ranks passing different token counts without ep_max_tokens are
     told so on every rank (their buffers would differ in size, which the others read); the
