@@ -633,20 +633,23 @@ def draw_chart(path: Path, rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     import mok.functional as F
+    from mok.app.train import int_at_least, positive_float
 
     parser = argparse.ArgumentParser(prog="python -m mok bench --ep N", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
-    parser.add_argument("--ep", type=int, required=True, help="processes, one GPU each")
+    parser.add_argument("--ep", type=int_at_least(2), required=True,
+                        help="processes, one GPU each (at least 2)")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES) if cuda else "tiny",
                         help="comma-separated shape names, or 'all'")
-    parser.add_argument("--iters", type=int, default=10 if cuda else 2)
-    parser.add_argument("--warmup", type=int, default=3 if cuda else 1)
+    parser.add_argument("--iters", type=int_at_least(1), default=10 if cuda else 2)
+    parser.add_argument("--warmup", type=int_at_least(0), default=3 if cuda else 1)
     parser.add_argument("--csv", type=Path,
                         default=(RESULTS if cuda else CPU_RUNS) / "ep.csv")
-    parser.add_argument("--comm-sms", type=int, default=F.MoKConfig().fwd_num_comm_sms,
+    parser.add_argument("--comm-sms", type=int_at_least(1),
+                        default=F.MoKConfig().fwd_num_comm_sms,
                         help="programs that pull rows in each GEMM launch (MoKConfig)")
-    parser.add_argument("--peer-timeout", type=float, default=20.0,
+    parser.add_argument("--peer-timeout", type=positive_float, default=20.0,
                         help="MoKConfig.peer_timeout_s")
     parser.add_argument("--profile", action="store_true",
                         help="print mok's GPU time per kernel of one step, every rank's kernels "
@@ -675,9 +678,9 @@ def main(argv=None) -> None:
                         help="in the same run, also time mok with --copy-rows and "
                              "--copy-bwd-rows (rows named mok..._copy_bcopy), against the same "
                              "compute-only and NCCL times")
-    parser.add_argument("--minibatch", type=int, default=None,
+    parser.add_argument("--minibatch", type=int_at_least(1), default=None,
                         help="MoKConfig.minibatch_size; mok's rows get +mbN")
-    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--timeout", type=positive_float, default=900.0)
     parser.add_argument("--redraw", action="store_true",
                         help="measure nothing: chart the newest GPU rows already in the CSV")
     args = parser.parse_args(argv)
@@ -705,8 +708,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"--ep {args.ep} needs at least {args.ep} CUDA GPUs (one a rank), "
                          f"found {torch.cuda.device_count()}")
     if not cuda:
-        print(f"no GPU: {args.ep} CPU processes, the tiny shape under Triton's interpreter "
-              "(a check of the pipeline, not a measurement)")
+        print(f"no GPU: {args.ep} CPU processes, {', '.join(names)} under Triton's "
+              "interpreter (a check of the pipeline, not a measurement; shapes other than tiny "
+              "take hours there)")
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(key, value)  # never NVLink multicast

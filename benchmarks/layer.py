@@ -341,9 +341,13 @@ def newest_rows(csv_path: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from mok.app.train import int_at_least
+
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="python -m mok bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="python -m mok bench --ep N --help: the "
+                                            "expert-parallel benchmark and its options")
     parser.add_argument("--shapes", nargs="+", choices=list(BENCH_SHAPES), metavar="SHAPE",
                         default=[s.name for s in SHAPES] if cuda else [TINY.name],
                         help=f"of {', '.join(BENCH_SHAPES)} (default: the docs/design.md shapes "
@@ -354,9 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", choices=[mode.value for mode in Mode],
                         default=[mode.value for mode in Mode], metavar="MODE",
                         help=f"of {', '.join(mode.value for mode in Mode)} (default: all)")
-    parser.add_argument("--repeats", type=int, default=20 if cuda else 2,
+    parser.add_argument("--repeats", type=int_at_least(1), default=20 if cuda else 2,
                         help="timed calls per implementation and mode (median reported)")
-    parser.add_argument("--warmup", type=int, default=5 if cuda else 1,
+    parser.add_argument("--warmup", type=int_at_least(0), default=5 if cuda else 1,
                         help="untimed calls before the timed ones")
     parser.add_argument("--input-sets", type=int, default=3,
                         help="input sets rotated through the calls (the first is checked)")

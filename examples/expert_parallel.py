@@ -94,7 +94,7 @@ def train(steps: int, *, ep_group=None, ranks: int = 1, device=None, lr: float =
             loss = sum(nn.functional.mse_loss(model(x), y)
                        for x, y in (batch(step, r, device) for r in range(ranks))) / ranks
             loss.backward()
-            losses.append(float(loss))
+            losses.append(loss.item())
         else:
             x, y = batch(step, rank, device)
             loss = nn.functional.mse_loss(model(x), y)

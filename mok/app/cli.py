@@ -88,7 +88,8 @@ def demo(argv: list[str]) -> None:
     elapsed = time.perf_counter() - start
     print(f"forward + backward: {elapsed:.2f} s (first call includes compilation)")
     print(f"tokens per expert: {schedule.expert_counts.tolist()}")
-    print(f"saved for backward: {context.nbytes / 2**20:.2f} MiB (h only)")
+    kept = "the gate/up pre-activations" if context.gate_up is not None else "h"
+    print(f"saved for backward: {context.nbytes / 2**20:.2f} MiB ({kept})")
     y_ref, grads_ref = moe_reference_grads(inputs, compute_dtype=torch.float32)
     print("against the mok.testing reference (fp32):")
     for name, actual, expected in zip(("y", *GRAD_NAMES), (y, *grads), (y_ref, *grads_ref),

@@ -2,8 +2,9 @@
 
 `run_distributed(fn, world_size, *args)` spawns `world_size` processes on a free port, runs
 fn(rank, world_size, *args) in each inside an initialized default process group, and returns the
-per-rank results (picklable, e.g. CPU tensors). A rank that raises, or a run past `timeout_s`,
-fails the whole call with the rank's traceback; no process is left behind.
+per-rank results (what torch.save takes: tensors come back on the CPU). A rank that raises, or
+a run past `timeout_s`, fails the whole call with the rank's traceback; no process is left
+behind.
 `distributed_test(world_sizes=...)` turns a test into one case per world size and skips (never
 xfails) the cases the machine cannot run.
 """
@@ -11,6 +12,7 @@ xfails) the cases the machine cannot run.
 from __future__ import annotations
 
 import functools
+import io
 import os
 import socket
 import traceback
@@ -56,7 +58,11 @@ def _worker(rank, world_size, port, backend, fn, args, queue, env):
             torch.cuda.set_device(rank_device(rank))
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Serialized here, tensors in the bytes: a queue passes tensors through shared memory
+        # that goes with this process, which may have ended before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # report every failure, including assertion errors, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -94,7 +100,8 @@ def run_distributed(
                 raise TimeoutError(f"ranks {missing} gave no result within {timeout_s:.0f} s")\
                     from exc
             if ok:
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), map_location="cpu",
+                                           weights_only=False)
             else:
                 failures.append(f"rank {rank}:\n{payload}")
                 break

@@ -132,3 +132,17 @@ def test_distributed_test_picks_its_world_sizes_by_backend(monkeypatch):
         pinned = distributed.distributed_test(world_sizes=(2,), backend="gloo",
                                               gpu_world_sizes=(2, 4, 8))(body)
         assert sizes_of(pinned) == [2], cuda
+
+
+def _many_tensors(rank, world_size):
+    return [torch.full((3,), float(rank + i)) for i in range(40)]
+
+
+def test_run_distributed_returns_results_of_many_tensors():
+    # Each rank's result travels serialized: tensors passed through the queue's shared memory
+    # were gone once the rank exited (40 of them timed out where 5 worked).
+    from mok.testing import run_distributed
+
+    results = run_distributed(_many_tensors, 2, backend="gloo", timeout_s=120)
+    for rank, tensors in enumerate(results):
+        assert len(tensors) == 40 and float(tensors[5][0]) == rank + 5
