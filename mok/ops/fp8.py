@@ -119,7 +119,7 @@ def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
     tag = _capture_tag(w_gate)
     memories = tuple(_memory(w) for w in weights)
     storages = tuple(w.untyped_storage() for w in weights)
-    if tag is not None and tag is not _UNNAMED:
+    if tag is not None:  # any capture, named or not
         for memory, storage in zip(memories, storages, strict=True):
             _GRAPHED[memory] = weakref.ref(storage, functools.partial(_drop_graphed, memory))
     # Never cached: inference tensors (no version counter), weights a CUDA graph quantizes in an
