@@ -515,6 +515,15 @@ def test_fsdp2_shards_the_module(rank, world_size):
     _fsdp_body(rank, world_size)
 
 
+def _own_experts(module, rank):
+    """module with experts of this rank's own values (a seed per rank)."""
+    generator = torch.Generator(device=module.w_gate.device).manual_seed(100 + rank)
+    with torch.no_grad():
+        for weight in (module.w_gate, module.w_up, module.w_down):
+            weight.uniform_(-0.25, 0.25, generator=generator)
+    return module
+
+
 def _ep_module_body(rank, world_size):
     """MoE(ep_group=...): each rank holds its experts; matches the reference backend on the
     same group (all_to_all with autograd), gradients of every parameter included."""
@@ -525,10 +534,7 @@ def _ep_module_body(rank, world_size):
     module = MoE(32, 16, 3 * world_size, 2, 16, device=device, ep_group=dist.group.WORLD,
                  ep_max_tokens=24)
     assert module.w_gate.shape == (3, 16, 32)
-    with torch.no_grad():  # this rank's own experts
-        generator = torch.Generator(device=device).manual_seed(100 + rank)
-        for weight in (module.w_gate, module.w_up, module.w_down):
-            weight.uniform_(-0.25, 0.25, generator=generator)
+    _own_experts(module, rank)
     x = torch.randn(2, 12 - 2 * rank, 32, device=device,  # ranks pass different token counts
                     generator=torch.Generator(device=device).manual_seed(rank))
     step = loss_and_grads(module, x)
@@ -590,11 +596,7 @@ def _ddp_body(rank, world_size):
     def build():
         torch.manual_seed(0)
         module = MoE(32, 16, 2 * world_size, 2, 16, device=device, ep_group=dist.group.WORLD)
-        generator = torch.Generator(device=device).manual_seed(100 + rank)
-        with torch.no_grad():  # this rank's own experts
-            for weight in (module.w_gate, module.w_up, module.w_down):
-                weight.uniform_(-0.25, 0.25, generator=generator)
-        return module
+        return _own_experts(module, rank)
 
     for nested in (False, True):  # the MoE wrapped itself, or inside a model
         by_hand, inner = build(), build()
