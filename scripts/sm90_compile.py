@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -418,6 +419,24 @@ def main(argv=None) -> None:
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0)),
             ("d_x fp8", ops.fp8_tiles("d_x", 128), lambda tt: fp8.d_x_rows_fp8(
                 quantized(rows, 2 * inter), quantized(experts, hid, 2 * inter), routing, tt)),
+        ]
+        # The FP8 weight gradients (mok.ops.fp8_wgrad): codes [N, rows], scales per 128 rows.
+        from mok.ops import fp8_wgrad
+
+        def by_rows(width):
+            sub = math.gcd(routing.align, 128)
+            return ops.Quantized(torch.empty(width, rows, **e4m3),
+                                 torch.empty(rows // sub, width))
+
+        from mok.ops.tuning import FP8_WGRAD_TILES as wgrad8
+        runs += [
+            ("wgrad_down fp8", wgrad8, lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
+                by_rows(hid), by_rows(inter), routing, tt, out_dtype=torch.bfloat16)),
+            ("wgrad_gate_up fp8", wgrad8, lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
+                by_rows(2 * inter), by_rows(hid), routing, tt, out_dtype=torch.bfloat16,
+                split=inter)),
+            ("wgrad quantize rows fp8", wgrad8, lambda tt: fp8_wgrad.quantize_row_blocks(
+                x, routing, gather=True, router_weights=rw)),
         ]
         # The Gluon FP8 kernels (mok.kernels.gluon_fp8), as an sm_90 GPU would run them.
         fp8.gluon_takes_fp8 = lambda *args, **kwargs: True

@@ -36,24 +36,22 @@ ROWS = tl.constexpr(128)  # the scales' block along the rows
 
 
 @triton.jit
-def _expert_rows(expert_offsets_ptr, expert, num_experts):
+def _expert_rows(expert_offsets_ptr, expert, num_experts, SUB: tl.constexpr):
     """(start, end) of a local expert's rows, cut at the rows in use (past the capacity the
-    offsets run on, the rows in use stop at it)."""
+    offsets run on, the rows in use stop at it); both multiples of SUB."""
     used = tl.load(expert_offsets_ptr + num_experts)
-    end = tl.minimum(tl.load(expert_offsets_ptr + expert + 1), used)
-    return tl.minimum(tl.load(expert_offsets_ptr + expert), end), end
+    end = tl.multiple_of(tl.minimum(tl.load(expert_offsets_ptr + expert + 1), used), SUB)
+    return tl.multiple_of(tl.minimum(tl.load(expert_offsets_ptr + expert), end), SUB), end
 
 
 @triton.jit
 def _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN: tl.constexpr,
                SUB: tl.constexpr):
-    """(first row, end of its expert's rows) of the block at `slot`; first row -1 for a slot no
-    block uses."""
-    first = slot * SUB
-    expert = tl.load(block_expert_ptr + first // ALIGN)
-    start, end = _expert_rows(expert_offsets_ptr, tl.maximum(expert, 0), num_experts)
+    """(first row, end of its expert's rows, whether a block uses it) of the block at `slot`."""
+    expert = tl.load(block_expert_ptr + (slot * SUB) // ALIGN)
+    start, end = _expert_rows(expert_offsets_ptr, tl.maximum(expert, 0), num_experts, SUB)
     row = start + (slot - start // SUB) * ROWS
-    return tl.where((expert >= 0) & (row < end), row, -1), end
+    return row, end, (expert >= 0) & (row < end)
 
 
 @triton.jit
@@ -65,8 +63,9 @@ def quantize_row_blocks_kernel(
 ):
     """q[n, r] and scale[slot, n] of block slot program_id(0), columns program_id(1)."""
     slot = tl.program_id(0)
-    first, end = _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN, SUB)
-    if first < 0:
+    first, end, used = _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN,
+                                  SUB)
+    if not used:
         return
     rows = first + tl.arange(0, ROWS)
     mine = rows < end
@@ -101,8 +100,7 @@ def fp8_wgrad_kernel(
     expert = pid // tiles
     pid_p = (pid % tiles) // num_q_blocks
     pid_q = pid % num_q_blocks
-    start, end = _expert_rows(expert_offsets_ptr, expert, num_experts)
-    start = tl.multiple_of(start, SUB)  # aligned row loads (the experts' rows start so)
+    start, end = _expert_rows(expert_offsets_ptr, expert, num_experts, SUB)
     ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     in_p, in_q = ps < P, qs < Q
