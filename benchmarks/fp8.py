@@ -18,7 +18,8 @@ random routes), stage by stage:
   d_x        d_x_rows_fp8 on random e4m3 d_gate_up rows (Triton, Gluon);
   wgrad_*    the weight gradients of down and of gate/up: mok's bf16 launches (the layer's
              plan), grouped_wgrad_fp8 (its operands quantized along the rows, then the GEMM),
-             and that GEMM alone (mok_fp8_gemm_only); random d_output and d_gate_up;
+             and that GEMM alone (mok_fp8_gemm_only; on a GPU also with other tiles,
+             mok_fp8_gemm_only_<tile>); random d_output and d_gate_up;
   dense      the ceilings at gate/up's and down's FLOPs, all T*k routes as one matrix: bf16
              torch.mm, and e4m3 torch._scaled_mm with one scale per tensor.
 
@@ -33,7 +34,9 @@ not a measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import math
 import statistics
 import time
@@ -48,6 +51,7 @@ from mok.arch import arch_of
 from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
 from mok.ops.fp8_wgrad import grouped_wgrad_fp8_quantized as wgrad_fp8_quantized
 from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
+from mok.ops.tuning import FP8_WGRAD_TILES
 from mok.reference import dequantize_e4m3, swiglu
 from mok.testing import SHAPES_BY_NAME, MoEShape, make_shape_inputs
 
@@ -58,6 +62,8 @@ FIELDS = ("gpu", "commit", "date", "shape", "stage", "impl", "ms", "tflops", "gb
           "max_rel_err")
 SMALL = MoEShape("fp8-small", 4, 256, 256, 2, 64)  # CPU: every launch, in seconds
 FP8_SHAPES = {shape.name: shape for shape in (*SHAPES_BY_NAME.values(), SMALL)}
+# Other tiles of the FP8 weight-gradient GEMM timed on a GPU: (block_m, block_n, warps, stages).
+WGRAD_FP8_VARIANTS = ((128, 128, 8, 4), (64, 128, 4, 6), (128, 128, 8, 3))
 
 
 def median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
@@ -266,6 +272,18 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                                                   out_dtype=x.dtype),
         gate_up_fp8_gemm=lambda: wgrad_fp8_quantized(quantized["d_gate_up"], quantized["x"],
                                                      routing, out_dtype=x.dtype, split=inter))
+    # Other tiles of the FP8 weight-gradient GEMM (FP8_WGRAD_TILES is the layer's).
+    wgrad_variants = {"down": {}, "gate_up": {}}
+    for block_m, block_n, warps, stages_ in WGRAD_FP8_VARIANTS if device.type == "cuda" else ():
+        variant = dataclasses.replace(FP8_WGRAD_TILES, block_m=block_m, block_n=block_n,
+                                      num_warps=warps, num_stages=stages_)
+        label = f"{block_m}x{block_n}_w{warps}_s{stages_}"
+        wgrad_variants["down"][label] = functools.partial(
+            wgrad_fp8_quantized, quantized["d_out"], quantized["h"], routing, variant,
+            out_dtype=x.dtype)
+        wgrad_variants["gate_up"][label] = functools.partial(
+            wgrad_fp8_quantized, quantized["d_gate_up"], quantized["x"], routing, variant,
+            out_dtype=x.dtype, split=inter)
     for kind, a, b in (("down", "d_out", "h"), ("gate_up", "d_gate_up", "x")):
         out = wgrad_fp8_quantized(quantized[a], quantized[b], routing, out_dtype=torch.float32)
         errors[(f"wgrad_{kind}", "mok_fp8")] = wgrad_checked(quantized[a], quantized[b],
@@ -317,6 +335,8 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                    (f"wgrad_{kind}", "mok_fp8", wgrad_ops[f"{kind}_fp8"], flops, 0),
                    (f"wgrad_{kind}", "mok_fp8_gemm_only", wgrad_ops[f"{kind}_fp8_gemm"], flops,
                     0)]
+        stages += [(f"wgrad_{kind}", f"mok_fp8_gemm_only_{label}", op, flops, 0)
+                   for label, op in wgrad_variants[kind].items()]
     if gluon:
         stages += [
             ("gate_up", "mok_fp8_gluon", lambda: gate_up_swiglu_fp8(

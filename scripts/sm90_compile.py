@@ -435,6 +435,13 @@ def main(argv=None) -> None:
             ("wgrad_gate_up fp8", wgrad8, lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
                 by_rows(2 * inter), by_rows(hid), routing, tt, out_dtype=torch.bfloat16,
                 split=inter)),
+            *((f"wgrad_gate_up fp8 {m}x{n} w{w} s{st}",
+               dataclasses.replace(wgrad8, block_m=m, block_n=n, num_warps=w, num_stages=st),
+               lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
+                   by_rows(2 * inter), by_rows(hid), routing, tt, out_dtype=torch.bfloat16,
+                   split=inter))
+              for m, n, w, st in ((128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8, 3),
+                                  (64, 256, 4, 3), (64, 128, 4, 6))),
             ("wgrad quantize rows fp8", wgrad8, lambda tt: fp8_wgrad.quantize_row_blocks(
                 x, routing, gather=True, router_weights=rw)),
         ]
