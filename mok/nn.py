@@ -691,6 +691,14 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
 
+    def __getstate__(self) -> dict:
+        """The module's state, the last call's aux_loss without its graph (deepcopy and pickle
+        take only graph leaves)."""
+        state = dict(self.__dict__)
+        if state.get("aux_loss") is not None:
+            state["aux_loss"] = state["aux_loss"].detach()
+        return state
+
     def reset_parameters(self) -> None:
         """nn.Linear's initialization, per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
         for weight in (self.w_gate, self.w_up, self.w_down, self.shared_gate, self.shared_up,

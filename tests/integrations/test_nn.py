@@ -1,5 +1,7 @@
 """mok.nn: the MoE module and its router, against the reference and PyTorch's own ops."""
 
+import copy
+import io
 import math
 import re
 import warnings
@@ -255,6 +257,24 @@ def test_aux_and_z_losses():
     torch.testing.assert_close(out.aux_loss, expected)
     out.aux_loss.backward()
     assert router.weight.grad is not None and bool(router.weight.grad.abs().sum() > 0)
+
+
+def test_deepcopy_after_a_step_with_a_balancing_loss():
+    """The last call's aux_loss holds a graph; copies and pickles take it without one."""
+    torch.manual_seed(0)
+    model = MoE(32, 32, 4, 2, router=RouterConfig(aux_loss_coef=1e-2), dtype=torch.bfloat16,
+                device=DEVICE)
+    x = torch.randn(8, 32, device=DEVICE, dtype=torch.bfloat16)
+    (model(x).float().sum() + model.aux_loss).backward()
+    twin = copy.deepcopy(model)
+    assert twin.aux_loss.grad_fn is None and model.aux_loss.grad_fn is not None
+    torch.testing.assert_close(twin.aux_loss, model.aux_loss, rtol=0, atol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(dict(twin.named_parameters())[name], param, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])
