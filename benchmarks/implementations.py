@@ -14,8 +14,8 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   GEMMs on e4m3 operands with blockwise scales, checked against the reference within
   mok.testing.tolerance.FP8_TOLERANCE; on sm_90 the plan gives most launches the warp-specialized
   Gluon FP8 kernels (MOK_FP8_GLUON). mok_fp8_triton: mok_fp8 on the Triton FP8 kernels alone
-  (MOK_FP8_GLUON=0). mok_fp8_wgrad: mok_fp8 with its weight gradients on e4m3 operands too
-  (MoKConfig.fp8_weight_gradients).
+  (MOK_FP8_GLUON=0); mok_fp8_gluon_dswiglu: with the dSwiGLU's Gluon kernel too. mok_fp8_wgrad:
+  mok_fp8 with its weight gradients on e4m3 operands too (MoKConfig.fp8_weight_gradients).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -221,25 +221,38 @@ def mok_fp8_wgrad_implementation(shape: MoEShape, settings: Settings) -> Impleme
                               config=F.MoKConfig(precision="fp8", fp8_weight_gradients=True))
 
 
+def _with_setting(inner: Implementation, owner, name: str, value) -> Implementation:
+    """inner with owner.name set to value during each of its calls."""
+    def wrap(fn):
+        def run(*args):
+            before = getattr(owner, name)
+            setattr(owner, name, value)
+            try:
+                return fn(*args)
+            finally:
+                setattr(owner, name, before)
+        return run
+
+    return Implementation(inner.name, wrap(inner.forward), wrap(inner.forward_train),
+                          wrap(inner.backward), tolerance=inner.tolerance)
+
+
 def mok_fp8_triton_implementation(shape: MoEShape, settings: Settings) -> Implementation:
     """mok_fp8 with MOK_FP8_GLUON=0: the Triton FP8 kernels alone."""
     from mok import _env
 
-    inner = mok_implementation(shape, settings, name="mok_fp8_triton",
-                               config=F.MoKConfig(precision="fp8"))
+    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_triton",
+                                            config=F.MoKConfig(precision="fp8")),
+                         _env, "FP8_GLUON", False)
 
-    def triton_only(fn):
-        def run(*args):
-            before, _env.FP8_GLUON = _env.FP8_GLUON, False
-            try:
-                return fn(*args)
-            finally:
-                _env.FP8_GLUON = before
-        return run
 
-    return Implementation(inner.name, triton_only(inner.forward),
-                          triton_only(inner.forward_train), triton_only(inner.backward),
-                          tolerance=inner.tolerance)
+def mok_fp8_gluon_dswiglu_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    """mok_fp8 with the dSwiGLU on its Gluon kernel too (the plan gives it the Triton one)."""
+    from mok import plan
+
+    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_gluon_dswiglu",
+                                            config=F.MoKConfig(precision="fp8")),
+                         plan, "_FP8_TRITON_KINDS", ())
 
 
 def grouped_mm_moe(x, topk_experts, router_weights, routed, shared):
@@ -485,6 +498,7 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8": mok_fp8_implementation,
     "mok_fp8_recompute": mok_fp8_recompute_implementation,
     "mok_fp8_triton": mok_fp8_triton_implementation,
+    "mok_fp8_gluon_dswiglu": mok_fp8_gluon_dswiglu_implementation,
     "mok_fp8_wgrad": mok_fp8_wgrad_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,
