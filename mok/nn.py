@@ -773,6 +773,14 @@ def prepare_ddp(model: nn.Module) -> list[str]:
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    wrapped = [prefix or "the model" for prefix, module in model.named_modules()
+               if isinstance(module, DistributedDataParallel)]
+    if wrapped and any(isinstance(module, MoE) and module.ep_group is not None
+                       for module in model.modules()):
+        raise MoKInputError(
+            f"prepare_ddp: {wrapped[0]} is already wrapped in DistributedDataParallel, whose "
+            f"start copied rank 0's experts over every rank's own: call prepare_ddp on the "
+            f"model before wrapping it")
     names = []
     for prefix, module in model.named_modules():
         if not isinstance(module, MoE) or module.ep_group is None:

@@ -637,6 +637,8 @@ def _ddp_body(rank, world_size):
             if not name.startswith(prefix + "w_"):  # replicated: averaged over the ranks
                 dist.all_reduce(grad)
             torch.testing.assert_close(inner.get_parameter(name).grad, grad, msg=name)
+        with pytest.raises(MoKInputError, match="already wrapped"):  # too late: refused
+            prepare_ddp(wrapped)
 
 
 @distributed_test(world_sizes=(2,), backend="gloo")
