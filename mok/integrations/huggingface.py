@@ -347,7 +347,7 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     Raises ValueError (before changing anything) when a block has a layout mok cannot run, or
     (backend "mok") sizes its kernels cannot (H and I multiples of 8; in FP8, I and the shared
     expert's multiples of 128), or an option mok.nn.MoE refuses. A model whose blocks are
-    already mok's is left as it is (a warning says so).
+    already mok's is left as it is, as is one without a supported block (a warning says so).
     """
     block_types = supported_block_types()
     replacements: dict[int, nn.Module] = {}
@@ -367,4 +367,11 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     if not replacements and any(isinstance(m, MokSparseMoeBlock) for m in model.modules()):
         warnings.warn("patch_moe_blocks: the model's MoE blocks already run in mok; nothing was "
                       "changed (their options stay those they were patched with)", stacklevel=2)
+    elif not replacements:
+        others = sorted({type(m).__name__ for m in model.modules()
+                         if "moe" in type(m).__name__.lower()})
+        warnings.warn(f"patch_moe_blocks: no block mok replaces in this model"
+                      f"{' (its ' + ', '.join(others) + ' are not among them)' if others else ''}"
+                      f"; nothing was changed. mok replaces "
+                      f"{', '.join(sorted(t.__name__ for t in block_types))}", stacklevel=2)
     return len(replacements)

@@ -526,6 +526,13 @@ def test_patch_refuses_sizes_the_kernels_cannot_run_and_replaced_experts():
     # Patching a patched model changes nothing, and says so.
     with pytest.warns(UserWarning, match="already run in mok"):
         assert patch_moe_blocks(model, backend="mok") == 0
+    # A model without a block mok replaces is left as it is, and says so.
+    class OtherMoeBlock(nn.Module):
+        pass
+
+    with pytest.warns(UserWarning, match=r"its OtherMoeBlock are not among them.*"
+                                         r"Qwen3MoeSparseMoeBlock"):
+        assert patch_moe_blocks(nn.Sequential(nn.Linear(4, 4), OtherMoeBlock())) == 0
     patched, _ = patched_copy(build(BY_NAME["qwen3_moe"]), "mok")
     block = next(m for m in patched.modules() if isinstance(m, MokSparseMoeBlock))
     block.experts = nn.Identity()  # what wrapping the experts (an adapter) leaves
