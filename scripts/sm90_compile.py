@@ -442,8 +442,9 @@ def main(argv=None) -> None:
                    split=inter))
               for m, n, w, st in ((128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8, 3),
                                   (64, 256, 4, 3), (64, 128, 4, 6))),
-            ("wgrad quantize rows fp8", wgrad8, lambda tt: fp8_wgrad.quantize_row_blocks(
-                x, routing, gather=True, router_weights=rw)),
+            ("quantize rows fp8 for weight gradients", wgrad8,
+             lambda tt: fp8_wgrad.quantize_row_blocks(x, routing, gather=True,
+                                                      router_weights=rw)),
         ]
         # The Gluon FP8 kernels (mok.kernels.gluon_fp8), as an sm_90 GPU would run them.
         fp8.gluon_takes_fp8 = lambda *args, **kwargs: True
