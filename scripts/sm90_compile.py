@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import re
 import subprocess
@@ -424,9 +423,8 @@ def main(argv=None) -> None:
         from mok.ops import fp8_wgrad
 
         def by_rows(width):
-            sub = math.gcd(routing.align, 128)
             return ops.Quantized(torch.empty(width, rows, **e4m3),
-                                 torch.empty(rows // sub, width))
+                                 torch.empty(rows // fp8_wgrad._rows_per_slot(routing), width))
 
         from mok.ops.tuning import FP8_WGRAD_TILES as wgrad8
         runs += [

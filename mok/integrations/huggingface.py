@@ -370,8 +370,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     elif not replacements:
         others = sorted({type(m).__name__ for m in model.modules()
                          if "moe" in type(m).__name__.lower()})
-        warnings.warn(f"patch_moe_blocks: no block mok replaces in this model"
-                      f"{' (its ' + ', '.join(others) + ' are not among them)' if others else ''}"
-                      f"; nothing was changed. mok replaces "
-                      f"{', '.join(sorted(t.__name__ for t in block_types))}", stacklevel=2)
+        found = f" (its {', '.join(others)} are not among them)" if others else ""
+        supported = ", ".join(sorted(t.__name__ for t in block_types))
+        warnings.warn(f"patch_moe_blocks: no block mok replaces in this model{found}; nothing "
+                      f"was changed. mok replaces {supported}", stacklevel=2)
     return len(replacements)
