@@ -18,11 +18,11 @@ on every rank since every rank makes the same calls:
   routes come here (with k = 8 of 128 experts over 2 ranks a quarter of the bytes of a row per
   route), in the order of their first rows in the schedule, in minibatches, raising a ready flag
   per minibatch, while its other programs gather each row tile from the pulled tokens as on
-  one GPU as soon as its rows' tokens have landed (one launch: the pulling programs start
-  first, so a spinning tile can never keep them from running, as a separate kernel on a side
-  stream could); the down GEMM writes each weighted row straight into its token's rank's
-  combine buffer; each rank signals "done" to every rank and, once all have, combines its own
-  tokens in a fixed order.
+  one GPU as soon as its rows' tokens have landed (one launch: the pulling roles go to the
+  first programs to start, so a spinning tile can never keep them from running, as a separate
+  kernel on a side stream could); the down GEMM writes each weighted row straight into its
+  token's rank's combine buffer; each rank signals "done" to every rank and, once all have,
+  combines its own tokens in a fixed order.
 - backward: x (published again: the forward keeps no copy of the pulled rows, so what the
   forward leaves for the backward stays h and routing metadata) and d_output, pulled together by
   the first backward GEMM's launch; d_x rows and router-weight gradients go back to the token's
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mok import ops
+from mok import _env, ops
 from mok.errors import NUM_ERROR_FLAGS, MoKInputError
 from mok.exchange.base import (
     NUM_PHASES,
@@ -144,7 +144,11 @@ class SymmetricExchange(Exchange):
         self._landed = torch.zeros(world, dtype=torch.int64, device=device)
         self._one = torch.ones(1, dtype=torch.int64, device=device)
         self._identity = torch.arange(world * num_tokens, dtype=torch.int32, device=device)
-        self._copy_stream = (torch.cuda.Stream(device) if device.type == "cuda" else None)
+        # Ranks sharing one GPU: a peer's copy is a copy within that GPU, which may run as a
+        # kernel and wait for SMs the GEMM's spinning tiles hold, so every copy runs before the
+        # GEMM, on the current stream.
+        self._copy_stream = (torch.cuda.Stream(device)
+                             if device.type == "cuda" and not _env.RANKS_SHARE_GPU else None)
         self._ones_host = (torch.ones(world, dtype=torch.int64, pin_memory=True)
                            if device.type == "cuda" else None)  # the landed flags' source
         self._copies_pending = False
@@ -311,7 +315,8 @@ class SymmetricExchange(Exchange):
         a kernel, which would need an SM the GEMM's spinning tiles hold) and the other ranks' on
         the side stream (the copy engines), each flag written by a copy too, of a one from
         pinned host memory (no kernel; a CUDA graph captures it, so the copies overlap the GEMM
-        there as well)."""
+        there as well). With the ranks sharing one GPU (MOK_RANKS_SHARE_GPU) every rank's copies
+        are copies within that GPU, and all run on the current stream."""
         stream = self._copy_stream
         if stream is not None:  # first, so they start before this rank's own copies
             stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -204,9 +204,10 @@ def pull_tokens(
     allocation and row layout comes along too: dst2[u] = rank p's src2[t] (the backward pulls
     d_output and x together).
 
-    The GEMMs that wait on these rows run the pull in their own launch, as its first programs
-    (see mok.kernels.grouped_gemm): programs start in order, so the pull always has SMs and a
-    GEMM tile never spins on rows that no running program will deliver.
+    The GEMMs that wait on these rows run the pull in their own launch, in its first programs
+    to start (a ticket each, see mok.kernels.grouped_gemm._pull_programs): whatever order the
+    hardware starts programs in, the pull runs, and a GEMM tile never spins on rows that no
+    running program will deliver.
     """
     target = tl.load(seq_ptr + phase)
     for peer in range(0, world_size):

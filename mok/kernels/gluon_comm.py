@@ -11,10 +11,11 @@ ready[minibatch] = seq[phase]; a loader waits (acquire) on the minibatches of it
 then a barrier of the loader's warps orders its gathers after the flags.
 
 No program waits on a minibatch that a program not yet running must deliver (as in the Triton
-launches, where the pulling programs come first): the launch has a program per SM and each
-program's puller partition starts with the program. The first tiles' rows come first in the
-order, and every program pulls at once, so the tiles of the first wave wait on about their own
-rows' share of the bytes, not on the whole pull.
+launches, where the pulling programs are the first to start): the pulling partitions claim the
+minibatches in order from a counter, so the programs running pull them all, however many of
+the launch's programs (one per SM) have an SM. The first tiles' rows come first in the order,
+and every program pulls at once, so the tiles of the first wave wait on about their own rows'
+share of the bytes, not on the whole pull.
 """
 
 from triton.experimental import gluon
@@ -60,7 +61,7 @@ def wait_published(flags_ptr, flag_delta_ptr, publish_slot, target, world_size, 
 @gluon.jit
 def pull_partition(
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
-    order_ptr, moving_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
+    order_ptr, moving_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr, claim_ptr,
     phase, publish_slot, tokens_per_rank, topk, width, world_size, timeout,
     stride_src, stride_dst,
     HAS_WEIGHTS: gl.constexpr, MINIBATCH: gl.constexpr, BLOCK_R: gl.constexpr,
@@ -69,9 +70,12 @@ def pull_partition(
 ):
     """The dispatch, as this program's share (mok.kernels.comm.pull_tokens): dst[u] = rank p's
     src[t] for the group tokens u = p * tokens_per_rank + t in order[:moving[0]], a minibatch of
-    MINIBATCH of them at a time, minibatches program_id, program_id + num_programs, ...; with
-    HAS_WEIGHTS also dst_weights[u * topk + j] = rank p's weights[t * topk + j]. Steps of
-    [BLOCK_R, BLOCK_W] elements, 16-byte pieces, the warps stacking rows."""
+    MINIBATCH of them at a time, each minibatch claimed from a counter the launch's programs
+    share (claim_ptr, zero at launch), in order; with HAS_WEIGHTS also dst_weights[u * topk + j]
+    = rank p's weights[t * topk + j]. Steps of [BLOCK_R, BLOCK_W] elements, 16-byte pieces, the
+    warps stacking rows. Claiming rather than taking minibatches by program id, the programs
+    running pull every minibatch even while others wait for an SM (another stream's kernels,
+    another process's), so no loader waits on a program that has not started."""
     TPW_W: gl.constexpr = 32 if BLOCK_W // 8 >= 32 else BLOCK_W // 8
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_W, TPW_W], [PULL_WARPS, 1],
                                                  [1, 0])
@@ -85,7 +89,9 @@ def pull_partition(
     cols = gl.arange(0, BLOCK_W, layout=gl.SliceLayout(0, rows_layout))
     w_rows = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, w_layout))
     slots = gl.arange(0, K_PAD, layout=gl.SliceLayout(0, w_layout))
-    for minibatch in range(gl.program_id(0), gl.cdiv(moving, MINIBATCH), gl.num_programs(0)):
+    minibatches = gl.cdiv(moving, MINIBATCH)
+    minibatch = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+    while minibatch < minibatches:
         for r0 in range(0, MINIBATCH, BLOCK_R):
             index = minibatch * MINIBATCH + r0 + r_base
             moves = (index < moving) & (r0 + r_base < MINIBATCH)
@@ -112,6 +118,7 @@ def pull_partition(
                          mask=w_mask)
         gl.thread_barrier()
         gl.atomic_xchg(ready_ptr + minibatch, target, sem="release", scope="gpu")
+        minibatch = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
 
 
 @gluon.jit

@@ -213,7 +213,8 @@ def _rows_gemm(a_desc, b_desc, b2_desc, out_desc, router_weights_ptr, row_route_
                D_X: gl.constexpr, SCATTER: gl.constexpr, ROW_ALIGN: gl.constexpr,
                pull_src_ptr=None, pull_src_delta_ptr=None, pulled_ptr=None, stride_pulled=0,
                pull_order_ptr=None, pull_moving_ptr=None, ready_ptr=None, seq_ptr=None,
-               flags_ptr=None, flag_delta_ptr=None, error_ptr=None, phase=0, publish_slot=0,
+               flags_ptr=None, flag_delta_ptr=None, error_ptr=None, pull_claim_ptr=None,
+               phase=0, publish_slot=0,
                tokens_per_rank=0, world_size=0, timeout=0, stride_pull_src=0, pull_width=0,
                PULL: gl.constexpr = False, MINIBATCH: gl.constexpr = 1,
                PULL_BLOCK_R: gl.constexpr = 1, PULL_BLOCK_W: gl.constexpr = 8,
@@ -248,10 +249,10 @@ def _rows_gemm(a_desc, b_desc, b2_desc, out_desc, router_weights_ptr, row_route_
             (pull_partition, (pull_src_ptr, pull_src_delta_ptr, pull_src_ptr,
                               pull_src_delta_ptr, pulled_ptr, pulled_ptr, pull_order_ptr,
                               pull_moving_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr,
-                              error_ptr, phase, publish_slot, tokens_per_rank, 1, pull_width,
-                              world_size, timeout, stride_pull_src, stride_pulled, False,
-                              MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W, 1, PULL_ROW_ALIGN,
-                              PULL_WARPS)),
+                              error_ptr, pull_claim_ptr, phase, publish_slot,
+                              tokens_per_rank, 1, pull_width, world_size, timeout,
+                              stride_pull_src, stride_pulled, False, MINIBATCH,
+                              PULL_BLOCK_R, PULL_BLOCK_W, 1, PULL_ROW_ALIGN, PULL_WARPS)),
         ], [1, PULL_WARPS], [LOAD_REGS, PULL_REGS])
     else:
         gl.warp_specialize([
@@ -293,8 +294,8 @@ def d_x_rows_ws_kernel(
     d_gate_up_desc, w_gate_desc, w_up_desc, out_desc, block_expert_ptr, used_rows_ptr, N, K,
     row_route_ptr, out_ptr, out_delta_ptr, routes_per_rank, stride_out,
     pull_src_ptr, pull_src_delta_ptr, pulled_ptr, stride_pulled, pull_order_ptr,
-    pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr, phase,
-    publish_slot, tokens_per_rank, world_size, timeout, stride_pull_src, pull_width,
+    pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr, pull_claim_ptr,
+    phase, publish_slot, tokens_per_rank, world_size, timeout, stride_pull_src, pull_width,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, EPI_SPLIT: gl.constexpr,
     LOAD_REGS: gl.constexpr, SCATTER: gl.constexpr, ROW_ALIGN: gl.constexpr,
@@ -314,7 +315,7 @@ def d_x_rows_ws_kernel(
                routes_per_rank, stride_out, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
                NUM_STAGES, EPI_SPLIT, LOAD_REGS, False, True, SCATTER, ROW_ALIGN,
                pull_src_ptr, pull_src_delta_ptr, pulled_ptr, stride_pulled, pull_order_ptr,
-               pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr, phase,
-               publish_slot, tokens_per_rank, world_size, timeout, stride_pull_src, pull_width,
-               PULL, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W, PULL_ROW_ALIGN, PULL_WARPS,
-               PULL_REGS)
+               pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr, error_ptr,
+               pull_claim_ptr, phase, publish_slot, tokens_per_rank, world_size, timeout,
+               stride_pull_src, pull_width, PULL, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W,
+               PULL_ROW_ALIGN, PULL_WARPS, PULL_REGS)

@@ -39,10 +39,11 @@ loads the next tile's first K blocks while the current tile's last ones multiply
 epilogue runs, instead of starting each tile on an empty pipeline. The same sums in the same
 order: bitwise the same results.
 
-Expert parallelism adds two switches. PULL: the launch's first programs pull the token rows the
-GEMM reads from their ranks (mok.kernels.comm.pull_tokens: the group's tokens, a row each, that
-row_route's routes gather as on one GPU) and every tile, before its K loop, waits until its rows'
-tokens have landed (mok.kernels.comm.wait_tokens_ready). SCATTER: a row's output
+Expert parallelism adds two switches. PULL: the launch's first programs to start (by a ticket
+each takes at its start, not by program id) pull the token rows the GEMM reads from their ranks
+(mok.kernels.comm.pull_tokens: the group's tokens, a row each, that row_route's routes gather
+as on one GPU) and every tile, before its K loop, waits until its rows' tokens have landed
+(mok.kernels.comm.wait_tokens_ready). SCATTER: a row's output
 goes to the rank that owns its token, at `out + delta[g // routes_per_rank]`, row g %
 routes_per_rank of that rank's combine buffer, g = dest_route[row] (a route of the whole group).
 """
@@ -106,15 +107,21 @@ def _pull_programs(
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_order_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
-    flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
-    pull_topk, world_size, timeout, stride_pull_src,
+    flag_delta_ptr, error_ptr, ticket_ptr, num_pull_programs, phase, publish_slot,
+    tokens_per_rank, pull_topk, world_size, timeout, stride_pull_src,
     PULL_WEIGHTS: tl.constexpr, PULL_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
     PULL_BLOCK_R: tl.constexpr, PULL_BLOCK_W: tl.constexpr, PULL_K_PAD: tl.constexpr,
     PULL_ROW_ALIGN: tl.constexpr, HAS_TIMER: tl.constexpr,
 ):
-    """The first num_pull_programs programs pull dst's token rows (and dst2's, PULL_SECOND);
-    returns the GEMM tile's program id of the others (negative for the pulling ones)."""
-    pid = tl.program_id(0)
+    """The first num_pull_programs programs to start pull dst's token rows (and dst2's,
+    PULL_SECOND); returns the GEMM tile's program id of the others (negative for the pulling
+    ones).
+
+    A program's role comes from a ticket (ticket_ptr, zero at launch), taken in the order the
+    programs start, not from its program id: the pulling programs are always among those
+    running, whatever order the hardware starts them in, so a GEMM tile never spins on rows
+    that no running program will deliver."""
+    pid = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
     if pid < num_pull_programs:
         pull_tokens(pid, num_pull_programs, pull_src_ptr, pull_src_delta_ptr, pull_w_ptr,
                     pull_w_delta_ptr, dst_ptr, pull_dst_w_ptr, pull_src2_ptr, dst2_ptr,
@@ -245,7 +252,8 @@ def gate_up_swiglu_kernel(
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
-    flag_delta_ptr, error_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks, N, K, topk,
+    flag_delta_ptr, error_ptr, pull_ticket_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks,
+    N, K, topk,
     num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_xm, stride_x2m, stride_we, stride_wn, stride_wk, stride_ue, stride_un, stride_uk,
@@ -278,8 +286,8 @@ def gate_up_swiglu_kernel(
             x_ptr, stride_xm, x2_ptr, stride_x2m, K, pull_src_ptr, pull_src_delta_ptr,
             pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_order_ptr,
             pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
-            flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
-            pull_topk, world_size, timeout,
+            flag_delta_ptr, error_ptr, pull_ticket_ptr, num_pull_programs, phase, publish_slot,
+            tokens_per_rank, pull_topk, world_size, timeout,
             stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W,
             PULL_K_PAD, PULL_ROW_ALIGN, HAS_TIMER)
         if pid < 0:
@@ -481,7 +489,8 @@ def down_bwd_dswiglu_kernel(
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
-    flag_delta_ptr, error_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks, N, K, topk,
+    flag_delta_ptr, error_ptr, pull_ticket_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks,
+    N, K, topk,
     num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_dm, stride_xm, stride_wd_e, stride_wd_k, stride_wd_n,
@@ -520,8 +529,8 @@ def down_bwd_dswiglu_kernel(
             d_out_ptr, stride_dm, x_ptr, stride_xm, K, pull_src_ptr, pull_src_delta_ptr,
             pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr, pull_order_ptr,
             pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
-            flag_delta_ptr, error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
-            pull_topk,
+            flag_delta_ptr, error_ptr, pull_ticket_ptr, num_pull_programs, phase, publish_slot,
+            tokens_per_rank, pull_topk,
             world_size, timeout, stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH,
             PULL_BLOCK_R, PULL_BLOCK_W, PULL_K_PAD, PULL_ROW_ALIGN, HAS_TIMER)
         if pid < 0:
@@ -723,7 +732,8 @@ def d_x_rows_kernel(
     pull_src_ptr, pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr,
     pull_src2_ptr,
     pull_order_ptr, pull_position_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr,
-    flag_delta_ptr, error_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks, N, K,
+    flag_delta_ptr, error_ptr, pull_ticket_ptr, used_rows_ptr, tile_counter_ptr, num_m_blocks,
+    N, K,
     routes_per_rank, num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
     world_size, timeout, stride_pull_src,
     stride_gm, stride_we, stride_wk, stride_wn, stride_ue, stride_uk, stride_un, stride_om,
@@ -752,7 +762,8 @@ def d_x_rows_kernel(
             pulled_ptr, stride_pulled, pulled_ptr, stride_pulled, N, pull_src_ptr,
             pull_src_delta_ptr, pull_w_ptr, pull_w_delta_ptr, pull_dst_w_ptr, pull_src2_ptr,
             pull_order_ptr, pull_moving_ptr, ready_ptr, seq_ptr, flags_ptr, flag_delta_ptr,
-            error_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank, pull_topk,
+            error_ptr, pull_ticket_ptr, num_pull_programs, phase, publish_slot, tokens_per_rank,
+            pull_topk,
             world_size, timeout, stride_pull_src, PULL_WEIGHTS, PULL_SECOND, MINIBATCH,
             PULL_BLOCK_R, PULL_BLOCK_W, PULL_K_PAD, PULL_ROW_ALIGN, HAS_TIMER)
         if pid < 0:

@@ -397,7 +397,8 @@ class Pull:
         kernel's parameter names; stand-ins (fallback, 0) without a pull. num_warps: the
         launch's."""
         if pull is None:
-            return (dict.fromkeys(_POINTERS + ("pull_src2_ptr",) + _FLAG_POINTERS, fallback)
+            return (dict.fromkeys(_POINTERS + ("pull_src2_ptr", "pull_ticket_ptr")
+                                  + _FLAG_POINTERS, fallback)
                     | dict.fromkeys(_SCALARS, 0) | dict(
                 PULL=False, PULL_WEIGHTS=False, PULL_SECOND=False, MINIBATCH=1, PULL_BLOCK_R=1,
                 PULL_BLOCK_W=1, PULL_K_PAD=1, PULL_ROW_ALIGN=1, HAS_TIMER=HAS_TIMER))
@@ -408,6 +409,7 @@ class Pull:
             pull_src_ptr=pull.src, pull_src_delta_ptr=pull.src_deltas, **pull._weight_pointers(),
             pull_src2_ptr=pull.second_src if pull.second_src is not None else pull.src,
             **pull._flag_pointers(),
+            pull_ticket_ptr=pull._claim_counter(),
             num_pull_programs=pull.num_programs, phase=pull.phase,
             publish_slot=pull.publish_slot, tokens_per_rank=pull.tokens_per_rank,
             pull_topk=pull.topk, world_size=peer.world_size, timeout=peer.timeout,
@@ -417,6 +419,12 @@ class Pull:
             PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w, PULL_K_PAD=_k_pad(pull.topk),
             PULL_ROW_ALIGN=row_align(pull.src.element_size(), pull.src.stride(0)),
             HAS_TIMER=HAS_TIMER)
+
+    def _claim_counter(self) -> torch.Tensor:
+        """A zeroed counter (on the device's stream, no sync) from which a launch's programs
+        take their pulling roles or minibatches in the order they start (see
+        mok.kernels.grouped_gemm._pull_programs and mok.kernels.gluon_comm.pull_partition)."""
+        return torch.zeros(1, dtype=torch.int32, device=self.src.device)
 
     def _weight_pointers(self) -> dict:
         """weights, their deltas and dst_weights, or stand-ins without router weights."""
@@ -444,10 +452,12 @@ class Pull:
                 PULL_REGS=GLUON_PULL_REGS, WAIT_ROWS=False)
             scalars = dict.fromkeys(_GLUON_SCALARS, 0)
             if pull is None:
-                return dict.fromkeys(_POINTERS + _FLAG_POINTERS, fallback) | scalars | constexprs
+                return (dict.fromkeys(_POINTERS + _FLAG_POINTERS + ("pull_claim_ptr",), fallback)
+                        | scalars | constexprs)
             # A copied pull: the loader's waits alone (position, ready, seq, errors; phase,
             # timeout).
-            return (dict.fromkeys(_POINTERS, fallback) | pull._flag_pointers() | scalars
+            return (dict.fromkeys(_POINTERS + ("pull_claim_ptr",), fallback)
+                    | pull._flag_pointers() | scalars
                     | dict(phase=pull.phase, world_size=pull.peer.world_size,
                            timeout=pull.peer.timeout)
                     | constexprs | dict(MINIBATCH=pull.minibatch, WAIT_ROWS=True))
@@ -458,7 +468,7 @@ class Pull:
                                        pull.src.element_size(), GLUON_PULL_WARPS)
         return dict(
             pull_src_ptr=pull.src, pull_src_delta_ptr=pull.src_deltas, **pull._weight_pointers(),
-            **pull._flag_pointers(),
+            **pull._flag_pointers(), pull_claim_ptr=pull._claim_counter(),
             phase=pull.phase, publish_slot=pull.publish_slot,
             tokens_per_rank=pull.tokens_per_rank, world_size=peer.world_size,
             timeout=peer.timeout, stride_pull_src=pull.src.stride(0),
@@ -476,7 +486,8 @@ class Pull:
         if pull is None:
             return (dict.fromkeys(("pull_src_ptr", "pull_src_delta_ptr", "pulled_ptr",
                                    "pull_order_ptr", "pull_moving_ptr", "ready_ptr", "seq_ptr",
-                                   "flags_ptr", "flag_delta_ptr", "error_ptr"), fallback)
+                                   "flags_ptr", "flag_delta_ptr", "error_ptr",
+                                   "pull_claim_ptr"), fallback)
                     | dict.fromkeys(("stride_pulled", "phase", "publish_slot",
                                      "tokens_per_rank", "world_size", "timeout",
                                      "stride_pull_src", "pull_width"), 0)
@@ -494,9 +505,10 @@ class Pull:
             stride_pulled=pulled.stride(0), pull_order_ptr=pull.order,
             pull_moving_ptr=pull.moving, ready_ptr=pull.ready, seq_ptr=peer.seq,
             flags_ptr=peer.flags, flag_delta_ptr=peer.flag_deltas, error_ptr=peer.errors,
-            phase=pull.phase, publish_slot=pull.publish_slot,
-            tokens_per_rank=pull.tokens_per_rank, world_size=peer.world_size,
-            timeout=peer.timeout, stride_pull_src=src.stride(0), pull_width=src.shape[1],
+            pull_claim_ptr=pull._claim_counter(), phase=pull.phase,
+            publish_slot=pull.publish_slot, tokens_per_rank=pull.tokens_per_rank,
+            world_size=peer.world_size, timeout=peer.timeout, stride_pull_src=src.stride(0),
+            pull_width=src.shape[1],
             PULL=True, MINIBATCH=pull.minibatch, PULL_BLOCK_R=block_r, PULL_BLOCK_W=block_w,
             PULL_ROW_ALIGN=row_align(src.element_size(), src.stride(0)),
             PULL_WARPS=GLUON_PULL_WARPS, PULL_REGS=GLUON_PULL_REGS)

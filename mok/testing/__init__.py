@@ -10,6 +10,7 @@ from mok.testing.inputs import (
     make_shape_inputs,
     make_topk,
 )
+from mok.testing.scheduling import programs_last_first
 from mok.testing.shapes import SHAPES, SHAPES_BY_NAME, UNTUNED_SHAPES, MoEShape
 from mok.testing.tolerance import TOLERANCES, ErrorReport, Tolerance, assert_close, error_report
 
@@ -40,6 +41,7 @@ __all__ = [
     "make_topk",
     "moe_reference",
     "moe_reference_grads",
+    "programs_last_first",
     "rank_device",
     "run_distributed",
     "swiglu",

@@ -28,6 +28,7 @@ from mok.testing import (
     eager_and_captured,
     make_inputs,
     moe_reference_grads,
+    programs_last_first,
     rank_device,
 )
 
@@ -168,6 +169,26 @@ SMALL_MINIBATCHES = F.MoKConfig(fwd_num_comm_sms=2, bwd_num_comm_sms=3, minibatc
 def test_ep_matches_reference(rank, world_size):
     _matches_reference_body(rank, world_size, shared=0, limit=None,
                             pattern=RoutingPattern.RANDOM, config=SMALL_MINIBATCHES)
+
+
+def _last_first_body(rank, world_size):
+    """The programs of every launch started from the last program id to the first
+    (mok.testing.programs_last_first): a GEMM's tiles start before the programs that pull their
+    rows would by program id. The pulling roles go by a ticket taken at each program's start, so
+    the launches still end with every row landed (with roles by program id the tiles would spin
+    until their timeout: "waited on this rank's own pull"). Both backwards: the recomputing one
+    pulls d_output and x in its dSwiGLU, the kept one x in d_x's launch."""
+    for config in (SMALL_MINIBATCHES, dataclasses.replace(SMALL_MINIBATCHES,
+                                                          recompute_gate_up=False)):
+        with programs_last_first():
+            _matches_reference_body(rank, world_size, shared=0, limit=None,
+                                    pattern=RoutingPattern.RANDOM, config=config)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="orders the programs of Triton's interpreter")
+@distributed_test(world_sizes=(2,))
+def test_ep_pulls_land_whatever_order_the_programs_start_in(rank, world_size):
+    _last_first_body(rank, world_size)
 
 
 def _layouts_body(rank, world_size):
