@@ -615,6 +615,8 @@ class MoE(nn.Module):
     MoKInputError); recompute_gate_up=True keeps h instead and recomputes them
     (MoKConfig.recompute_gate_up): I fewer values per route of activations, a slower backward,
     and backwards through the graph may repeat.
+    Under expert parallelism state_dict also holds `ep_expert_ids`, the global ids of the
+    rank's experts, and load_state_dict refuses a state dict of other experts (MoKInputError).
     precision="fp8" runs the experts' row GEMMs on e4m3 operands with blockwise scales
     (MoKConfig.precision; I and I_s multiples of 128), keeping an e4m3 copy of the
     expert weights per optimizer step.
@@ -690,6 +692,11 @@ class MoE(nn.Module):
         self.reset_parameters()
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        self.first_expert = (dist.get_rank(ep_group) * num_local if self.ep_group is not None
+                             else 0)
+        if self.ep_group is not None:
+            self.register_state_dict_post_hook(_save_expert_ids)
+        self.register_load_state_dict_pre_hook(_check_expert_ids)
 
     def __getstate__(self) -> dict:
         """The module's state, the last call's aux_loss without its graph (deepcopy and pickle
@@ -759,6 +766,43 @@ class MoE(nn.Module):
                 f"num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"shared_intermediate_size={self.shared_intermediate_size}, "
                 f"backend={self.backend.value}, precision={self.precision}")
+
+
+_EXPERT_IDS = "ep_expert_ids"
+
+
+def _expert_range(first: int, count: int) -> str:
+    return f"experts {first}..{first + count - 1}"
+
+
+def _save_expert_ids(module: MoE, state_dict, prefix, local_metadata) -> None:
+    """An expert-parallel module's state dict names the global ids of the experts it holds."""
+    state_dict[prefix + _EXPERT_IDS] = torch.arange(
+        module.first_expert, module.first_expert + module.w_gate.shape[0])
+
+
+def _check_expert_ids(module: MoE, state_dict, prefix, *args) -> None:
+    """Refuse a state dict holding other experts than the module's: another rank's, or one
+    rank's loaded into a module holding every expert."""
+    saved = state_dict.pop(prefix + _EXPERT_IDS, None)
+    if saved is None:
+        return
+    saved = saved.tolist()
+    own = list(range(module.first_expert, module.first_expert + module.w_gate.shape[0]))
+    if saved == own and module.ep_group is not None:
+        return
+    held = _expert_range(saved[0], len(saved)) if saved else "no experts"
+    if module.ep_group is None:
+        raise MoKInputError(
+            f"the state dict at {prefix or 'the top'!r} holds {held}, one rank's share under "
+            f"expert parallelism; this module holds every expert: load "
+            f"it on that rank of a module with ep_group, or concatenate the ranks' w_gate, "
+            f"w_up and w_down in rank order (dropping {prefix + _EXPERT_IDS!r})")
+    rank = dist.get_rank(module.ep_group)
+    raise MoKInputError(
+        f"the state dict at {prefix or 'the top'!r} holds {held}; this module (rank {rank} of "
+        f"its expert-parallel group) holds {_expert_range(own[0], len(own))}: load each "
+        f"rank's own state dict")
 
 
 def prepare_ddp(model: nn.Module) -> list[str]:

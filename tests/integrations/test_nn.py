@@ -567,6 +567,37 @@ def test_expert_parallel_module_matches_reference_backend(rank, world_size):
     _ep_module_body(rank, world_size)
 
 
+def _ep_state_dict_body(rank, world_size):
+    """An expert-parallel module's state dict names its experts: each rank's loads back into
+    it, another rank's (or one rank's into a module holding every expert) is refused."""
+    import torch.distributed as dist
+
+    device = rank_device(rank)
+    module = _own_experts(MoE(32, 16, 3 * world_size, 2, device=device,
+                              ep_group=dist.group.WORLD), rank)
+    state = {name: value.cpu() for name, value in module.state_dict().items()}
+    assert state["ep_expert_ids"].tolist() == list(range(3 * rank, 3 * rank + 3))
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, state)
+    fresh = MoE(32, 16, 3 * world_size, 2, device=device, ep_group=dist.group.WORLD)
+    fresh.load_state_dict(everyone[rank])
+    assert torch.equal(fresh.w_gate, module.w_gate)
+    other = (rank + 1) % world_size
+    with pytest.raises(MoKInputError, match=f"holds experts {3 * other}..{3 * other + 2}; "
+                                            f"this module \\(rank {rank} "):
+        fresh.load_state_dict(everyone[other])
+    whole = MoE(32, 16, 3, 2, device=device)  # every expert in one module, as many as a rank's
+    assert "ep_expert_ids" not in whole.state_dict()
+    with pytest.raises(MoKInputError, match="one rank's share"):
+        whole.load_state_dict(everyone[rank])
+    whole.load_state_dict(MoE(32, 16, 3, 2, device=device).state_dict())  # no ids: as before
+
+
+@distributed_test(world_sizes=(2,))
+def test_expert_parallel_state_dict_names_its_experts(rank, world_size):
+    _ep_state_dict_body(rank, world_size)
+
+
 def _ep_later_calls_body(rank, world_size):
     """Without ep_max_tokens: a later call of fewer tokens on one rank (a short last batch)
     runs in the first call's workspace (a new one is a collective the other rank would not
