@@ -230,7 +230,14 @@ class Workspace:
             self._publish_errors()
 
     def _poll_errors(self) -> None:
-        """Raise the errors of an earlier call whose flag copy has landed; never waits."""
+        """Raise the errors of an earlier call whose flag copy has landed, on this workspace or
+        any other that get_workspace made on its device (a call of another token count may be
+        the next one); never waits."""
+        for each in [self] + [other for other in _WORKSPACES.values()
+                              if other is not self and other.device == self.device]:
+            each._poll_own_errors()
+
+    def _poll_own_errors(self) -> None:
         if not self._flags_pending:
             return
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -257,7 +264,8 @@ class Workspace:
             peer = flags[ErrorFlag.PEER_TIMEOUT + 1] - 1
             who = f"rank {peer}" if peer >= 0 else "this rank's own pull"
             details += f" (rank {self.ep_rank} waited on {who})"
-        raise MoKDataError(f"mok found invalid data on the device: {details}")
+        raise MoKDataError(f"mok found invalid data on the device: {details}; flagged by a "
+                           f"call over {self!r}")
 
     def dense_routing(self, num_tokens: int, align: int) -> Routing:
         key = (num_tokens, align)

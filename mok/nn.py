@@ -246,10 +246,11 @@ class _ExpertParallelExperts(torch.autograd.Function):
         # waits on this rank time out with an error naming it.
         if x.shape[0] > bound:
             named = (f"max_tokens={max_tokens}" if max_tokens is not None else
-                     f"the first call's {bound} (pass max_tokens, ep_max_tokens in MoE, for a "
-                     "larger bound)")
-            raise MoKInputError(f"{x.shape[0]} tokens exceed {named}; the other ranks' waits "
-                                "on this rank will time out")
+                     f"{bound}, the count of the first call without max_tokens of any layer of "
+                     f"hidden size {x.shape[1]} and top-k {topk_experts.shape[1]} on this group "
+                     "(pass max_tokens, ep_max_tokens in MoE, for a larger bound)")
+            raise MoKInputError(f"{x.shape[0]} tokens exceed {named}; the ranks that did not "
+                                "raise this will time out waiting on this rank")
         schedule = F.build_schedule(workspace, config, topk_experts,
                                     num_local_experts=w_rg.shape[0])
         y, context = F.forward(config, workspace, schedule, x, router_weights, w_sg, w_su, w_sd,
@@ -605,7 +606,8 @@ class MoE(nn.Module):
     (E_local = E, or E / P with an expert-parallel `ep_group` of P ranks: this rank's experts
     [rank * E_local, (rank + 1) * E_local); the router and shared expert are replicated; with
     `ep_max_tokens` ranks may pass different numbers of tokens, at most that many, and without
-    it the same number on the first call and at most that many later;
+    it the same number on the first call and at most that many later (the first call of any
+    such layer of the same hidden size and top_k on the group sets the bound);
     `ep_timeout_s` bounds a wait on another rank, MoKConfig.peer_timeout_s); and with
     shared_intermediate_size > 0: shared_gate, shared_up [I_s, H], shared_down [H, I_s].
     forward(hidden_states [..., H]) -> [..., H]. After each forward: `aux_loss` (add it to the

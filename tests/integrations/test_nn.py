@@ -466,6 +466,25 @@ def test_bad_expert_ids_raise_at_check_errors():
     F.check_errors()
 
 
+def test_bad_expert_ids_raise_from_the_next_call_of_any_token_count():
+    # Without a sync the next call reports a call's data error, even when it runs in another
+    # workspace (another token count), naming the workspace of the call that flagged it.
+    bad = make_inputs(7, 32, 16, 4, 2, device=DEVICE, seed=4)
+    ids = bad.topk_experts.clone()
+    ids[2, 1] = 4
+    good = make_inputs(12, 32, 16, 4, 2, device=DEVICE, seed=5)
+    F.check_errors()
+    moe_experts(bad.x, ids, bad.router_weights, None, None, None, *bad.routed_weights)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()  # the flags' copy has landed: the next call sees it
+    with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE.*num_local_tokens=7,"):
+        moe_experts(good.x, good.topk_experts, good.router_weights, None, None, None,
+                    *good.routed_weights)
+    moe_experts(good.x, good.topk_experts, good.router_weights, None, None, None,
+                *good.routed_weights)  # reported once
+    F.check_errors()
+
+
 def test_gate_and_up_in_different_layouts():
     # The gate weight stored transposed, the up weight a slice of a fused gate_up (their
     # strides differ: each is read by its own), through moe_experts and MoE.
