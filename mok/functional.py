@@ -191,7 +191,8 @@ class Workspace:
         self.error_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device)
         if group is not None and dist.get_world_size(group) > 1:
             _check_same_on_every_rank(group, num_local_tokens=self.num_local_tokens,
-                                      hidden_size=self.hidden_size, topk=self.topk)
+                                      hidden_size=self.hidden_size, topk=self.topk,
+                                      ranks_per_node=ranks_per_node or 0)
         # How rows reach the experts (mok.exchange): one GPU, a node, or nodes.
         self.exchange: Exchange = create_exchange(
             group, device, num_tokens=self.num_local_tokens, hidden_size=self.hidden_size,
@@ -205,6 +206,7 @@ class Workspace:
         self._flags_pending = False
         self._schedule_unpublished = False
         self._dense_routing: dict[tuple[int, int], Routing] = {}
+        self._out_of_step: str | None = None  # set once a wait on a peer timed out
 
     # -- device-side error flags -------------------------------------------------------------
     def _publish_errors(self) -> None:
@@ -238,6 +240,7 @@ class Workspace:
             each._poll_own_errors()
 
     def _poll_own_errors(self) -> None:
+        self._raise_if_out_of_step()
         if not self._flags_pending:
             return
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -249,8 +252,20 @@ class Workspace:
 
     def check_errors(self) -> None:
         """Synchronize with the device and raise MoKDataError if any data error was flagged."""
+        self._raise_if_out_of_step()
         self._flags_pending = False
         self._raise_if_set(self.error_flags.tolist())
+
+    def _raise_if_out_of_step(self) -> None:
+        """After a wait on a peer timed out the ranks' calls no longer pair up (a late rank's
+        call meets the others' next one), so every later call raises rather than return what
+        such pairs compute."""
+        if self._out_of_step is not None:
+            raise MoKDataError(
+                f"an earlier call on this expert-parallel workspace timed out waiting on a peer "
+                f"({self._out_of_step}): the ranks are out of step and this workspace's results "
+                f"would be invalid from then on; end the job (or create new workspaces on every "
+                f"rank at the same point)")
 
     def _raise_if_set(self, flags: list[int]) -> None:
         raised = [ErrorFlag(i) for i, value in enumerate(flags)
@@ -262,8 +277,10 @@ class Workspace:
         details = "; ".join(f"{flag.name}: {ERROR_MESSAGES[flag]}" for flag in raised)
         if ErrorFlag.PEER_TIMEOUT in raised:
             peer = flags[ErrorFlag.PEER_TIMEOUT + 1] - 1
-            who = f"rank {peer}" if peer >= 0 else "this rank's own pull"
+            who = (f"rank {self.exchange.group_rank(peer)}" if peer >= 0
+                   else "this rank's own pull")
             details += f" (rank {self.ep_rank} waited on {who})"
+            self._out_of_step = f"rank {self.ep_rank} waited on {who}"
         raise MoKDataError(f"mok found invalid data on the device: {details}; flagged by a "
                            f"call over {self!r}")
 
@@ -292,12 +309,12 @@ def _check_same_on_every_rank(group: dist.ProcessGroup, **sizes: int) -> None:
     if differ:
         by_rank = "; ".join(f"{name}: " + ", ".join(str(each[name]) for each in gathered)
                             for name in differ)
+        hint = (" Ranks passing different numbers of tokens need ep_max_tokens (mok.nn.MoE, "
+                "patch_moe_blocks), or num_local_tokens (mok.functional), set to the same bound "
+                "on every rank" if "num_local_tokens" in differ else "")
         raise MoKInputError(
-            f"the ranks of the expert-parallel group made workspaces of different sizes "
-            f"({by_rank}, by rank): every rank must pass the same sizes. Ranks passing "
-            "different numbers of tokens need ep_max_tokens (mok.nn.MoE, "
-            "patch_moe_blocks), or num_local_tokens (mok.functional), set to the same bound "
-            "on every rank")
+            f"the ranks of the expert-parallel group passed different sizes ({by_rank}, by "
+            f"rank; 0: None): every rank must pass the same.{hint}")
 
 
 def create_workspace(

@@ -107,6 +107,10 @@ class Exchange:
         """Whether the rows the last GEMM writes stay on this rank (combine needs no wait)."""
         raise NotImplementedError
 
+    def group_rank(self, peer: int) -> int:
+        """The group's rank of `peer`, a rank of the flags' group (the node's, across nodes)."""
+        return peer
+
     def movement(self, phase: Phase, config) -> Movement:
         raise NotImplementedError
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mok.errors import MoKInputError
+from mok.errors import ErrorFlag, MoKInputError
 from mok.exchange.base import Exchange
 from mok.exchange.local import LocalExchange
 from mok.exchange.symmetric import SymmetricExchange
@@ -115,6 +115,7 @@ class CrossNodeExchange(Exchange):
             if local == self.local_rank:
                 self.rail_group = subgroup
         self.max_tokens = num_tokens
+        self.errors = errors
         group_tokens = self.num_nodes * num_tokens
         if per_node > 1:
             self.inner: Exchange = SymmetricExchange(
@@ -127,19 +128,25 @@ class CrossNodeExchange(Exchange):
     def rows_here(self) -> bool:
         return self.inner.rows_here
 
+    def group_rank(self, peer: int) -> int:
+        return self.node * self.ranks_per_node + peer
+
     def movement(self, phase, config):
         return self.inner.movement(phase, config)
 
     def build_schedule(self, topk_experts, *, config, num_local_experts, align):
         node_experts = num_local_experts * self.ranks_per_node
         num_experts = node_experts * self.num_nodes
-        group_topk = _gather(topk_experts.to(torch.int64), self.rail_group, self.max_tokens,
-                             fill=_PADDING)
+        # Ids out of range become -1 (an error) before the padding joins them, so that no id
+        # of the caller's reads as padding.
+        own_topk = topk_experts.to(torch.int64)
+        own_topk = torch.where((own_topk >= 0) & (own_topk < num_experts), own_topk, -1)
+        group_topk = _gather(own_topk, self.rail_group, self.max_tokens, fill=_PADDING)
         first = self.node * node_experts
         here = (group_topk >= first) & (group_topk < first + node_experts)
-        elsewhere = ((group_topk >= 0) & (group_topk < num_experts)) | (group_topk == _PADDING)
+        elsewhere = (group_topk >= 0) | (group_topk == _PADDING)
         # Ids of this node's experts count from 0; other nodes' experts and padding become the
-        # ghost id node_experts (no rank owns it); ids out of range become -1 (an error).
+        # ghost id node_experts (no rank owns it); -1 stays (an error).
         node_topk = torch.where(here, group_topk - first,
                                 torch.where(elsewhere, node_experts, -1))
         routing, inner = self.inner.build_schedule(node_topk, config=config,
@@ -185,8 +192,16 @@ class CrossNodeExchange(Exchange):
         shared expert's rows first and the nodes' partials in node order."""
         partial = self.inner.combine(plan.inner, rows, routing, None, dtype)
         own = plan.num_tokens
+        self._share_overflow()
         return _return_and_sum(partial, self.rail_group, own,
                                shared_rows[:own] if shared_rows is not None else None)
+
+    def _share_overflow(self) -> None:
+        """A capacity overflow flagged on another node (by a rank of the experts, or of the
+        node's copy of this rank's tokens) becomes this rank's error too: the rail's flags,
+        their maximum, on the device."""
+        slot = int(ErrorFlag.CAPACITY_OVERFLOW)
+        dist.all_reduce(self.errors[slot:slot + 1], op=dist.ReduceOp.MAX, group=self.rail_group)
 
     def route_values(self, plan, by_route):
         return _return_and_sum(self.inner.route_values(plan.inner, by_route), self.rail_group,

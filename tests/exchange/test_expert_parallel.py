@@ -742,13 +742,18 @@ def test_ep_capacity_overflow_leaves_the_routes_out(rank, world_size):
 
 
 def _layout_body(rank, world_size):
-    """One host: the whole group is one node; a group that does not split raises."""
+    """One host: the whole group is one node; a group that does not split raises, and so do
+    ranks passing different ranks_per_node (not a hang in the subgroups' creation)."""
     from mok.exchange import ranks_per_node_of
 
     assert ranks_per_node_of(dist.group.WORLD) == world_size
     with pytest.raises(MoKInputError, match="ranks_per_node=3"):
         F.create_workspace(F.MoKConfig(), dist.group.WORLD, device=_device(rank),
                            num_local_tokens=8, hidden_size=32, topk=2, ranks_per_node=3)
+    with pytest.raises(MoKInputError, match="different sizes.*ranks_per_node"):
+        F.create_workspace(F.MoKConfig(), dist.group.WORLD, device=_device(rank),
+                           num_local_tokens=8, hidden_size=32, topk=2,
+                           ranks_per_node=1 if rank == 0 else None)
 
 
 @distributed_test(world_sizes=(2,))
@@ -776,6 +781,12 @@ def _timeout_body(rank, world_size, *, copies=False):
             F.forward(config, workspace, schedule, *inputs.layer_args)
     if rank == 0:
         with pytest.raises(MoKDataError, match="PEER_TIMEOUT.*waited on rank 1"):
+            F.check_errors(workspace)
+        # The ranks are out of step from then on: every later call raises.
+        with pytest.raises(MoKDataError, match="out of step"):
+            F.build_schedule(workspace, config, inputs.topk_experts,
+                             num_local_experts=inputs.num_local_experts, tiles=tiles_for_tests())
+        with pytest.raises(MoKDataError, match="out of step"):
             F.check_errors(workspace)
     dist.barrier()
 
@@ -913,19 +924,43 @@ def _cross_node_body(rank, world_size, uneven=False, config=SMALL_MINIBATCHES, a
     assert torch.equal(y, y2)
     _assert_equal_grads(grads, grads2)
     _assert_equal_grads(grads, _recomputed_grads(workspace, config, schedule, inputs, 1.5))
-    # An expert id out of range is reported on every rank.
-    topk = inputs.topk_experts.clone()
-    if rank == world_size - 1:
-        topk[0, 0] = -3
-    F.build_schedule(workspace, config, topk, num_local_experts=inputs.num_local_experts,
-                     tiles=tiles)
-    with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE"):
-        F.check_errors(workspace)
+    # An expert id out of range is reported on every rank, -2 too (the padding's id between
+    # the nodes, which a caller's id must not pass for).
+    for bad in (-3, -2):
+        topk = inputs.topk_experts.clone()
+        if rank == world_size - 1:
+            topk[0, 0] = bad
+        F.build_schedule(workspace, config, topk, num_local_experts=inputs.num_local_experts,
+                         tiles=tiles)
+        with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE"):
+            F.check_errors(workspace)
 
 
 @distributed_test(world_sizes=(2, 4, 8))
 def test_ep_across_nodes_matches_reference(rank, world_size):
     _cross_node_body(rank, world_size)
+
+
+def _cross_node_overflow_body(rank, world_size):
+    """A schedule too small for its routes, across nodes: the overflow, flagged where the
+    experts are, reaches every rank of their rail, whose routes it left out."""
+    config = dataclasses.replace(SMALL_MINIBATCHES, schedule_capacity_multiplier=0.25)
+    inputs = _rank_inputs(rank, world_size, pattern=RoutingPattern.ONE_EXPERT, seed=4)
+    workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
+                                   num_local_tokens=MAX_TOKENS, hidden_size=inputs.x.shape[1],
+                                   topk=inputs.topk_experts.shape[1],
+                                   ranks_per_node=world_size // 2)
+    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
+                                num_local_experts=inputs.num_local_experts,
+                                tiles=tiles_for_tests())
+    F.forward(config, workspace, schedule, *inputs.layer_args)
+    with pytest.raises(MoKDataError, match="CAPACITY_OVERFLOW"):
+        F.check_errors(workspace)
+
+
+@distributed_test(world_sizes=(2, 4))
+def test_ep_across_nodes_capacity_overflow_reaches_every_rank(rank, world_size):
+    _cross_node_overflow_body(rank, world_size)
 
 
 @distributed_test(world_sizes=(4,))
