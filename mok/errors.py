@@ -30,7 +30,7 @@ NUM_ERROR_FLAGS = 4
 ERROR_MESSAGES = {
     ErrorFlag.EXPERT_ID_OUT_OF_RANGE: (
         "topk_experts held an expert id outside [0, num_experts); those routes were left out of "
-        "the result"
+        "the result (under expert parallelism also: ranks passing different num_local_experts)"
     ),
     ErrorFlag.CAPACITY_OVERFLOW: (
         "the routed rows exceeded the schedule capacity (MoKConfig.schedule_capacity_multiplier); "

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from mok.errors import ErrorFlag, MoKInputError
 from mok.exchange.base import Exchange
 from mok.exchange.local import LocalExchange
-from mok.exchange.symmetric import SymmetricExchange
+from mok.exchange.symmetric import EXPERT_TAG, SymmetricExchange
 
 
 def ranks_per_node_of(group: dist.ProcessGroup) -> int:
@@ -139,9 +139,15 @@ class CrossNodeExchange(Exchange):
         num_experts = node_experts * self.num_nodes
         # Ids out of range become -1 (an error) before the padding joins them, so that no id
         # of the caller's reads as padding.
+        # Each id carries the expert count of its rank (as inside the node): a rank that
+        # counts otherwise reads -1.
         own_topk = topk_experts.to(torch.int64)
         own_topk = torch.where((own_topk >= 0) & (own_topk < num_experts), own_topk, -1)
-        group_topk = _gather(own_topk, self.rail_group, self.max_tokens, fill=_PADDING)
+        tag = num_experts * EXPERT_TAG
+        group_topk = _gather(own_topk + tag, self.rail_group, self.max_tokens,
+                             fill=_PADDING + tag) - tag
+        group_topk = torch.where((group_topk >= -1) & (group_topk < num_experts)
+                                 | (group_topk == _PADDING), group_topk, -1)
         first = self.node * node_experts
         here = (group_topk >= first) & (group_topk < first + node_experts)
         elsewhere = (group_topk >= 0) | (group_topk == _PADDING)

@@ -56,6 +56,25 @@ from mok.exchange.base import (
 from mok.ops import Routing, comm
 from mok.ops.launch import cdiv
 
+# Published expert ids carry the publisher's expert count: id + E * EXPERT_TAG. A reader with
+# another count (a rank passing a different num_local_experts) finds them out of range, an error
+# on the device, rather than routing them by its own count to experts no rank computes.
+EXPERT_TAG = 1 << 16
+
+
+def tag_experts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """ids (in [-1, E], E the ghost) with this rank's expert count E folded in."""
+    if num_experts >= EXPERT_TAG // 2:
+        raise MoKInputError(f"{num_experts} experts: at most {EXPERT_TAG // 2 - 1} are supported")
+    return ids + num_experts * EXPERT_TAG
+
+
+def untag_experts(tagged: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The ids of tag_experts for a reader with num_experts experts: -1 (an error) where the
+    publisher counted otherwise."""
+    ids = tagged - num_experts * EXPERT_TAG
+    return torch.where((ids >= -1) & (ids <= num_experts), ids, -1)
+
 
 class FlagSlots:
     """Slots of the int64 flag vector: pub[phase] (this rank's own), then ack[phase][rank] and
@@ -589,11 +608,12 @@ class SymmetricExchange(Exchange):
         num_experts = num_local_experts * world
         published, source_route_row = ops.exchange_routes(topk_experts, routes, num_experts,
                                                           ghost_expert=ghost_expert)
-        self.publish(peer, Phase.SCHEDULE, [(self.topk_pub, published)])
+        self.publish(peer, Phase.SCHEDULE, [(self.topk_pub, tag_experts(published, num_experts))])
         group_topk = torch.empty(world * routes, dtype=torch.int32, device=self.device)
         comm.gather_peers(peer, self.topk_pub, group_topk, self.buffer.deltas(torch.int32),
                           Phase.SCHEDULE, self.slots.pub(Phase.SCHEDULE))
         comm.signal_peers(peer, Phase.SCHEDULE, self.slots.ack(Phase.SCHEDULE))
+        group_topk = untag_experts(group_topk, num_experts)
         group_routing = ops.build_routing(
             group_topk.view(world * self.num_tokens, self.topk), peer.errors,
             num_experts=num_experts + 1,

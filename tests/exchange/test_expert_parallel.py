@@ -761,6 +761,25 @@ def test_ep_node_layout(rank, world_size):
     _layout_body(rank, world_size)
 
 
+def _local_experts_differ_body(rank, world_size):
+    """Ranks passing different num_local_experts (2 and 3): every rank reports the routes it
+    cannot place, in one node and across nodes, rather than leave experts no rank computes."""
+    inputs = _rank_inputs(rank, world_size, tokens=8, num_local=2 + rank, seed=6)
+    for per_node in (None, 1):
+        workspace = F.create_workspace(F.MoKConfig(), dist.group.WORLD, device=inputs.x.device,
+                                       num_local_tokens=8, hidden_size=inputs.x.shape[1],
+                                       topk=inputs.topk_experts.shape[1], ranks_per_node=per_node)
+        F.build_schedule(workspace, F.MoKConfig(), inputs.topk_experts,
+                         num_local_experts=inputs.num_local_experts, tiles=tiles_for_tests())
+        with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE.*num_local_experts"):
+            F.check_errors(workspace)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_ranks_with_different_local_experts_raise(rank, world_size):
+    _local_experts_differ_body(rank, world_size)
+
+
 def _timeout_body(rank, world_size, *, copies=False):
     """Rank 1 never builds its schedule: rank 0's wait for it times out with an error naming it.
     copies (rows moved by copies): rank 1 builds the schedule but never runs the forward, so
