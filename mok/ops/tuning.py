@@ -396,9 +396,10 @@ FP8_GLUON_KINDS = ("gate_up", "gate_up_saved", "down", "down_bwd_saved", "d_x")
 
 
 # The FP8 weight gradients' tiles (mok.kernels.fp8_wgrad): block_m along the gradient's rows,
-# block_n along its columns, K steps of 128 rows (the scales' block). Not measured yet; compiled
-# for sm_90 (scripts/sm90_compile.py's way) this tile needs no stack, 128 x 128 (8 warps) spilled.
-FP8_WGRAD_TILES = RowTiles(64, 128, 128, num_warps=4, num_stages=4)
+# block_n along its columns, K steps of 128 rows (the scales' block). The fastest of the four
+# `benchmarks.fp8` timed on an H200 (2026-12-05, 64508a1) at qwen3-30b-a3b and kimi-ep64-slice:
+# 4-14% ahead of 64 x 128 x 128 at 4 warps and 4 stages, the tile before.
+FP8_WGRAD_TILES = RowTiles(128, 128, 128, num_warps=8, num_stages=3)
 
 
 def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:
