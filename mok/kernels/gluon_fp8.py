@@ -458,12 +458,10 @@ def _dswiglu_mma_partition(gate_desc, up_desc, h_desc, q_desc, a_bufs, b_bufs, r
                            NUM_STAGES: gl.constexpr, HAS_LIMIT: gl.constexpr,
                            HAS_WEIGHT: gl.constexpr, HALF: gl.constexpr):
     """Rows HALF * 64 .. + 64 of every tile: the scaled K loop of dh0 (the kept gate and up
-    landing meanwhile), then the epilogue in two column halves, twice: first h (into c_smem's
-    halves), the partial sums and each row's amax of d_gate and d_up; then d_gate and d_up
-    computed again (the fp32 values, as the Triton kernel quantizes them, without holding them
-    all in registers), in gate_up's dtype over the kept gate and up they were computed from
-    and in e4m3 with those rows' scales. The TMA stores go out together, each waited on only
-    before its buffer's next use."""
+    landing meanwhile), then the epilogue in two column halves, twice: first h, d_gate and d_up
+    in gate_up's dtype, the partial sums and each row's amax of d_gate and d_up; then d_gate
+    and d_up computed again and stored in e4m3 with those rows' scales (the fp32 values, as
+    the Triton kernel quantizes them, without holding them all in registers)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     WIDTH: gl.constexpr = BLOCK_N // 2
@@ -483,9 +481,8 @@ def _dswiglu_mma_partition(gate_desc, up_desc, h_desc, q_desc, a_bufs, b_bufs, r
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
         r = r0 + HALF * 64
-        # The kept gate and up, two column halves each, land during the K loop, once the
-        # previous tile's stores of d_gate and d_up have read these buffers.
-        tma.store_wait(pendings=0)
+        # The kept gate and up, two column halves each, land during the K loop (the previous
+        # tile's stores have read nothing from these buffers).
         mbarrier.expect(epi_bar, in_bytes)
         for j in gl.static_range(2):
             tma.async_copy_global_to_shared(gate_desc, [r, c0 + j * WIDTH], epi_bar,
@@ -529,12 +526,16 @@ def _dswiglu_mma_partition(gate_desc, up_desc, h_desc, q_desc, a_bufs, b_bufs, r
             dh = dh_a if j == 0 else dh_b
             d_gate, d_up, h = _dswiglu_math(dh, in_smem.index(j), in_smem.index(2 + j), weight,
                                             swiglu_limit, slice_layout, HAS_LIMIT, HAS_WEIGHT)
+            d_gate = gl.where(out_valid[:, None], d_gate, 0.0)
+            d_up = gl.where(out_valid[:, None], d_up, 0.0)
             h = gl.where(out_valid[:, None], h, 0.0)
-            c_smem.index(j).store(h.to(h_desc.dtype))
             if HAS_WEIGHT:
                 partial += gl.sum(dh * h, axis=1)
-            amax_g = gl.maximum(amax_g, _row_amax(gl.where(out_valid[:, None], d_gate, 0.0)))
-            amax_u = gl.maximum(amax_u, _row_amax(gl.where(out_valid[:, None], d_up, 0.0)))
+            amax_g = gl.maximum(amax_g, _row_amax(d_gate))
+            amax_u = gl.maximum(amax_u, _row_amax(d_up))
+            _put(h_desc, h, r, c0 + j * WIDTH, c_smem)
+            _put(gate_desc, d_gate, r, c0 + j * WIDTH, c_smem)  # in place of gate
+            _put(up_desc, d_up, r, c0 + j * WIDTH, c_smem)
         if HAS_WEIGHT:
             gl.store(partial_ptr + (r0 + out_rows).to(gl.int64) * stride_pm + c0 // 128,
                      partial)
@@ -543,25 +544,18 @@ def _dswiglu_mma_partition(gate_desc, up_desc, h_desc, q_desc, a_bufs, b_bufs, r
         q_rows = q_scale_ptr + (r0 + out_rows).to(gl.int64) * stride_qs
         gl.store(q_rows + c0 // 128, scale_g)
         gl.store(q_rows + gl.cdiv(N, 128) + c0 // 128, scale_u)
+        tma.store_wait(pendings=0)  # the previous tile's e4m3 stores have read q_smem
         for j in gl.static_range(2):
             dh = dh_a if j == 0 else dh_b
-            d_gate, d_up, _ = _dswiglu_math(dh, in_smem.index(j), in_smem.index(2 + j), weight,
+            d_gate, d_up, h = _dswiglu_math(dh, in_smem.index(j), in_smem.index(2 + j), weight,
                                             swiglu_limit, slice_layout, HAS_LIMIT, HAS_WEIGHT)
-            d_gate = gl.where(out_valid[:, None], d_gate, 0.0)
-            d_up = gl.where(out_valid[:, None], d_up, 0.0)
-            # each thread overwrites the elements it has just read
-            in_smem.index(j).store(d_gate.to(gate_desc.dtype))
-            in_smem.index(2 + j).store(d_up.to(gate_desc.dtype))
             q_smem.index(j).store(_to_e4m3(d_gate, inverse_g))
             q_smem.index(2 + j).store(_to_e4m3(d_up, inverse_u))
         fence_async_shared()
         for j in gl.static_range(2):
-            c = c0 + j * WIDTH
-            tma.async_copy_shared_to_global(gate_desc, [r, c], in_smem.index(j))
-            tma.async_copy_shared_to_global(up_desc, [r, c], in_smem.index(2 + j))
-            tma.async_copy_shared_to_global(h_desc, [r, c], c_smem.index(j))
-            tma.async_copy_shared_to_global(q_desc, [r, c], q_smem.index(j))
-            tma.async_copy_shared_to_global(q_desc, [r, N + c], q_smem.index(2 + j))
+            tma.async_copy_shared_to_global(q_desc, [r, c0 + j * WIDTH], q_smem.index(j))
+            tma.async_copy_shared_to_global(q_desc, [r, N + c0 + j * WIDTH],
+                                            q_smem.index(2 + j))
         t += 1
     tma.store_wait(pendings=0)
 
@@ -595,8 +589,8 @@ def fp8_dswiglu_ws_kernel(
     WIDTH: gl.constexpr = BLOCK_N // 2
     in_smem = gl.allocate_shared_memory(gate_desc.dtype, [4, 64, WIDTH], gate_desc.layout)
     in_smem2 = gl.allocate_shared_memory(gate_desc.dtype, [4, 64, WIDTH], gate_desc.layout)
-    c_smem = gl.allocate_shared_memory(h_desc.dtype, [2, 64, WIDTH], h_desc.layout)
-    c_smem2 = gl.allocate_shared_memory(h_desc.dtype, [2, 64, WIDTH], h_desc.layout)
+    c_smem = gl.allocate_shared_memory(h_desc.dtype, [64, WIDTH], h_desc.layout)
+    c_smem2 = gl.allocate_shared_memory(h_desc.dtype, [64, WIDTH], h_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, 64, WIDTH], q_desc.layout)
     q_smem2 = gl.allocate_shared_memory(gl.float8e4nv, [4, 64, WIDTH], q_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())

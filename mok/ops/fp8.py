@@ -583,9 +583,9 @@ def _dswiglu_gluon(d_output: Quantized, w_down_t: Quantized, gate_up: torch.Tens
     dtype = _GLUON_OUT[gate_up.dtype]
     gate_desc, up_desc = (_descriptor(half, [64, width], dtype)
                           for half in (gate_up[:, :n], gate_up[:, n:]))
-    # the ring's stages beside each MMA partition's buffers: the kept gate and up in halves
-    # (then d_gate and d_up), h's halves in gate_up's dtype, d_gate's and d_up's e4m3 halves
-    epilogue = 2 * 64 * width * (6 * gate_up.element_size() + 4)
+    # the ring's stages beside each MMA partition's buffers: the kept gate and up in halves,
+    # one output slice in gate_up's dtype, d_gate's and d_up's e4m3 halves
+    epilogue = 2 * 64 * width * (5 * gate_up.element_size() + 4)
     stages = min(tiles.num_stages, (_SMEM - epilogue) // ((bm + bn) * bk))
     weighted = router_weights is not None
     launch(gluon_fp8.fp8_dswiglu_ws_kernel, (_num_programs(h.device),))(
