@@ -312,9 +312,11 @@ def _check_same_on_every_rank(group: dist.ProcessGroup, **sizes: int) -> None:
         hint = (" Ranks passing different numbers of tokens need ep_max_tokens (mok.nn.MoE, "
                 "patch_moe_blocks), or num_local_tokens (mok.functional), set to the same bound "
                 "on every rank" if "num_local_tokens" in differ else "")
+        if "ranks_per_node" in differ:
+            hint += " (ranks_per_node 0: None, found from the host names)"
         raise MoKInputError(
             f"the ranks of the expert-parallel group passed different sizes ({by_rank}, by "
-            f"rank; 0: None): every rank must pass the same.{hint}")
+            f"rank): every rank must pass the same.{hint}")
 
 
 def create_workspace(

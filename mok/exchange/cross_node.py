@@ -137,10 +137,9 @@ class CrossNodeExchange(Exchange):
     def build_schedule(self, topk_experts, *, config, num_local_experts, align):
         node_experts = num_local_experts * self.ranks_per_node
         num_experts = node_experts * self.num_nodes
-        # Ids out of range become -1 (an error) before the padding joins them, so that no id
-        # of the caller's reads as padding.
-        # Each id carries the expert count of its rank (as inside the node): a rank that
-        # counts otherwise reads -1.
+        # Ids out of range become -1 (an error) before the padding joins them, so that no id of
+        # the caller's reads as padding; each carries its rank's expert count (as inside the
+        # node), so that a rank counting otherwise reads -1.
         own_topk = topk_experts.to(torch.int64)
         own_topk = torch.where((own_topk >= 0) & (own_topk < num_experts), own_topk, -1)
         tag = num_experts * EXPERT_TAG
