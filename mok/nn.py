@@ -53,7 +53,10 @@ def _parse_enum(cls: type[enum.Enum], value, what: str, note: str = ""):
 # -- the fused layer as custom ops ------------------------------------------------------------
 
 def _workspace(x: torch.Tensor, topk: int) -> F.Workspace:
-    return F.get_workspace(F.MoKConfig(), None, device=x.device, num_local_tokens=x.shape[0],
+    """The cached one-GPU workspace of a call: one per power-of-two bound of the token count
+    (on one GPU nothing else is sized by it), so calls of many token counts share a few."""
+    bound = 1 << max(x.shape[0] - 1, 0).bit_length()
+    return F.get_workspace(F.MoKConfig(), None, device=x.device, num_local_tokens=bound,
                            hidden_size=x.shape[1], topk=topk)
 
 

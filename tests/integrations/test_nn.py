@@ -477,12 +477,26 @@ def test_bad_expert_ids_raise_from_the_next_call_of_any_token_count():
     moe_experts(bad.x, ids, bad.router_weights, None, None, None, *bad.routed_weights)
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()  # the flags' copy has landed: the next call sees it
-    with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE.*num_local_tokens=7,"):
+    with pytest.raises(MoKDataError, match="EXPERT_ID_OUT_OF_RANGE.*num_local_tokens=8,"):
         moe_experts(good.x, good.topk_experts, good.router_weights, None, None, None,
                     *good.routed_weights)
     moe_experts(good.x, good.topk_experts, good.router_weights, None, None, None,
                 *good.routed_weights)  # reported once
     F.check_errors()
+
+
+def test_calls_of_many_token_counts_share_a_few_workspaces():
+    # One cached workspace per power-of-two bound of the token count: 33..64 tokens share one.
+    before = set(F._WORKSPACES)
+    for tokens in (33, 40, 64, 47):
+        inputs = make_inputs(tokens, 32, 16, 4, 2, device=DEVICE, seed=tokens)
+        y = moe_experts(inputs.x, inputs.topk_experts, inputs.router_weights, None, None, None,
+                        *inputs.routed_weights)
+        y_ref = moe_reference(inputs.x, inputs.topk_experts, inputs.router_weights, None, None,
+                              None, *inputs.routed_weights, compute_dtype=torch.float64)
+        assert_close(y, y_ref, dtype=inputs.x.dtype, name="y")
+    added = [F._WORKSPACES[key] for key in set(F._WORKSPACES) - before]
+    assert [each.num_local_tokens for each in added] in ([64], [])
 
 
 def test_gate_and_up_in_different_layouts():
