@@ -780,10 +780,14 @@ def _expert_range(first: int, count: int) -> str:
     return f"experts {first}..{first + count - 1}"
 
 
+def _own_expert_ids(module: MoE) -> list[int]:
+    """The global ids of the experts the module holds."""
+    return list(range(module.first_expert, module.first_expert + module.w_gate.shape[0]))
+
+
 def _save_expert_ids(module: MoE, state_dict, prefix, local_metadata) -> None:
     """An expert-parallel module's state dict names the global ids of the experts it holds."""
-    state_dict[prefix + _EXPERT_IDS] = torch.arange(
-        module.first_expert, module.first_expert + module.w_gate.shape[0])
+    state_dict[prefix + _EXPERT_IDS] = torch.tensor(_own_expert_ids(module))
 
 
 def _check_expert_ids(module: MoE, state_dict, prefix, *args) -> None:
@@ -793,7 +797,7 @@ def _check_expert_ids(module: MoE, state_dict, prefix, *args) -> None:
     if saved is None:
         return
     saved = saved.tolist()
-    own = list(range(module.first_expert, module.first_expert + module.w_gate.shape[0]))
+    own = _own_expert_ids(module)
     if saved == own and module.ep_group is not None:
         return
     held = _expert_range(saved[0], len(saved)) if saved else "no experts"
