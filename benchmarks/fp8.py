@@ -14,7 +14,8 @@ random routes), stage by stage:
   down       mok's bf16 down, and down_proj_fp8 on that h (the Triton kernel, and on an sm_90
              GPU the Gluon one);
   dswiglu    dswiglu_fp8 on random e4m3 d_output rows over the kept pre-activations (Triton,
-             Gluon);
+             Gluon, and apart: the Gluon GEMM into fp32, then the dSwiGLU; dswiglu_rows
+             times that second launch alone, GB/s, with several blocks);
   d_x        d_x_rows_fp8 on random e4m3 d_gate_up rows (Triton, Gluon);
   wgrad_*    the weight gradients of down and of gate/up: mok's bf16 launches (the layer's
              plan), grouped_wgrad_fp8 (its operands quantized along the rows, then the GEMM),
@@ -63,6 +64,22 @@ FIELDS = ("gpu", "commit", "date", "shape", "stage", "impl", "ms", "tflops", "gb
 SMALL = MoEShape("fp8-small", 4, 256, 256, 2, 64)  # CPU: every launch, in seconds
 FP8_SHAPES = {shape.name: shape for shape in (*SHAPES_BY_NAME.values(), SMALL)}
 # Other tiles of the FP8 weight-gradient GEMM timed on a GPU: (block_m, block_n, warps, stages).
+# Blocks of the dSwiGLU run apart timed (rows, warps); mok.ops.fp8's is the first.
+DSWIGLU_APART_VARIANTS = ((16, 8), (16, 4), (32, 8), (64, 8))
+
+
+def _dswiglu_rows_with(rows: int, warps: int, *args) -> None:
+    """mok.ops.fp8's dSwiGLU over dh0 computed apart, with [rows, 128] blocks of `warps`."""
+    from mok.ops import fp8
+
+    before = fp8._DSWIGLU_ROWS, fp8._DSWIGLU_WARPS
+    fp8._DSWIGLU_ROWS, fp8._DSWIGLU_WARPS = rows, warps
+    try:
+        fp8._dswiglu_rows(*args)
+    finally:
+        fp8._DSWIGLU_ROWS, fp8._DSWIGLU_WARPS = before
+
+
 WGRAD_FP8_VARIANTS = ((128, 128, 8, 4), (64, 128, 4, 6), (64, 128, 4, 4))
 
 
@@ -167,7 +184,9 @@ def partial_checked(d_out_q, down_t, kept, routing) -> torch.Tensor:
     return out
 
 
-def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int) -> list[dict]:
+def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int, *,
+                only: tuple[str, ...] = ()) -> list[dict]:
+    """The rows of one shape's stages (only: those whose names start so; default all)."""
     inputs = make_shape_inputs(shape, device=device, seed=7)
     x, router_weights = inputs.x, inputs.router_weights.reshape(-1).float()
     w_gate, w_up, w_down = inputs.routed_weights
@@ -211,7 +230,8 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
     d_out_q = quantize_rows(torch.randn_like(x))
     kept = ops.gate_up_fp8(x_q, gate_q, up_q, routing, ops.fp8_tiles("gate_up_saved",
                                                                       routing.align))
-    kept_buffers = {impl: kept.clone() for impl in ("mok_fp8", "mok_fp8_gluon")}
+    kept_buffers = {impl: kept.clone() for impl in ("mok_fp8", "mok_fp8_gluon", "mok_fp8_apart",
+                                                    "rows")}
     _, _, partial = ops.dswiglu_fp8(d_out_q, fp8_experts.down_t, kept.clone(), routing,
                                     dswiglu_tiles, router_weights)
     dswiglu_err = max_rel_err(partial[routing.row_route >= 0],
@@ -240,6 +260,18 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
         ops.dswiglu_fp8(d_out_q, fp8_experts.down_t, mine, routing,
                         gluon_tiles["down_bwd_saved"], router_weights)
         errors[("dswiglu", "mok_fp8_gluon")] = max_rel_err(mine[used], theirs[used].float())
+        # apart: the Gluon GEMM into fp32, then the dSwiGLU; against the one Triton launch
+        mine = kept.clone()
+        q_apart = ops.dswiglu_fp8(d_out_q, fp8_experts.down_t, mine, routing,
+                                  gluon_tiles["down_bwd_saved"], router_weights, apart=True)[0]
+        q_one = ops.dswiglu_fp8(d_out_q, fp8_experts.down_t, kept.clone(), routing,
+                                dswiglu_tiles, router_weights)[0]
+        errors[("dswiglu", "mok_fp8_apart")] = max_rel_err(mine[used], theirs[used].float())
+        same = (torch.equal(mine[used], theirs[used])
+                and torch.equal(q_apart.data[used].view(torch.uint8),
+                                q_one.data[used].view(torch.uint8)))
+        print(f"   dswiglu apart against one Triton launch: max rel "
+              f"{errors[('dswiglu', 'mok_fp8_apart')]:.2e}, bit for bit: {same}", flush=True)
         print(f"   Gluon against Triton: gate/up max rel "
               f"{errors[('gate_up', 'mok_fp8_gluon')]:.2e}, down "
               f"{errors[('down', 'mok_fp8_gluon')]:.2e}, dswiglu "
@@ -349,7 +381,23 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                 gluon_tiles["down_bwd_saved"], router_weights), gemm, 0),
             ("d_x", "mok_fp8_gluon", lambda: ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing,
                                                                gluon_tiles["d_x"]), 2 * gemm, 0),
+            ("dswiglu", "mok_fp8_apart", lambda: ops.dswiglu_fp8(
+                d_out_q, fp8_experts.down_t, kept_buffers["mok_fp8_apart"], routing,
+                gluon_tiles["down_bwd_saved"], router_weights, apart=True), gemm, 0),
         ]
+        # the dSwiGLU apart, its second launch alone (bytes: dh0 fp32, the kept gate and up
+        # read; h, d_gate_up in bf16 and in e4m3 written) and with other blocks
+        dh0 = torch.randn(routing.capacity_rows, inter, device=device)
+        d_gate_up_out = torch.empty(routing.capacity_rows, 2 * inter, dtype=torch.float8_e4m3fn,
+                                    device=device)
+        scales_out = torch.empty(routing.capacity_rows, 2 * inter // 128, device=device)
+        h_out = torch.empty(routing.capacity_rows, inter, dtype=x.dtype, device=device)
+        partial_out = torch.empty(routing.capacity_rows, inter // 128, device=device)
+        for rows_, warps in DSWIGLU_APART_VARIANTS:
+            stages.append(("dswiglu_rows", f"mok_fp8_{rows_}x128_w{warps}", functools.partial(
+                _dswiglu_rows_with, rows_, warps, dh0, kept_buffers["rows"], routing,
+                router_weights, d_gate_up_out, scales_out, h_out, partial_out), 0,
+                routes * inter * (4 + 4 + 2 + 4 + 2)))
     if device.type == "cuda":  # torch._scaled_mm needs a GPU
         stages += [
             ("dense_gate_up", "cublas_bf16", lambda: dense_mm(routes, hidden, 2 * inter, False),
@@ -366,6 +414,8 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
     rows = []
     for stage, impl, fn, flops, nbytes in stages:
+        if only and not any(stage.startswith(name) for name in only):
+            continue
         ms = median_ms(fn, device, repeats, warmup)
         error = errors.get((stage, impl))
         rows.append(dict(gpu=gpu, commit=commit_id(), date=date, shape=shape.name, stage=stage,
@@ -387,11 +437,13 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20 if cuda else 1)
     parser.add_argument("--warmup", type=int, default=3 if cuda else 1)
     parser.add_argument("--csv", type=Path, default=RESULTS if cuda else CPU_RESULTS)
+    parser.add_argument("--stages", nargs="+", metavar="STAGE", default=(),
+                        help="time only the stages whose names start so (default: all)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
     for name in args.shapes:
         append_rows(args.csv, FIELDS, bench_shape(FP8_SHAPES[name], device, args.repeats,
-                                                  args.warmup))
+                                                  args.warmup, only=tuple(args.stages)))
     print(f"rows appended to {args.csv}")
 
 

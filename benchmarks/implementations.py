@@ -14,7 +14,7 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   GEMMs on e4m3 operands with blockwise scales, checked against the reference within
   mok.testing.tolerance.FP8_TOLERANCE; on sm_90 the plan gives most launches the warp-specialized
   Gluon FP8 kernels (MOK_FP8_GLUON). mok_fp8_triton: mok_fp8 on the Triton FP8 kernels alone
-  (MOK_FP8_GLUON=0); mok_fp8_gluon_dswiglu: with the dSwiGLU's Gluon kernel too. mok_fp8_wgrad:
+  (MOK_FP8_GLUON=0); mok_fp8_fused_dswiglu: the dSwiGLU in one launch. mok_fp8_wgrad:
   mok_fp8 with its weight gradients on e4m3 operands too (MoKConfig.fp8_weight_gradients).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
@@ -246,13 +246,14 @@ def mok_fp8_triton_implementation(shape: MoEShape, settings: Settings) -> Implem
                          _env, "FP8_GLUON", False)
 
 
-def mok_fp8_gluon_dswiglu_implementation(shape: MoEShape, settings: Settings) -> Implementation:
-    """mok_fp8 with the dSwiGLU on its Gluon kernel too (the plan gives it the Triton one)."""
+def mok_fp8_fused_dswiglu_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    """mok_fp8 with the dSwiGLU in one launch of the Triton kernel (the plan runs it apart on
+    sm_90)."""
     from mok import plan
 
-    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_gluon_dswiglu",
+    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_fused_dswiglu",
                                             config=F.MoKConfig(precision="fp8")),
-                         plan, "_FP8_TRITON_KINDS", ())
+                         plan, "_FP8_DSWIGLU_APART", False)
 
 
 def grouped_mm_moe(x, topk_experts, router_weights, routed, shared):
@@ -498,7 +499,7 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8": mok_fp8_implementation,
     "mok_fp8_recompute": mok_fp8_recompute_implementation,
     "mok_fp8_triton": mok_fp8_triton_implementation,
-    "mok_fp8_gluon_dswiglu": mok_fp8_gluon_dswiglu_implementation,
+    "mok_fp8_fused_dswiglu": mok_fp8_fused_dswiglu_implementation,
     "mok_fp8_wgrad": mok_fp8_wgrad_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,

@@ -808,7 +808,8 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
                                            weights, routing, swiglu_limit,
                                            moved=scatter is not None)
         d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
-                                                  fp8.dswiglu, route_weights, swiglu_limit)
+                                                  fp8.dswiglu, route_weights, swiglu_limit,
+                                                  apart=fp8.dswiglu_apart)
         _overwritten(gate_up)
         d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, fp8.d_x,
                                     out_dtype=dtype, scatter=scatter)

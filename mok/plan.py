@@ -148,7 +148,8 @@ class Fp8Plan:
     gate_up (with SwiGLU), gate_up_saved (the pre-activations, the forward's when kept and the
     recomputing backward's), down, dswiglu, d_x; the weight gradients, in the inputs' dtype, as
     the 16-bit plan's; wgrad_fp8, those of the weight gradients on e4m3 operands
-    (MoKConfig.fp8_weight_gradients)."""
+    (MoKConfig.fp8_weight_gradients); dswiglu_apart: the dSwiGLU as two launches (its GEMM
+    into fp32 on the dswiglu tiles, then the dSwiGLU over it; mok.ops.dswiglu_fp8's apart)."""
 
     gate_up: RowTiles
     gate_up_saved: RowTiles
@@ -158,6 +159,7 @@ class Fp8Plan:
     wgrad_gate_up: WgradTiles
     wgrad_down: WgradTiles
     wgrad_fp8: RowTiles = FP8_WGRAD_TILES
+    dswiglu_apart: bool = False
 
 
 def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,
@@ -165,21 +167,26 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment):
     with MOK_FP8_GLUON (the default) the Gluon kernels where the GPU runs them (their operands
     are mok's own buffers and e4m3 weight copies, which they can read whenever H is a multiple
-    of 16), except the dSwiGLU's (_FP8_TRITON_KINDS); scatter: down and d_x write their rows to
-    other ranks (the Triton kernel's epilogue)."""
+    of 16); the dSwiGLU apart, its GEMM on the Gluon kernel, where that takes it
+    (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; scatter: down and d_x write
+    their rows to other ranks (the Triton kernel's epilogue)."""
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = _env.FP8_GLUON and arch_of(operands.device).warp_specialized and hidden % 16 == 0
-    triton = _FP8_TRITON_KINDS + (("down", "d_x") if scatter else ())
-    return Fp8Plan(*(fp8_tiles(kind, tiles.align, gluon=gluon and kind not in triton)
+    triton = ("down", "d_x") if scatter else ()
+    if not _FP8_DSWIGLU_APART:
+        triton += ("down_bwd_saved",)
+    made = Fp8Plan(*(fp8_tiles(kind, tiles.align, gluon=gluon and kind not in triton)
                      for kind in FP8_KINDS),
                    *_wgrads(pick, operands, tiles.align, sizes))
+    # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
+    # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
+    return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)
 
 
-# FP8 launches the plan gives the Triton kernel though a Gluon one exists: the kept dSwiGLU's
-# Gluon kernel ran slower on one H200 (181 against 242 TFLOP/s at qwen3-30b-a3b, 381 against
-# 405 at kimi-ep64-slice; docs/measurements.md, 2026-12-05).
-_FP8_TRITON_KINDS = ("down_bwd_saved",)
+# The dSwiGLU on sm_90: apart (its GEMM on the Gluon kernel, then the dSwiGLU), or False: in one
+# launch of the Triton kernel.
+_FP8_DSWIGLU_APART = True
 
 
 # Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).

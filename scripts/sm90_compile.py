@@ -416,6 +416,10 @@ def main(argv=None) -> None:
             ("down_bwd saved fp8 limit", ops.fp8_tiles("down_bwd_saved", 128),
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0)),
+            ("down_bwd saved apart fp8 limit", ops.fp8_tiles("down_bwd_saved", 128),
+             lambda tt: fp8.dswiglu_fp8(
+                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
+                apart=True)),
             ("d_x fp8", ops.fp8_tiles("d_x", 128), lambda tt: fp8.d_x_rows_fp8(
                 quantized(rows, 2 * inter), quantized(experts, hid, 2 * inter), routing, tt)),
         ]
@@ -460,6 +464,11 @@ def main(argv=None) -> None:
             ("down_bwd saved fp8 gluon tma limit", ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0)),
+            ("down_bwd saved apart fp8 gluon tma limit",
+             ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
+             lambda tt: fp8.dswiglu_fp8(
+                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
+                apart=True)),
             ("down_bwd saved shared fp8 gluon tma",
              ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
              lambda tt: fp8.dswiglu_fp8(x8, quantized(experts, inter, hid), dgu, routing, tt)),

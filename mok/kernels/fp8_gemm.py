@@ -24,7 +24,8 @@ EPILOGUE:
 - "gate_up": the same two products stored as the pre-activations gate_up [C, 2N] (out; with
   HAS_LIMIT a clamped value as +-inf, activation.kept), for the backward's dSwiGLU.
 - "dswiglu": the product is d_out[token] @ w_down[e] (w the transposed w_down [E, I, H]); the
-  dSwiGLU over the kept pre-activations (see _dswiglu_epilogue).
+  dSwiGLU over the kept pre-activations (see _dswiglu_epilogue). fp8_dswiglu_rows_kernel runs
+  the same epilogue on that product computed apart ("plain" with GATHER into fp32).
 QUANTIZE_OUT (BLOCK_N = 128): the output stored as e4m3 with a scale per row of the tile (a
 1 x 128 block, mok.kernels.quantize's rule) into out_scale[r, n // 128]; else rounded to
 out's dtype. A program per tile, GROUP_M row blocks at a time; every output element
@@ -122,6 +123,32 @@ def fp8_rows_kernel(
         else:
             _store_rows(out_ptr, rows, cols, N, out, stride_om, dest_route_ptr, out_delta_ptr,
                         routes_per_rank, SCATTER, ROW_ALIGN, UPCAST)
+
+
+@triton.jit
+def fp8_dswiglu_rows_kernel(
+    dh0_ptr, out_ptr, out_scale_ptr, row_route_ptr, used_rows_ptr, router_weights_ptr,
+    gate_up_ptr, h_ptr, partial_ptr, N, topk, swiglu_limit, stride_dm, stride_om, stride_osm,
+    stride_gum, stride_hm, stride_pm,
+    HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The "dswiglu" epilogue of fp8_rows_kernel (QUANTIZE_OUT) on dh0 [C, N] fp32 read from
+    memory: one [BLOCK_M, 128] block a program (grid: row blocks, N / 128), the same outputs
+    and the same arithmetic as the one launch."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(used_rows_ptr):
+        return
+    rows, route, valid, _ = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)
+    cols = pid_n * 128 + tl.arange(0, 128)
+    in_n = cols < N
+    keep = valid[:, None] & in_n[None, :]
+    dh0 = tl.load(dh0_ptr + rows[:, None] * stride_dm + cols[None, :], mask=keep, other=0.0)
+    _dswiglu_epilogue(dh0, rows, route, valid, keep, cols, in_n, pid_n, N, out_ptr,
+                      out_scale_ptr, router_weights_ptr, gate_up_ptr, h_ptr, partial_ptr,
+                      stride_om, stride_osm, stride_gum, stride_hm, stride_pm, swiglu_limit,
+                      HAS_LIMIT, WEIGHTED, True, UPCAST)
 
 
 @triton.jit

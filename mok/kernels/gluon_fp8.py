@@ -9,6 +9,8 @@ a e4m3 rows with a scale per 1 x 128 block; w [E, N, K] e4m3 with a scale per 12
 e = block_expert[r // ALIGN]; padding rows (route -1) give 0.
 - fp8_rows_ws_kernel: a read whole (src(r) = r) by TMA: down (a = h, K = I, the router weight
   in the epilogue) and d_x (a = d_gate_up, w = the transposed gate and up side by side, K = 2I).
+- fp8_gather_ws_kernel: a = d_output's token rows (src(r) = token(r)) gathered by cp.async,
+  w the transposed w_down: the dSwiGLU's product dh0 alone, for a dSwiGLU run apart.
 - fp8_gate_up_ws_kernel: a = x's token rows (src(r) = token(r)) gathered by cp.async, the gate
   and the up products, then SwiGLU with h quantized in the epilogue, or the pre-activations.
 - fp8_dswiglu_ws_kernel: a = d_output's token rows, w the transposed w_down, then the dSwiGLU
@@ -91,11 +93,12 @@ def _step_scale(a_scale_ptrs, w_scale_ptr, kb, k_blocks, valid):
 @gluon.jit
 def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_scale_ptr,
                    w_scale_ptr, router_weights_ptr, row_route_ptr, block_expert_ptr,
-                   used_rows_ptr, N, K, stride_as, stride_wse, stride_wsn,
+                   used_rows_ptr, N, K, topk, stride_as, stride_wse, stride_wsn,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   HAS_WEIGHT: gl.constexpr, HALF: gl.constexpr):
-    """Rows HALF * 64 .. + 64 of every tile: the scaled K loop, then the epilogue."""
+                   HAS_WEIGHT: gl.constexpr, GATHER: gl.constexpr, HALF: gl.constexpr):
+    """Rows HALF * 64 .. + 64 of every tile: the scaled K loop, then the epilogue. GATHER: the
+    A rows are tokens' rows (their scales by token), landed by cp.async."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -112,13 +115,19 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
         if HAS_WEIGHT:  # loaded now, used after the K loop
             weight = gl.load(router_weights_ptr + route, mask=valid, other=0.0)
         expert = gl.load(block_expert_ptr + r0 // ALIGN).to(gl.int64)
-        a_scale_ptrs = a_scale_ptr + (r0 + rows).to(gl.int64) * stride_as
+        if GATHER:
+            src = gl.where(valid, route // topk, 0).to(gl.int64)
+        else:
+            src = (r0 + rows).to(gl.int64)
+        a_scale_ptrs = a_scale_ptr + src * stride_as
         w_tile_scale_ptr = w_scale_ptr + expert * stride_wse + (c0 // 128) * stride_wsn
         acc = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
         next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, 0, k_blocks, valid)
         for kk in range(k_blocks):
             s = i % NUM_STAGES
             mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
+            if GATHER:
+                fence_async_shared()  # cp.async (generic proxy) -> wgmma (async proxy)
             tmp = warpgroup_mma(a_bufs.index(s).slice(HALF * 64, 64),
                                 b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
                                 is_async=True)
@@ -170,14 +179,14 @@ def fp8_rows_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
-                              block_expert_ptr, used_rows_ptr, N, K, stride_as, stride_wse,
+                              block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, 0)),
+                              HAS_WEIGHT, False, 0)),
             (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
-                              block_expert_ptr, used_rows_ptr, N, K, stride_as, stride_wse,
+                              block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, 1)),
+                              HAS_WEIGHT, False, 1)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
                                ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ALIGN, NUM_STAGES)),
@@ -186,13 +195,59 @@ def fp8_rows_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
-                              block_expert_ptr, used_rows_ptr, N, K, stride_as, stride_wse,
+                              block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, 0)),
+                              HAS_WEIGHT, False, 0)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
                                ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ALIGN, NUM_STAGES)),
         ], [1], [LOAD_REGS])
+
+
+@gluon.jit
+def fp8_gather_ws_kernel(
+    a_ptr, w_desc, out_desc, a_scale_ptr, w_scale_ptr, row_route_ptr, block_expert_ptr,
+    used_rows_ptr, N, K, topk, stride_am, stride_as, stride_wse, stride_wsn,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
+    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_LAYOUT: gl.constexpr,
+):
+    """out[r] = a[token(r)] . w[e]^T, the scaled products as fp8_rows_ws_kernel's, with the
+    token rows gathered by cp.async (the dSwiGLU's product dh0 = d_out[token] . w_down_t[e],
+    computed apart). BLOCK_M 128 (two MMA partitions of 64 rows), BLOCK_N 128, BLOCK_K 128.
+    Launched with one program per SM and num_warps = 4; a [T, K] e4m3 (row stride stride_am,
+    K a multiple of 16) with scales [T, cdiv(K, 128)]; w viewed [E * N, K] e4m3 with [BLOCK_N,
+    BLOCK_K] boxes, scales [E, N / 128, cdiv(K, 128)]; out [R, N] with [64, BLOCK_N] boxes;
+    A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3). Padding rows get 0."""
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
+    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, BLOCK_K],
+                                       w_desc.layout)
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
+                                       out_desc.layout)
+    c_smem2 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
+                                        out_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready_bars.index(s), count=LOAD_WARPS * 32 + 1)
+        mbarrier.init(empty_bars.index(s), count=2)
+
+    gl.warp_specialize([
+        (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
+                          a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
+                          block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
+                          stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
+                          False, True, 0)),
+        (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
+                          a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
+                          block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
+                          stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
+                          False, True, 1)),
+        (_gather_load_partition, (a_ptr, w_desc, w_desc, row_route_ptr, block_expert_ptr,
+                                  used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
+                                  topk, stride_am, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
+                                  NUM_STAGES, LOAD_WARPS, 1)),
+    ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
 
 
 # -- gate/up: the token rows gathered, two products, SwiGLU and h quantized --------------------

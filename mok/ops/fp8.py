@@ -5,6 +5,7 @@ pre-activations, dSwiGLU and d_x."""
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from typing import NamedTuple
 
@@ -266,13 +267,16 @@ def dswiglu_fp8(
     tiles: RowTiles = FP8_TILES,
     router_weights: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
+    *,
+    apart: bool = False,
 ) -> tuple[Quantized, torch.Tensor, torch.Tensor | None]:
     """The backward's first GEMM on e4m3 operands and the dSwiGLU after it: dh0 = d_output[token]
     @ w_down[e] (w_down_t [E, I, H], the transposed w_down quantized), d_h = router weight * dh0,
     (d_gate, d_up) from the kept pre-activations gate_up [C, 2I] (gate_up_fp8's), I a multiple
     of 128. Returns (d_gate_up in e4m3 [C, 2I] with 1 x 128 scales [C, 2I / 128], h [C, I] in
     gate_up's dtype, the router-weight gradient's partial sums [C, I / 128] fp32 or None without
-    router_weights); d_gate_up also replaces gate_up in place, in its dtype."""
+    router_weights); d_gate_up also replaces gate_up in place, in its dtype. apart: two launches,
+    the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over it; the same results."""
     _, hidden = _rows_operand(d_output, "d_output")
     _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden)
     if inter % QUANT_BLOCK:
@@ -287,7 +291,16 @@ def dswiglu_fp8(
     h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
     partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
                if router_weights is not None else None)
-    if tiles.gluon and rows > 0:
+    if apart:
+        dh0 = torch.empty(rows, inter, dtype=torch.float32, device=device)
+        if tiles.gluon and rows > 0:
+            _gather_gluon(d_output, w_down_t, dh0, routing, tiles)
+        else:
+            _launch(d_output, w_down_t, None, dh0, dh0, routing, tiles, None, None, gather=True,
+                    epilogue="plain", quantize_out=False)
+        _dswiglu_rows(dh0, gate_up, routing, router_weights, swiglu_limit, out, out_scales, h,
+                      partial)
+    elif tiles.gluon and rows > 0:
         _dswiglu_gluon(d_output, w_down_t, gate_up, routing, tiles, router_weights,
                        swiglu_limit, Quantized(out, out_scales), h, partial)
     else:
@@ -520,6 +533,56 @@ def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_li
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, UPCAST=_env.INTERPRET, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+    )
+
+
+# The dSwiGLU run apart: a program's [rows, 128] block and its warps (8 values a thread, 64
+# registers on sm_90).
+_DSWIGLU_ROWS = 16
+_DSWIGLU_WARPS = 8
+
+
+def _dswiglu_rows(dh0: torch.Tensor, gate_up: torch.Tensor, routing: Routing,
+                  router_weights: torch.Tensor | None, swiglu_limit: float | None,
+                  out: torch.Tensor, out_scales: torch.Tensor, h: torch.Tensor,
+                  partial: torch.Tensor | None) -> None:
+    """The dSwiGLU over dh0 computed apart (mok.kernels.fp8_gemm.fp8_dswiglu_rows_kernel)."""
+    rows, inter = dh0.shape
+    if rows == 0 or inter == 0:
+        return
+    weighted = router_weights is not None
+    partial = partial if weighted else out_scales
+    block = math.gcd(_DSWIGLU_ROWS, routing.align)  # blocks within the schedule's rows
+    launch(kernels.fp8_dswiglu_rows_kernel, (rows // block, inter // QUANT_BLOCK))(
+        dh0, out, out_scales, routing.row_route, routing.used_rows,
+        router_weights if weighted else out_scales, gate_up, h, partial, inter, routing.topk,
+        swiglu_limit if swiglu_limit is not None else 0.0, dh0.stride(0), out.stride(0),
+        out_scales.stride(0), gate_up.stride(0), h.stride(0), partial.stride(0),
+        HAS_LIMIT=swiglu_limit is not None, WEIGHTED=weighted, BLOCK_M=block,
+        UPCAST=_env.INTERPRET, num_warps=_DSWIGLU_WARPS,
+    )
+
+
+def _gather_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
+                  tiles: RowTiles) -> None:
+    """out [C, N] = a[token(r)] @ w[e]^T by the warp-specialized Gluon kernel
+    (mok.kernels.gluon_fp8.fp8_gather_ws_kernel)."""
+    if not gluon_takes_fp8("down_bwd_saved", a, w, out.dtype, tiles):
+        raise ValueError(_NOT_TAKEN)
+    experts, n, k = w.data.shape
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    epilogue = 2 * 64 * bn * out.element_size()  # each MMA partition's output buffer
+    stages = min(tiles.num_stages, (_SMEM - epilogue) // ((bm + bn) * bk))
+    launch(gluon_fp8.fp8_gather_ws_kernel, (_num_programs(out.device),))(
+        a_ptr=a.data, w_desc=_descriptor(w.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
+        out_desc=_descriptor(out, [64, bn], _GLUON_OUT[out.dtype]), a_scale_ptr=a.scales,
+        w_scale_ptr=w.scales, row_route_ptr=routing.row_route,
+        block_expert_ptr=routing.block_expert, used_rows_ptr=routing.used_rows, N=n, K=k,
+        topk=routing.topk, stride_am=a.data.stride(0), stride_as=a.scales.stride(0),
+        stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
+        NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
+        MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv), num_warps=4,
     )
 
 

@@ -1,7 +1,8 @@
 """The warp-specialized Gluon FP8 kernels (mok.kernels.gluon_fp8: gate/up, the pre-activations,
-down and d_x; RowTiles.gluon) on an sm_90 GPU: against the same math on the dequantized
-operands, against the Triton FP8 kernels, bitwise deterministic, 0 on padding rows, and the
-layer on them (MOK_FP8_GLUON) against the layer on the Triton kernels."""
+down, d_x, the dSwiGLU in one launch and its GEMM apart; RowTiles.gluon) on an sm_90 GPU:
+against the same math on the dequantized operands, against the Triton FP8 kernels, bitwise
+deterministic, 0 on padding rows, and the layer on them (MOK_FP8_GLUON) against the layer on
+the Triton kernels."""
 
 import dataclasses
 
@@ -180,10 +181,10 @@ def test_gluon_fp8_gate_up_matches_dequantized_math_and_the_triton_kernel(hidden
 @pytest.mark.parametrize(("recompute", "limit"), [(True, None), (False, 7.0)],
                          ids=["recompute", "kept_limit"])
 def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
-    # MOK_FP8_GLUON (the default): the layer's FP8 plan takes the Gluon kernels (the dSwiGLU's
-    # excepted), which give the Triton kernels' layer (MOK_FP8_GLUON=0) within the recipe's
-    # tolerance (other sums inside each K block move some e4m3 roundings), bitwise
-    # deterministic.
+    # MOK_FP8_GLUON (the default): the layer's FP8 plan takes the Gluon kernels (the dSwiGLU
+    # apart, its GEMM on the Gluon kernel), which give the Triton kernels' layer
+    # (MOK_FP8_GLUON=0) within the recipe's tolerance (other sums inside each K block move
+    # some e4m3 roundings), bitwise deterministic.
     import mok.functional as F
     from mok import _env
     from mok.ops import fp8 as fp8_ops
@@ -199,7 +200,7 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
     triton = run_layer(inputs, config=config, swiglu_limit=limit)
     monkeypatch.setattr(_env, "FP8_GLUON", True)
     launches = []
-    for name in ("_rows_gluon", "_gate_up_gluon", "_dswiglu_gluon"):
+    for name in ("_rows_gluon", "_gate_up_gluon", "_dswiglu_gluon", "_gather_gluon"):
         launcher = getattr(fp8_ops, name)
 
         def counted(*args, name=name, launcher=launcher, **kwargs):
@@ -209,8 +210,9 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
     y, grads, _, _ = run_layer(inputs, config=config, swiglu_limit=limit)
     # forward: gate/up and down, backward: dSwiGLU and d_x (and the pre-activations
     # recomputed), for the routed and the shared experts
-    assert sorted(set(launches)) == ["_gate_up_gluon", "_rows_gluon"]
+    assert sorted(set(launches)) == ["_gate_up_gluon", "_gather_gluon", "_rows_gluon"]
     assert launches.count("_rows_gluon") == 4
+    assert launches.count("_gather_gluon") == 2
     assert launches.count("_gate_up_gluon") == (4 if recompute else 2)
     y2, grads2, _, _ = run_layer(inputs, config=config, swiglu_limit=limit)
     assert torch.equal(y, y2)
@@ -222,9 +224,12 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
 
 
 @SM90
+@pytest.mark.parametrize("apart", [False, True], ids=["one_launch", "apart"])
 @pytest.mark.parametrize(("limit", "weighted"), [(None, True), (1.5, True), (None, False)],
                          ids=["plain", "limit", "shared"])
-def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit, weighted):
+def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit, weighted,
+                                                                          apart):
+    # apart: the Gluon GEMM into fp32 (fp8_gather_ws_kernel), then the dSwiGLU over it.
     from ..ops.test_fp8_gemm import dswiglu_reference
 
     weights, router_weights, routing, generator = _setup(tokens=3000, hidden=512, inter=256,
@@ -240,7 +245,7 @@ def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit,
     def run(t):
         d_gate_up = gate_up.clone()
         q, h, partial = dswiglu_fp8(d_out_q, weights.down_t, d_gate_up, routing, t,
-                                    route_weights, limit)
+                                    route_weights, limit, apart=apart and t.gluon)
         return d_gate_up, q, h, partial
 
     d_gate_up, q, h, partial = run(tiles)

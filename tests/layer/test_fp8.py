@@ -2,6 +2,8 @@
 (mok.reference.moe_reference_fp8_grads) and against the exact reference within the FP8
 tolerance; determinism; what it rejects; the weight cache."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,6 +93,29 @@ def test_fp8_layer_is_deterministic_and_kept_equals_recomputed(device):
     for y_other, grads_other, *_ in others:
         assert torch.equal(y, y_other)
         for name, a, b in zip(GRAD_NAMES, grads, grads_other, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("limit", [None, 2.5], ids=["plain", "limit"])
+def test_fp8_layer_with_the_dswiglu_apart_is_the_layer_in_one_launch(device, monkeypatch, limit):
+    # The plan runs the dSwiGLU apart where its GEMM has Gluon tiles (sm_90); here the Triton
+    # kernel runs both ways. A shared expert (no router weights) and routed ones, kept and
+    # recomputed pre-activations: every output and gradient the same bits.
+    from mok import plan
+
+    inputs = make_inputs(40, 256, 128, 3, 2, shared_intermediate_size=128, device=device,
+                         seed=4)
+    one = [fp8_run(inputs, recompute=recompute, limit=limit) for recompute in (True, False)]
+    made = plan.fp8_plan
+
+    def apart(*args, **kwargs):
+        return dataclasses.replace(made(*args, **kwargs), dswiglu_apart=True)
+
+    monkeypatch.setattr(F, "fp8_plan", apart)
+    two = [fp8_run(inputs, recompute=recompute, limit=limit) for recompute in (True, False)]
+    for (y, grads, *_), (y_two, grads_two, *_) in zip(one, two, strict=True):
+        assert torch.equal(y, y_two)
+        for name, a, b in zip(GRAD_NAMES, grads, grads_two, strict=True):
             assert (a is None and b is None) or torch.equal(a, b), name
 
 

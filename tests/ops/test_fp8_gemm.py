@@ -111,6 +111,29 @@ def test_gate_up_fp8_quantizes_h_with_row_block_scales(device):
 WIDE_TILES = RowTiles(16, 256, QUANT_BLOCK, group_m=2, num_warps=4, num_stages=2)
 
 
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "shared"])
+@pytest.mark.parametrize("limit", [None, 1.5], ids=["plain", "limit"])
+def test_dswiglu_fp8_apart_is_the_one_launch_bit_for_bit(device, limit, weighted):
+    # Two launches (the GEMM into fp32, then the dSwiGLU over it) against one: every output
+    # of every used row, padding rows too, the same bits.
+    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=256, seed=12)
+    gate_up = gate_up_fp8(quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u),
+                          routing, H_TILES, limit)
+    d_out_q = quantize_rows(torch.randn_like(x))
+    w_down_t = quantize_weights(w_d.transpose(1, 2))
+    weights = router_weights if weighted else None
+    results = []
+    for apart in (False, True):
+        kept = gate_up.clone()
+        q, h, partial = dswiglu_fp8(d_out_q, w_down_t, kept, routing, H_TILES, weights, limit,
+                                    apart=apart)
+        results.append((q.data, q.scales, h, kept) + ((partial,) if weighted else ()))
+    n = used(routing)
+    assert n > 0
+    for one, two in zip(*results, strict=True):
+        assert torch.equal(one[:n].view(torch.uint8), two[:n].view(torch.uint8))
+
+
 @pytest.mark.parametrize(("tiles", "hidden"), [(TILES, 256), (WIDE_TILES, 384)],
                          ids=["narrow", "wide"])
 def test_down_fp8_matches_dequantized_math(device, tiles, hidden):
@@ -380,9 +403,10 @@ def test_gluon_fp8_tiles_off_sm90_raise_and_the_plan_does_not_give_them(device, 
 
 def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     # By default (MOK_FP8_GLUON) on an sm_90 GPU: gate/up, the pre-activations, down and d_x on
-    # the Gluon kernels, the dSwiGLU on the Triton one (its Gluon kernel measured slower);
-    # scattering rows to other ranks (expert parallelism), down and d_x on the Triton one; H
-    # not a multiple of 16, or MOK_FP8_GLUON=0, every launch on the Triton kernels.
+    # the Gluon kernels, the dSwiGLU apart with its GEMM on the Gluon kernel (in one launch the
+    # Triton kernel's, where _FP8_DSWIGLU_APART is off); scattering rows to other ranks (expert
+    # parallelism), down and d_x on the Triton one; H not a multiple of 16, or
+    # MOK_FP8_GLUON=0, every launch on the Triton kernels, the dSwiGLU in one launch.
     from mok import _env, plan
     from mok.arch import HOPPER
 
@@ -393,12 +417,16 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
 
     def gluon(**kwargs):
         fp8 = plan.fp8_plan(tiles, operands, intermediate=256, **kwargs)
+        assert fp8.dswiglu_apart == fp8.dswiglu.gluon
         return tuple(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.dswiglu,
                                        fp8.d_x))
 
     assert _env.FP8_GLUON  # the default
-    assert gluon(hidden=256) == (True, True, True, False, True)
-    assert gluon(hidden=256, scatter=True) == (True, True, False, False, False)
+    assert gluon(hidden=256) == (True, True, True, True, True)
+    assert gluon(hidden=256, scatter=True) == (True, True, False, True, False)
     assert gluon(hidden=264) == (False,) * 5
+    monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", False)
+    assert gluon(hidden=256) == (True, True, True, False, True)
+    monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", True)
     monkeypatch.setattr(_env, "FP8_GLUON", False)
     assert gluon(hidden=256) == (False,) * 5
