@@ -50,9 +50,10 @@ from benchmarks import append_rows, commit_id
 from mok import ops, plan
 from mok.arch import arch_of
 from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
+from mok.ops.fp8_wgrad import gluon_takes_fp8_wgrad
 from mok.ops.fp8_wgrad import grouped_wgrad_fp8_quantized as wgrad_fp8_quantized
 from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
-from mok.ops.tuning import FP8_WGRAD_TILES
+from mok.ops.tuning import FP8_WGRAD_GLUON_TILES, FP8_WGRAD_TILES
 from mok.reference import dequantize_e4m3, swiglu
 from mok.testing import SHAPES_BY_NAME, MoEShape, make_shape_inputs
 
@@ -316,6 +317,27 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
         wgrad_variants["gate_up"][label] = functools.partial(
             wgrad_fp8_quantized, quantized["d_gate_up"], quantized["x"], routing, variant,
             out_dtype=x.dtype, split=inter)
+    # The Gluon kernel (sm_90, the schedule's alignment a multiple of 128), with 3 to 6 stages.
+    for stages_ in (5, 4, 6, 3) if gluon else ():
+        variant = dataclasses.replace(FP8_WGRAD_GLUON_TILES, num_stages=stages_)
+        for kind, a, b, split in (("down", "d_out", "h", None),
+                                  ("gate_up", "d_gate_up", "x", inter)):
+            if gluon_takes_fp8_wgrad(quantized[a], quantized[b], routing, variant, x.dtype,
+                                     split):
+                wgrad_variants[kind][f"gluon_s{stages_}"] = functools.partial(
+                    wgrad_fp8_quantized, quantized[a], quantized[b], routing, variant,
+                    out_dtype=x.dtype, split=split)
+    if "gluon_s5" in wgrad_variants["gate_up"]:  # against the Triton kernel (same blocks, order)
+        for kind, a, b, split in (("down", "d_out", "h", None),
+                                  ("gate_up", "d_gate_up", "x", inter)):
+            mine, theirs = (wgrad_fp8_quantized(quantized[a], quantized[b], routing, t,
+                                                out_dtype=torch.float32, split=split)
+                            for t in (FP8_WGRAD_GLUON_TILES, FP8_WGRAD_TILES))
+            mine, theirs = (torch.cat(o, 1) if split else o for o in (mine, theirs))
+            errors[(f"wgrad_{kind}", "mok_fp8_gemm_only_gluon_s5")] = max_rel_err(mine, theirs)
+            print(f"   wgrad_{kind}: Gluon against Triton max rel "
+                  f"{errors[(f'wgrad_{kind}', 'mok_fp8_gemm_only_gluon_s5')]:.2e}, bit for bit "
+                  f"{torch.equal(mine, theirs)}", flush=True)
     for kind, a, b in (("down", "d_out", "h"), ("gate_up", "d_gate_up", "x")):
         out = wgrad_fp8_quantized(quantized[a], quantized[b], routing, out_dtype=torch.float32)
         errors[(f"wgrad_{kind}", "mok_fp8")] = wgrad_checked(quantized[a], quantized[b],

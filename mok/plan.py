@@ -32,7 +32,7 @@ from mok.ops.experts import (
     gluon_takes_wgrad,
     grouped_mm_takes,
 )
-from mok.ops.tuning import FP8_KINDS, FP8_WGRAD_TILES
+from mok.ops.tuning import FP8_KINDS, FP8_WGRAD_GLUON_TILES, FP8_WGRAD_TILES
 
 
 @dataclass(frozen=True)
@@ -168,8 +168,9 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     with MOK_FP8_GLUON (the default) the Gluon kernels where the GPU runs them (their operands
     are mok's own buffers and e4m3 weight copies, which they can read whenever H is a multiple
     of 16); the dSwiGLU apart, its GEMM on the Gluon kernel, where that takes it
-    (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; scatter: down and d_x write
-    their rows to other ranks (the Triton kernel's epilogue)."""
+    (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight gradients on
+    the Gluon kernel where the alignment, H and I are multiples of 128; scatter: down and d_x
+    write their rows to other ranks (the Triton kernel's epilogue)."""
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = _env.FP8_GLUON and arch_of(operands.device).warp_specialized and hidden % 16 == 0
@@ -179,6 +180,8 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     made = Fp8Plan(*(fp8_tiles(kind, tiles.align, gluon=gluon and kind not in triton)
                      for kind in FP8_KINDS),
                    *_wgrads(pick, operands, tiles.align, sizes))
+    if gluon and tiles.align % 128 == 0 and hidden % 128 == 0 and intermediate % 128 == 0:
+        made = dataclasses.replace(made, wgrad_fp8=FP8_WGRAD_GLUON_TILES)
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
     # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
     return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)

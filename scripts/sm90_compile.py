@@ -448,8 +448,20 @@ def main(argv=None) -> None:
              lambda tt: fp8_wgrad.quantize_row_blocks(x, routing, gather=True,
                                                       router_weights=rw)),
         ]
-        # The Gluon FP8 kernels (mok.kernels.gluon_fp8), as an sm_90 GPU would run them.
+        # The Gluon FP8 kernels (mok.kernels.gluon_fp8, gluon_fp8_wgrad), as an sm_90 GPU would
+        # run them.
         fp8.gluon_takes_fp8 = lambda *args, **kwargs: True
+        fp8_wgrad.gluon_takes_fp8_wgrad = lambda *args, **kwargs: True
+        from mok.ops.tuning import FP8_WGRAD_GLUON_TILES as wgrad8_gluon
+        runs += [
+            ("wgrad_down fp8 gluon tma", wgrad8_gluon,
+             lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
+                 by_rows(hid), by_rows(inter), routing, tt, out_dtype=torch.bfloat16)),
+            ("wgrad_gate_up fp8 gluon tma", wgrad8_gluon,
+             lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
+                 by_rows(2 * inter), by_rows(hid), routing, tt, out_dtype=torch.bfloat16,
+                 split=inter)),
+        ]
         gate_up_gluon = ops.fp8_tiles("gate_up", 128, gluon=True)
         runs += [
             ("gate_up fp8 gluon tma", gate_up_gluon,

@@ -7,10 +7,15 @@ from __future__ import annotations
 import math
 
 import torch
+from triton.experimental.gluon import language as gl
 
 from mok import _env
+from mok.arch import arch_of
 from mok.errors import MoKInputError
 from mok.kernels import fp8_wgrad as kernels
+from mok.kernels import gluon_fp8_wgrad
+from mok.ops.experts import _gluon_descriptor, _num_programs
+from mok.ops.fp8 import _GLUON_LOAD_REGS, _GLUON_MMA_REGS, _SMEM
 from mok.ops.launch import cdiv, launch
 from mok.ops.quantize import QUANT_BLOCK, Quantized
 from mok.ops.routing import Routing
@@ -110,7 +115,13 @@ def grouped_wgrad_fp8_quantized(
         outs = [torch.empty(num, split, width_b, dtype=out_dtype, device=device),
                 torch.empty(num, width_a - split, width_b, dtype=out_dtype, device=device)]
     num_p, num_q = cdiv(width_a, tiles.block_m), cdiv(width_b, tiles.block_n)
-    if num and width_a and width_b:
+    if tiles.gluon:
+        if not gluon_takes_fp8_wgrad(qa, qb, routing, tiles, out_dtype, split):
+            raise ValueError("the tiles ask for the Gluon FP8 weight-gradient kernel, which does "
+                             "not take this launch (GPU, alignment, sizes or tiles)")
+        if num and width_a and width_b:
+            _wgrad_gluon(qa, qb, outs, routing, tiles, split if split is not None else width_a)
+    elif num and width_a and width_b:
         launch(kernels.fp8_wgrad_kernel, (num * num_p * num_q,))(
             qa.data, qa.scales, qb.data, qb.scales, outs[0], outs[-1], routing.expert_offsets,
             width_a, width_b, split if split is not None else width_a, num, num_p, num_q,
@@ -120,3 +131,44 @@ def grouped_wgrad_fp8_quantized(
             UPCAST=_env.INTERPRET, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return outs[0] if split is None else (outs[0], outs[1])
+
+
+def gluon_takes_fp8_wgrad(qa: Quantized, qb: Quantized, routing: Routing, tiles: RowTiles,
+                          out_dtype: torch.dtype, split: int | None) -> bool:
+    """Whether the Gluon kernel (mok.kernels.gluon_fp8_wgrad) runs this weight gradient: an
+    sm_90 GPU, the schedule's alignment a multiple of 128 (whole blocks of rows per expert),
+    128-row tiles dividing the gradient's rows on each side of the split, 64 or 128 columns,
+    an output TMA can store (16-bit or fp32 rows of 16-byte multiples)."""
+    width_a, width_b = qa.data.shape[0], qb.data.shape[0]
+    cut = split if split is not None else width_a
+    return (qa.data.is_cuda and arch_of(qa.data.device).warp_specialized
+            and routing.align % QUANT_BLOCK == 0 and tiles.block_k == QUANT_BLOCK
+            and tiles.block_m == 128 and tiles.block_n in (64, 128)
+            and cut % 128 == 0 and (width_a - cut) % 128 == 0
+            and out_dtype in _GLUON_OUT and (width_b * out_dtype.itemsize) % 16 == 0)
+
+
+_GLUON_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+def _wgrad_gluon(qa: Quantized, qb: Quantized, outs: list[torch.Tensor], routing: Routing,
+                 tiles: RowTiles, split: int) -> None:
+    """grouped_wgrad_fp8_quantized by the warp-specialized Gluon kernel."""
+    (width_a, _), width_b = qa.data.shape, qb.data.shape[0]
+    num = routing.num_local_experts
+    bp, bq = tiles.block_m, tiles.block_n
+    out_dtype = _GLUON_OUT[outs[0].dtype]
+    views = [out.view(-1, width_b) for out in outs]
+    epilogue = 2 * 64 * bq * outs[0].element_size()  # each MMA partition's output buffer
+    stages = min(tiles.num_stages, (_SMEM - epilogue) // ((bp + bq) * QUANT_BLOCK))
+    launch(gluon_fp8_wgrad.fp8_wgrad_ws_kernel, (_num_programs(qa.data.device),))(
+        a_desc=_gluon_descriptor(qa.data, [bp, QUANT_BLOCK], gl.float8e4nv),
+        b_desc=_gluon_descriptor(qb.data, [bq, QUANT_BLOCK], gl.float8e4nv),
+        out_desc=_gluon_descriptor(views[0], [64, bq], out_dtype),
+        out2_desc=_gluon_descriptor(views[-1], [64, bq], out_dtype),
+        a_scale_ptr=qa.scales, b_scale_ptr=qb.scales, expert_offsets_ptr=routing.expert_offsets,
+        num_experts=num, num_p=cdiv(width_a, bp), num_q=cdiv(width_b, bq), P=width_a,
+        Q=width_b, SPLIT=split, stride_as=qa.scales.stride(0), stride_bs=qb.scales.stride(0),
+        BLOCK_P=bp, BLOCK_Q=bq, NUM_STAGES=stages, LOAD_REGS=_GLUON_LOAD_REGS,
+        MMA_REGS=_GLUON_MMA_REGS, num_warps=4,
+    )

@@ -400,6 +400,9 @@ FP8_GLUON_KINDS = ("gate_up", "gate_up_saved", "down", "down_bwd_saved", "d_x")
 # `benchmarks.fp8` timed on an H200 (2026-12-05, 64508a1) at qwen3-30b-a3b and kimi-ep64-slice:
 # 4-14% ahead of 64 x 128 x 128 at 4 warps and 4 stages, the tile before.
 FP8_WGRAD_TILES = RowTiles(128, 128, 128, num_warps=8, num_stages=3)
+# The Gluon kernel's (mok.kernels.gluon_fp8_wgrad; sm_90, alignment a multiple of 128): two MMA
+# partitions of 64 rows, up to 5 stages. Not yet timed.
+FP8_WGRAD_GLUON_TILES = RowTiles(128, 128, 128, num_warps=4, num_stages=5, gluon=True)
 
 
 def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:

@@ -290,3 +290,54 @@ def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit,
     theirs = run(fp8_tiles("down_bwd_saved", ALIGN))
     torch.testing.assert_close(d_gate_up[rows].float(), theirs[0][rows].float(), **bf16)
     torch.testing.assert_close(q.scales[rows], theirs[1].scales[rows], rtol=1e-4, atol=0)
+
+
+@SM90
+@pytest.mark.parametrize(("kind", "stages"), [("down", 5), ("gate_up", 5), ("gate_up", 3)],
+                         ids=["down", "gate_up", "gate_up_s3"])
+def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages):
+    # The FP8 weight gradients' GEMM (mok.kernels.gluon_fp8_wgrad) against the Triton one on
+    # the same quantized operands (the same blocks in the same order): down (a = d_output by
+    # token, weighted; b = h by row), gate/up (a = [d_gate, d_up] by row, split at I; b = x by
+    # token); an expert without rows gives zeros; bitwise deterministic.
+    from mok.ops.fp8_wgrad import (
+        gluon_takes_fp8_wgrad,
+        grouped_wgrad_fp8_quantized,
+        quantize_row_blocks,
+    )
+    from mok.ops.tuning import FP8_WGRAD_GLUON_TILES, FP8_WGRAD_TILES
+
+    tokens, hidden, inter, experts = 3000, 512, 256, 17
+    generator = torch.Generator().manual_seed(17)
+    topk_experts = make_topk(tokens, experts - 1, 4, RoutingPattern.SKEWED, generator).cuda()
+    routing = build_routing(topk_experts, torch.zeros(4, dtype=torch.int32, device="cuda"),
+                            num_experts=experts, first_local_expert=0,
+                            num_local_experts=experts, align=ALIGN, route_capacity=tokens * 4)
+    x = torch.randn(tokens, hidden, generator=generator).bfloat16().cuda()
+    rows = routing.capacity_rows
+    if kind == "down":
+        weights = torch.rand(tokens * 4, generator=generator).cuda()
+        a = quantize_row_blocks(x, routing, gather=True, router_weights=weights)
+        b = quantize_row_blocks(torch.randn(rows, inter, generator=generator).bfloat16().cuda(),
+                                routing, gather=False)
+        split = None
+    else:
+        a = quantize_row_blocks(
+            torch.randn(rows, 2 * inter, generator=generator).bfloat16().cuda(), routing,
+            gather=False)
+        b = quantize_row_blocks(x, routing, gather=True)
+        split = inter
+    tiles = dataclasses.replace(FP8_WGRAD_GLUON_TILES, num_stages=stages)
+    assert gluon_takes_fp8_wgrad(a, b, routing, tiles, torch.float32, split)
+
+    def run(t):
+        out = grouped_wgrad_fp8_quantized(a, b, routing, t, out_dtype=torch.float32,
+                                          split=split)
+        return out if split is not None else (out,)
+
+    ours, again, theirs = run(tiles), run(tiles), run(FP8_WGRAD_TILES)
+    for mine, mine_again, their in zip(ours, again, theirs, strict=True):
+        assert torch.equal(mine, mine_again)
+        assert (mine[-1] == 0).all()  # the expert without rows
+        scale = their.abs().amax()
+        torch.testing.assert_close(mine, their, rtol=0, atol=1e-5 * float(scale))

@@ -418,6 +418,8 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     def gluon(**kwargs):
         fp8 = plan.fp8_plan(tiles, operands, intermediate=256, **kwargs)
         assert fp8.dswiglu_apart == fp8.dswiglu.gluon
+        # the FP8 weight gradients: Gluon where H and I are multiples of 128
+        assert fp8.wgrad_fp8.gluon == (fp8.gate_up.gluon and kwargs["hidden"] % 128 == 0)
         return tuple(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.dswiglu,
                                        fp8.d_x))
 
@@ -425,6 +427,7 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     assert gluon(hidden=256) == (True, True, True, True, True)
     assert gluon(hidden=256, scatter=True) == (True, True, False, True, False)
     assert gluon(hidden=264) == (False,) * 5
+    assert gluon(hidden=272) == (True,) * 5  # H a multiple of 16, not of 128
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", False)
     assert gluon(hidden=256) == (True, True, True, False, True)
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", True)

@@ -1,0 +1,156 @@
+"""The weight gradients on float8_e4m3fn operands (mok.kernels.fp8_wgrad's fp8_wgrad_kernel),
+warp-specialized and persistent for Hopper (sm_90), in Gluon; GPUs only (Gluon kernels do not
+run under Triton's interpreter).
+
+    out[e, p, q] = sum over e's blocks j of (sum_{r in j} qa[p, r] * qb[q, r])
+                   * a_scale[g(e, j), p] * b_scale[g(e, j), q]
+
+qa [P, C] and qb [Q, C] are mok.ops.quantize_row_blocks' codes (each column's rows contiguous:
+the K-major operands an e4m3 wgmma reads), scales [C / 128, P] and [C / 128, Q]. The schedule's
+alignment is a multiple of 128, so expert e's rows [start, end) (expert_offsets, cut at the rows
+in use) are whole blocks of 128 and block j's scales sit at g(e, j) = start / 128 + j: the
+boxes never reach another expert's rows, no mask is needed. Rows p >= SPLIT go to out2 (row
+p - SPLIT): d_w_gate and d_w_up from one [d_gate, d_up] operand.
+
+One CTA per SM strides over the [BLOCK_P, BLOCK_Q] output tiles, expert by expert (the tiles of
+one expert read the same rows and share them in L2). Partitions, as mok.kernels.gluon_fp8's
+fp8_rows_ws_kernel: a loader warp fills a ring of NUM_STAGES stages with qa's [BLOCK_P, 128]
+and qb's [BLOCK_Q, 128] boxes by TMA, continuous across tiles; two MMA partitions of one
+warpgroup take 64 rows of P each, wgmma each block into a scratch accumulator, wait for it, and
+add it scaled by the outer product of the block's scales to the fp32 accumulator (the blocks in
+order, so results are bitwise reproducible); then the tile through shared memory and a TMA
+store. An expert without rows stores zeros. Barriers as fp8_rows_ws_kernel's (ready[s] count 1
+with expect-tx; empty[s] count 2).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mok.kernels.gluon_gate_up import _put
+
+ROWS = gl.constexpr(128)  # the scales' block along the rows: one K step
+
+
+@gluon.jit
+def _tile(tile, num_p, num_q, expert_offsets_ptr, num_experts):
+    """Tile index -> (expert, P block, Q block, the expert's first row, its blocks): experts
+    first, then P, then Q."""
+    per_expert = num_p * num_q
+    expert = tile // per_expert
+    rest = tile % per_expert
+    used = gl.load(expert_offsets_ptr + num_experts)
+    end = gl.minimum(gl.load(expert_offsets_ptr + expert + 1), used)
+    start = gl.minimum(gl.load(expert_offsets_ptr + expert), end)
+    return expert, rest // num_q, rest % num_q, start, (end - start) // ROWS
+
+
+@gluon.jit
+def _load_partition(a_desc, b_desc, expert_offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
+                    num_experts, num_p, num_q,
+                    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Fills the ring: qa's and qb's boxes of each K step by TMA."""
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    i = 0
+    for tile in range(gl.program_id(0), num_experts * num_p * num_q, gl.num_programs(0)):
+        _, pid_p, pid_q, start, blocks = _tile(tile, num_p, num_q, expert_offsets_ptr,
+                                               num_experts)
+        for kk in range(blocks):
+            s = i % NUM_STAGES
+            mbarrier.wait(empty_bars.index(s), ((i // NUM_STAGES) & 1) ^ 1)
+            bar = ready_bars.index(s)
+            mbarrier.expect(bar, nbytes)
+            k0 = start + kk * ROWS
+            tma.async_copy_global_to_shared(a_desc, [pid_p * BLOCK_P, k0], bar, a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [pid_q * BLOCK_Q, k0], bar, b_bufs.index(s))
+            i += 1
+
+
+@gluon.jit
+def _mma_partition(out_desc, out2_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
+                   a_scale_ptr, b_scale_ptr, expert_offsets_ptr, num_experts, num_p, num_q, P,
+                   Q, SPLIT, stride_as, stride_bs,
+                   BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   HALF: gl.constexpr):
+    """Rows HALF * 64 .. + 64 of P of every tile: the scaled K loop, then the store."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_Q, 32])
+    p_in_tile = HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+    q_in_tile = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, acc_layout))
+    tmp = gl.zeros([64, BLOCK_Q], gl.float32, acc_layout)
+    i = 0
+    for tile in range(gl.program_id(0), num_experts * num_p * num_q, gl.num_programs(0)):
+        expert, pid_p, pid_q, start, blocks = _tile(tile, num_p, num_q, expert_offsets_ptr,
+                                                    num_experts)
+        ps = pid_p * BLOCK_P + p_in_tile
+        qs = pid_q * BLOCK_Q + q_in_tile
+        in_q = qs < Q
+        slot = (start // ROWS).to(gl.int64)
+        a_scale_ptrs = a_scale_ptr + slot * stride_as + ps
+        b_scale_ptrs = b_scale_ptr + slot * stride_bs + qs
+        acc = gl.zeros([64, BLOCK_Q], gl.float32, acc_layout)
+        for _ in range(blocks):
+            s = i % NUM_STAGES
+            mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
+            tmp = warpgroup_mma(a_bufs.index(s).slice(HALF * 64, 64),
+                                b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
+                                is_async=True)
+            a_scale = gl.load(a_scale_ptrs)
+            b_scale = gl.load(b_scale_ptrs, mask=in_q, other=0.0)
+            tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
+            mbarrier.arrive(empty_bars.index(s))
+            acc += tmp * (a_scale[:, None] * b_scale[None, :])
+            a_scale_ptrs += stride_as
+            b_scale_ptrs += stride_bs
+            i += 1
+        # the tile lies on one side of SPLIT (BLOCK_P divides it)
+        p0 = pid_p * BLOCK_P + HALF * 64
+        if pid_p * BLOCK_P < SPLIT:
+            _put(out_desc, acc, expert * SPLIT + p0, pid_q * BLOCK_Q, c_smem)
+        else:
+            _put(out2_desc, acc, expert * (P - SPLIT) + p0 - SPLIT, pid_q * BLOCK_Q, c_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def fp8_wgrad_ws_kernel(
+    a_desc, b_desc, out_desc, out2_desc, a_scale_ptr, b_scale_ptr, expert_offsets_ptr,
+    num_experts, num_p, num_q, P, Q, SPLIT, stride_as, stride_bs,
+    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, NUM_STAGES: gl.constexpr,
+    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+):
+    """Launched with one program per SM and num_warps = 4 (the first MMA partition).
+    Descriptors: a_desc qa [P, C] e4m3 with [BLOCK_P, 128] boxes, b_desc qb [Q, C] e4m3 with
+    [BLOCK_Q, 128] boxes, out_desc out viewed [E * SPLIT, Q] and out2_desc out2 viewed
+    [E * (P - SPLIT), Q] with [64, BLOCK_Q] boxes (without a split, SPLIT = P and out2 = out).
+    BLOCK_P 128 dividing SPLIT and P - SPLIT; BLOCK_Q 64 or 128."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_P, ROWS], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_Q, ROWS], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
+                                       out_desc.layout)
+    c_smem2 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
+                                        out_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready_bars.index(s), count=1)
+        mbarrier.init(empty_bars.index(s), count=2)
+
+    gl.warp_specialize([
+        (_mma_partition, (out_desc, out2_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
+                          a_scale_ptr, b_scale_ptr, expert_offsets_ptr, num_experts, num_p,
+                          num_q, P, Q, SPLIT, stride_as, stride_bs, BLOCK_P, BLOCK_Q,
+                          NUM_STAGES, 0)),
+        (_mma_partition, (out_desc, out2_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
+                          a_scale_ptr, b_scale_ptr, expert_offsets_ptr, num_experts, num_p,
+                          num_q, P, Q, SPLIT, stride_as, stride_bs, BLOCK_P, BLOCK_Q,
+                          NUM_STAGES, 1)),
+        (_load_partition, (a_desc, b_desc, expert_offsets_ptr, a_bufs, b_bufs, ready_bars,
+                           empty_bars, num_experts, num_p, num_q, BLOCK_P, BLOCK_Q,
+                           NUM_STAGES)),
+    ], [4, 1], [MMA_REGS, LOAD_REGS])
