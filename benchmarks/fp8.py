@@ -418,7 +418,7 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
         for rows_, warps in DSWIGLU_APART_VARIANTS:
             stages.append(("dswiglu_rows", f"mok_fp8_{rows_}x128_w{warps}", functools.partial(
                 _dswiglu_rows_with, rows_, warps, dh0, kept_buffers["rows"], routing,
-                router_weights, d_gate_up_out, scales_out, h_out, partial_out), 0,
+                router_weights, None, d_gate_up_out, scales_out, h_out, partial_out), 0,
                 routes * inter * (4 + 4 + 2 + 4 + 2)))
     if device.type == "cuda":  # torch._scaled_mm needs a GPU
         stages += [
