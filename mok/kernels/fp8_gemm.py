@@ -134,8 +134,9 @@ def fp8_dswiglu_rows_kernel(
     UPCAST: tl.constexpr,
 ):
     """The "dswiglu" epilogue of fp8_rows_kernel (QUANTIZE_OUT) on dh0 [C, N] fp32 read from
-    memory: one [BLOCK_M, 128] block a program (grid: row blocks, N / 128), the same outputs
-    and the same arithmetic as the one launch."""
+    memory: one [BLOCK_M, 128] block a program (grid: row blocks, N / 128), the one launch's
+    arithmetic (compiled, the partial sums' order over the 128 columns follows the block's
+    layout, so they may differ from the one launch's in the last bits)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(used_rows_ptr):

@@ -21,7 +21,7 @@ from mok.kernels import grouped_gemm as gemm_kernels
 from mok.ops import comm
 from mok.ops.comm import Pull, ScatterRows
 from mok.ops.launch import cdiv, launch, next_power_of_2
-from mok.ops.routing import Routing
+from mok.ops.routing import Routing, check_router_weights
 from mok.ops.tuning import DswigluTiles, RowTiles, WgradTiles
 
 UPCAST = _env.INTERPRET
@@ -456,6 +456,7 @@ def down_proj(
 
     scatter: write each row into its token's rank's combine buffer instead (returns that buffer).
     """
+    check_router_weights(router_weights, routing)
     hidden, intermediate = w_down.shape[1:]
     if scatter is None:
         out = torch.empty(routing.capacity_rows, hidden, dtype=h.dtype, device=h.device)
@@ -537,6 +538,7 @@ def down_bwd_dswiglu(
     pull.copied they land by copies beside it, the tiles waiting on them and taking their row
     blocks in pull.order's order; the Gluon kernel may then take the launch).
     """
+    check_router_weights(router_weights, routing)
     intermediate, hidden = w_gate.shape[1:]
     rows = routing.capacity_rows
     if out is not None:
@@ -633,6 +635,7 @@ def dswiglu_apart(
     backward_pull's x_first), its tiles waiting on them (the Triton kernel runs it: give
     Triton tiles, TileConfig.pick's triton); the dSwiGLU launch reads them after it, in stream
     order, and waits on nothing."""
+    check_router_weights(router_weights, routing)
     pulling = pull is not None and not pull.copied
     if pulling and pull.second_src is None:
         raise ValueError("dswiglu_apart: a pull by its gate/up launch brings d_out's rows along "
@@ -820,6 +823,7 @@ def grouped_wgrad(
     row-indexed b holds zeros on padding rows, as the row GEMMs' outputs (h) do: with
     tiles.grouped_mm it is read as it is, padding included (a is copied, see copy_rows).
     """
+    check_router_weights(router_weights, routing)
     if tiles.grouped_mm:
         _check_grouped_mm(a, b)
         a_rows = copy_rows(a, routing, gather=gather_a, router_weights=router_weights)
@@ -956,6 +960,7 @@ def copy_rows(
     """rows [C, width] in schedule order: src[token] (gather; src [T, width]) or src[row] (src
     [C, width]), scaled by the route's router weight (router_weights [T * k]) and rounded to
     src's dtype; 0 on padding rows. Rows past the schedule's used rows are left unwritten."""
+    check_router_weights(router_weights, routing)
     width = src.shape[1]
     out = torch.empty(routing.capacity_rows, width, dtype=src.dtype, device=src.device)
     block_m, block_n = 16, min(256, next_power_of_2(max(width, 1)))

@@ -24,7 +24,7 @@ from mok.ops.experts import _gluon_descriptor as _descriptor
 from mok.ops.experts import _num_programs, _nvmma_layout, _scatter_args
 from mok.ops.launch import cdiv, launch
 from mok.ops.quantize import QUANT_BLOCK, Quantized, quantize_weights, quantize_weights_into
-from mok.ops.routing import Routing
+from mok.ops.routing import Routing, check_router_weights
 from mok.ops.tuning import RowTiles, fp8_tiles
 
 E4M3 = torch.float8_e4m3fn
@@ -276,7 +276,8 @@ def dswiglu_fp8(
     of 128. Returns (d_gate_up in e4m3 [C, 2I] with 1 x 128 scales [C, 2I / 128], h [C, I] in
     gate_up's dtype, the router-weight gradient's partial sums [C, I / 128] fp32 or None without
     router_weights); d_gate_up also replaces gate_up in place, in its dtype. apart: two launches,
-    the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over it; the same results."""
+    the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over it; the same results (on a
+    GPU the partial sums up to their order over each 128 columns)."""
     _, hidden = _rows_operand(d_output, "d_output")
     _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden)
     if inter % QUANT_BLOCK:
@@ -453,10 +454,7 @@ def _check_gate_up(gate_up: torch.Tensor, routing: Routing, inter: int) -> None:
 
 
 def _check_router_weights(router_weights: torch.Tensor | None, routing: Routing) -> None:
-    if router_weights is not None and (router_weights.dtype != torch.float32
-                                       or router_weights.numel() != routing.num_tokens
-                                       * routing.topk):
-        raise MoKInputError("router_weights must be fp32 with a weight per route (T * k)")
+    check_router_weights(router_weights, routing, fp32=True)
 
 
 def _rows_operand(rows: Quantized, name: str) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from mok import _env  # noqa: F401  (decides TRITON_INTERPRET before kernels load)
+from mok.errors import MoKInputError
 from mok.kernels import routing as kernels
 from mok.ops.launch import cdiv, launch, next_power_of_2
 
@@ -46,6 +47,23 @@ class Routing:
     def used_rows(self) -> torch.Tensor:
         """[1] int32 on the device: the rows the experts use (expert_offsets[E])."""
         return self.expert_offsets[self.num_local_experts:]
+
+
+def check_router_weights(router_weights: torch.Tensor | None, routing: Routing, *,
+                         fp32: bool = False) -> None:
+    """Raises MoKInputError unless router_weights is None or a contiguous tensor of a weight per
+    route (T * k, route r at flat index r, as the kernels read it), fp32 where asked."""
+    if router_weights is None:
+        return
+    routes = routing.num_tokens * routing.topk
+    if (router_weights.numel() != routes or not router_weights.is_contiguous()
+            or not router_weights.is_floating_point()
+            or (fp32 and router_weights.dtype != torch.float32)):
+        raise MoKInputError(
+            f"router_weights must be a contiguous {'fp32 ' if fp32 else ''}tensor of a weight "
+            f"per route ({routing.num_tokens} x {routing.topk} = {routes}, route r at flat "
+            f"index r), got {tuple(router_weights.shape)} {router_weights.dtype} with strides "
+            f"{router_weights.stride()}")
 
 
 def capacity_rows(num_routes: int, num_local_experts: int, align: int, route_capacity: int) -> int:

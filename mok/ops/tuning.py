@@ -413,7 +413,7 @@ def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:
     rows, and 256 columns spilled). With gluon, for FP8_GLUON_KINDS where align takes their
     rows (gate/up and dSwiGLU 128, down and d_x 64), the Gluon kernel's: 128 x 128, up to 4
     stages.
-    block_m at most align."""
+    block_m at most the largest power of two dividing align."""
     if kind not in FP8_KINDS:
         raise ValueError(f"no FP8 tiles for {kind!r}")
     if gluon and kind in FP8_GLUON_KINDS and align % (64 if kind in ("down", "d_x")
@@ -428,7 +428,7 @@ def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:
         tiles = RowTiles(64, 128, 128, group_m=8, num_warps=4, num_stages=4)
     else:
         tiles = RowTiles(64, 128, 128, group_m=8, num_warps=8, num_stages=4)
-    return replace(tiles, block_m=min(tiles.block_m, align))
+    return replace(tiles, block_m=min(tiles.block_m, align & -align))
 
 
 # The tile rule of each architecture (mok.arch's name): (kind, n, k, triton) -> tiles, for the

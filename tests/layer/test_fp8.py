@@ -338,3 +338,17 @@ def fp8_cache_entries():
     from mok.ops.fp8 import _CACHE
 
     return dict(_CACHE)
+
+
+def test_fp8_layer_takes_an_alignment_that_is_no_power_of_two(device):
+    # align 48: the FP8 row tiles take 16 rows (the largest power of two dividing it).
+    from mok.ops import small_tiles
+
+    inputs = make_inputs(40, 256, 128, 3, 2, device=device, seed=6)
+    y, grads, _, _ = run_layer(inputs, config=F.MoKConfig(precision="fp8"),
+                               tiles=small_tiles(16, 48))
+    y_ref, grads_ref = moe_reference_fp8_grads(inputs)
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        if expected is not None:
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)

@@ -134,6 +134,29 @@ def test_dswiglu_fp8_apart_is_the_one_launch_bit_for_bit(device, limit, weighted
         assert torch.equal(one[:n].view(torch.uint8), two[:n].view(torch.uint8))
 
 
+def test_launchers_refuse_router_weights_not_in_route_order(device):
+    # The kernels read route r's weight at flat index r: a [T, k] view in column-major order
+    # (the right values, other strides) was read wrongly with no error; now refused, as are
+    # other sizes.
+    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=256, seed=13)
+    strided = router_weights.view(-1, 2).t().contiguous().t()
+    assert torch.equal(strided, router_weights.view(-1, 2)) and not strided.is_contiguous()
+    gate_up = gate_up_fp8(quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u),
+                          routing, H_TILES)
+    h = torch.randn(routing.capacity_rows, 256, device=device).bfloat16()
+    for bad in (strided, router_weights[:-1]):
+        with pytest.raises(MoKInputError, match="router_weights"):
+            dswiglu_fp8(quantize_rows(x), quantize_weights(w_d.transpose(1, 2)), gate_up.clone(),
+                        routing, H_TILES, bad)
+        with pytest.raises(MoKInputError, match="router_weights"):
+            down_proj_fp8(quantize_rows(h), quantize_weights(w_d), routing, TILES, bad)
+        with pytest.raises(MoKInputError, match="router_weights"):
+            ops.down_proj(h, w_d, routing, ops.small_tiles(16, ALIGN).pick(
+                "down", 256, 256, dtype=torch.bfloat16), bad)
+        with pytest.raises(MoKInputError, match="router_weights"):
+            ops.copy_rows(x, routing, gather=True, router_weights=bad)
+
+
 @pytest.mark.parametrize(("tiles", "hidden"), [(TILES, 256), (WIDE_TILES, 384)],
                          ids=["narrow", "wide"])
 def test_down_fp8_matches_dequantized_math(device, tiles, hidden):
