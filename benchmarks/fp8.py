@@ -81,17 +81,6 @@ def _dswiglu_rows_with(rows: int, warps: int, *args) -> None:
         fp8._DSWIGLU_ROWS, fp8._DSWIGLU_WARPS = before
 
 
-def _stores_at_end(launcher, *args) -> None:
-    """A Gluon row GEMM storing each tile at its end (mok.ops.fp8's _GLUON_DEFER_STORE off)."""
-    from mok.ops import fp8
-
-    before, fp8._GLUON_DEFER_STORE = fp8._GLUON_DEFER_STORE, False
-    try:
-        launcher(*args)
-    finally:
-        fp8._GLUON_DEFER_STORE = before
-
-
 WGRAD_FP8_VARIANTS = ((128, 128, 8, 4), (64, 128, 4, 6), (64, 128, 4, 4))
 
 
@@ -414,12 +403,6 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                 gluon_tiles["down_bwd_saved"], router_weights), gemm, 0),
             ("d_x", "mok_fp8_gluon", lambda: ops.d_x_rows_fp8(d_gate_up_q, gate_up_t, routing,
                                                                gluon_tiles["d_x"]), 2 * gemm, 0),
-            ("down", "mok_fp8_gluon_store_at_end", functools.partial(
-                _stores_at_end, down_proj_fp8, h_q, down_q, routing, gluon_tiles["down"],
-                router_weights), gemm, 0),
-            ("d_x", "mok_fp8_gluon_store_at_end", functools.partial(
-                _stores_at_end, ops.d_x_rows_fp8, d_gate_up_q, gate_up_t, routing,
-                gluon_tiles["d_x"]), 2 * gemm, 0),
             ("dswiglu", "mok_fp8_apart", lambda: ops.dswiglu_fp8(
                 d_out_q, fp8_experts.down_t, kept_buffers["mok_fp8_apart"], routing,
                 gluon_tiles["down_bwd_saved"], router_weights, apart=True), gemm, 0),

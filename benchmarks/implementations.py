@@ -14,8 +14,7 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   GEMMs on e4m3 operands with blockwise scales, checked against the reference within
   mok.testing.tolerance.FP8_TOLERANCE; on sm_90 the plan gives most launches the warp-specialized
   Gluon FP8 kernels (MOK_FP8_GLUON). mok_fp8_triton: mok_fp8 on the Triton FP8 kernels alone
-  (MOK_FP8_GLUON=0); mok_fp8_fused_dswiglu: the dSwiGLU in one launch; mok_fp8_stores_at_end:
-  the Gluon row GEMMs storing each tile at its end. mok_fp8_wgrad:
+  (MOK_FP8_GLUON=0); mok_fp8_fused_dswiglu: the dSwiGLU in one launch. mok_fp8_wgrad:
   mok_fp8 with its weight gradients on e4m3 operands too (MoKConfig.fp8_weight_gradients).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
@@ -245,16 +244,6 @@ def mok_fp8_triton_implementation(shape: MoEShape, settings: Settings) -> Implem
     return _with_setting(mok_implementation(shape, settings, name="mok_fp8_triton",
                                             config=F.MoKConfig(precision="fp8")),
                          _env, "FP8_GLUON", False)
-
-
-def mok_fp8_stores_at_end_implementation(shape: MoEShape, settings: Settings) -> Implementation:
-    """mok_fp8 with the Gluon row GEMMs storing each tile at its end (mok.ops.fp8's
-    _GLUON_DEFER_STORE off)."""
-    from mok.ops import fp8
-
-    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_stores_at_end",
-                                            config=F.MoKConfig(precision="fp8")),
-                         fp8, "_GLUON_DEFER_STORE", False)
 
 
 def mok_fp8_fused_dswiglu_implementation(shape: MoEShape, settings: Settings) -> Implementation:
@@ -511,7 +500,6 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8_recompute": mok_fp8_recompute_implementation,
     "mok_fp8_triton": mok_fp8_triton_implementation,
     "mok_fp8_fused_dswiglu": mok_fp8_fused_dswiglu_implementation,
-    "mok_fp8_stores_at_end": mok_fp8_stores_at_end_implementation,
     "mok_fp8_wgrad": mok_fp8_wgrad_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,

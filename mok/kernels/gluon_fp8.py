@@ -96,13 +96,9 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
                    used_rows_ptr, N, K, topk, stride_as, stride_wse, stride_wsn,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   HAS_WEIGHT: gl.constexpr, GATHER: gl.constexpr, DEFER: gl.constexpr,
-                   HALF: gl.constexpr):
+                   HAS_WEIGHT: gl.constexpr, GATHER: gl.constexpr, HALF: gl.constexpr):
     """Rows HALF * 64 .. + 64 of every tile: the scaled K loop, then the epilogue. GATHER: the
-    A rows are tokens' rows (their scales by token), landed by cp.async. DEFER (K > 0): a
-    tile's output, in out's dtype, waits in registers and is stored while the next tile's first
-    wgmma runs (the two partitions reach their epilogues together, so a store at the tile's end
-    leaves the tensor cores idle)."""
+    A rows are tokens' rows (their scales by token), landed by cp.async."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -111,12 +107,8 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     k_blocks = gl.cdiv(K, BLOCK_K)
     tmp = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
-    waiting = gl.zeros([64, BLOCK_N], out_desc.dtype, acc_layout)  # DEFER: the last tile's
-    waiting_r = 0
-    waiting_c = 0
-    first = gl.program_id(0)
     i = 0
-    for tile in range(first, num_tiles, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
         route = gl.load(row_route_ptr + r0 + rows)
         valid = route >= 0
@@ -141,9 +133,6 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
                                 is_async=True)
             scale = next_scale
             next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, kk + 1, k_blocks, valid)
-            if DEFER:
-                if (kk == 0) & (tile > first):
-                    _put(out_desc, waiting, waiting_r, waiting_c, c_smem)
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
             mbarrier.arrive(empty_bars.index(s))
             acc += tmp * scale[:, None]
@@ -152,15 +141,7 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
         if HAS_WEIGHT:
             acc = acc * weight[:, None]
         acc = gl.where(valid[:, None], acc, 0.0)  # padding rows: 0 whatever their codes
-        if DEFER:
-            waiting = acc.to(out_desc.dtype)
-            waiting_r = r0 + HALF * 64
-            waiting_c = c0
-        else:
-            _put(out_desc, acc, r0 + HALF * 64, c0, c_smem)  # waited on before c_smem's reuse
-    if DEFER:
-        if first < num_tiles:
-            _put(out_desc, waiting, waiting_r, waiting_c, c_smem)
+        _put(out_desc, acc, r0 + HALF * 64, c0, c_smem)  # waited on before c_smem's next use
     tma.store_wait(pendings=0)
 
 
@@ -170,7 +151,7 @@ def fp8_rows_ws_kernel(
     block_expert_ptr, used_rows_ptr, N, K, stride_as, stride_wse, stride_wsn,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
-    MMA_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr, DEFER: gl.constexpr,
+    MMA_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = 4 (the first MMA partition).
     Descriptors: a [R, K] e4m3 with [BLOCK_M, BLOCK_K] boxes, w viewed [E * N, K] e4m3 with
@@ -200,12 +181,12 @@ def fp8_rows_ws_kernel(
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, DEFER, 0)),
+                              HAS_WEIGHT, False, 0)),
             (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, DEFER, 1)),
+                              HAS_WEIGHT, False, 1)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
                                ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ALIGN, NUM_STAGES)),
@@ -216,7 +197,7 @@ def fp8_rows_ws_kernel(
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, DEFER, 0)),
+                              HAS_WEIGHT, False, 0)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
                                ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ALIGN, NUM_STAGES)),
@@ -230,7 +211,6 @@ def fp8_gather_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_LAYOUT: gl.constexpr,
-    DEFER: gl.constexpr,
 ):
     """out[r] = a[token(r)] . w[e]^T, the scaled products as fp8_rows_ws_kernel's, with the
     token rows gathered by cp.async (the dSwiGLU's product dh0 = d_out[token] . w_down_t[e],
@@ -257,12 +237,12 @@ def fp8_gather_ws_kernel(
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, DEFER, 0)),
+                          False, True, 0)),
         (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, DEFER, 1)),
+                          False, True, 1)),
         (_gather_load_partition, (a_ptr, w_desc, w_desc, row_route_ptr, block_expert_ptr,
                                   used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
                                   topk, stride_am, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,

@@ -430,7 +430,7 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
         stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=tiles.num_stages, LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_GLUON_MMA_REGS,
-        HAS_WEIGHT=router_weights is not None, DEFER=_defers(out), num_warps=4,
+        HAS_WEIGHT=router_weights is not None, num_warps=4,
     )
 
 
@@ -580,19 +580,8 @@ def _gather_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routin
         stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
-        MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
-        DEFER=_defers(out), num_warps=4,
+        MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv), num_warps=4,
     )
-
-
-# The row GEMMs' Gluon kernels store each tile's 16-bit output during the next tile's first
-# wgmma (gluon_fp8._mma_partition's DEFER); fp32 outputs, whose waiting tile would take 64 more
-# registers a thread, at the tile's end.
-_GLUON_DEFER_STORE = True
-
-
-def _defers(out: torch.Tensor) -> bool:
-    return _GLUON_DEFER_STORE and out.element_size() <= 2
 
 
 def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Routing,

@@ -115,9 +115,8 @@ def test_gluon_fp8_rows_match_dequantized_math_and_the_triton_kernel(hidden, int
                 else d_x_rows_fp8(a, w, routing, tiles))
         assert bf16.dtype == torch.bfloat16
         torch.testing.assert_close(bf16[:n].float(), out[:n], rtol=1e-2, atol=1e-2)
-        # A 16-bit output waits for the next tile's first wgmma to be stored (the kernel's
-        # DEFER): every tile lands, where the Triton kernel puts it, the same bits as fp32's
-        # rounded (the sums are the same).
+        # The 16-bit output: where the Triton kernel puts it, the same bits as fp32's rounded
+        # (the sums are the same).
         theirs16 = (down_proj_fp8(a, w, routing, triton, weighted) if kind == "down"
                     else d_x_rows_fp8(a, w, routing, triton))
         assert torch.equal(bf16[:n], theirs16[:n]), kind
