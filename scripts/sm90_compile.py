@@ -473,17 +473,11 @@ def main(argv=None) -> None:
                                                out_dtype=torch.float32)),
             ("gate_up saving fp8 gluon tma limit", ops.fp8_tiles("gate_up_saved", 128, gluon=True),
              lambda tt: fp8.gate_up_fp8(x8, g8, g8, routing, tt, 7.0)),
-            ("down_bwd saved fp8 gluon tma limit", ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
-             lambda tt: fp8.dswiglu_fp8(
-                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0)),
             ("down_bwd saved apart fp8 gluon tma limit",
              ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
                 apart=True)),
-            ("down_bwd saved shared fp8 gluon tma",
-             ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
-             lambda tt: fp8.dswiglu_fp8(x8, quantized(experts, inter, hid), dgu, routing, tt)),
         ]
         fp8_gluon = dataclasses.replace(ops.fp8_tiles("down", 128), block_m=128, num_stages=4,
                                         gluon=True)

@@ -15,10 +15,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok import _env
 from mok.arch import HOPPER, arch_of
+from mok.errors import MoKInputError
 from mok.kernels import combine as combine_kernels
 from mok.kernels import gluon_dswiglu, gluon_gate_up, gluon_rows, gluon_wgrad
 from mok.kernels import grouped_gemm as gemm_kernels
 from mok.ops import comm
+from mok.ops.checks import check_experts, check_out_dtype, check_row_tiles, check_rows
 from mok.ops.comm import Pull, ScatterRows
 from mok.ops.launch import cdiv, launch, next_power_of_2
 from mok.ops.routing import Routing, check_router_weights
@@ -188,7 +190,11 @@ def gate_up_swiglu(
     (see `gate_up_buffer`), for a backward that reads them instead of recomputing them; with a
     swiglu limit, a value the limit clamps is stored as +-inf.
     """
+    check_experts(w_gate, "w_gate", routing.num_local_experts)
     intermediate, hidden = w_gate.shape[1:]
+    check_experts(w_up, "w_up", routing.num_local_experts, (intermediate, hidden))
+    check_rows(x, "x", width=hidden)
+    check_row_tiles(tiles.block_m, routing.align)
     h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
     if gate_up is not None:
         _check_gate_up(gate_up, routing, intermediate)
@@ -457,7 +463,10 @@ def down_proj(
     scatter: write each row into its token's rank's combine buffer instead (returns that buffer).
     """
     check_router_weights(router_weights, routing)
+    check_experts(w_down, "w_down", routing.num_local_experts)
     hidden, intermediate = w_down.shape[1:]
+    check_rows(h, "h", width=intermediate)
+    check_row_tiles(tiles.block_m, routing.align)
     if scatter is None:
         out = torch.empty(routing.capacity_rows, hidden, dtype=h.dtype, device=h.device)
     else:
@@ -492,7 +501,14 @@ def combine(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """out [T, N] = shared_rows[t] + sum_slot rows[route_row[t * topk + slot]] (fp32 sums)."""
+    check_rows(rows, "rows")
     num_tokens, width = routing.num_tokens, rows.shape[1]
+    if shared_rows is not None:
+        check_rows(shared_rows, "shared_rows", width=width)
+        if shared_rows.shape[0] != num_tokens:
+            raise MoKInputError(f"shared_rows must hold the schedule's {num_tokens} tokens, "
+                                f"got {tuple(shared_rows.shape)}")
+    check_out_dtype(out_dtype)
     out = torch.empty(num_tokens, width, dtype=out_dtype, device=rows.device)
     if num_tokens == 0:
         return out
@@ -507,6 +523,16 @@ def combine(
         num_warps=4,
     )
     return out
+
+
+def _check_dswiglu_operands(d_out, x, w_down, w_gate, w_up, routing: Routing) -> None:
+    """d_out and x [*, H], w_gate and w_up [E, I, H], w_down [E, H, I]."""
+    check_experts(w_gate, "w_gate", routing.num_local_experts)
+    intermediate, hidden = w_gate.shape[1:]
+    check_experts(w_up, "w_up", routing.num_local_experts, (intermediate, hidden))
+    check_experts(w_down, "w_down", routing.num_local_experts, (hidden, intermediate))
+    check_rows(d_out, "d_out", width=hidden)
+    check_rows(x, "x", width=hidden)
 
 
 def down_bwd_dswiglu(
@@ -539,6 +565,8 @@ def down_bwd_dswiglu(
     blocks in pull.order's order; the Gluon kernel may then take the launch).
     """
     check_router_weights(router_weights, routing)
+    _check_dswiglu_operands(d_out, x, w_down, w_gate, w_up, routing)
+    check_row_tiles(tiles.block_m, routing.align)
     intermediate, hidden = w_gate.shape[1:]
     rows = routing.capacity_rows
     if out is not None:
@@ -636,6 +664,7 @@ def dswiglu_apart(
     Triton tiles, TileConfig.pick's triton); the dSwiGLU launch reads them after it, in stream
     order, and waits on nothing."""
     check_router_weights(router_weights, routing)
+    _check_dswiglu_operands(d_out, x, w_down, w_gate, w_up, routing)
     pulling = pull is not None and not pull.copied
     if pulling and pull.second_src is None:
         raise ValueError("dswiglu_apart: a pull by its gate/up launch brings d_out's rows along "
@@ -768,7 +797,11 @@ def d_x_rows(
     pull: this launch's first programs also pull token rows [P * T, H] into `pulled`, for a
     later kernel (no tile here reads them).
     """
+    check_experts(w_gate, "w_gate", routing.num_local_experts)
     intermediate, hidden = w_gate.shape[1:]
+    check_experts(w_up, "w_up", routing.num_local_experts, (intermediate, hidden))
+    check_rows(d_gate_up, "d_gate_up", width=2 * intermediate)
+    check_row_tiles(tiles.block_m, routing.align)
     if (pull is None) != (pulled is None):
         raise ValueError("d_x_rows takes pull and pulled together")
     if scatter is None:
@@ -824,6 +857,9 @@ def grouped_wgrad(
     tiles.grouped_mm it is read as it is, padding included (a is copied, see copy_rows).
     """
     check_router_weights(router_weights, routing)
+    check_rows(a, "a")
+    check_rows(b, "b")
+    check_out_dtype(out_dtype)
     if tiles.grouped_mm:
         _check_grouped_mm(a, b)
         a_rows = copy_rows(a, routing, gather=gather_a, router_weights=router_weights)
@@ -854,6 +890,12 @@ def grouped_wgrad_gate_up(
     with gather_x, else by row). With tiles.pair one launch computes both, loading each tile of
     x once; otherwise two launches. Either way each output tile is summed in the same order.
     With tiles.grouped_mm x's rows are copied into schedule order (copy_rows)."""
+    check_rows(d_gate_up, "d_gate_up")
+    check_rows(x, "x")
+    check_out_dtype(out_dtype)
+    if d_gate_up.shape[1] % 2:
+        raise MoKInputError(f"d_gate_up must be [C, 2I] (d_gate, then d_up), got "
+                            f"{tuple(d_gate_up.shape)}")
     intermediate = d_gate_up.shape[1] // 2
     d_gate, d_up = d_gate_up[:, :intermediate], d_gate_up[:, intermediate:]
     if tiles.grouped_mm:
@@ -961,6 +1003,7 @@ def copy_rows(
     [C, width]), scaled by the route's router weight (router_weights [T * k]) and rounded to
     src's dtype; 0 on padding rows. Rows past the schedule's used rows are left unwritten."""
     check_router_weights(router_weights, routing)
+    check_rows(src, "src")
     width = src.shape[1]
     out = torch.empty(routing.capacity_rows, width, dtype=src.dtype, device=src.device)
     block_m, block_n = 16, min(256, next_power_of_2(max(width, 1)))
@@ -1026,6 +1069,7 @@ def _launch_wgrad(a, a2, b, out, out2, routing, tiles, *, gather_a, gather_b, ro
 
 def router_grad(partial: torch.Tensor, routing: Routing) -> torch.Tensor:
     """d_router_weights [T, topk] fp32 from the partial sums of `down_bwd_dswiglu`."""
+    check_rows(partial, "partial", dtypes=(torch.float32,))
     num_routes = routing.num_tokens * routing.topk
     out = torch.empty(routing.num_tokens, routing.topk, dtype=torch.float32,
                       device=partial.device)

@@ -19,6 +19,7 @@ from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
 from mok.kernels import gluon_fp8
 from mok.ops import graphs
+from mok.ops.checks import FLOATS, check_out_dtype
 from mok.ops.comm import ScatterRows
 from mok.ops.experts import _gluon_descriptor as _descriptor
 from mok.ops.experts import _num_programs, _nvmma_layout, _scatter_args
@@ -212,8 +213,10 @@ def gate_up_swiglu_fp8(
     0 on padding rows: e4m3 with a scale per 1 x 128 block (quantize_h), else in out_dtype.
     x: [T, H] rows (mok.ops.quantize_rows); w_gate, w_up: [E, I, H] (mok.ops.quantize_weights).
     gate_up [C, 2I]: the pre-activations are also stored there, as gate_up_fp8 stores them."""
-    inter = _gate_up_operands(x, w_gate, w_up)
+    inter = _gate_up_operands(x, w_gate, w_up, routing)
     _check_tiles(tiles, routing, quantize_out=quantize_h)
+    if not quantize_h:
+        check_out_dtype(out_dtype)
     if gate_up is not None:
         _check_gate_up(gate_up, routing, inter)
     rows = routing.capacity_rows
@@ -247,8 +250,9 @@ def gate_up_fp8(
     """The pre-activations gate_up [C, 2I] (gate, then up) of gate_up_swiglu_fp8's products, in
     out_dtype, 0 on padding rows; with a limit a clamped value as +-inf, as the forward that
     keeps them stores it (the backward's dswiglu_fp8 reads them)."""
-    inter = _gate_up_operands(x, w_gate, w_up)
+    inter = _gate_up_operands(x, w_gate, w_up, routing)
     _check_tiles(tiles, routing, quantize_out=False)
+    check_out_dtype(out_dtype)
     out = torch.empty(routing.capacity_rows, 2 * inter, dtype=out_dtype, device=x.data.device)
     if tiles.gluon and routing.capacity_rows > 0:
         _gate_up_gluon(x, w_gate, w_up, routing, tiles, swiglu_limit, h=None, h_scales=None,
@@ -275,11 +279,11 @@ def dswiglu_fp8(
     (d_gate, d_up) from the kept pre-activations gate_up [C, 2I] (gate_up_fp8's), I a multiple
     of 128. Returns (d_gate_up in e4m3 [C, 2I] with 1 x 128 scales [C, 2I / 128], h [C, I] in
     gate_up's dtype, the router-weight gradient's partial sums [C, I / 128] fp32 or None without
-    router_weights); d_gate_up also replaces gate_up in place, in its dtype. apart: two launches,
-    the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over it; the same results (on a
-    GPU the partial sums up to their order over each 128 columns)."""
+    router_weights); d_gate_up also replaces gate_up in place, in its dtype. apart (always with
+    Gluon tiles): two launches, the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over
+    it; the same results (on a GPU the partial sums up to their order over each 128 columns)."""
     _, hidden = _rows_operand(d_output, "d_output")
-    _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden)
+    _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
     if inter % QUANT_BLOCK:
         raise MoKInputError(f"the FP8 backward needs I a multiple of {QUANT_BLOCK}, got {inter}")
     _check_gate_up(gate_up, routing, inter)
@@ -292,7 +296,7 @@ def dswiglu_fp8(
     h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
     partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
                if router_weights is not None else None)
-    if apart:
+    if apart or tiles.gluon:
         dh0 = torch.empty(rows, inter, dtype=torch.float32, device=device)
         if tiles.gluon and rows > 0:
             _gather_gluon(d_output, w_down_t, dh0, routing, tiles)
@@ -301,9 +305,6 @@ def dswiglu_fp8(
                     epilogue="plain", quantize_out=False)
         _dswiglu_rows(dh0, gate_up, routing, router_weights, swiglu_limit, out, out_scales, h,
                       partial)
-    elif tiles.gluon and rows > 0:
-        _dswiglu_gluon(d_output, w_down_t, gate_up, routing, tiles, router_weights,
-                       swiglu_limit, Quantized(out, out_scales), h, partial)
     else:
         _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
                 swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True,
@@ -355,7 +356,8 @@ def _schedule_rows_gemm(a: Quantized, a_name: str, w: Quantized, w_name: str,
     if capacity != routing.capacity_rows:
         raise MoKInputError(f"{a_name} has {capacity} rows, the schedule "
                             f"{routing.capacity_rows}")
-    _, n, _ = _weights_operand(w, w_name, width)
+    _, n, _ = _weights_operand(w, w_name, width, routing)
+    check_out_dtype(out_dtype)
     _check_router_weights(router_weights, routing)
     _check_tiles(tiles, routing, quantize_out=False)
     if scatter is None:
@@ -434,11 +436,11 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
     )
 
 
-def _gate_up_operands(x: Quantized, w_gate: Quantized, w_up: Quantized) -> int:
+def _gate_up_operands(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Routing) -> int:
     """I, after checking x [T, H] and the two weights [E, I, H] alike."""
     _, hidden = _rows_operand(x, "x")
-    experts, inter, _ = _weights_operand(w_gate, "w_gate", hidden)
-    if _weights_operand(w_up, "w_up", hidden) != (experts, inter, hidden):
+    experts, inter, _ = _weights_operand(w_gate, "w_gate", hidden, routing)
+    if _weights_operand(w_up, "w_up", hidden, routing) != (experts, inter, hidden):
         raise MoKInputError(f"w_up's shape {tuple(w_up.data.shape)} differs from w_gate's "
                             f"{tuple(w_gate.data.shape)}")
     if (w_up.data.stride() != w_gate.data.stride()
@@ -448,9 +450,11 @@ def _gate_up_operands(x: Quantized, w_gate: Quantized, w_up: Quantized) -> int:
 
 
 def _check_gate_up(gate_up: torch.Tensor, routing: Routing, inter: int) -> None:
-    if gate_up.shape != (routing.capacity_rows, 2 * inter) or gate_up.stride(1) != 1:
-        raise MoKInputError(f"gate_up must be [{routing.capacity_rows}, {2 * inter}] with unit "
-                            f"column stride, got {tuple(gate_up.shape)}")
+    if (gate_up.shape != (routing.capacity_rows, 2 * inter) or gate_up.stride(1) != 1
+            or gate_up.dtype not in FLOATS):
+        raise MoKInputError(f"gate_up must be [{routing.capacity_rows}, {2 * inter}] of a "
+                            f"16- or 32-bit float with unit column stride, got "
+                            f"{tuple(gate_up.shape)} {gate_up.dtype}")
 
 
 def _check_router_weights(router_weights: torch.Tensor | None, routing: Routing) -> None:
@@ -471,12 +475,15 @@ def _rows_operand(rows: Quantized, name: str) -> tuple[int, int]:
     return count, width
 
 
-def _weights_operand(w: Quantized, name: str, k: int) -> tuple[int, int, int]:
+def _weights_operand(w: Quantized, name: str, k: int, routing: Routing) -> tuple[int, int, int]:
     data, scales = w
     if data.dtype != E4M3 or scales.dtype != torch.float32 or data.dim() != 3:
         raise MoKInputError(f"{name} must be [E, N, K] float8_e4m3fn weights with fp32 scales "
                             f"(mok.ops.quantize_weights)")
     experts, n, width = data.shape
+    if experts != routing.num_local_experts:
+        raise MoKInputError(f"{name} holds {experts} experts, the schedule "
+                            f"{routing.num_local_experts} local ones")
     if width != k:
         raise MoKInputError(f"{name} is [E, N, {width}], the rows it multiplies are {k} wide")
     blocks = (experts, cdiv(n, QUANT_BLOCK), cdiv(k, QUANT_BLOCK))
@@ -627,44 +634,4 @@ def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Ro
         MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
         HAS_LIMIT=swiglu_limit is not None, SWIGLU=h is not None,
         QUANTIZE_H=h_scales is not None, SAVE_GATE_UP=kept, num_warps=4,
-    )
-
-
-def _dswiglu_gluon(d_output: Quantized, w_down_t: Quantized, gate_up: torch.Tensor,
-                   routing: Routing, tiles: RowTiles, router_weights: torch.Tensor | None,
-                   swiglu_limit: float | None, out: Quantized, h: torch.Tensor,
-                   partial: torch.Tensor | None) -> None:
-    """dswiglu_fp8 by the warp-specialized Gluon kernel (mok.kernels.gluon_fp8)."""
-    if not gluon_takes_fp8("down_bwd_saved", d_output, w_down_t, gate_up.dtype, tiles) or (
-            gate_up.stride(0) % 8 or gate_up.data_ptr() % 16):
-        raise ValueError(_NOT_TAKEN)
-    experts, n, k = w_down_t.data.shape
-    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    width = bn // 2
-    dtype = _GLUON_OUT[gate_up.dtype]
-    gate_desc, up_desc = (_descriptor(half, [64, width], dtype)
-                          for half in (gate_up[:, :n], gate_up[:, n:]))
-    # the ring's stages beside each MMA partition's buffers: the kept gate and up in halves,
-    # one output slice in gate_up's dtype, d_gate's and d_up's e4m3 halves
-    epilogue = 2 * 64 * width * (5 * gate_up.element_size() + 4)
-    stages = min(tiles.num_stages, (_SMEM - epilogue) // ((bm + bn) * bk))
-    weighted = router_weights is not None
-    launch(gluon_fp8.fp8_dswiglu_ws_kernel, (_num_programs(h.device),))(
-        d_out_ptr=d_output.data,
-        w_desc=_descriptor(w_down_t.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
-        gate_desc=gate_desc, up_desc=up_desc, h_desc=_descriptor(h, [64, width], dtype),
-        q_desc=_descriptor(out.data, [64, width], gl.float8e4nv),
-        d_out_scale_ptr=d_output.scales, w_scale_ptr=w_down_t.scales, q_scale_ptr=out.scales,
-        router_weights_ptr=router_weights if weighted else d_output.scales,
-        partial_ptr=partial if weighted else out.scales,
-        row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
-        used_rows_ptr=routing.used_rows, N=n, K=k, topk=routing.topk,
-        swiglu_limit=swiglu_limit if swiglu_limit is not None else 0.0,
-        stride_dm=d_output.data.stride(0), stride_ds=d_output.scales.stride(0),
-        stride_wse=w_down_t.scales.stride(0), stride_wsn=w_down_t.scales.stride(1),
-        stride_qs=out.scales.stride(0), stride_pm=partial.stride(0) if weighted else 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
-        NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
-        MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
-        HAS_LIMIT=swiglu_limit is not None, HAS_WEIGHT=weighted, num_warps=4,
     )

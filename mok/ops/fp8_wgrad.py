@@ -14,11 +14,12 @@ from mok.arch import arch_of
 from mok.errors import MoKInputError
 from mok.kernels import fp8_wgrad as kernels
 from mok.kernels import gluon_fp8_wgrad
+from mok.ops.checks import check_out_dtype, check_rows
 from mok.ops.experts import _gluon_descriptor, _num_programs
 from mok.ops.fp8 import _GLUON_LOAD_REGS, _GLUON_MMA_REGS, _SMEM
 from mok.ops.launch import cdiv, launch
 from mok.ops.quantize import QUANT_BLOCK, Quantized
-from mok.ops.routing import Routing
+from mok.ops.routing import Routing, check_router_weights
 from mok.ops.tuning import FP8_WGRAD_TILES, RowTiles
 
 E4M3 = torch.float8_e4m3fn
@@ -39,11 +40,8 @@ def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
         raise MoKInputError(f"the rows to quantize must be [{expected}, N] with unit column "
                             f"stride ({'by token' if gather else 'by schedule row'}), got "
                             f"{tuple(src.shape)}")
-    if router_weights is not None:
-        if router_weights.numel() != routing.num_tokens * topk:
-            raise MoKInputError(f"router_weights must hold {routing.num_tokens * topk} values "
-                                f"(a route each), got {tuple(router_weights.shape)}")
-        router_weights = router_weights.reshape(-1)
+    check_router_weights(router_weights, routing)
+    check_rows(src, "the rows to quantize")
     sub = _rows_per_slot(routing)
     width = src.shape[1]
     codes = torch.empty(width, rows, dtype=E4M3, device=src.device)
@@ -100,6 +98,7 @@ def grouped_wgrad_fp8_quantized(
     split: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """grouped_wgrad_fp8 on operands quantize_row_blocks already gave."""
+    check_out_dtype(out_dtype)
     (width_a, rows), (width_b, rows_b) = qa.data.shape, qb.data.shape
     if rows != routing.capacity_rows or rows_b != rows:
         raise MoKInputError(f"the quantized operands must hold the schedule's "

@@ -51,18 +51,21 @@ class Routing:
 
 def check_router_weights(router_weights: torch.Tensor | None, routing: Routing, *,
                          fp32: bool = False) -> None:
-    """Raises MoKInputError unless router_weights is None or a contiguous tensor of a weight per
-    route (T * k, route r at flat index r, as the kernels read it), fp32 where asked."""
+    """Raises MoKInputError unless router_weights is None or a contiguous [T * k] or [T, k]
+    tensor of a weight per route (route r at flat index r, as the kernels read it), fp32 where
+    asked."""
     if router_weights is None:
         return
     routes = routing.num_tokens * routing.topk
+    shape = tuple(router_weights.shape)
     if (router_weights.numel() != routes or not router_weights.is_contiguous()
+            or shape not in ((routes,), (routing.num_tokens, routing.topk))
             or not router_weights.is_floating_point()
             or (fp32 and router_weights.dtype != torch.float32)):
         raise MoKInputError(
-            f"router_weights must be a contiguous {'fp32 ' if fp32 else ''}tensor of a weight "
-            f"per route ({routing.num_tokens} x {routing.topk} = {routes}, route r at flat "
-            f"index r), got {tuple(router_weights.shape)} {router_weights.dtype} with strides "
+            f"router_weights must be a contiguous {'fp32 ' if fp32 else ''}[T * k] or [T, k] "
+            f"tensor of a weight per route (T = {routing.num_tokens}, k = {routing.topk}, route "
+            f"r at flat index r), got {shape} {router_weights.dtype} with strides "
             f"{router_weights.stride()}")
 
 

@@ -52,9 +52,17 @@ class Tiles:
     persistent: bool = False
 
     def __post_init__(self) -> None:
-        if min(self.block_m, self.block_n, self.block_k) < 16:
+        blocks = (self.block_m, self.block_n, self.block_k)
+        if min(blocks) < 16:
             raise ValueError(f"{type(self).__name__}: tl.dot needs tiles of at least 16 in every "
                              f"dimension, got {self.block_m}x{self.block_n}x{self.block_k}")
+        if any(b & (b - 1) for b in blocks):
+            raise ValueError(f"{type(self).__name__}: block sizes must be powers of two, got "
+                             f"{self.block_m}x{self.block_n}x{self.block_k}")
+        if self.group_m < 1 or self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"{type(self).__name__}: group_m must be at least 1 and num_warps "
+                             f"a power of two, got group_m={self.group_m}, "
+                             f"num_warps={self.num_warps}")
 
 
 @dataclass(frozen=True)

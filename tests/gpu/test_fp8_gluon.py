@@ -1,5 +1,5 @@
 """The warp-specialized Gluon FP8 kernels (mok.kernels.gluon_fp8: gate/up, the pre-activations,
-down, d_x, the dSwiGLU in one launch and its GEMM apart; RowTiles.gluon) on an sm_90 GPU:
+down, d_x and the dSwiGLU's GEMM, run apart; RowTiles.gluon) on an sm_90 GPU:
 against the same math on the dequantized operands, against the Triton FP8 kernels, bitwise
 deterministic, 0 on padding rows, and the layer on them (MOK_FP8_GLUON) against the layer on
 the Triton kernels."""
@@ -206,7 +206,7 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
     triton = run_layer(inputs, config=config, swiglu_limit=limit)
     monkeypatch.setattr(_env, "FP8_GLUON", True)
     launches = []
-    for name in ("_rows_gluon", "_gate_up_gluon", "_dswiglu_gluon", "_gather_gluon"):
+    for name in ("_rows_gluon", "_gate_up_gluon", "_gather_gluon"):
         launcher = getattr(fp8_ops, name)
 
         def counted(*args, name=name, launcher=launcher, **kwargs):
@@ -230,12 +230,10 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
 
 
 @SM90
-@pytest.mark.parametrize("apart", [False, True], ids=["one_launch", "apart"])
 @pytest.mark.parametrize(("limit", "weighted"), [(None, True), (1.5, True), (None, False)],
                          ids=["plain", "limit", "shared"])
-def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit, weighted,
-                                                                          apart):
-    # apart: the Gluon GEMM into fp32 (fp8_gather_ws_kernel), then the dSwiGLU over it.
+def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit, weighted):
+    # Gluon tiles: the Gluon GEMM into fp32 (fp8_gather_ws_kernel), then the dSwiGLU over it.
     from ..ops.test_fp8_gemm import dswiglu_reference
 
     weights, router_weights, routing, generator = _setup(tokens=3000, hidden=512, inter=256,
@@ -251,7 +249,7 @@ def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit,
     def run(t):
         d_gate_up = gate_up.clone()
         q, h, partial = dswiglu_fp8(d_out_q, weights.down_t, d_gate_up, routing, t,
-                                    route_weights, limit, apart=apart and t.gluon)
+                                    route_weights, limit)
         return d_gate_up, q, h, partial
 
     d_gate_up, q, h, partial = run(tiles)
