@@ -69,6 +69,12 @@ def check_router_weights(router_weights: torch.Tensor | None, routing: Routing, 
             f"{router_weights.stride()}")
 
 
+def _check_align(align: int) -> None:
+    if align < 1:
+        raise MoKInputError(f"align must be at least 1 (rows of a block of one expert), got "
+                            f"{align}")
+
+
 def capacity_rows(num_routes: int, num_local_experts: int, align: int, route_capacity: int) -> int:
     """Rows for `route_capacity` routes once each expert's rows are padded to `align`."""
     padded = cdiv(min(num_routes, route_capacity), align) + num_local_experts
@@ -102,6 +108,9 @@ def build_routing(
     past the capacity ErrorFlag.CAPACITY_OVERFLOW in `error_flags` (int32, on the device); both are
     left out of the schedule. No host synchronization.
     """
+    if topk_experts.dim() != 2:
+        raise MoKInputError(f"topk_experts must be [T, topk], got {tuple(topk_experts.shape)}")
+    _check_align(align)
     num_tokens, topk = topk_experts.shape
     num_routes = num_tokens * topk
     device = topk_experts.device
@@ -160,6 +169,7 @@ def build_routing(
 
 def dense_routing(num_tokens: int, align: int, device: torch.device) -> Routing:
     """The identity schedule of a dense MLP (the shared expert): row t is token t, one expert."""
+    _check_align(align)
     rows = max(cdiv(num_tokens, align), 1) * align
     i32 = dict(dtype=torch.int32, device=device)
     row_route = torch.arange(rows, **i32)
@@ -184,6 +194,9 @@ def exchange_routes(topk_experts: torch.Tensor, routes_per_rank: int, num_expert
     ghost), num_experts past the T * k routes; route r's own row r, -1 when its id is outside
     [0, num_experts). One launch."""
     flat = topk_experts.reshape(-1)
+    if routes_per_rank < flat.shape[0]:
+        raise MoKInputError(f"routes_per_rank {routes_per_rank} cannot hold this rank's "
+                            f"{flat.shape[0]} routes")
     if not flat.is_contiguous():
         flat = flat.contiguous()
     i32 = dict(dtype=torch.int32, device=flat.device)

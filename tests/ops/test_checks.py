@@ -96,3 +96,15 @@ def test_fp8_launchers_refuse_operands_they_would_misread(device):
         with pytest.raises(MoKInputError):
             call()
             pytest.fail(f"no error: {name}")
+
+
+def test_routing_refuses_alignments_and_route_bounds_it_cannot_use(device):
+    topk_experts = torch.tensor([[0, 1], [1, 2]], device=device)
+    flags = torch.zeros(4, dtype=torch.int32, device=device)
+    with pytest.raises(MoKInputError, match="align"):
+        ops.build_routing(topk_experts, flags, num_experts=3, first_local_expert=0,
+                          num_local_experts=3, align=0, route_capacity=4)
+    with pytest.raises(MoKInputError, match="align"):
+        ops.dense_routing(2, 0, device)
+    with pytest.raises(MoKInputError, match="routes_per_rank"):
+        ops.exchange_routes(topk_experts, 3, 3)
