@@ -59,6 +59,18 @@ E4M3_MAX = gl.constexpr(448.0)  # the largest finite float8_e4m3fn
 AMAX_FLOOR = gl.constexpr(448.0 * 2.0 ** -126)  # mok.kernels.quantize's
 
 
+@gluon.jit
+def _ring_barriers(NUM_STAGES: gl.constexpr, READY: gl.constexpr, EMPTY: gl.constexpr):
+    """(ready, empty): a ring's NUM_STAGES barriers of each kind, initialized with those arrival
+    counts."""
+    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready_bars.index(s), count=READY)
+        mbarrier.init(empty_bars.index(s), count=EMPTY)
+    return ready_bars, empty_bars
+
+
 # -- down and d_x: every operand by TMA -------------------------------------------------------
 
 @gluon.jit
@@ -162,11 +174,7 @@ def fp8_rows_ws_kernel(
                                        w_desc.layout)
     c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                        out_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready_bars.index(s), count=1)
-        mbarrier.init(empty_bars.index(s), count=NUM_MMA)
+    ready_bars, empty_bars = _ring_barriers(NUM_STAGES, 1, NUM_MMA)
 
     # (The partitions' arguments stay literal tuples: a tuple held in a variable loses its
     # constexprs.)
@@ -223,11 +231,7 @@ def fp8_gather_ws_kernel(
                                        out_desc.layout)
     c_smem2 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                         out_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready_bars.index(s), count=LOAD_WARPS * 32 + 1)
-        mbarrier.init(empty_bars.index(s), count=2)
+    ready_bars, empty_bars = _ring_barriers(NUM_STAGES, LOAD_WARPS * 32 + 1, 2)
 
     gl.warp_specialize([
         (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
@@ -446,11 +450,7 @@ def fp8_gate_up_ws_kernel(
     if not SAVE_GATE_UP:
         kept_smem = h_smem
         kept_smem2 = h_smem2
-    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready_bars.index(s), count=LOAD_WARPS * 32 + 1)
-        mbarrier.init(empty_bars.index(s), count=2)
+    ready_bars, empty_bars = _ring_barriers(NUM_STAGES, LOAD_WARPS * 32 + 1, 2)
 
     gl.warp_specialize([
         (_gate_up_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,

@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mok.kernels.gluon_fp8 import _ring_barriers
 from mok.kernels.gluon_gate_up import _put
 
 ROWS = gl.constexpr(128)  # the scales' block along the rows: one K step
@@ -135,11 +136,7 @@ def fp8_wgrad_ws_kernel(
                                        out_desc.layout)
     c_smem2 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                         out_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready_bars.index(s), count=1)
-        mbarrier.init(empty_bars.index(s), count=2)
+    ready_bars, empty_bars = _ring_barriers(NUM_STAGES, 1, 2)
 
     gl.warp_specialize([
         (_mma_partition, (out_desc, out2_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
