@@ -28,16 +28,25 @@ def compiled() -> dict[str, dict]:
     return {f"{row['label']} #{i}": row for i, row in enumerate(rows)}
 
 
+# Launches without a product: the FP8 dSwiGLU's second launch when it runs apart (the
+# quantizing launches are labelled "quantize ...").
+ELEMENTWISE = ("fp8_dswiglu_rows_kernel",)
+
+
+def _has_product(name: str, row: dict) -> bool:
+    return not name.startswith("quantize") and row["kernel"] not in ELEMENTWISE
+
+
 def test_every_variant_compiles_to_wgmma_without_spills(compiled):
     assert len(compiled) >= 20
     for name, row in compiled.items():
         assert "error" not in row, (name, row.get("error"))
-        assert row["wgmma"] != name.startswith("quantize"), name  # quantizing has no product
+        assert row["wgmma"] == _has_product(name, row), name
         assert row["spills"] == 0, name
         if " fp8 gluon" in name:
-            # The FP8 Gluon kernels keep a few registers on the stack: at most 80 bytes (the
-            # dSwiGLU with router weights and a limit).
-            assert row["stack"] <= 96, name
+            # The FP8 Gluon kernels keep a few registers on the stack: at most 24 bytes (the
+            # pre-activations with a limit).
+            assert row["stack"] <= 32, name
         elif " gluon" in name:  # spills to the stack frame too (some Triton tiles have a few)
             assert row["stack"] == 0, name
         assert row["shared_kb"] <= 227, name  # what one H100/H200 CTA may hold
@@ -45,7 +54,7 @@ def test_every_variant_compiles_to_wgmma_without_spills(compiled):
 
 def test_tma_where_asked(compiled):
     for name, row in compiled.items():
-        assert row["tma"] == (" tma" in name), name
+        assert row["tma"] == (" tma" in name and _has_product(name, row)), name
 
 
 def test_weight_gradients_keep_a_buffer_per_stage(compiled):
