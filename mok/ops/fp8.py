@@ -19,7 +19,7 @@ from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
 from mok.kernels import gluon_fp8
 from mok.ops import graphs
-from mok.ops.checks import FLOATS, check_out_dtype
+from mok.ops.checks import FLOATS, check_out_dtype, check_row_tiles
 from mok.ops.comm import ScatterRows
 from mok.ops.experts import _gluon_descriptor as _descriptor
 from mok.ops.experts import _num_programs, _nvmma_layout, _scatter_args
@@ -287,7 +287,7 @@ def dswiglu_fp8(
     if inter % QUANT_BLOCK:
         raise MoKInputError(f"the FP8 backward needs I a multiple of {QUANT_BLOCK}, got {inter}")
     _check_gate_up(gate_up, routing, inter)
-    _check_router_weights(router_weights, routing)
+    check_router_weights(router_weights, routing, fp32=True)
     _check_tiles(tiles, routing, quantize_out=True)
     device = gate_up.device
     rows, blocks = routing.capacity_rows, inter // QUANT_BLOCK
@@ -358,7 +358,7 @@ def _schedule_rows_gemm(a: Quantized, a_name: str, w: Quantized, w_name: str,
                             f"{routing.capacity_rows}")
     _, n, _ = _weights_operand(w, w_name, width, routing)
     check_out_dtype(out_dtype)
-    _check_router_weights(router_weights, routing)
+    check_router_weights(router_weights, routing, fp32=True)
     _check_tiles(tiles, routing, quantize_out=False)
     if scatter is None:
         out = torch.empty(capacity, n, dtype=out_dtype, device=a.data.device)
@@ -457,10 +457,6 @@ def _check_gate_up(gate_up: torch.Tensor, routing: Routing, inter: int) -> None:
                             f"{tuple(gate_up.shape)} {gate_up.dtype}")
 
 
-def _check_router_weights(router_weights: torch.Tensor | None, routing: Routing) -> None:
-    check_router_weights(router_weights, routing, fp32=True)
-
-
 def _rows_operand(rows: Quantized, name: str) -> tuple[int, int]:
     data, scales = rows
     if data.dtype != E4M3 or scales.dtype != torch.float32:
@@ -503,9 +499,7 @@ def _check_tiles(tiles: RowTiles, routing: Routing, *, quantize_out: bool) -> No
     if quantize_out and tiles.block_n != QUANT_BLOCK:
         raise ValueError(f"an e4m3 output with 1 x {QUANT_BLOCK} scales needs block_n "
                          f"{QUANT_BLOCK}, got {tiles.block_n}")
-    if routing.align % tiles.block_m != 0:
-        raise ValueError(f"block_m {tiles.block_m} must divide the schedule's alignment "
-                         f"{routing.align}")
+    check_row_tiles(tiles.block_m, routing.align)
 
 
 def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_limit, *,
