@@ -78,11 +78,11 @@ def _timed(fn, totals: dict, name: str):
 
 
 def host_times(shape, *, recompute: bool, repeats: int, device: torch.device,
-               profile: int = 0) -> dict[str, float]:
+               profile: int = 0, precision: str = "bf16") -> dict[str, float]:
     """{launcher or "outside launchers" or "step": median host microseconds per step}; profile:
     print that many functions of a cProfile of the steps, by their own time."""
     inputs = make_shape_inputs(shape, device=device, seed=0)
-    config = F.MoKConfig(recompute_gate_up=recompute)
+    config = F.MoKConfig(recompute_gate_up=recompute, precision=precision)
     workspace = F.create_workspace(config, None, device=device,
                                    num_local_tokens=shape.num_tokens,
                                    hidden_size=shape.hidden_size, topk=shape.topk)
@@ -132,11 +132,15 @@ def host_times(shape, *, recompute: bool, repeats: int, device: torch.device,
 
 def _parts() -> list[tuple[str, object, str]]:
     """(label, owner, attribute) of each function --parts times."""
-    from mok.ops import experts, launch
+    from mok.ops import experts, fp8, launch
 
     parts = [("launches through mok.ops.launch", launch, "_launch"),
              ("their keys", launch, "_key"),
              ("Gluon descriptors", experts, "_gluon_descriptor"),
+             ("Gluon descriptors", fp8, "_descriptor"),
+             ("FP8 plans", F, "_fp8_plan"),
+             ("FP8 weights (the cache's lookup)", F, "_fp8_weights"),
+             ("FP8 rows quantized (quantize_rows)", ops, "quantize_rows"),
              ("allocations (torch.empty)", torch, "empty"),
              ("the flags' copy to the host", F.Workspace, "_publish_errors"),
              ("the flags' poll", F.Workspace, "_poll_errors"),
@@ -151,11 +155,12 @@ def _parts() -> list[tuple[str, object, str]]:
     return [*parts, ("TMA descriptors filled (Triton)", driver, "make_tensordesc_arg")]
 
 
-def host_parts(shape, *, recompute: bool, repeats: int, device: torch.device) -> dict[str, float]:
+def host_parts(shape, *, recompute: bool, repeats: int, device: torch.device,
+               precision: str = "bf16") -> dict[str, float]:
     """{"forward" / "backward" / "forward: <part>" / "backward: <part>" / the forward's
     milestones: median host microseconds} (see --parts)."""
     inputs = make_shape_inputs(shape, device=device, seed=0)
-    config = F.MoKConfig(recompute_gate_up=recompute)
+    config = F.MoKConfig(recompute_gate_up=recompute, precision=precision)
     workspace = F.create_workspace(config, None, device=device,
                                    num_local_tokens=shape.num_tokens,
                                    hidden_size=shape.hidden_size, topk=shape.topk)
@@ -173,7 +178,8 @@ def host_parts(shape, *, recompute: bool, repeats: int, device: torch.device) ->
                           *inputs.layer_args)
 
     backward(*forward())  # compiles
-    gate_up = ops.gate_up_swiglu
+    gate_up_name = "gate_up_swiglu_fp8" if precision == "fp8" else "gate_up_swiglu"
+    gate_up = getattr(ops, gate_up_name)
 
     def gate_up_marked(*args, **kwargs):
         done = gate_up(*args, **kwargs)
@@ -187,7 +193,7 @@ def host_parts(shape, *, recompute: bool, repeats: int, device: torch.device) ->
     try:
         for (label, owner, attribute), (_, _, fn) in zip(parts, originals, strict=True):
             setattr(owner, attribute, _timed(fn, totals, label))
-        ops.gate_up_swiglu = gate_up_marked
+        setattr(ops, gate_up_name, gate_up_marked)
         for _ in range(repeats):
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -210,7 +216,7 @@ def host_parts(shape, *, recompute: bool, repeats: int, device: torch.device) ->
     finally:
         for owner, attribute, fn in originals:
             setattr(owner, attribute, fn)
-        ops.gate_up_swiglu = gate_up
+        setattr(ops, gate_up_name, gate_up)
         if device.type == "cuda":
             torch.cuda.synchronize()
     return {name: statistics.median(values) * 1e6 for name, values in samples.items()}
@@ -397,6 +403,8 @@ def main(argv=None) -> None:
                         help="expert parallelism over P processes (see above)")
     parser.add_argument("--parts", action="store_true",
                         help="the forward and backward by named parts (see above)")
+    parser.add_argument("--precision", choices=F.PRECISIONS, default="bf16",
+                        help="MoKConfig.precision (not with --ep)")
     args = parser.parse_args(argv)
     if args.ep:
         ep_main(args)
@@ -405,16 +413,18 @@ def main(argv=None) -> None:
     if args.parts:
         for name in args.shapes:
             times = host_parts(BENCH_SHAPES[name], recompute=args.recompute,
-                               repeats=args.repeats, device=device)
-            print(f"== {name} ({'recompute' if args.recompute else 'kept gate/up'}): host us, "
+                               repeats=args.repeats, device=device, precision=args.precision)
+            print(f"== {name} {args.precision} "
+                  f"({'recompute' if args.recompute else 'kept gate/up'}): host us, "
                   f"median of {args.repeats}; parts include what they call")
             for label, us in times.items():
                 print(f"  {label:48s} {us:10.1f}")
         return
     for name in args.shapes:
         times = host_times(BENCH_SHAPES[name], recompute=args.recompute, repeats=args.repeats,
-                           device=device, profile=args.profile)
-        print(f"== {name} ({'recompute' if args.recompute else 'kept gate/up'}): host us per step, "
+                           device=device, profile=args.profile, precision=args.precision)
+        print(f"== {name} {args.precision} "
+              f"({'recompute' if args.recompute else 'kept gate/up'}): host us per step, "
               f"median of {args.repeats}")
         for label, us in sorted(times.items(), key=lambda item: -item[1]):
             print(f"  {label:24s} {us:10.1f}")

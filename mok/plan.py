@@ -170,12 +170,19 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     of 16); the dSwiGLU apart, its GEMM on the Gluon kernel, where that takes it
     (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight gradients on
     the Gluon kernel where the alignment, H and I are multiples of 128; scatter: down and d_x
-    write their rows to other ranks (the Triton kernel's epilogue)."""
+    write their rows to other ranks (the Triton kernel's epilogue). Remembered per arguments
+    and switches (`_remembered`)."""
+    return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
+                       _env.FP8_GLUON, _FP8_DSWIGLU_APART)
+
+
+def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
+              scatter: bool, gluon_on: bool, apart_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
-    gluon = _env.FP8_GLUON and arch_of(operands.device).warp_specialized and hidden % 16 == 0
+    gluon = gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
     triton = ("down", "d_x") if scatter else ()
-    if not _FP8_DSWIGLU_APART:
+    if not apart_on:
         triton += ("down_bwd_saved",)
     made = Fp8Plan(*(fp8_tiles(kind, tiles.align, gluon=gluon and kind not in triton)
                      for kind in FP8_KINDS),

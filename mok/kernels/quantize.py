@@ -61,7 +61,9 @@ def quantize_e4m3_kernel(
     """q[b, m, k] (unit column stride) and scale[b, m, k // BLOCK_K] (ROW_SCALES) or
     scale[b, m // BLOCK_M, k // BLOCK_K] from x[b, m, k]; a program per tile. TRANSPOSED (tile
     scales): also q's transpose qt[b, k, m] (unit column stride) and the scales' transpose
-    scale_t[b, k // BLOCK_K, m // BLOCK_M]."""
+    scale_t[b, k // BLOCK_K, m // BLOCK_M]; the tile's codes are read back from q for it (a
+    transpose of the quantized tile itself made the compiler quantize the tile twice, once in
+    each layout)."""
     pid_m, pid_k, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -80,6 +82,9 @@ def quantize_e4m3_kernel(
     if TRANSPOSED:
         tl.store(scale_t_ptr + batch.to(tl.int64) * stride_stb + pid_k * stride_stk + pid_m,
                  scale)
+        tl.debug_barrier()  # the tile's codes stored by every thread, visible to all of them
+        codes = tl.load(q_base + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :],
+                        mask=mask, cache_modifier=".cg")  # from L2, past any stale L1 line
         qt_base = qt_ptr + batch.to(tl.int64) * stride_qtb
-        tl.store(qt_base + cols.to(tl.int64)[:, None] * stride_qtk + rows[None, :], tl.trans(q),
-                 mask=tl.trans(mask))
+        tl.store(qt_base + cols.to(tl.int64)[:, None] * stride_qtk + rows[None, :],
+                 tl.trans(codes), mask=tl.trans(mask))
