@@ -24,6 +24,20 @@ def check_rows(t: torch.Tensor, name: str, *, width: int | None = None,
                             f"{tuple(t.shape)}")
 
 
+def check_tokens(t: torch.Tensor, name: str, num_tokens: int) -> None:
+    """t, read by token: at least the schedule's num_tokens rows."""
+    if t.shape[0] < num_tokens:
+        raise MoKInputError(f"{name} must have a row for each of the schedule's {num_tokens} "
+                            f"tokens, got {tuple(t.shape)}")
+
+
+def check_schedule_rows(t: torch.Tensor, name: str, capacity_rows: int) -> None:
+    """t, read by schedule row: at least the schedule's capacity_rows rows."""
+    if t.shape[0] < capacity_rows:
+        raise MoKInputError(f"{name} must have a row for each of the schedule's {capacity_rows} "
+                            f"rows, got {tuple(t.shape)}")
+
+
 def check_experts(w: torch.Tensor, name: str, num_experts: int,
                   size: tuple[int, int] | None = None) -> None:
     """w: [E, N, K] floating weights of the schedule's E local experts ([N, K] = size where

@@ -20,7 +20,14 @@ from mok.kernels import combine as combine_kernels
 from mok.kernels import gluon_dswiglu, gluon_gate_up, gluon_rows, gluon_wgrad
 from mok.kernels import grouped_gemm as gemm_kernels
 from mok.ops import comm
-from mok.ops.checks import check_experts, check_out_dtype, check_row_tiles, check_rows
+from mok.ops.checks import (
+    check_experts,
+    check_out_dtype,
+    check_row_tiles,
+    check_rows,
+    check_schedule_rows,
+    check_tokens,
+)
 from mok.ops.comm import Pull, ScatterRows
 from mok.ops.launch import cdiv, launch, next_power_of_2
 from mok.ops.routing import Routing, check_router_weights
@@ -194,6 +201,7 @@ def gate_up_swiglu(
     intermediate, hidden = w_gate.shape[1:]
     check_experts(w_up, "w_up", routing.num_local_experts, (intermediate, hidden))
     check_rows(x, "x", width=hidden)
+    check_tokens(x, "x", routing.num_tokens)
     check_row_tiles(tiles.block_m, routing.align)
     h = torch.empty(routing.capacity_rows, intermediate, dtype=x.dtype, device=x.device)
     if gate_up is not None:
@@ -466,6 +474,7 @@ def down_proj(
     check_experts(w_down, "w_down", routing.num_local_experts)
     hidden, intermediate = w_down.shape[1:]
     check_rows(h, "h", width=intermediate)
+    check_schedule_rows(h, "h", routing.capacity_rows)
     check_row_tiles(tiles.block_m, routing.align)
     if scatter is None:
         out = torch.empty(routing.capacity_rows, hidden, dtype=h.dtype, device=h.device)
@@ -533,6 +542,8 @@ def _check_dswiglu_operands(d_out, x, w_down, w_gate, w_up, routing: Routing) ->
     check_experts(w_down, "w_down", routing.num_local_experts, (hidden, intermediate))
     check_rows(d_out, "d_out", width=hidden)
     check_rows(x, "x", width=hidden)
+    check_tokens(d_out, "d_out", routing.num_tokens)
+    check_tokens(x, "x", routing.num_tokens)
 
 
 def down_bwd_dswiglu(
@@ -801,6 +812,7 @@ def d_x_rows(
     intermediate, hidden = w_gate.shape[1:]
     check_experts(w_up, "w_up", routing.num_local_experts, (intermediate, hidden))
     check_rows(d_gate_up, "d_gate_up", width=2 * intermediate)
+    check_schedule_rows(d_gate_up, "d_gate_up", routing.capacity_rows)
     check_row_tiles(tiles.block_m, routing.align)
     if (pull is None) != (pulled is None):
         raise ValueError("d_x_rows takes pull and pulled together")
@@ -838,6 +850,14 @@ def d_x_rows(
     return out
 
 
+def _check_read_rows(t: torch.Tensor, name: str, routing: Routing, *, gather: bool) -> None:
+    """t read by token (gather) or by schedule row: enough rows for the schedule."""
+    if gather:
+        check_tokens(t, name, routing.num_tokens)
+    else:
+        check_schedule_rows(t, name, routing.capacity_rows)
+
+
 def grouped_wgrad(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -859,6 +879,8 @@ def grouped_wgrad(
     check_router_weights(router_weights, routing)
     check_rows(a, "a")
     check_rows(b, "b")
+    _check_read_rows(a, "a", routing, gather=gather_a)
+    _check_read_rows(b, "b", routing, gather=gather_b)
     check_out_dtype(out_dtype)
     if tiles.grouped_mm:
         _check_grouped_mm(a, b)
@@ -892,6 +914,8 @@ def grouped_wgrad_gate_up(
     With tiles.grouped_mm x's rows are copied into schedule order (copy_rows)."""
     check_rows(d_gate_up, "d_gate_up")
     check_rows(x, "x")
+    check_schedule_rows(d_gate_up, "d_gate_up", routing.capacity_rows)
+    _check_read_rows(x, "x", routing, gather=gather_x)
     check_out_dtype(out_dtype)
     if d_gate_up.shape[1] % 2:
         raise MoKInputError(f"d_gate_up must be [C, 2I] (d_gate, then d_up), got "
@@ -1004,6 +1028,7 @@ def copy_rows(
     src's dtype; 0 on padding rows. Rows past the schedule's used rows are left unwritten."""
     check_router_weights(router_weights, routing)
     check_rows(src, "src")
+    _check_read_rows(src, "src", routing, gather=gather)
     width = src.shape[1]
     out = torch.empty(routing.capacity_rows, width, dtype=src.dtype, device=src.device)
     block_m, block_n = 16, min(256, next_power_of_2(max(width, 1)))

@@ -19,7 +19,7 @@ from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
 from mok.kernels import gluon_fp8
 from mok.ops import graphs
-from mok.ops.checks import FLOATS, check_out_dtype, check_row_tiles
+from mok.ops.checks import FLOATS, check_out_dtype, check_row_tiles, check_tokens
 from mok.ops.comm import ScatterRows
 from mok.ops.experts import _gluon_descriptor as _descriptor
 from mok.ops.experts import _num_programs, _nvmma_layout, _scatter_args
@@ -283,6 +283,7 @@ def dswiglu_fp8(
     Gluon tiles): two launches, the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over
     it; the same results (on a GPU the partial sums up to their order over each 128 columns)."""
     _, hidden = _rows_operand(d_output, "d_output")
+    check_tokens(d_output.data, "d_output", routing.num_tokens)
     _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
     if inter % QUANT_BLOCK:
         raise MoKInputError(f"the FP8 backward needs I a multiple of {QUANT_BLOCK}, got {inter}")
@@ -439,6 +440,7 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
 def _gate_up_operands(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Routing) -> int:
     """I, after checking x [T, H] and the two weights [E, I, H] alike."""
     _, hidden = _rows_operand(x, "x")
+    check_tokens(x.data, "x", routing.num_tokens)
     experts, inter, _ = _weights_operand(w_gate, "w_gate", hidden, routing)
     if _weights_operand(w_up, "w_up", hidden, routing) != (experts, inter, hidden):
         raise MoKInputError(f"w_up's shape {tuple(w_up.data.shape)} differs from w_gate's "

@@ -8,7 +8,7 @@ import torch
 
 from mok import ops
 from mok.errors import MoKInputError
-from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
+from mok.ops.fp8 import down_proj_fp8, dswiglu_fp8, gate_up_swiglu_fp8
 from mok.ops.fp8_wgrad import grouped_wgrad_fp8_quantized, quantize_row_blocks
 from mok.ops.quantize import quantize_rows, quantize_weights
 from mok.ops.tuning import RowTiles
@@ -56,6 +56,27 @@ def test_row_launchers_refuse_operands_they_would_misread(device):
             x[:-1], torch.bfloat16),
         "router_grad of bf16 partial sums": lambda: ops.router_grad(
             torch.randn(routing.capacity_rows, 2, device=device).bfloat16(), routing),
+        # fewer rows than the schedule reads: tokens past them (or rows past C) read out of
+        # bounds
+        "x of a token fewer": lambda: ops.gate_up_swiglu(x[:-1], w_g, w_u, routing, ROW_TILES,
+                                                         None),
+        "h of a row fewer": lambda: ops.down_proj(h[:-1], w_d, routing, ROW_TILES,
+                                                  router_weights),
+        "d_out of a token fewer": lambda: ops.down_bwd_dswiglu(
+            x[:-1], x, w_d, w_g, w_u, h, routing,
+            ops.small_tiles(16, 16).pick("down_bwd", 128, 256), router_weights, None),
+        "d_gate_up of a row fewer": lambda: ops.d_x_rows(d_gate_up[:-1], w_g, w_u, routing,
+                                                         ROW_TILES),
+        "a gathered operand of a token fewer": lambda: ops.grouped_wgrad(
+            x[:-1], h, routing, ops.small_tiles(16, 16).wgrad, gather_a=True, gather_b=False,
+            out_dtype=torch.bfloat16),
+        "a row operand of a row fewer": lambda: ops.grouped_wgrad(
+            x, h[:-1], routing, ops.small_tiles(16, 16).wgrad, gather_a=True, gather_b=False,
+            out_dtype=torch.bfloat16),
+        "x of a token fewer for the gate/up weight gradients": lambda: ops.grouped_wgrad_gate_up(
+            d_gate_up, x[:-1], routing, ops.small_tiles(16, 16).wgrad, gather_x=True,
+            out_dtype=torch.bfloat16),
+        "copy_rows from a token fewer": lambda: ops.copy_rows(x[:-1], routing, gather=True),
     }
     for name, call in cases.items():
         with pytest.raises(MoKInputError):
@@ -91,6 +112,13 @@ def test_fp8_launchers_refuse_operands_they_would_misread(device):
         "weight gradients in int32": lambda: grouped_wgrad_fp8_quantized(
             quantize_row_blocks(x, routing, gather=True),
             quantize_row_blocks(x, routing, gather=True), routing, out_dtype=torch.int32),
+        "x of a token fewer": lambda: gate_up_swiglu_fp8(
+            quantize_rows(x[:-1]), quantize_weights(w_g), quantize_weights(w_u), routing,
+            H_TILES),
+        "d_output of a token fewer": lambda: dswiglu_fp8(
+            quantize_rows(x[:-1]), quantize_weights(w_d.transpose(1, 2).contiguous()),
+            torch.zeros(routing.capacity_rows, 256, device=device).bfloat16(), routing,
+            H_TILES, router_weights),
     }
     for name, call in cases.items():
         with pytest.raises(MoKInputError):
