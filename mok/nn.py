@@ -317,6 +317,9 @@ def moe_experts(
         return moe_reference(x, topk_experts, router_weights, w_shared_gate, w_shared_up,
                              w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
                              swiglu_limit=swiglu_limit, group=group).to(x.dtype)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise MoKInputError(f"x must be a [T, H] tensor (flatten the leading dimensions first), "
+                            f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
     if group is not None and dist.get_world_size(group) > 1:
         return _ExpertParallelExperts.apply(
             group, max_tokens, peer_timeout_s, swiglu_limit, recompute_gate_up, precision, x,

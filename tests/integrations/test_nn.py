@@ -453,6 +453,15 @@ def test_moe_experts_names_a_bad_backend():
                     *inputs.routed_weights, backend="cuda")
 
 
+def test_moe_experts_takes_tokens_as_rows():
+    # x [B, S, H] (a module's input) raised "tokens exceed the workspace's num_local_tokens",
+    # the workspace sized by B; it now says what x must be.
+    inputs = make_inputs(8, 32, 16, 4, 2, device=DEVICE, seed=2)
+    with pytest.raises(MoKInputError, match=r"x must be a \[T, H\] tensor"):
+        moe_experts(inputs.x.view(2, 4, 32), inputs.topk_experts, inputs.router_weights, None,
+                    None, None, *inputs.routed_weights)
+
+
 def test_bad_expert_ids_raise_at_check_errors():
     # moe_experts with ids past the experts: no sync in the call; check_errors() with no
     # workspace checks those the layer ran in and raises at once, then the flags are clear.
