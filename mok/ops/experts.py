@@ -514,9 +514,7 @@ def combine(
     num_tokens, width = routing.num_tokens, rows.shape[1]
     if shared_rows is not None:
         check_rows(shared_rows, "shared_rows", width=width)
-        if shared_rows.shape[0] < num_tokens:
-            raise MoKInputError(f"shared_rows must hold the schedule's {num_tokens} tokens "
-                                f"(at least), got {tuple(shared_rows.shape)}")
+        check_tokens(shared_rows, "shared_rows", num_tokens)
     check_out_dtype(out_dtype)
     out = torch.empty(num_tokens, width, dtype=out_dtype, device=rows.device)
     if num_tokens == 0:
