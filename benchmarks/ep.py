@@ -269,12 +269,14 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
     compute_only."""
     import mok.functional as F
     from benchmarks.layer import BENCH_SHAPES
-    from mok.testing import make_inputs
+    from mok.testing import make_inputs, rank_device
+    from mok.testing.distributed import RANKS_SHARE_GPU
     from mok.testing.tolerance import FP8_TOLERANCE, TOLERANCES
 
     group = dist.group.WORLD
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = rank_device(rank) if cuda else torch.device("cpu")
+    shared_gpu = cuda and RANKS_SHARE_GPU
     config = variants[0][0]
     comm_sms = config.fwd_num_comm_sms
     # compute_only's rows (mok's: the variants' suffixes)
@@ -282,6 +284,8 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
     recompute = ("_recompute" if config.recompute_gate_up else "") + ("_fp8" if fp8 else "")
     rows = []
     gpu = torch.cuda.get_device_name(device) if cuda else "cpu (interpreter)"
+    if shared_gpu:
+        gpu += f" ({world_size} ranks sharing it)"
     date = datetime.datetime.now().isoformat(timespec="seconds")
     limit = TOLERANCES[torch.bfloat16].max_rel
     # FP8's own error against the exact reference (the NCCL baseline is checked at bf16's)
@@ -337,8 +341,9 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
                 row(shape, f"compute_only{recompute}@ahead", mode, ms, mode_flops[mode])
         del solo_layer, solo
 
-        for impl_name, impl_config, mine in [("mok", *variant) for variant in variants] + [
-                ("nccl_grouped_mm", None, "")]:
+        baselines = [] if shared_gpu else [("nccl_grouped_mm", None, "")]  # NCCL: a GPU each
+        for impl_name, impl_config, mine in [("mok", *variant) for variant in variants] + \
+                baselines:
             impl = (MoKLayer(inputs, group, impl_config) if impl_name == "mok"
                     else Baseline(inputs, group))
             try:
@@ -370,7 +375,9 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
             if impl_name == "mok":
                 ms, nbytes = dispatch_only(impl, inputs, iters, warmup, group)
                 row(shape, f"mok{mine}", "dispatch", ms, 0, gb_s=nbytes / ms / 1e6)
-            if impl_name == "mok" and not fp8:  # the bf16 down GEMM's scatter
+            ring = getattr(impl.workspace.exchange, "window", None) if impl_name == "mok" else None
+            if impl_name == "mok" and not fp8 and ring is None:
+                # the bf16 down GEMM's scatter (the ring delivers its rows apart)
                 scatter_ms, local_ms, nbytes = down_scatter_and_local(impl, inputs, iters,
                                                                       warmup, group)
                 row(shape, f"mok{mine}", "down_scatter", scatter_ms, 0,
@@ -513,6 +520,9 @@ def dispatch_only(layer, inputs, iters, warmup, group):
         peer = ep.peer_flags(workspace.error_flags)
         if config.precision == "fp8":  # publish x quantized, pull, acknowledge
             ep.forward_rows_fp8(schedule.exchange, x, None, weights, config=config)
+            return
+        if getattr(ep, "window", None) is not None:  # the ring: window by window, each acknowledged
+            ep.forward_rows(schedule.exchange, x, weights, config=config, block_m=block_m)
             return
         if config.fwd_copy_rows:
             ep.forward_copy(peer, schedule.exchange, x, weights, block_m=block_m)
@@ -678,6 +688,10 @@ def main(argv=None) -> None:
                         help="in the same run, also time mok with --copy-rows and "
                              "--copy-bwd-rows (rows named mok..._copy_bcopy), against the same "
                              "compute-only and NCCL times")
+    parser.add_argument("--macrobatch", type=int_at_least(1), default=None,
+                        help="in the same run, also time mok with MoKConfig(macrobatch_size=N): "
+                             "the symmetric buffer a ring of two windows of N tokens a rank; "
+                             "rows named mok...+ringN")
     parser.add_argument("--minibatch", type=int_at_least(1), default=None,
                         help="MoKConfig.minibatch_size; mok's rows get +mbN")
     parser.add_argument("--timeout", type=positive_float, default=900.0)
@@ -704,7 +718,13 @@ def main(argv=None) -> None:
         raise SystemExit(f"unknown shapes {unknown}; known: {', '.join(BENCH_SHAPES)}")
     for name in names:  # experts that do not split over the ranks: said here, not in a rank
         ep_shape(BENCH_SHAPES[name], args.ep)
-    if cuda and torch.cuda.device_count() < args.ep:
+    from mok.testing.distributed import RANKS_SHARE_GPU
+
+    if cuda and RANKS_SHARE_GPU:
+        print(f"MOK_RANKS_SHARE_GPU: {args.ep} ranks share GPU 0 (gloo between them, no NCCL "
+              "baseline): the ranks' kernels take turns on one GPU, times compare mok's "
+              "variants only")
+    elif cuda and torch.cuda.device_count() < args.ep:
         raise SystemExit(f"--ep {args.ep} needs at least {args.ep} CUDA GPUs (one a rank), "
                          f"found {torch.cuda.device_count()}")
     if not cuda:
@@ -718,9 +738,16 @@ def main(argv=None) -> None:
     if args.also_copies and not (args.copy_rows and args.copy_bwd_rows):
         args.copy_rows = args.copy_bwd_rows = True
         variants.append(config_and_name(args))
+    if args.macrobatch:
+        config, name = variants[0]
+        try:
+            ring = dataclasses.replace(config, macrobatch_size=args.macrobatch)
+        except ValueError as error:  # not a multiple of the minibatch
+            raise SystemExit(f"--macrobatch {args.macrobatch}: {error}") from None
+        variants.append((ring, f"{name}+ring{args.macrobatch}"))
     results = run_distributed(_rank_main, args.ep, names, args.iters, args.warmup, commit_id(),
                               variants, args.profile, args.host_ahead,
-                              backend="nccl" if cuda else "gloo",
+                              backend="nccl" if cuda and not RANKS_SHARE_GPU else "gloo",
                               timeout_s=args.timeout)
     rows = results[0]
     append_rows(args.csv, CSV_FIELDS, rows)

@@ -71,9 +71,13 @@ class MoKConfig:
         leave the GEMM more SMs (two H200: the forward 3.49 -> 3.28 ms at qwen3-30b-a3b, 3.76
         -> 3.57 at kimi-ep64-slice).
     minibatch_size: tokens per ready flag when tokens arrive from peers.
-    macrobatch_size: rows of the dispatch ring buffer (MoK's knob, checked, not used: the pull
-        buffers hold the group's tokens, each pulled once; docs/history.md, expert parallelism, says
-        why a ring does not pay at these sizes).
+    macrobatch_size: under expert parallelism, None (the default): the symmetric buffer holds
+        every token a rank may pass (the workspace's num_local_tokens: x, d_output and the rows
+        delivered back, k a token); M (a multiple of minibatch_size): it holds a ring of two
+        windows of M tokens a rank instead, whatever num_local_tokens is, and a call moves its
+        tokens window by window (mok.exchange.symmetric). Read when the workspace is created.
+        The GEMMs and their results are those without the ring, bitwise; the rows are pulled
+        before the first GEMM rather than during it, and delivered back after the last.
     schedule_capacity_multiplier: the schedule holds capacity_multiplier * T * k routes (never more
         than can arrive); on one GPU any value >= 1 is dropless. Overflow is an error, never a
         silent drop.
@@ -118,7 +122,7 @@ class MoKConfig:
     fwd_num_comm_sms: int = 32
     bwd_num_comm_sms: int = 32
     minibatch_size: int = 128
-    macrobatch_size: int = 8192
+    macrobatch_size: int | None = None
     schedule_capacity_multiplier: float = 2.0
     peer_timeout_s: float = 60.0
     recompute_gate_up: bool = False
@@ -134,6 +138,8 @@ class MoKConfig:
                              f"{self.precision!r}")
         for name in ("fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size"):
             value = getattr(self, name)
+            if name == "macrobatch_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MoKConfig.{name} must be a positive integer, got {value!r}")
         for name in ("recompute_gate_up", "fwd_pull_in_gluon", "fwd_copy_rows", "bwd_copy_rows",
@@ -143,7 +149,7 @@ class MoKConfig:
         if self.fwd_copy_rows and self.fwd_pull_in_gluon:
             raise ValueError("MoKConfig.fwd_copy_rows and fwd_pull_in_gluon exclude each "
                              "other")
-        if self.macrobatch_size % self.minibatch_size != 0:
+        if self.macrobatch_size is not None and self.macrobatch_size % self.minibatch_size:
             raise ValueError("MoKConfig.macrobatch_size must be a multiple of minibatch_size")
         multiplier = self.schedule_capacity_multiplier
         if isinstance(multiplier, bool) or not (isinstance(multiplier, (int, float))
@@ -197,7 +203,7 @@ class Workspace:
         self.exchange: Exchange = create_exchange(
             group, device, num_tokens=self.num_local_tokens, hidden_size=self.hidden_size,
             topk=self.topk, timeout_s=config.peer_timeout_s, errors=self.error_flags,
-            ranks_per_node=ranks_per_node)
+            ranks_per_node=ranks_per_node, macrobatch=config.macrobatch_size)
         self.ep_size, self.ep_rank = self.exchange.num_ranks, self.exchange.rank
         pin = device.type == "cuda"
         self._host_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, pin_memory=pin)
@@ -836,7 +842,7 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
     exchange.send_route_values(plan, by_route)
     exchange.deliveries_done(plan, Phase.BACKWARD, dtype, values=True, wait=False)
     d_x = None
-    if exchange.rows_here:
+    if exchange.delivers_in_combine:
         # The d_x rows are freed before the weight gradients are allocated (as the 16-bit
         # backward).
         d_x = exchange.combine(plan, d_x_rows, routing, d_x_shared_rows, dtype)
@@ -1173,7 +1179,7 @@ def backward(
     exchange.rows_read(Phase.BACKWARD)
     exchange.deliveries_done(plan, Phase.BACKWARD, dtype, values=True, wait=False)
     d_x = None
-    if exchange.rows_here:
+    if exchange.delivers_in_combine:
         # The d_x rows ([C, H], the backward's largest buffer) are freed before the weight
         # gradients are allocated: the step's peak holds one or the other, not both.
         d_x = exchange.combine(plan, d_x_rows, routing, d_x_shared_rows, dtype)

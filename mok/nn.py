@@ -232,10 +232,8 @@ class _ExpertParallelExperts(torch.autograd.Function):
     custom op (torch.compile breaks the graph here)."""
 
     @staticmethod
-    def forward(ctx, group, max_tokens, peer_timeout_s, swiglu_limit, recompute_gate_up,
-                precision, x, topk_experts, router_weights, w_sg, w_su, w_sd, w_rg, w_ru, w_rd):
-        config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision=precision,
-                             peer_timeout_s=peer_timeout_s)
+    def forward(ctx, group, max_tokens, config, swiglu_limit, x, topk_experts, router_weights,
+                w_sg, w_su, w_sd, w_rg, w_ru, w_rd):
         # Without max_tokens the first call's count is the bound: a later call with fewer
         # tokens (a short last batch) reuses its workspace, whose creation is a collective
         # that a rank alone would wait in forever.
@@ -274,8 +272,7 @@ class _ExpertParallelExperts(torch.autograd.Function):
             if not context.used:
                 raise
             raise MoKInputError(_SECOND_BACKWARD) from error
-        return (None, None, None, None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg,
-                d_ru, d_rd)
+        return (None, None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd)
 
 
 def moe_experts(
@@ -296,6 +293,7 @@ def moe_experts(
     peer_timeout_s: float = 60.0,
     recompute_gate_up: bool = False,
     precision: str = "bf16",
+    macrobatch_size: int | None = None,
 ) -> torch.Tensor:
     """The routed + shared experts as a differentiable function (docs/design.md section 1).
 
@@ -311,7 +309,8 @@ def moe_experts(
     MoKConfig's (the default False keeps the gate/up pre-activations for the backward; True
     keeps h and recomputes them: slower, less memory). precision: MoKConfig's ("fp8": the
     experts' row GEMMs on e4m3 operands with blockwise scales; the reference backend ignores
-    it).
+    it). macrobatch_size: with a group, MoKConfig's (the symmetric buffer a ring of two windows
+    of that many tokens a rank, whatever max_tokens is).
     """
     if Backend.parse(backend) is Backend.REFERENCE:
         return moe_reference(x, topk_experts, router_weights, w_shared_gate, w_shared_up,
@@ -321,10 +320,12 @@ def moe_experts(
         raise MoKInputError(f"x must be a [T, H] tensor (flatten the leading dimensions first), "
                             f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
     if group is not None and dist.get_world_size(group) > 1:
+        config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision=precision,
+                             peer_timeout_s=peer_timeout_s, macrobatch_size=macrobatch_size)
         return _ExpertParallelExperts.apply(
-            group, max_tokens, peer_timeout_s, swiglu_limit, recompute_gate_up, precision, x,
-            topk_experts, router_weights.float(), w_shared_gate, w_shared_up, w_shared_down,
-            w_routed_gate, w_routed_up, w_routed_down)
+            group, max_tokens, config, swiglu_limit, x, topk_experts, router_weights.float(),
+            w_shared_gate, w_shared_up, w_shared_down, w_routed_gate, w_routed_up,
+            w_routed_down)
     return _moe_forward(x, topk_experts, router_weights.float(), w_shared_gate, w_shared_up,
                         w_shared_down, w_routed_gate, w_routed_up, w_routed_down,
                         swiglu_limit, recompute_gate_up, precision)[0]
@@ -333,7 +334,8 @@ def moe_experts(
 # -- the module -------------------------------------------------------------------------------
 
 def _check_options(backend: Backend, *, swiglu_limit, recompute_gate_up, precision,
-                   ep_max_tokens, ep_timeout_s, widths: tuple[tuple[str, int], ...]) -> None:
+                   ep_max_tokens, ep_timeout_s, widths: tuple[tuple[str, int], ...],
+                   ep_macrobatch_size: int | None = None) -> None:
     """ValueError naming the first of a layer's options it cannot run with (MoE's and
     mok.integrations.huggingface's); widths: the expert widths, by name (FP8 takes multiples
     of 128 on the mok backend)."""
@@ -354,6 +356,13 @@ def _check_options(backend: Backend, *, swiglu_limit, recompute_gate_up, precisi
         raise ValueError(f"ep_max_tokens must be a positive integer or None, got "
                          f"{ep_max_tokens!r}")
     F.MoKConfig(peer_timeout_s=ep_timeout_s)  # checks it
+    if ep_macrobatch_size is not None:
+        try:
+            F.MoKConfig(macrobatch_size=ep_macrobatch_size)
+        except ValueError as error:
+            raise ValueError(f"ep_macrobatch_size must be a positive multiple of "
+                             f"{F.MoKConfig().minibatch_size} or None, got "
+                             f"{ep_macrobatch_size!r}") from error
 
 
 def _is_int(value: object) -> bool:
@@ -614,7 +623,9 @@ class MoE(nn.Module):
     `ep_max_tokens` ranks may pass different numbers of tokens, at most that many, and without
     it the same number on the first call and at most that many later (the first call of any
     such layer of the same hidden size and top_k on the group sets the bound);
-    `ep_timeout_s` bounds a wait on another rank, MoKConfig.peer_timeout_s); and with
+    `ep_timeout_s` bounds a wait on another rank, MoKConfig.peer_timeout_s;
+    `ep_macrobatch_size`: MoKConfig.macrobatch_size, the symmetric buffer a ring of two
+    windows of that many tokens a rank, however many a rank passes); and with
     shared_intermediate_size > 0: shared_gate, shared_up [I_s, H], shared_down [H, I_s].
     forward(hidden_states [..., H]) -> [..., H]. After each forward: `aux_loss` (add it to the
     training loss) and `tokens_per_expert` [E] (device tensor, no host sync) hold that call's
@@ -649,6 +660,7 @@ class MoE(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         ep_max_tokens: int | None = None,
         ep_timeout_s: float = 60.0,
+        ep_macrobatch_size: int | None = None,
         backend: Backend | str = Backend.MOK,
         recompute_gate_up: bool = False,
         precision: str = "bf16",
@@ -661,7 +673,7 @@ class MoE(nn.Module):
                      shared_intermediate_size, backend)
         _check_options(backend, swiglu_limit=swiglu_limit, recompute_gate_up=recompute_gate_up,
                        precision=precision, ep_max_tokens=ep_max_tokens,
-                       ep_timeout_s=ep_timeout_s,
+                       ep_timeout_s=ep_timeout_s, ep_macrobatch_size=ep_macrobatch_size,
                        widths=(("intermediate_size", intermediate_size),
                                ("shared_intermediate_size", shared_intermediate_size)))
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
@@ -671,6 +683,7 @@ class MoE(nn.Module):
         self.ep_group = ep_group if ep_size > 1 else None
         self.ep_max_tokens = ep_max_tokens
         self.ep_timeout_s = ep_timeout_s
+        self.ep_macrobatch_size = ep_macrobatch_size
         num_local = num_experts // ep_size
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
@@ -746,7 +759,8 @@ class MoE(nn.Module):
                             group=self.ep_group, max_tokens=self.ep_max_tokens,
                             peer_timeout_s=self.ep_timeout_s,
                             recompute_gate_up=self.recompute_gate_up,
-                            precision=self.precision)
+                            precision=self.precision,
+                            macrobatch_size=self.ep_macrobatch_size)
         return y.to(out_dtype).view(hidden_states.shape)
 
     def _check_input(self, hidden_states: torch.Tensor) -> None:

@@ -7,7 +7,8 @@
 # With 4 or 8 GPUs the tests' main cases run with 4 and 8 ranks too: give EP_TESTS_TIMEOUT room
 # (with 2 GPUs on a fresh machine, compiling included, they took over 300 s).
 # EP_SHARE_GPU=1 (a machine with one GPU): the tests' ranks share it (MOK_RANKS_SHARE_GPU, gloo
-# between them; a check of the code, slow, timing nothing) and the benchmark is skipped.
+# between them; a check of the code, slow) and the benchmark is skipped unless EP_BENCH=1 (then
+# its ranks share the GPU too, without the NCCL baseline: mok's variants against each other).
 # There the tests' 4- and 8-rank cases run too, every rank on the one GPU: EP_TESTS_K='4]' or '8]'
 # selects them (on one H200 about 6 min for each set).
 # EP_HOST=1: also the host's time per EP call (python -m benchmarks.host --ep, EP_HOST_SHAPES,
@@ -24,7 +25,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 EP_SIZE=${EP_SIZE:-2}
 if [ "${EP_SHARE_GPU:-0}" = 1 ]; then
-  export MOK_RANKS_SHARE_GPU=1 EP_BENCH=0
+  export MOK_RANKS_SHARE_GPU=1 EP_BENCH=${EP_BENCH:-0}
 fi
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
 nvidia-smi topo -m | head -n $((EP_SIZE + 2))
@@ -33,8 +34,10 @@ if [ "${EP_TESTS:-1}" = 1 ]; then
   echo "== ep tests (limit ${EP_TESTS_TIMEOUT:-420}s)"
   # -rfE: every failure and error listed at the end, where the test log picks them up.
   cmd=(timeout -s KILL "${EP_TESTS_TIMEOUT:-420}" python3 -m pytest -q -rfE -p no:cacheprovider
-       tests/exchange/test_expert_parallel.py tests/integrations/test_examples.py
-       tests/integrations/test_nn.py tests/integrations/test_huggingface.py -k "${EP_TESTS_K:-expert_parallel or test_ep_}"
+       tests/exchange/test_expert_parallel.py tests/exchange/test_ring.py
+       tests/integrations/test_examples.py tests/integrations/test_nn.py
+       tests/integrations/test_huggingface.py
+       -k "${EP_TESTS_K:-expert_parallel or test_ep_ or test_ring_}"
        ${EP_TESTS_ARGS:-})
   printf -v command '%q ' "${cmd[@]}"
   "${cmd[@]}" > "$OUT/ep_tests.log" 2>&1

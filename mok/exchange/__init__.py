@@ -30,10 +30,12 @@ from mok.exchange.symmetric import ExchangePlan, SymmetricExchange, pull_order
 
 def create_exchange(group: dist.ProcessGroup | None, device: torch.device, *, num_tokens: int,
                     hidden_size: int, topk: int, timeout_s: float, errors: torch.Tensor,
-                    ranks_per_node: int | None = None) -> Exchange:
+                    ranks_per_node: int | None = None,
+                    macrobatch: int | None = None) -> Exchange:
     """The exchange of a workspace: one GPU without a group (or a group of one rank), else
     symmetric memory inside a node and collectives between nodes (ranks_per_node: default found
-    from the host names)."""
+    from the host names); macrobatch: the symmetric buffer's ring window (MoKConfig.
+    macrobatch_size)."""
     if group is None or dist.get_world_size(group) == 1:
         return LocalExchange(errors)
     if device.type == "cpu" and not _env.INTERPRET:
@@ -46,9 +48,10 @@ def create_exchange(group: dist.ProcessGroup | None, device: torch.device, *, nu
     if per_node < world:
         return CrossNodeExchange(group, device, num_tokens=num_tokens, hidden_size=hidden_size,
                                  topk=topk, ranks_per_node=per_node, timeout_s=timeout_s,
-                                 errors=errors)
+                                 errors=errors, macrobatch=macrobatch)
     return SymmetricExchange(group, device, num_tokens=num_tokens, hidden_size=hidden_size,
-                             topk=topk, timeout_s=timeout_s, errors=errors)
+                             topk=topk, timeout_s=timeout_s, errors=errors,
+                             macrobatch=macrobatch)
 
 
 __all__ = [

@@ -38,6 +38,7 @@ class Phase(enum.IntEnum):
     SCHEDULE = 0
     FORWARD = 1
     BACKWARD = 2
+    DELIVERY = 3  # the ring's rounds of rows going back to their tokens' ranks
 
 
 NUM_PHASES = len(Phase)
@@ -106,6 +107,13 @@ class Exchange:
     def rows_here(self) -> bool:
         """Whether the rows the last GEMM writes stay on this rank (combine needs no wait)."""
         raise NotImplementedError
+
+    @property
+    def delivers_in_combine(self) -> bool:
+        """Whether `combine` itself moves the last GEMM's rows to their tokens' ranks (they stay
+        here until then): the backward then combines d_x before the weight gradients, which
+        frees its rows [C, H] first."""
+        return self.rows_here
 
     def group_rank(self, peer: int) -> int:
         """The group's rank of `peer`, a rank of the flags' group (the node's, across nodes)."""

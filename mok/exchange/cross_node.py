@@ -95,7 +95,7 @@ class CrossNodeExchange(Exchange):
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, *, num_tokens: int,
                  hidden_size: int, topk: int, ranks_per_node: int, timeout_s: float,
-                 errors: torch.Tensor) -> None:
+                 errors: torch.Tensor, macrobatch: int | None = None) -> None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         per_node = int(ranks_per_node)
         if per_node < 1 or world % per_node:
@@ -120,13 +120,18 @@ class CrossNodeExchange(Exchange):
         if per_node > 1:
             self.inner: Exchange = SymmetricExchange(
                 self.node_group, device, num_tokens=group_tokens, hidden_size=hidden_size,
-                topk=topk, timeout_s=timeout_s, errors=errors, ghost_expert=True)
+                topk=topk, timeout_s=timeout_s, errors=errors, ghost_expert=True,
+                macrobatch=macrobatch and self.num_nodes * macrobatch)
         else:
             self.inner = LocalExchange(errors, ghost_expert=True)
 
     @property
     def rows_here(self) -> bool:
         return self.inner.rows_here
+
+    @property
+    def delivers_in_combine(self) -> bool:
+        return self.inner.delivers_in_combine
 
     def group_rank(self, peer: int) -> int:
         return self.node * self.ranks_per_node + peer

@@ -31,6 +31,24 @@ on every rank since every rank makes the same calls:
 Buffers a rank publishes are overwritten only after every rank acknowledged having pulled them
 (x is published by the forward and the backward phases, so a publish waits for the
 acknowledgements of both); buffers written by other ranks are read after their "done".
+
+The ring (a workspace made with MoKConfig.macrobatch_size M, where RING_SLOTS * M < T_max): the
+symmetric buffer holds RING_SLOTS windows of M tokens a rank instead of T_max tokens (x, d_output,
+the router weights and the delivered rows), so its size no longer grows with T_max. A call runs
+ceil(T_max / M) windows, the same number on every rank (a rank with fewer tokens publishes empty
+windows); window w holds every rank's tokens [w M, (w + 1) M), in slot w % RING_SLOTS:
+
+- rows in: per window, publish the rank's tokens of the window into their slot (once every rank
+  acknowledged the window that used it last), pull the group's tokens of the window that have a
+  route here (a launch of its own, into the group buffers [P * T_max, H] of ordinary memory, as
+  without the ring), acknowledge. The GEMMs then run once over every row, as without the ring.
+- rows out: the last GEMM writes its rows here ([C, H]); per window (a DELIVERY round), once every
+  rank acknowledged the round that used the slot last, deliver the window's rows into their
+  tokens' ranks' slots, signal "done", wait for every rank's, combine the window's tokens, and
+  acknowledge.
+
+Every GEMM reads and writes the rows the path without the ring does, and each token's rows are
+summed in the same order: the outputs and gradients are bitwise those of that path.
 """
 
 from __future__ import annotations
@@ -60,6 +78,9 @@ from mok.ops.launch import cdiv
 # another count (a rank passing a different num_local_experts) finds them out of range, an error
 # on the device, rather than routing them by its own count to experts no rank computes.
 EXPERT_TAG = 1 << 16
+# Windows of the ring the symmetric buffer holds at once: a rank may publish window w + 1 while
+# others still pull window w.
+RING_SLOTS = 2
 
 
 def tag_experts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -110,6 +131,8 @@ class ExchangePlan:
         order, so that is a token's earliest), the others after them: the order the pulls move
         them in. pull_position [P * T_max] int32: a token's index in pull_order. All three are
         None in a plan built without pulls (build_plan), whose rows all move by copies.
+    window_order [W, P * M] int32, window_moving [W] int32 (the ring's, else None): window w's
+        group tokens with a route here, window_order[w, :window_moving[w]], by first row.
     """
 
     group_routing: Routing
@@ -120,18 +143,23 @@ class ExchangePlan:
     pull_order: torch.Tensor | None
     pull_position: torch.Tensor | None
     pull_moving: torch.Tensor | None
+    window_order: torch.Tensor | None = None
+    window_moving: torch.Tensor | None = None
 
 
 class SymmetricExchange(Exchange):
     """The expert-parallel state of a workspace: the symmetric buffer, its views and the flags.
 
     errors: the workspace's error flags (default: a vector of its own); ghost_expert: the expert
-    id E passes as an expert no rank owns (mok.exchange.cross_node).
+    id E passes as an expert no rank owns (mok.exchange.cross_node); macrobatch: the ring's
+    window of tokens a rank (see the module docstring; None, or RING_SLOTS windows holding
+    num_tokens: no ring).
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, *, num_tokens: int,
                  hidden_size: int, topk: int, timeout_s: float,
-                 errors: torch.Tensor | None = None, ghost_expert: bool = False) -> None:
+                 errors: torch.Tensor | None = None, ghost_expert: bool = False,
+                 macrobatch: int | None = None) -> None:
         self.errors = (errors if errors is not None
                        else torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device))
         self.ghost_expert = ghost_expert
@@ -141,19 +169,20 @@ class SymmetricExchange(Exchange):
         self.device = device
         self.num_tokens, self.hidden_size, self.topk = num_tokens, hidden_size, topk
         self.routes_per_rank = routes = num_tokens * topk
+        # The ring: windows of `window` tokens, RING_SLOTS of them in the buffer at once.
+        self.window = ring_window(num_tokens, macrobatch)
+        self.ring_tokens = ring = RING_SLOTS * self.window if self.window else num_tokens
+        self.num_windows = cdiv(num_tokens, self.window) if self.window else 1
         self.slots = FlagSlots(world)
-        up = comm.SymmetricBuffer.round_up
-        nbytes = (up(self.slots.size * 8)
-                  + 2 * up(num_tokens * hidden_size * 2)   # x, d_output (2-byte dtypes)
-                  + up(routes * hidden_size * 2)           # combine buffer
-                  + 3 * up(routes * 4))                    # topk, router weights, their grads
+        nbytes = symmetric_bytes(world, num_tokens=num_tokens, hidden_size=hidden_size,
+                                 topk=topk, macrobatch=macrobatch)
         self.buffer = buffer = comm.SymmetricBuffer(nbytes, group, device)
         self.flags = buffer.take((self.slots.size,), torch.int64)
-        self._x_pub = buffer.take((num_tokens, hidden_size), torch.bfloat16)
-        self._dy_pub = buffer.take((num_tokens, hidden_size), torch.bfloat16)
-        self._combine = buffer.take((routes, hidden_size), torch.bfloat16)
+        self._x_pub = buffer.take((ring, hidden_size), torch.bfloat16)
+        self._dy_pub = buffer.take((ring, hidden_size), torch.bfloat16)
+        self._combine = buffer.take((ring * topk, hidden_size), torch.bfloat16)
         self.topk_pub = buffer.take((routes,), torch.int32)
-        self.weights_pub = buffer.take((routes,), torch.float32)
+        self.weights_pub = buffer.take((ring * topk,), torch.float32)
         self.d_weights = buffer.take((routes,), torch.float32)
         self.seq = torch.zeros(NUM_PHASES, dtype=torch.int64, device=device)
         self._ready: dict[Phase, torch.Tensor] = {}
@@ -207,15 +236,15 @@ class SymmetricExchange(Exchange):
     # -- steps shared by the phases ----------------------------------------------------------
     def publish(self, peer: comm.PeerFlags, phase: Phase,
                 copies: list[tuple[torch.Tensor, torch.Tensor]], *,
-                wait_all: bool = False) -> None:
-        """Wait until every rank pulled the last round, copy `copies` (dst <- src) into the
-        symmetric buffer, and announce the new round; wait_all: then wait until every rank
-        announced it (in the same launch)."""
+                wait_all: bool = False, lag: int = 0) -> None:
+        """Wait until every rank pulled the last round (lag: the round that many before it),
+        copy `copies` (dst <- src) into the symmetric buffer, and announce the new round;
+        wait_all: then wait until every rank announced it (in the same launch)."""
         then = None
         if phase is not Phase.SCHEDULE:  # x_pub is written by both of these phases
             other = Phase.BACKWARD if phase is Phase.FORWARD else Phase.FORWARD
             then = (other, self.slots.ack(other))
-        comm.wait_peers(peer, phase, self.slots.ack(phase), then=then)
+        comm.wait_peers(peer, phase, self.slots.ack(phase), then=then, lag=lag)
         for dst, src in copies:
             dst.copy_(src)
         if wait_all:
@@ -466,6 +495,10 @@ class SymmetricExchange(Exchange):
     def rows_here(self) -> bool:
         return False
 
+    @property
+    def delivers_in_combine(self) -> bool:
+        return self.window is not None
+
     def movement(self, phase: Phase, config) -> Movement:
         copied = config.fwd_copy_rows if phase is Phase.FORWARD else config.bwd_copy_rows
         return Movement.COPIED if copied else Movement.PULLED
@@ -487,8 +520,15 @@ class SymmetricExchange(Exchange):
 
     def forward_rows(self, plan, x, router_weights, *, config, block_m):
         """Publish x and the router weights; the group's rows come by copies beside the gate/up
-        launch (fwd_copy_rows; its row blocks of block_m rows local first) or by its pull."""
+        launch (fwd_copy_rows; its row blocks of block_m rows local first) or by its pull (with
+        the ring: pulled window by window before it)."""
         peer = self.peer_flags(self.errors)
+        if self.window is not None:
+            self._refuse_copies(config)
+            x_group, weights_group = self._ring_rows_in(
+                peer, Phase.FORWARD, plan, [(self.x_pub(x.dtype), x)], router_weights,
+                config=config)
+            return ForwardRows(x_group, weights_group, None, kept_weights=weights_group)
         if config.fwd_copy_rows:
             x_group, weights_group, pull = self.forward_copy(peer, plan, x, router_weights,
                                                              block_m=block_m)
@@ -504,6 +544,13 @@ class SymmetricExchange(Exchange):
         x's rows by the d_x launch's, for the weight gradients alone; apart: x's first, as the
         gate/up launch reads them)."""
         peer = self.peer_flags(self.errors)
+        if self.window is not None:
+            self._refuse_copies(config)
+            dy_group, x_group = self._ring_rows_in(
+                peer, Phase.BACKWARD, plan,
+                [(self.dy_pub(d_output.dtype), d_output), (self.x_pub(x.dtype), x)], None,
+                config=config)
+            return BackwardRows(dy_group, x_group)
         if config.bwd_copy_rows:
             dy_group, x_group, pull = self.backward_copy(peer, plan, d_output, x,
                                                          block_m=block_m, kept=kept)
@@ -520,10 +567,19 @@ class SymmetricExchange(Exchange):
         fwd_num_comm_sms programs (the FP8 GEMMs take no pull), then acknowledge them. A row
         quantized here or on its expert's rank is the same bits: the scales are per row."""
         peer = self.peer_flags(self.errors)
-        _check_pulls(plan)
         tokens, width = x.shape
         xq = xq if xq is not None else ops.quantize_rows(x)
         packed = self.packed_pub(width)
+        if self.window is not None:
+            def window_copies(at, start, count):
+                codes, scales = ops.unpack_rows(packed[at:at + count], width)
+                return [(codes, xq.data[start:start + count]),
+                        (scales, xq.scales[start:start + count])]
+            rows, weights_group = self._ring_pulls(peer, Phase.FORWARD, plan, [packed],
+                                                   window_copies, tokens, router_weights,
+                                                   config=config)
+            return Fp8ForwardRows(ops.unpack_rows(rows, width), weights_group, weights_group)
+        _check_pulls(plan)
         codes, scales = ops.unpack_rows(packed[:tokens], width)
         self.publish(peer, Phase.FORWARD, [
             (codes, xq.data), (scales, xq.scales),
@@ -539,6 +595,12 @@ class SymmetricExchange(Exchange):
         """Publish d_output and x; pull the group's rows of both in launches of their own over
         bwd_num_comm_sms programs each, then acknowledge them."""
         peer = self.peer_flags(self.errors)
+        if self.window is not None:
+            dy_group, x_group = self._ring_rows_in(
+                peer, Phase.BACKWARD, plan,
+                [(self.dy_pub(d_output.dtype), d_output), (self.x_pub(x.dtype), x)], None,
+                config=config)
+            return BackwardRows(dy_group, x_group)
         dy_group, x_group, pull, x_pull = self.backward_pull(
             peer, plan, d_output, x, minibatch=config.minibatch_size,
             num_programs=config.bwd_num_comm_sms, defer_x=True)
@@ -558,12 +620,17 @@ class SymmetricExchange(Exchange):
         return self.x_pub(torch.uint8)[:, :nbytes]
 
     def rows_read(self, phase):
-        """After every pull (or copy) of the phase: the published rows may be overwritten."""
+        """After every pull (or copy) of the phase: the published rows may be overwritten (with
+        the ring each window's pull said so already)."""
+        if self.window is not None:
+            return
         self.copies_joined()
         self.pulled(self.peer_flags(self.errors), phase)
 
     def scatter(self, plan, dtype):
-        return self.scatter_rows(plan, dtype)
+        """Into the tokens' ranks' combine buffers; with the ring, here (`combine` delivers
+        them window by window)."""
+        return self.scatter_rows(plan, dtype) if self.window is None else None
 
     def send_route_values(self, plan, by_route):
         """Each route's router-weight gradient into its token's rank's buffer."""
@@ -573,6 +640,11 @@ class SymmetricExchange(Exchange):
 
     def deliveries_done(self, plan, phase, dtype, *, values, wait):
         peer = self.peer_flags(self.errors)
+        if self.window is not None:  # the rows go in `combine`'s rounds, which zero the dropped
+            self.clear_dropped(peer, plan, rows_dtype=None, values=values)
+            if values:
+                self.finish(peer, phase) if wait else self.signal_done(peer, phase)
+            return
         self.clear_dropped(peer, plan, rows_dtype=dtype, values=values)
         if wait:
             self.finish(peer, phase)
@@ -583,8 +655,112 @@ class SymmetricExchange(Exchange):
         self.finish(self.peer_flags(self.errors), phase, signal=False)
 
     def combine(self, plan, rows, routing, shared_rows, dtype):
-        """rows: the combine buffer the other ranks delivered into."""
+        """rows: the combine buffer the other ranks delivered into (with the ring: this rank's
+        rows [C, H], delivered here window by window)."""
+        if self.window is not None:
+            return self._ring_rows_out(plan, rows, shared_rows, dtype)
         return ops.combine(rows, plan.source_routing, shared_rows, dtype)
+
+    # -- the ring (module docstring) -----------------------------------------------------------
+    def _windows(self, tokens: int):
+        """(w, first token, this rank's tokens in it, lag) for each window of a call; lag: how
+        many rounds before the last one the round that used the window's slot is (none before
+        the call's first window: every earlier round is waited for)."""
+        for w in range(self.num_windows):
+            start = w * self.window
+            yield w, start, max(0, min(self.window, tokens - start)), min(w, RING_SLOTS - 1)
+
+    def _refuse_copies(self, config) -> None:
+        if config.fwd_copy_rows or config.bwd_copy_rows:
+            raise MoKInputError("fwd_copy_rows and bwd_copy_rows copy every rank's whole "
+                                "published buffers: not with a workspace's macrobatch_size ring")
+
+    def _ring_rows_in(self, peer: comm.PeerFlags, phase: Phase, plan: ExchangePlan,
+                      pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                      router_weights: torch.Tensor | None, *, config) -> tuple:
+        """Window by window: publish the window's rows of each (ring buffer [ring rows, width],
+        this rank's rows [T, width]) pair (and of the router weights) into the window's slot,
+        pull the group's tokens of the window with a route here into a group buffer [P * T_max,
+        width] per pair (and their router weights), acknowledge. Returns the group buffers
+        (then the router weights')."""
+        def window_copies(at, start, count):
+            return [(ring_rows[at:at + count], rows[start:start + count])
+                    for ring_rows, rows in pairs]
+        return self._ring_pulls(peer, phase, plan, [ring_rows for ring_rows, _ in pairs],
+                                window_copies, pairs[0][1].shape[0], router_weights,
+                                config=config)
+
+    def _ring_pulls(self, peer: comm.PeerFlags, phase: Phase, plan: ExchangePlan,
+                    sources: list[torch.Tensor], window_copies, tokens: int,
+                    router_weights: torch.Tensor | None, *, config) -> tuple:
+        """_ring_rows_in with the copies of a window given by window_copies(first slot row,
+        first token, tokens) -> [(dst, src)] and the ring buffers pulled from, `sources`."""
+        if plan.window_order is None:
+            raise RuntimeError("this schedule was built on another workspace: it has no "
+                               "windows of the ring")
+        world, k, ring = self.world_size, self.topk, self.ring_tokens
+        groups = [torch.empty(world * self.num_tokens, src.shape[1], dtype=src.dtype,
+                              device=self.device) for src in sources]
+        weights_group = None
+        if router_weights is not None:
+            weights_group = torch.empty(world * self.routes_per_rank, dtype=torch.float32,
+                                        device=self.device)
+            flat = router_weights.reshape(-1)
+        ready = self.ready(phase, config.minibatch_size)
+        programs = max(1, int(config.fwd_num_comm_sms if phase is Phase.FORWARD
+                              else config.bwd_num_comm_sms))
+        for w, start, count, lag in self._windows(tokens):
+            at = start % ring
+            copies = window_copies(at, start, count)
+            if router_weights is not None:
+                copies.append((self.weights_pub[at * k:(at + count) * k],
+                               flat[start * k:(start + count) * k]))
+            self.publish(peer, phase, copies, lag=lag)
+            for i, (src, group) in enumerate(zip(sources, groups, strict=True)):
+                weights = router_weights is not None and i == 0
+                comm.Pull(
+                    peer, src, self.buffer.deltas(src.dtype),
+                    self.weights_pub if weights else None,
+                    self.buffer.deltas(torch.float32) if weights else None,
+                    weights_group if weights else None,
+                    plan.window_order[w], plan.window_order[w], plan.window_moving[w:w + 1],
+                    ready, int(phase), self.slots.pub(phase), self.num_tokens, k, programs,
+                    int(config.minibatch_size), ring_rows=ring).run_apart(group)
+            self.pulled(peer, phase)
+        return (*groups, weights_group) if router_weights is not None else tuple(groups)
+
+    def _ring_rows_out(self, plan: ExchangePlan, rows: torch.Tensor,
+                       shared_rows: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The delivery rounds, a window each: once every rank acknowledged the round that
+        used the window's slot, deliver this rank's rows [C, H] of every rank's tokens of the
+        window into their ranks' slot (mok.ops.deliver_rows), signal and wait for "done", combine
+        this rank's tokens of the window, acknowledge. Returns out [T, H]."""
+        peer = self.peer_flags(self.errors)
+        source, group = plan.source_routing, plan.group_routing
+        tokens, k = source.num_tokens, self.topk
+        ring = self.combine_buffer(dtype)
+        out = torch.empty(tokens, rows.shape[1], dtype=dtype, device=self.device)
+        for _, start, count, lag in self._windows(tokens):
+            comm.wait_peers(peer, Phase.DELIVERY, self.slots.ack(Phase.DELIVERY), lag=lag)
+            comm.advance(peer, Phase.DELIVERY, None)
+            comm.deliver_rows(
+                rows, group.route_row, plan.group_topk, ring, self.buffer.deltas(dtype),
+                world_size=self.world_size, window_start=start, window_tokens=self.window,
+                tokens_per_rank=self.num_tokens, topk=k,
+                first_local_expert=plan.first_local_expert,
+                num_local_experts=group.num_local_experts)
+            self.finish(peer, Phase.DELIVERY)
+            if count:
+                route_row = source.route_row[start * k:(start + count) * k]
+                shift = (start - start % self.ring_tokens) * k
+                window = dataclasses.replace(
+                    source, route_row=torch.where(route_row >= 0, route_row - shift, -1),
+                    num_tokens=count)
+                ops.combine(ring, window, shared_rows[start:start + count]
+                            if shared_rows is not None else None, dtype,
+                            out=out[start:start + count])
+            comm.signal_peers(peer, Phase.DELIVERY, self.slots.ack(Phase.DELIVERY))
+        return out
 
     def route_values(self, plan, by_route):
         source = plan.source_routing
@@ -624,11 +800,38 @@ class SymmetricExchange(Exchange):
             row_route=empty, route_row=source_route_row, block_expert=empty,
             expert_counts=empty, expert_offsets=empty, num_tokens=topk_experts.shape[0],
             topk=self.topk, num_local_experts=num_local_experts, align=align)
-        order = position = moving = None
-        if pulls:
+        order = position = moving = window_order = window_moving = None
+        if self.window is not None:
+            window_order, window_moving = ring_pull_orders(group_routing, self.num_tokens,
+                                                           self.window)
+        elif pulls:
             order, position, moving = pull_order(group_routing)
         return ExchangePlan(group_routing, source_routing, routes, group_topk,
-                            num_local_experts * self.rank, order, position, moving)
+                            num_local_experts * self.rank, order, position, moving,
+                            window_order, window_moving)
+
+
+def ring_window(num_tokens: int, macrobatch: int | None) -> int | None:
+    """The ring's window of tokens a rank: macrobatch, or None where RING_SLOTS windows would
+    hold all num_tokens (no ring then)."""
+    if macrobatch is None or RING_SLOTS * int(macrobatch) >= num_tokens:
+        return None
+    return int(macrobatch)
+
+
+def symmetric_bytes(world_size: int, *, num_tokens: int, hidden_size: int, topk: int,
+                    macrobatch: int | None = None) -> int:
+    """Bytes of a rank's symmetric buffer (SymmetricExchange): the flags, x and d_output rows
+    (2-byte dtypes) and delivered rows of num_tokens tokens or of the ring's windows, the
+    router weights likewise, the expert ids and router-weight gradients of num_tokens."""
+    window = ring_window(num_tokens, macrobatch)
+    ring = RING_SLOTS * window if window else num_tokens
+    up = comm.SymmetricBuffer.round_up
+    return (up(FlagSlots(world_size).size * 8)
+            + 2 * up(ring * hidden_size * 2)         # x, d_output
+            + up(ring * topk * hidden_size * 2)      # combine buffer
+            + up(ring * topk * 4)                    # router weights
+            + 2 * up(num_tokens * topk * 4))         # expert ids, router-weight gradients
 
 
 def _check_pulls(plan: ExchangePlan) -> None:
@@ -649,3 +852,34 @@ def pull_order(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         0, order.long(), torch.arange(order.shape[0], dtype=torch.int32, device=order.device))
     moving = (first_row < none).sum(dtype=torch.int32).view(1)
     return order, position, moving
+
+
+def ring_pull_orders(routing: Routing, tokens_per_rank: int,
+                     window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(window_order [W, P * window], window_moving [W]) of the ring's pulls (see
+    ExchangePlan): the group tokens u = p * tokens_per_rank + t with a route in `routing`, by
+    window t // window, each window's by first row; on the device."""
+    none = torch.iinfo(torch.int32).max
+    first_row = routing.route_row.view(-1, routing.topk)
+    first_row = torch.where(first_row >= 0, first_row, none).amin(dim=1).long()
+    num_group = first_row.shape[0]
+    world = num_group // tokens_per_rank
+    num_windows = cdiv(tokens_per_rank, window)
+    device = first_row.device
+    token = torch.arange(num_group, device=device)
+    win = token % tokens_per_rank // window
+    moves = first_row < none
+    # Moving tokens by (window, first row), the others after them.
+    key = torch.where(moves, win * (none + 1) + first_row, num_windows * (none + 1))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(win[moves], minlength=num_windows)
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_win = win[order]
+    index = torch.arange(num_group, device=device) - starts[sorted_win]
+    slot = torch.where(moves[order], sorted_win * (world * window) + index,
+                       num_windows * world * window)  # the others into a spare entry
+    window_order = torch.zeros(num_windows * world * window + 1, dtype=torch.int32,
+                               device=device)
+    window_order.scatter_(0, slot, order.to(torch.int32))
+    return (window_order[:-1].view(num_windows, world * window),
+            counts.to(torch.int32))

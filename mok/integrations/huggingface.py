@@ -199,7 +199,7 @@ class MokSparseMoeBlock(nn.Module):
                  swiglu_limit: float | None = None,
                  ep_group: dist.ProcessGroup | None = None, ep_max_tokens: int | None = None,
                  ep_timeout_s: float = 60.0, recompute_gate_up: bool = False,
-                 precision: str = "bf16") -> None:
+                 precision: str = "bf16", ep_macrobatch_size: int | None = None) -> None:
         super().__init__()
         where = type(block).__name__
         for name, parameter in block._parameters.items():
@@ -252,13 +252,14 @@ class MokSparseMoeBlock(nn.Module):
             _check_options(self.backend, swiglu_limit=swiglu_limit,
                            recompute_gate_up=recompute_gate_up, precision=precision,
                            ep_max_tokens=ep_max_tokens, ep_timeout_s=ep_timeout_s,
-                           widths=tuple(widths))
+                           widths=tuple(widths), ep_macrobatch_size=ep_macrobatch_size)
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
         self.swiglu_limit = swiglu_limit
         self.recompute_gate_up = recompute_gate_up
         self.precision = precision
         self.ep_max_tokens, self.ep_timeout_s = ep_max_tokens, ep_timeout_s
+        self.ep_macrobatch_size = ep_macrobatch_size
         # Mixtral multiplies the block's input by U(1 - j, 1 + j) noise in training.
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)
         self.train(block.training)
@@ -311,7 +312,8 @@ class MokSparseMoeBlock(nn.Module):
                             swiglu_limit=self.swiglu_limit, backend=self.backend,
                             group=self.ep_group, max_tokens=self.ep_max_tokens,
                             peer_timeout_s=self.ep_timeout_s,
-                            recompute_gate_up=self.recompute_gate_up, precision=self.precision)
+                            recompute_gate_up=self.recompute_gate_up, precision=self.precision,
+                            macrobatch_size=self.ep_macrobatch_size)
         y = y.to(x.dtype)
         if mlp is not None and not fused:
             y = y + mlp(x)
@@ -328,7 +330,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
                      swiglu_limit: float | None = None,
                      ep_group: dist.ProcessGroup | None = None,
                      ep_max_tokens: int | None = None, ep_timeout_s: float = 60.0,
-                     recompute_gate_up: bool = False, precision: str = "bf16") -> int:
+                     recompute_gate_up: bool = False, precision: str = "bf16",
+                     ep_macrobatch_size: int | None = None) -> int:
     """Replace, in place, every supported sparse MoE block below `model` by a MokSparseMoeBlock.
 
     Returns the number of blocks replaced (0 when there are none, e.g. already patched). The
@@ -337,7 +340,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     routed and the shared experts; it changes the model's math unless the model was trained so.
     ep_group: run the experts with expert parallelism over this group (module docstring);
     ep_max_tokens: the most tokens a rank passes a block (batch x sequence), when ranks pass
-    different counts; ep_timeout_s: how long a wait on another rank may last (mok.nn.MoE's).
+    different counts; ep_timeout_s: how long a wait on another rank may last, and
+    ep_macrobatch_size the symmetric buffer's ring window (mok.nn.MoE's).
     recompute_gate_up=True keeps h instead of the experts' gate/up pre-activations and
     recomputes them in the backward (mok.functional.MoKConfig.recompute_gate_up): I fewer
     values per route of activations, a slower backward, and repeated backwards through one
@@ -361,7 +365,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
             replacements[id(block)] = MokSparseMoeBlock(
                 block, backend=backend, swiglu_limit=swiglu_limit, ep_group=ep_group,
                 ep_max_tokens=ep_max_tokens, ep_timeout_s=ep_timeout_s,
-                recompute_gate_up=recompute_gate_up, precision=precision)
+                recompute_gate_up=recompute_gate_up, precision=precision,
+                ep_macrobatch_size=ep_macrobatch_size)
     for parent, name, block in sites:
         setattr(parent, name, replacements[id(block)])
     if not replacements and any(isinstance(m, MokSparseMoeBlock) for m in model.modules()):

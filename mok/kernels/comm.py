@@ -121,13 +121,13 @@ def signal_peers_kernel(flags_ptr, delta_ptr, seq_ptr, phase, slot, rank, world_
 
 @triton.jit
 def wait_peers_kernel(flags_ptr, delta_ptr, seq_ptr, error_ptr, phase, slot, stride_peer,
-                      world_size, timeout, phase2, slot2, REMOTE: tl.constexpr,
+                      world_size, timeout, lag, phase2, slot2, REMOTE: tl.constexpr,
                       SECOND: tl.constexpr, HAS_TIMER: tl.constexpr):
-    """Wait until flag(p) >= seq[phase] for every rank p, where flag(p) is this rank's
+    """Wait until flag(p) >= seq[phase] - lag for every rank p, where flag(p) is this rank's
     flags[slot + p * stride_peer] or, with REMOTE, rank p's own flags[slot]; with SECOND, then
-    likewise for (phase2, slot2)."""
-    _wait_peers(flags_ptr, delta_ptr, error_ptr, tl.load(seq_ptr + phase), slot, stride_peer,
-                world_size, timeout, REMOTE, HAS_TIMER)
+    until likewise flag(p) >= seq[phase2] for (phase2, slot2)."""
+    _wait_peers(flags_ptr, delta_ptr, error_ptr, tl.load(seq_ptr + phase) - lag, slot,
+                stride_peer, world_size, timeout, REMOTE, HAS_TIMER)
     if SECOND:
         _wait_peers(flags_ptr, delta_ptr, error_ptr, tl.load(seq_ptr + phase2), slot2,
                     stride_peer, world_size, timeout, REMOTE, HAS_TIMER)
@@ -183,7 +183,7 @@ def pull_tokens(
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
     src2_ptr, dst2_ptr, order_ptr, moving_ptr, ready_ptr,
     flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
-    phase, publish_slot, tokens_per_rank, topk, width, world_size, timeout,
+    phase, publish_slot, tokens_per_rank, ring_rows, topk, width, world_size, timeout,
     stride_src, stride_dst, stride_dst2,
     HAS_WEIGHTS: tl.constexpr, HAS_SECOND: tl.constexpr, MINIBATCH: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, K_PAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
@@ -202,7 +202,9 @@ def pull_tokens(
     flight. With HAS_WEIGHTS the token's router weights come along: dst_weights[u * topk + j]
     = rank p's weights[t * topk + j]. With HAS_SECOND a second buffer of the same symmetric
     allocation and row layout comes along too: dst2[u] = rank p's src2[t] (the backward pulls
-    d_output and x together).
+    d_output and x together). Rank p's token t sits at row t % ring_rows of src (and of
+    weights): ring_rows = tokens_per_rank where a rank publishes all its tokens at once, the
+    ring's rows where it publishes them a window at a time (mok.exchange.symmetric).
 
     The GEMMs that wait on these rows run the pull in their own launch, in its first programs
     to start (a ticket each, see mok.kernels.grouped_gemm._pull_programs): whatever order the
@@ -222,7 +224,7 @@ def pull_tokens(
             moves = (index < moving) & (r0 + tl.arange(0, BLOCK_R) < MINIBATCH)
             token = tl.load(order_ptr + index, mask=moves, other=0).to(tl.int64)
             src_rank = token // tokens_per_rank
-            local_token = token % tokens_per_rank
+            local_token = token % tokens_per_rank % ring_rows
             src_rows = tl.multiple_of(
                 tl.load(src_delta_ptr + src_rank, mask=moves, other=0) + local_token * stride_src,
                 ROW_ALIGN)
@@ -254,7 +256,7 @@ def pull_tokens(
 def pull_tokens_kernel(
     src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr, dst_weights_ptr,
     order_ptr, moving_ptr, ready_ptr, flags_ptr, flag_delta_ptr, seq_ptr, error_ptr,
-    phase, publish_slot, tokens_per_rank, topk, width, world_size, timeout,
+    phase, publish_slot, tokens_per_rank, ring_rows, topk, width, world_size, timeout,
     stride_src, stride_dst,
     HAS_WEIGHTS: tl.constexpr, MINIBATCH: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr, K_PAD: tl.constexpr, ROW_ALIGN: tl.constexpr,
@@ -264,9 +266,10 @@ def pull_tokens_kernel(
     pull_tokens(tl.program_id(0), tl.num_programs(0),
                 src_ptr, src_delta_ptr, weights_ptr, weights_delta_ptr, dst_ptr,
                 dst_weights_ptr, src_ptr, dst_ptr, order_ptr, moving_ptr, ready_ptr, flags_ptr,
-                flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot, tokens_per_rank, topk,
-                width, world_size, timeout, stride_src, stride_dst, stride_dst, HAS_WEIGHTS,
-                False, MINIBATCH, BLOCK_R, BLOCK_W, K_PAD, ROW_ALIGN, HAS_TIMER)
+                flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot, tokens_per_rank,
+                ring_rows, topk, width, world_size, timeout, stride_src, stride_dst,
+                stride_dst, HAS_WEIGHTS, False, MINIBATCH, BLOCK_R, BLOCK_W, K_PAD, ROW_ALIGN,
+                HAS_TIMER)
 
 
 @triton.jit
@@ -372,3 +375,39 @@ def clear_dropped_routes_kernel(
         tl.atomic_max(flags_ptr + flag_delta + report_slot, tl.full([BLOCK_R], 1, tl.int64),
                       mask=dropped, sem="relaxed", scope="sys")
 
+
+
+@triton.jit
+def deliver_rows_kernel(
+    rows_ptr, route_row_ptr, topk_ptr, out_ptr, out_delta_ptr,
+    window_start, window_tokens, tokens_per_rank, ring_rows, routes_per_rank, topk,
+    first_local_expert, num_local_experts, width, stride_rows, stride_out,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Rows of the routes of one window of tokens into their tokens' ranks' ring
+    (mok.exchange.symmetric's delivery round; grid: P, route blocks).
+
+    Program (p, b) takes routes i of rank p's tokens t = window_start + i // topk (i <
+    window_tokens * topk, t < tokens_per_rank); those that chose one of this rank's experts
+    (topk[g] in its range, g = p * routes_per_rank + t * topk + i % topk) write rows[route_row[g]]
+    to rank p's out[(t % ring_rows) * topk + i % topk], or zeros where the schedule had no row
+    for the route (a capacity overflow, reported by clear_dropped_routes_kernel)."""
+    peer = tl.program_id(0)
+    index = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    token = window_start + index // topk
+    route = peer.to(tl.int64) * routes_per_rank + token * topk + index % topk
+    valid = (index < window_tokens * topk) & (token < tokens_per_rank)
+    expert = tl.load(topk_ptr + route, mask=valid, other=-1)
+    mine = valid & (expert >= first_local_expert) & (expert < first_local_expert
+                                                      + num_local_experts)
+    row = tl.load(route_row_ptr + route, mask=mine, other=-1).to(tl.int64)
+    has_row = mine & (row >= 0)
+    dst = (tl.load(out_delta_ptr + peer)
+           + ((token % ring_rows) * topk + index % topk).to(tl.int64) * stride_out)
+    cols = tl.arange(0, BLOCK_W)
+    for c0 in range(0, width, BLOCK_W):
+        in_width = ((c0 + cols) < width)[None, :]
+        values = tl.load(rows_ptr + row[:, None] * stride_rows + (c0 + cols)[None, :],
+                         mask=has_row[:, None] & in_width, other=0.0)
+        tl.store(out_ptr + dst[:, None] + (c0 + cols)[None, :],
+                 values.to(out_ptr.dtype.element_ty), mask=mine[:, None] & in_width)

@@ -127,8 +127,8 @@ def _pull_programs(
                     pull_w_delta_ptr, dst_ptr, pull_dst_w_ptr, pull_src2_ptr, dst2_ptr,
                     pull_order_ptr, pull_moving_ptr, ready_ptr,
                     flags_ptr, flag_delta_ptr, seq_ptr, error_ptr, phase, publish_slot,
-                    tokens_per_rank, pull_topk, width, world_size, timeout, stride_pull_src,
-                    stride_dst, stride_dst2,
+                    tokens_per_rank, tokens_per_rank, pull_topk, width, world_size, timeout,
+                    stride_pull_src, stride_dst, stride_dst2,
                     PULL_WEIGHTS, PULL_SECOND, MINIBATCH, PULL_BLOCK_R, PULL_BLOCK_W,
                     PULL_K_PAD, PULL_ROW_ALIGN, HAS_TIMER)
     return pid - num_pull_programs

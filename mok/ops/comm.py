@@ -191,14 +191,14 @@ def signal_peers(peer: PeerFlags, phase: int, slot: int) -> None:
 
 
 def wait_peers(peer: PeerFlags, phase: int, slot: int, *, remote: bool = False,
-               then: tuple[int, int] | None = None) -> None:
+               then: tuple[int, int] | None = None, lag: int = 0) -> None:
     """Wait for flags[slot + p] of this rank (or, remote, flags[slot] of rank p) for every p to
-    reach the round of `phase`; then=(phase2, slot2): in the same launch, then likewise for
-    those."""
+    reach the round of `phase` (lag: that many rounds before it); then=(phase2, slot2): in the
+    same launch, then likewise for those (their current round)."""
     phase2, slot2 = then if then is not None else (0, 0)
     launch(kernels.wait_peers_kernel, (1,))(
         peer.flags, peer.flag_deltas, peer.seq, peer.errors, phase, slot, 1, peer.world_size,
-        peer.timeout, phase2, slot2, REMOTE=remote, SECOND=then is not None,
+        peer.timeout, int(lag), phase2, slot2, REMOTE=remote, SECOND=then is not None,
         HAS_TIMER=HAS_TIMER)
 
 
@@ -251,10 +251,12 @@ def pull_tokens(
     minibatch: int,
     src_deltas: torch.Tensor,
     weights_deltas: torch.Tensor | None,
+    ring_rows: int = 0,
 ) -> None:
     """The dispatch on its own (see mok.kernels.comm.pull_tokens): dst[p * tokens_per_rank + t]
-    = rank p's src[t] for the group tokens order[:moving[0]] (those with a route scheduled
-    here, by first schedule row); ready[minibatch] is set as minibatches of them land."""
+    = rank p's src[t % ring_rows] for the group tokens order[:moving[0]] (those with a route
+    scheduled here, by first schedule row; ring_rows 0: tokens_per_rank); ready[minibatch] is
+    set as minibatches of them land."""
     width = src.shape[1]
     num_warps = 8 if HAS_TIMER else 1
     block_r, block_w = pull_blocks(width, minibatch, src.element_size(), num_warps)
@@ -264,8 +266,8 @@ def pull_tokens(
         weights_deltas if has_weights else src_deltas, dst,
         dst_weights if has_weights else dst,
         order, moving, ready, peer.flags, peer.flag_deltas, peer.seq,
-        peer.errors, phase, publish_slot, tokens_per_rank, topk, width, peer.world_size,
-        peer.timeout, src.stride(0), dst.stride(0),
+        peer.errors, phase, publish_slot, tokens_per_rank, ring_rows or tokens_per_rank, topk,
+        width, peer.world_size, peer.timeout, src.stride(0), dst.stride(0),
         HAS_WEIGHTS=has_weights, MINIBATCH=minibatch, BLOCK_R=block_r, BLOCK_W=block_w,
         K_PAD=_k_pad(topk), ROW_ALIGN=row_align(src.element_size(), src.stride(0)),
         HAS_TIMER=HAS_TIMER, num_warps=num_warps,
@@ -274,6 +276,27 @@ def pull_tokens(
 
 def _k_pad(topk: int) -> int:
     return next_power_of_2(max(int(topk), 1))
+
+
+def deliver_rows(rows: torch.Tensor, route_row: torch.Tensor, topk_ids: torch.Tensor,
+                 out: torch.Tensor, out_deltas: torch.Tensor, *, world_size: int,
+                 window_start: int, window_tokens: int, tokens_per_rank: int, topk: int,
+                 first_local_expert: int, num_local_experts: int) -> None:
+    """One delivery round of the ring (see mok.kernels.comm.deliver_rows_kernel): the rows
+    [C, W] of the routes of every rank's tokens [window_start, + window_tokens) that chose this
+    rank's experts, into their ranks' out [ring tokens * topk, W] (a view of the symmetric
+    buffer), zeros for routes without a row. route_row and topk_ids: the group's [P *
+    tokens_per_rank * topk]."""
+    if window_tokens <= 0:
+        return
+    width = out.shape[1]
+    block_r, block_w = 16, min(256, next_power_of_2(width))
+    ring_rows = out.shape[0] // topk
+    launch(kernels.deliver_rows_kernel, (world_size, cdiv(window_tokens * topk, block_r)))(
+        rows, route_row, topk_ids, out, out_deltas, window_start, window_tokens,
+        tokens_per_rank, ring_rows, tokens_per_rank * topk, topk, first_local_expert,
+        num_local_experts, width, rows.stride(0), out.stride(0),
+        BLOCK_R=block_r, BLOCK_W=block_w, num_warps=4)
 
 
 def scatter_route_values(values: torch.Tensor, route_row: torch.Tensor, out: torch.Tensor,
@@ -349,8 +372,10 @@ class Pull:
     mok.exchange.ExchangePlan); the GEMM gathers them by route as on one GPU. With weights,
     dst_weights[g] = route g's router weight for those tokens' routes; with second_src (a buffer
     of the same symmetric allocation and row layout as src), the GEMM's second token-row operand
-    likewise. in_gluon: a Gluon GEMM pulls in a partition of each of its programs rather than
-    in a launch of its own before it (MoKConfig.fwd_pull_in_gluon). copied: the rows land by
+    likewise. ring_rows: src holds token t at row t % ring_rows (a window of the ring of
+    mok.exchange.symmetric; run_apart only), 0 where it holds them all. in_gluon: a Gluon GEMM
+    pulls in a partition of each of its programs rather than in a launch of its own before it
+    (MoKConfig.fwd_pull_in_gluon). copied: the rows land by
     copies outside the GEMM (mok.exchange.SymmetricExchange.forward_copy and
     backward_copy, on the copy engines): the GEMM pulls nothing (num_programs 0) and its tiles
     only wait on their rows' ready flags, there one per rank (position[u] = u, minibatch =
@@ -375,6 +400,7 @@ class Pull:
     second_src: torch.Tensor | None = None
     in_gluon: bool = False
     copied: bool = False
+    ring_rows: int = 0
 
     def run_apart(self, dst: torch.Tensor, num_programs: int | None = None) -> None:
         """This pull in a launch of its own (pull_tokens) into dst, the A operand, over
@@ -389,7 +415,8 @@ class Pull:
                     ready=self.ready, phase=self.phase, publish_slot=self.publish_slot,
                     tokens_per_rank=self.tokens_per_rank, topk=self.topk,
                     num_programs=num_programs or self.num_programs, minibatch=self.minibatch,
-                    src_deltas=self.src_deltas, weights_deltas=self.weights_deltas)
+                    src_deltas=self.src_deltas, weights_deltas=self.weights_deltas,
+                    ring_rows=self.ring_rows)
 
     @staticmethod
     def kernel_args(pull: Pull | None, fallback: torch.Tensor, num_warps: int) -> dict:

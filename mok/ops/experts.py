@@ -508,15 +508,24 @@ def combine(
     routing: Routing,
     shared_rows: torch.Tensor | None,
     out_dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [T, N] = shared_rows[t] + sum_slot rows[route_row[t * topk + slot]] (fp32 sums)."""
+    """out [T, N] = shared_rows[t] + sum_slot rows[route_row[t * topk + slot]] (fp32 sums);
+    out: a [T, N] tensor of out_dtype to write (default: a new one)."""
     check_rows(rows, "rows")
     num_tokens, width = routing.num_tokens, rows.shape[1]
     if shared_rows is not None:
         check_rows(shared_rows, "shared_rows", width=width)
         check_tokens(shared_rows, "shared_rows", num_tokens)
     check_out_dtype(out_dtype)
-    out = torch.empty(num_tokens, width, dtype=out_dtype, device=rows.device)
+    if out is None:
+        out = torch.empty(num_tokens, width, dtype=out_dtype, device=rows.device)
+    else:
+        check_rows(out, "out", width=width)
+        if out.shape[0] != num_tokens or out.dtype != out_dtype:
+            raise MoKInputError(f"combine: out must be [{num_tokens}, {width}] {out_dtype}, got "
+                                f"{list(out.shape)} {out.dtype}")
     if num_tokens == 0:
         return out
     block_t, block_n = 16, min(256, next_power_of_2(width))

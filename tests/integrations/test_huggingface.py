@@ -512,7 +512,8 @@ def test_patch_refuses_sizes_the_kernels_cannot_run_and_replaced_experts():
                            (dict(swiglu_limit=float("nan")), "swiglu_limit must be a positive"),
                            (dict(swiglu_limit="3"), "swiglu_limit must be a positive"),
                            (dict(precision="fp8", backend="reference"), None),
-                           (dict(ep_max_tokens=0), "ep_max_tokens must be a positive")):
+                           (dict(ep_max_tokens=0), "ep_max_tokens must be a positive"),
+                           (dict(ep_macrobatch_size=100), "ep_macrobatch_size must be a")):
         unpatched = build(family)
         if match is None:  # the reference backend takes any width
             assert patch_moe_blocks(unpatched, **options) == family.moe_layers

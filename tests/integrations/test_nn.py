@@ -609,6 +609,41 @@ def test_expert_parallel_module_matches_reference_backend(rank, world_size):
     _ep_module_body(rank, world_size)
 
 
+def _ep_ring_body(rank, world_size):
+    """MoE(ep_macrobatch_size=128) with ep_max_tokens=300: the symmetric buffer a ring of two
+    windows of 128 tokens, a call moving its tokens in three (ranks passing 150 and 130);
+    bitwise the module without the ring. A macrobatch that is not a multiple of the minibatch
+    (128) is refused."""
+    import torch.distributed as dist
+
+    device = rank_device(rank)
+    torch.manual_seed(0)
+    plain = MoE(32, 16, 2 * world_size, 2, 16, device=device, ep_group=dist.group.WORLD,
+                ep_max_tokens=300)
+    _own_experts(plain, rank)
+    ring = MoE(32, 16, 2 * world_size, 2, 16, device=device, ep_group=dist.group.WORLD,
+               ep_max_tokens=300, ep_macrobatch_size=128)
+    ring.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 75 - 10 * rank, 32, device=device,
+                    generator=torch.Generator(device=device).manual_seed(rank))
+    (y, d_x, grads), (y_ring, d_x_ring, grads_ring) = (loss_and_grads(plain, x),
+                                                       loss_and_grads(ring, x))
+    assert torch.equal(y, y_ring) and torch.equal(d_x, d_x_ring)
+    for name, grad in grads.items():
+        assert torch.equal(grad, grads_ring[name]), name
+    rings = [w.exchange.window for key, w in F._WORKSPACES.items()
+             if key[0].macrobatch_size == 128 and key[1] == id(dist.group.WORLD)]
+    assert rings == [128]
+    with pytest.raises(ValueError, match="ep_macrobatch_size"):
+        MoE(32, 16, 2 * world_size, 2, device=device, ep_group=dist.group.WORLD,
+            ep_macrobatch_size=100)
+
+
+@distributed_test(world_sizes=(2,))
+def test_expert_parallel_ring_is_bitwise_the_module_without_it(rank, world_size):
+    _ep_ring_body(rank, world_size)
+
+
 def _ep_state_dict_body(rank, world_size):
     """An expert-parallel module's state dict names its experts: each rank's loads back into
     it, another rank's (or one rank's into a module holding every expert) is refused."""
