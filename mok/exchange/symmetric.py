@@ -872,7 +872,8 @@ def ring_pull_orders(routing: Routing, tokens_per_rank: int,
     # Moving tokens by (window, first row), the others after them.
     key = torch.where(moves, win * (none + 1) + first_row, num_windows * (none + 1))
     order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(win[moves], minlength=num_windows)
+    counts = torch.zeros(num_windows, dtype=torch.long, device=device).scatter_add_(
+        0, win, moves.long())  # (bincount of a masked selection would sync with the host)
     starts = torch.cumsum(counts, 0) - counts
     sorted_win = win[order]
     index = torch.arange(num_group, device=device) - starts[sorted_win]
