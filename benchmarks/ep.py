@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import os
 import statistics
 import time
@@ -364,7 +365,15 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
                 continue
             del y, grads
             if cuda:
+                gc.collect()  # what earlier variants left (their workspaces) goes first
                 torch.cuda.reset_peak_memory_stats(device)
+                if rank == 0:
+                    held = torch.cuda.memory_allocated(device) / 2**30
+                    buffer = (getattr(impl.workspace.exchange, "buffer", None)
+                              if impl_name == "mok" else None)
+                    symmetric = buffer.nbytes / 2**30 if buffer is not None else 0.0
+                    print(f"  {impl_name + mine}: {held:.3f} GB held before timing, of which "
+                          f"{symmetric:.3f} GB its symmetric buffer")
             for mode, ms in time_modes(impl).items():
                 row(shape, impl_name + mine, mode, ms,
                     mode_flops[mode], compute[mode], err=err)
