@@ -673,17 +673,20 @@ def test_ep_errors(rank, world_size):
     _errors_body(rank, world_size)
 
 
-def _overflow_body(rank, world_size, pattern, multiplier, tiles=None):
+def _overflow_body(rank, world_size, pattern, multiplier, tiles=None, macrobatch=None):
     # A schedule too small for the routes it receives: the routes without a row are reported
     # and left out on their tokens' ranks, as on one GPU: y and every gradient equal the
     # reference with those routes' router weights set to zero, and their router-weight
     # gradients are 0 (the kernels still run: on a GPU the error reaches the host later).
-    config = dataclasses.replace(SMALL_MINIBATCHES, schedule_capacity_multiplier=multiplier)
+    # macrobatch: the same through the ring (MoKConfig.macrobatch_size).
+    config = dataclasses.replace(SMALL_MINIBATCHES, schedule_capacity_multiplier=multiplier,
+                                 macrobatch_size=macrobatch or SMALL_MINIBATCHES.macrobatch_size)
     inputs = _rank_inputs(rank, world_size, pattern=pattern, seed=4)
     tokens, topk = inputs.topk_experts.shape
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
                                    num_local_tokens=tokens, hidden_size=inputs.x.shape[1],
                                    topk=topk)
+    assert (workspace.exchange.window is not None) == (macrobatch is not None)
     schedule = F.build_schedule(workspace, config, inputs.topk_experts,
                                 num_local_experts=inputs.num_local_experts,
                                 tiles=tiles or small_tiles(16))

@@ -30,6 +30,7 @@ from .test_expert_parallel import (
     SMALL_MINIBATCHES,
     _assert_equal_grads,
     _check_against_reference,
+    _overflow_body,
     _rank_inputs,
     _run,
 )
@@ -132,6 +133,14 @@ def _across_nodes_body(rank, world_size):
 @distributed_test(world_sizes=(4,))
 def test_ring_across_nodes(rank, world_size):
     _across_nodes_body(rank, world_size)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ring_capacity_overflow_leaves_the_routes_out(rank, world_size):
+    # Routes the schedule has no row for are delivered as zeros in their window's round and
+    # reported on their tokens' ranks (three windows of 8 of the 24 tokens).
+    _overflow_body(rank, world_size, RoutingPattern.ONE_EXPERT, 0.25, macrobatch=WINDOW)
+    _overflow_body(rank, world_size, RoutingPattern.SKEWED, 0.5, macrobatch=WINDOW)
 
 
 def _footprint_body(rank, world_size):
