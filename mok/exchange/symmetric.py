@@ -642,8 +642,10 @@ class SymmetricExchange(Exchange):
         peer = self.peer_flags(self.errors)
         if self.window is not None:  # the rows go in `combine`'s rounds, which zero the dropped
             self.clear_dropped(peer, plan, rows_dtype=None, values=values)
-            if values:
-                self.finish(peer, phase) if wait else self.signal_done(peer, phase)
+            if values and wait:
+                self.finish(peer, phase)
+            elif values:
+                self.signal_done(peer, phase)
             return
         self.clear_dropped(peer, plan, rows_dtype=dtype, values=values)
         if wait:
@@ -845,13 +847,18 @@ def pull_order(routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     """(order, position, moving) of a pull of the tokens the rows of `routing` read (see
     ExchangePlan): each token by its first row (int32 max: none), on the device."""
     none = torch.iinfo(torch.int32).max
-    first_row = routing.route_row.view(-1, routing.topk)
-    first_row = torch.where(first_row >= 0, first_row, none).amin(dim=1)
+    first_row = _first_rows(routing, none)
     order = torch.sort(first_row, stable=True).indices.to(torch.int32)
     position = torch.empty_like(order).scatter_(
         0, order.long(), torch.arange(order.shape[0], dtype=torch.int32, device=order.device))
     moving = (first_row < none).sum(dtype=torch.int32).view(1)
     return order, position, moving
+
+
+def _first_rows(routing: Routing, none: int) -> torch.Tensor:
+    """Each group token's first schedule row (`none` where it has none)."""
+    rows = routing.route_row.view(-1, routing.topk)
+    return torch.where(rows >= 0, rows, none).amin(dim=1)
 
 
 def ring_pull_orders(routing: Routing, tokens_per_rank: int,
@@ -860,8 +867,7 @@ def ring_pull_orders(routing: Routing, tokens_per_rank: int,
     ExchangePlan): the group tokens u = p * tokens_per_rank + t with a route in `routing`, by
     window t // window, each window's by first row; on the device."""
     none = torch.iinfo(torch.int32).max
-    first_row = routing.route_row.view(-1, routing.topk)
-    first_row = torch.where(first_row >= 0, first_row, none).amin(dim=1).long()
+    first_row = _first_rows(routing, none).long()
     num_group = first_row.shape[0]
     world = num_group // tokens_per_rank
     num_windows = cdiv(tokens_per_rank, window)
