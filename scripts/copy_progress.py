@@ -1,0 +1,140 @@
+"""Does a copy make progress while spinning programs hold every SM of the GPU?
+
+The expert-parallel GEMMs' tiles spin on flags that other work raises. If that work needs an SM
+(a kernel) and the tiles hold every SM, the tiles spin until their timeout. This runs, on one
+GPU, a kernel whose programs fill every SM and spin on a flag (up to --timeout seconds), and on
+a second stream a copy followed by the flag's write, for each kind of copy:
+
+- d2d: a contiguous copy within the GPU, this process's memory (cudaMemcpyAsync);
+- d2d_ipc: the same from another process's memory on the same GPU (CUDA IPC), as the copied
+  rows of ranks sharing one GPU;
+- strided: a copy of a transposed view (an elementwise kernel; the control that needs an SM);
+- flag written by fill_ (a kernel) instead of a copy from pinned host memory.
+
+For each: whether the flag reached the spinners, and when (ms after they started). Usage:
+python scripts/copy_progress.py [--mib 64] [--timeout 2] [--csv OUT.csv]
+"""
+
+import argparse
+import csv
+import time
+
+import torch
+import torch.multiprocessing as mp
+import triton
+import triton.language as tl
+
+from mok.kernels.comm import _now
+
+
+@triton.jit
+def spin_kernel(flag_ptr, out_ptr, timeout):
+    """Each program spins until *flag_ptr >= 1 or `timeout` ns pass; out[pid] = ns waited,
+    negative when the flag never came."""
+    start = _now(True)
+    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    elapsed = tl.zeros([], dtype=tl.int64)
+    while (value < 1) & (elapsed <= timeout):
+        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+        elapsed = _now(True) - start
+    result = tl.where(value >= 1, elapsed, -elapsed - 1)
+    tl.store(out_ptr + tl.program_id(0), result)
+
+
+def _owner(queue, done, numel):
+    """Another process: a tensor on the GPU, sent through CUDA IPC; kept until done is set."""
+    src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    queue.put(src)
+    done.wait()
+
+
+def run_case(name, spin_args, copy, set_flag, flag, out, num_warps):
+    grid, timeout_ns = spin_args
+    flag.zero_()
+    out.zero_()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    spin_kernel[(grid,)](flag, out, timeout_ns, num_warps=num_warps)
+    time.sleep(0.05)  # the spinners are resident before the copy is queued
+    with torch.cuda.stream(side):
+        copy()
+        set_flag()
+    torch.cuda.synchronize()
+    waited = out.cpu()
+    arrived = int((waited >= 0).sum())
+    ms = waited.abs().max().item() / 1e6
+    return {"case": name, "spinners": grid, "arrived": arrived, "max_wait_ms": round(ms, 3)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=2.0)
+    parser.add_argument("--csv", default=None)
+    args = parser.parse_args(argv)
+    props = torch.cuda.get_device_properties(0)
+    numel = args.mib * 2**20 // 2
+    flag = torch.zeros(1, device="cuda", dtype=torch.int64)
+    ones = torch.ones(1, dtype=torch.int64).pin_memory()
+    src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    side = int(numel ** 0.5)
+    square = src[:side * side].view(side, side)
+    square_dst = torch.empty_like(square)
+
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    owner = ctx.Process(target=_owner, args=(queue, done, numel))
+    owner.start()
+    peer_src = queue.get()
+
+    # programs of 1024 threads, as many as fill every SM's 2048 threads (2 a SM), and more
+    num_warps = 32
+    out = torch.zeros(8 * props.multi_processor_count, device="cuda", dtype=torch.int64)
+    compiled = spin_kernel.warmup(flag, out, 1, num_warps=num_warps, grid=(1,))
+    compiled._init_handles()
+    per_sm = min(2048 // (32 * num_warps), 65536 // max(1, compiled.n_regs * 32 * num_warps))
+    print(f"{props.name}: {props.multi_processor_count} SMs; spinner {compiled.n_regs} registers"
+          f" a thread, {per_sm} programs of {32 * num_warps} threads an SM")
+
+    def from_host():
+        flag.copy_(ones, non_blocking=True)
+
+    def by_kernel():
+        flag.fill_(1)
+
+    cases = [
+        ("d2d", lambda: dst.copy_(src), from_host),
+        ("d2d_ipc", lambda: dst.copy_(peer_src), from_host),
+        ("strided (kernel)", lambda: square_dst.copy_(square.t()), from_host),
+        ("none, flag by fill_ (kernel)", lambda: None, by_kernel),
+    ]
+    rows = []
+    timeout_ns = int(args.timeout * 1e9)
+    for name, copy, set_flag in cases:  # alone first: how long each takes without spinners
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        copy()
+        set_flag()
+        torch.cuda.synchronize()
+        alone = (time.perf_counter() - start) * 1e3
+        for grid in (per_sm * props.multi_processor_count,
+                     4 * per_sm * props.multi_processor_count):
+            row = run_case(name, (grid, timeout_ns), copy, set_flag, flag, out[:grid],
+                           num_warps)
+            row["alone_ms"] = round(alone, 3)
+            row["gpu"] = props.name
+            rows.append(row)
+            print(row)
+    done.set()
+    owner.join()
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
