@@ -198,7 +198,8 @@ class Workspace:
         if group is not None and dist.get_world_size(group) > 1:
             _check_same_on_every_rank(group, num_local_tokens=self.num_local_tokens,
                                       hidden_size=self.hidden_size, topk=self.topk,
-                                      ranks_per_node=ranks_per_node or 0)
+                                      ranks_per_node=ranks_per_node or 0,
+                                      macrobatch_size=config.macrobatch_size or 0)
         # How rows reach the experts (mok.exchange): one GPU, a node, or nodes.
         self.exchange: Exchange = create_exchange(
             group, device, num_tokens=self.num_local_tokens, hidden_size=self.hidden_size,
@@ -213,6 +214,17 @@ class Workspace:
         self._schedule_unpublished = False
         self._dense_routing: dict[tuple[int, int], Routing] = {}
         self._out_of_step: str | None = None  # set once a wait on a peer timed out
+        self._rows: tuple[str, str] | None = None  # (dtype, precision) the ranks agreed on
+
+    def _check_rows(self, dtype: torch.dtype, precision: str) -> None:
+        """Under expert parallelism every rank reads the others' rows in its own format (x's
+        dtype, the config's precision), so the ranks must agree on it: checked on every rank (a
+        collective) at the first call and at each call whose format differs from the last."""
+        rows = (str(dtype).removeprefix("torch."), precision)
+        if self.ep_size == 1 or rows == self._rows:
+            return
+        _check_same_on_every_rank(self.group, dtype=rows[0], precision=rows[1])
+        self._rows = rows
 
     # -- device-side error flags -------------------------------------------------------------
     def _publish_errors(self) -> None:
@@ -306,8 +318,8 @@ class Workspace:
 _WORKSPACES: dict[tuple, Workspace] = {}
 
 
-def _check_same_on_every_rank(group: dist.ProcessGroup, **sizes: int) -> None:
-    """Raise MoKInputError on every rank of `group` where the ranks' sizes differ (each rank's
+def _check_same_on_every_rank(group: dist.ProcessGroup, **sizes: int | str) -> None:
+    """Raise MoKInputError on every rank of `group` where the ranks' values differ (each rank's
     buffers, which the others read, are laid out by them)."""
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, sizes, group=group)
@@ -320,8 +332,13 @@ def _check_same_on_every_rank(group: dist.ProcessGroup, **sizes: int) -> None:
                 "on every rank" if "num_local_tokens" in differ else "")
         if "ranks_per_node" in differ:
             hint += " (ranks_per_node 0: None, found from the host names)"
+        if "macrobatch_size" in differ:
+            hint += " (macrobatch_size 0: None, no ring)"
+        if "dtype" in differ or "precision" in differ:
+            hint += (" The rows every rank reads from the others are in x's dtype and the "
+                     "config's precision")
         raise MoKInputError(
-            f"the ranks of the expert-parallel group passed different sizes ({by_rank}, by "
+            f"the ranks of the expert-parallel group passed different values ({by_rank}, by "
             f"rank): every rank must pass the same.{hint}")
 
 
@@ -886,6 +903,7 @@ def forward(
     routed = (w_routed_gate, w_routed_up, w_routed_down)
     _check_weights(schedule, x, shared, routed)
     _check_router_weights(schedule, router_weights)
+    workspace._check_rows(x.dtype, config.precision)
     x = _rowmajor(x)
     router_weights = router_weights.contiguous()
     shared, routed = _Experts.shared(*shared), _Experts(*routed)
@@ -936,6 +954,7 @@ def recompute_forward_context(
     _check_weights(schedule, x, (w_shared_gate, w_shared_up, None),
                    (w_routed_gate, w_routed_up, None), need_down=False)
     _check_limit(swiglu_limit)
+    workspace._check_rows(x.dtype, config.precision)
     x = _rowmajor(x)
     if workspace.ep_size > 1:
         if router_weights is None:
@@ -1112,6 +1131,7 @@ def backward(
     _check_weights(schedule, x, shared, routed)
     _check_router_weights(schedule, router_weights)
     _check_tensor("d_output", d_output, tuple(x.shape), (x.dtype,), workspace.device)
+    workspace._check_rows(x.dtype, config.precision)
     context = forward_context
     if not isinstance(context, ForwardContext):
         raise MoKInputError("forward_context must come from forward or recompute_forward_context")

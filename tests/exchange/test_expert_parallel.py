@@ -753,7 +753,7 @@ def _layout_body(rank, world_size):
     with pytest.raises(MoKInputError, match="ranks_per_node=3"):
         F.create_workspace(F.MoKConfig(), dist.group.WORLD, device=_device(rank),
                            num_local_tokens=8, hidden_size=32, topk=2, ranks_per_node=3)
-    with pytest.raises(MoKInputError, match="different sizes.*ranks_per_node"):
+    with pytest.raises(MoKInputError, match="different values.*ranks_per_node"):
         F.create_workspace(F.MoKConfig(), dist.group.WORLD, device=_device(rank),
                            num_local_tokens=8, hidden_size=32, topk=2,
                            ranks_per_node=1 if rank == 0 else None)
@@ -762,6 +762,42 @@ def _layout_body(rank, world_size):
 @distributed_test(world_sizes=(2,))
 def test_ep_node_layout(rank, world_size):
     _layout_body(rank, world_size)
+
+
+def _formats_differ_body(rank, world_size):
+    """Ranks passing different ring sizes, precisions or dtypes (each rank reads the others'
+    rows in its own format) raise MoKInputError on every rank before any row moves; every rank
+    changing its dtype together goes on, exact."""
+    with pytest.raises(MoKInputError, match=r"different values \(macrobatch_size: 8, 0"):
+        F.create_workspace(F.MoKConfig(minibatch_size=8, macrobatch_size=8 if rank == 0 else None),
+                           dist.group.WORLD, device=_device(rank), num_local_tokens=16,
+                           hidden_size=32, topk=3)
+    config = SMALL_MINIBATCHES
+    workspace = F.create_workspace(config, dist.group.WORLD, device=_device(rank),
+                                   num_local_tokens=16, hidden_size=32, topk=3)
+    fp8 = dataclasses.replace(config, precision="fp8")
+    for dtype, call_config, match in (
+            (torch.bfloat16, fp8 if rank == 0 else config, r"precision: fp8, bf16"),
+            (torch.float16 if rank == 0 else torch.bfloat16, config,
+             r"dtype: float16, bfloat16")):
+        inputs = make_inputs(16, 32, 16, 2 * world_size, 3, num_local_experts=2, dtype=dtype,
+                             device=_device(rank), seed=80 + rank)
+        schedule = F.build_schedule(workspace, call_config, inputs.topk_experts,
+                                    num_local_experts=inputs.num_local_experts,
+                                    tiles=tiles_for_tests())
+        with pytest.raises(MoKInputError, match=match):
+            F.forward(call_config, workspace, schedule, *inputs.layer_args)
+    for dtype in (torch.bfloat16, torch.float16):
+        inputs = make_inputs(16, 32, 16, 2 * world_size, 3, num_local_experts=2, dtype=dtype,
+                             device=_device(rank), seed=90 + rank)
+        y, grads, _ = _run(workspace, config, inputs, tiles=tiles_for_tests())
+        F.check_errors(workspace)
+        _check_against_reference(inputs, y, grads, None)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_ranks_with_different_formats_raise(rank, world_size):
+    _formats_differ_body(rank, world_size)
 
 
 def _local_experts_differ_body(rank, world_size):
