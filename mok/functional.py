@@ -180,6 +180,7 @@ class Workspace:
         hidden_size: int,
         topk: int,
         ranks_per_node: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -188,7 +189,10 @@ class Workspace:
                             ("hidden_size", hidden_size), ("topk", topk)):
             if int(value) < (0 if name == "num_local_tokens" else 1):
                 raise MoKInputError(f"{name} must be positive, got {value}")
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise MoKInputError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         self.config = config
+        self.dtype = dtype
         self.group = group
         self.device = device
         self.num_local_tokens = int(num_local_tokens)
@@ -199,7 +203,9 @@ class Workspace:
             _check_same_on_every_rank(group, num_local_tokens=self.num_local_tokens,
                                       hidden_size=self.hidden_size, topk=self.topk,
                                       ranks_per_node=ranks_per_node or 0,
-                                      macrobatch_size=config.macrobatch_size or 0)
+                                      macrobatch_size=config.macrobatch_size or 0,
+                                      dtype=str(dtype).removeprefix("torch."),
+                                      precision=config.precision)
         # How rows reach the experts (mok.exchange): one GPU, a node, or nodes.
         self.exchange: Exchange = create_exchange(
             group, device, num_tokens=self.num_local_tokens, hidden_size=self.hidden_size,
@@ -214,17 +220,23 @@ class Workspace:
         self._schedule_unpublished = False
         self._dense_routing: dict[tuple[int, int], Routing] = {}
         self._out_of_step: str | None = None  # set once a wait on a peer timed out
-        self._rows: tuple[str, str] | None = None  # (dtype, precision) the ranks agreed on
 
     def _check_rows(self, dtype: torch.dtype, precision: str) -> None:
-        """Under expert parallelism every rank reads the others' rows in its own format (x's
-        dtype, the config's precision), so the ranks must agree on it: checked on every rank (a
-        collective) at the first call and at each call whose format differs from the last."""
-        rows = (str(dtype).removeprefix("torch."), precision)
-        if self.ep_size == 1 or rows == self._rows:
+        """Under expert parallelism the ranks read each other's rows in the workspace's format
+        (its dtype and its config's precision, the same on every rank): a call in another
+        raises MoKInputError."""
+        if self.ep_size == 1:
             return
-        _check_same_on_every_rank(self.group, dtype=rows[0], precision=rows[1])
-        self._rows = rows
+        if dtype != self.dtype:
+            raise MoKInputError(
+                f"x is {dtype}, this expert-parallel workspace moves {self.dtype} rows: create "
+                f"it with dtype={dtype} on every rank (the ranks read each other's rows in the "
+                f"workspace's dtype)")
+        if precision != self.config.precision:
+            raise MoKInputError(
+                f"the config asks precision {precision!r}, this expert-parallel workspace was "
+                f"made with {self.config.precision!r}: create it with that config on every "
+                f"rank (the ranks read each other's rows in the workspace's precision)")
 
     # -- device-side error flags -------------------------------------------------------------
     def _publish_errors(self) -> None:
@@ -335,8 +347,8 @@ def _check_same_on_every_rank(group: dist.ProcessGroup, **sizes: int | str) -> N
         if "macrobatch_size" in differ:
             hint += " (macrobatch_size 0: None, no ring)"
         if "dtype" in differ or "precision" in differ:
-            hint += (" The rows every rank reads from the others are in x's dtype and the "
-                     "config's precision")
+            hint += (" (each rank reads the others' rows in the workspace's dtype and "
+                     "precision)")
         raise MoKInputError(
             f"the ranks of the expert-parallel group passed different values ({by_rank}, by "
             f"rank): every rank must pass the same.{hint}")
@@ -351,6 +363,7 @@ def create_workspace(
     hidden_size: int,
     topk: int,
     ranks_per_node: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Workspace:
     """A new workspace (not cached). num_local_tokens: the most tokens a schedule may hold.
     Its buffers are ordinary tensors even when made under torch.inference_mode, so calls
@@ -358,10 +371,14 @@ def create_workspace(
 
     ranks_per_node: with a group spanning nodes, its ranks per node (default: found from the
     host names; the ranks must be numbered node by node, as torchrun does).
+    dtype: with a group, x's dtype in every call (bf16 or fp16): the rows the ranks exchange.
+    The ranks must pass the same sizes, dtype, precision and macrobatch_size (checked here, a
+    collective); on one GPU dtype is not used.
     """
     with torch.inference_mode(False):
         return Workspace(config, group, device=device, num_local_tokens=num_local_tokens,
-                         hidden_size=hidden_size, topk=topk, ranks_per_node=ranks_per_node)
+                         hidden_size=hidden_size, topk=topk, ranks_per_node=ranks_per_node,
+                         dtype=dtype)
 
 
 def get_workspace(
@@ -373,17 +390,18 @@ def get_workspace(
     hidden_size: int,
     topk: int,
     ranks_per_node: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Workspace:
     """The workspace for these arguments, created on first use and cached."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (config, id(group) if group is not None else None, str(device), int(num_local_tokens),
-           int(hidden_size), int(topk), ranks_per_node)
+           int(hidden_size), int(topk), ranks_per_node, dtype)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = create_workspace(
             config, group, device=device, num_local_tokens=num_local_tokens,
-            hidden_size=hidden_size, topk=topk, ranks_per_node=ranks_per_node)
+            hidden_size=hidden_size, topk=topk, ranks_per_node=ranks_per_node, dtype=dtype)
     return _WORKSPACES[key]
 
 

@@ -240,7 +240,8 @@ class _ExpertParallelExperts(torch.autograd.Function):
         key = (id(group), str(x.device), x.shape[1], topk_experts.shape[1])
         bound = max_tokens if max_tokens is not None else _EP_BOUNDS.get(key, x.shape[0])
         workspace = F.get_workspace(config, group, device=x.device, num_local_tokens=bound,
-                                    hidden_size=x.shape[1], topk=topk_experts.shape[1])
+                                    hidden_size=x.shape[1], topk=topk_experts.shape[1],
+                                    dtype=x.dtype)
         if max_tokens is None:
             _EP_BOUNDS.setdefault(key, bound)
         # Checked once the workspace exists: the other ranks then go on to the step, whose

@@ -9,7 +9,8 @@ a second stream a copy followed by the flag's write, for each kind of copy:
 - d2d_ipc: the same from another process's memory on the same GPU (CUDA IPC), as the copied
   rows of ranks sharing one GPU;
 - strided: a copy of a transposed view (an elementwise kernel; the control that needs an SM);
-- flag written by fill_ (a kernel) instead of a copy from pinned host memory.
+- no copy, the flag written by fill_ (a kernel) instead of a copy from pinned host memory;
+- no copy, the flag copied from pinned host memory alone (the control: the copy engines).
 
 For each: whether the flag reached the spinners, and when (ms after they started). Usage:
 python scripts/copy_progress.py [--mib 64] [--timeout 2] [--csv OUT.csv]
@@ -109,6 +110,7 @@ def main(argv=None):
         ("d2d_ipc", lambda: dst.copy_(peer_src), from_host),
         ("strided (kernel)", lambda: square_dst.copy_(square.t()), from_host),
         ("none, flag by fill_ (kernel)", lambda: None, by_kernel),
+        ("none, flag from host memory (control)", lambda: None, from_host),
     ]
     rows = []
     timeout_ns = int(args.timeout * 1e9)

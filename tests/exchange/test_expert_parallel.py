@@ -765,34 +765,39 @@ def test_ep_node_layout(rank, world_size):
 
 
 def _formats_differ_body(rank, world_size):
-    """Ranks passing different ring sizes, precisions or dtypes (each rank reads the others'
-    rows in its own format) raise MoKInputError on every rank before any row moves; every rank
-    changing its dtype together goes on, exact."""
-    with pytest.raises(MoKInputError, match=r"different values \(macrobatch_size: 8, 0"):
-        F.create_workspace(F.MoKConfig(minibatch_size=8, macrobatch_size=8 if rank == 0 else None),
-                           dist.group.WORLD, device=_device(rank), num_local_tokens=16,
-                           hidden_size=32, topk=3)
-    config = SMALL_MINIBATCHES
-    workspace = F.create_workspace(config, dist.group.WORLD, device=_device(rank),
-                                   num_local_tokens=16, hidden_size=32, topk=3)
-    fp8 = dataclasses.replace(config, precision="fp8")
-    for dtype, call_config, match in (
-            (torch.bfloat16, fp8 if rank == 0 else config, r"precision: fp8, bf16"),
-            (torch.float16 if rank == 0 else torch.bfloat16, config,
+    """Each rank reads the others' rows in its workspace's format: ranks creating workspaces of
+    different dtypes, precisions or ring sizes raise MoKInputError on every rank, and so does a
+    call whose x or config is not the workspace's, before any row moves; an fp16 workspace
+    runs fp16 calls, exact."""
+    def create(config=SMALL_MINIBATCHES, dtype=torch.bfloat16):
+        return F.create_workspace(config, dist.group.WORLD, device=_device(rank),
+                                  num_local_tokens=16, hidden_size=32, topk=3, dtype=dtype)
+
+    fp8 = dataclasses.replace(SMALL_MINIBATCHES, precision="fp8")
+    for kwargs, match in (
+            (dict(config=dataclasses.replace(SMALL_MINIBATCHES, macrobatch_size=8 if rank == 0
+                                             else None)), r"macrobatch_size: 8, 0"),
+            (dict(config=fp8 if rank == 0 else SMALL_MINIBATCHES), r"precision: fp8, bf16"),
+            (dict(dtype=torch.float16 if rank == 0 else torch.bfloat16),
              r"dtype: float16, bfloat16")):
+        with pytest.raises(MoKInputError, match=r"different values \(" + match):
+            create(**kwargs)
+    workspace = create()
+    for dtype, config, match in ((torch.float16, SMALL_MINIBATCHES, "x is torch.float16"),
+                                 (torch.bfloat16, fp8, "precision 'fp8'")):
         inputs = make_inputs(16, 32, 16, 2 * world_size, 3, num_local_experts=2, dtype=dtype,
                              device=_device(rank), seed=80 + rank)
-        schedule = F.build_schedule(workspace, call_config, inputs.topk_experts,
+        schedule = F.build_schedule(workspace, config, inputs.topk_experts,
                                     num_local_experts=inputs.num_local_experts,
                                     tiles=tiles_for_tests())
         with pytest.raises(MoKInputError, match=match):
-            F.forward(call_config, workspace, schedule, *inputs.layer_args)
-    for dtype in (torch.bfloat16, torch.float16):
-        inputs = make_inputs(16, 32, 16, 2 * world_size, 3, num_local_experts=2, dtype=dtype,
-                             device=_device(rank), seed=90 + rank)
-        y, grads, _ = _run(workspace, config, inputs, tiles=tiles_for_tests())
-        F.check_errors(workspace)
-        _check_against_reference(inputs, y, grads, None)
+            F.forward(config, workspace, schedule, *inputs.layer_args)
+    workspace = create(dtype=torch.float16)
+    inputs = make_inputs(16, 32, 16, 2 * world_size, 3, num_local_experts=2,
+                         dtype=torch.float16, device=_device(rank), seed=90 + rank)
+    y, grads, _ = _run(workspace, SMALL_MINIBATCHES, inputs, tiles=tiles_for_tests())
+    F.check_errors(workspace)
+    _check_against_reference(inputs, y, grads, None)
 
 
 @distributed_test(world_sizes=(2,))
@@ -1058,7 +1063,8 @@ def _empty_rank_body(rank, world_size):
                          num_local_experts=2, dtype=torch.float16, device=_device(rank),
                          seed=rank)
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
-                                   num_local_tokens=10, hidden_size=32, topk=1)
+                                   num_local_tokens=10, hidden_size=32, topk=1,
+                                   dtype=torch.float16)
     y, grads, schedule = _run(workspace, config, inputs, tiles=tiles_for_tests())
     F.check_errors(workspace)
     assert y.shape == (tokens, 32) and grads[0].shape == (tokens, 32)

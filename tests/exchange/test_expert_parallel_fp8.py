@@ -250,7 +250,8 @@ def _empty_rank_body(rank, world_size):
         "w_routed_up", "w_routed_down")})
     config = _config(True)
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
-                                   num_local_tokens=10, hidden_size=HIDDEN, topk=1)
+                                   num_local_tokens=10, hidden_size=HIDDEN, topk=1,
+                                   dtype=torch.float16)
     y, grads, _ = _run(workspace, config, inputs, tiles=tiles_for_tests(32))
     F.check_errors(workspace)
     assert y.shape == (counts[rank], HIDDEN) and y.dtype == torch.float16
