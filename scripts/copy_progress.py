@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels.comm import _now
+from mok.provenance import commit_id
 
 
 @triton.jit
@@ -127,6 +128,7 @@ def main(argv=None):
                            num_warps)
             row["alone_ms"] = round(alone, 3)
             row["gpu"] = props.name
+            row["commit"] = commit_id()
             rows.append(row)
             print(row)
     done.set()
