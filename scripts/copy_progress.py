@@ -12,7 +12,9 @@ a second stream a copy followed by the flag's write, for each kind of copy:
 - no copy, the flag written by fill_ (a kernel) instead of a copy from pinned host memory;
 - no copy, the flag copied from pinned host memory alone (the control: the copy engines).
 
-For each: whether the flag reached the spinners, and when (ms after they started). Usage:
+For each: whether the flag reached the spinners, and when (ms after they started); first with
+the copy queued once the spinners hold the SMs, then (two of the copies) with the copy queued
+first on a stream of low or high priority, both waiting for the same earlier kernel. Usage:
 python scripts/copy_progress.py [--mib 64] [--timeout 2] [--csv OUT.csv]
 """
 
@@ -50,22 +52,35 @@ def _owner(queue, done, numel):
     done.wait()
 
 
-def run_case(name, spin_args, copy, set_flag, flag, out, num_warps):
-    grid, timeout_ns = spin_args
+def run_case(copy, set_flag, flag, out, grid, timeout_ns, num_warps, race_priority=None):
+    """(arrived, max ms waited) of `grid` spinners and the copy then the flag on a second stream.
+    race_priority None: the spinners start first, the copy is queued once they hold the SMs.
+    Else the copy is queued first, on a stream of that priority, and both wait for the same
+    kernel (a 20 ms sleep), as copies queued before a GEMM both wait on a publish."""
     flag.zero_()
     out.zero_()
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    spin_kernel[(grid,)](flag, out, timeout_ns, num_warps=num_warps)
-    time.sleep(0.05)  # the spinners are resident before the copy is queued
-    with torch.cuda.stream(side):
-        copy()
-        set_flag()
+    if race_priority is None:
+        side = torch.cuda.Stream()
+        spin_kernel[(grid,)](flag, out, timeout_ns, num_warps=num_warps)
+        time.sleep(0.05)  # the spinners are resident before the copy is queued
+        with torch.cuda.stream(side):
+            copy()
+            set_flag()
+    else:
+        side = torch.cuda.Stream(priority=race_priority)
+        clock_khz = torch.cuda.get_device_properties(0).clock_rate
+        torch.cuda._sleep(int(0.02 * clock_khz * 1e3))
+        ready = torch.cuda.Event()
+        ready.record()
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            copy()
+            set_flag()
+        spin_kernel[(grid,)](flag, out, timeout_ns, num_warps=num_warps)
     torch.cuda.synchronize()
     waited = out.cpu()
-    arrived = int((waited >= 0).sum())
-    ms = waited.abs().max().item() / 1e6
-    return {"case": name, "spinners": grid, "arrived": arrived, "max_wait_ms": round(ms, 3)}
+    return int((waited >= 0).sum()), round(waited.abs().max().item() / 1e6, 3)
 
 
 def main(argv=None):
@@ -115,6 +130,7 @@ def main(argv=None):
     ]
     rows = []
     timeout_ns = int(args.timeout * 1e9)
+    low, high = torch.cuda.Stream.priority_range()
     for name, copy, set_flag in cases:  # alone first: how long each takes without spinners
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -122,20 +138,24 @@ def main(argv=None):
         set_flag()
         torch.cuda.synchronize()
         alone = (time.perf_counter() - start) * 1e3
-        for grid in (per_sm * props.multi_processor_count,
-                     4 * per_sm * props.multi_processor_count):
-            row = run_case(name, (grid, timeout_ns), copy, set_flag, flag, out[:grid],
-                           num_warps)
-            row["alone_ms"] = round(alone, 3)
-            row["gpu"] = props.name
-            row["commit"] = commit_id()
+        grids = (per_sm * props.multi_processor_count, 4 * per_sm * props.multi_processor_count)
+        runs = [("spinners first", None, grid) for grid in grids]
+        if name in ("d2d_ipc", "strided (kernel)"):
+            runs += [(f"copy queued first, priority {priority}", priority, grids[0])
+                     for priority in (low, high) for _ in range(3)]
+        for order, priority, grid in runs:
+            arrived, ms = run_case(copy, set_flag, flag, out[:grid], grid, timeout_ns,
+                                   num_warps, priority)
+            row = {"case": name, "order": order, "spinners": grid, "arrived": arrived,
+                   "max_wait_ms": ms, "alone_ms": round(alone, 3), "gpu": props.name,
+                   "commit": commit_id()}
             rows.append(row)
             print(row)
     done.set()
     owner.join()
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
             writer.writeheader()
             writer.writerows(rows)
 
