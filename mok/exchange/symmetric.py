@@ -81,6 +81,8 @@ EXPERT_TAG = 1 << 16
 # Windows of the ring the symmetric buffer holds at once: a rank may publish window w + 1 while
 # others still pull window w.
 RING_SLOTS = 2
+# A stream priority below CUDA's range, which torch maps to the highest the GPU has.
+HIGHEST_PRIORITY = -100
 
 
 def tag_experts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -192,11 +194,14 @@ class SymmetricExchange(Exchange):
         self._landed = torch.zeros(world, dtype=torch.int64, device=device)
         self._one = torch.ones(1, dtype=torch.int64, device=device)
         self._identity = torch.arange(world * num_tokens, dtype=torch.int32, device=device)
-        # Ranks sharing one GPU: a peer's copy is a copy within that GPU, which may run as a
-        # kernel and wait for SMs the GEMM's spinning tiles hold, so every copy runs before the
-        # GEMM, on the current stream.
-        self._copy_stream = (torch.cuda.Stream(device)
-                             if device.type == "cuda" and not _env.RANKS_SHARE_GPU else None)
+        # Ranks sharing one GPU: a peer's copy is a copy within that GPU, which runs as a kernel
+        # and waits for SMs the GEMM's spinning tiles hold (scripts/copy_progress.py), so every
+        # copy runs before the GEMM, on the current stream. Between GPUs the side stream has the
+        # highest priority: should a peer's copy need SMs, its blocks, queued before the
+        # GEMM's and ready with them, are dispatched first.
+        self._copy_stream = (
+            torch.cuda.Stream(device, priority=HIGHEST_PRIORITY)
+            if device.type == "cuda" and not _env.RANKS_SHARE_GPU else None)
         self._ones_host = (torch.ones(world, dtype=torch.int64, pin_memory=True)
                            if device.type == "cuda" else None)  # the landed flags' source
         self._copies_pending = False
