@@ -365,11 +365,7 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
                 continue
             del y, grads
             if cuda:
-                # What earlier variants left goes first: their workspaces, and the symmetric
-                # buffers other processes mapped (ranks sharing a GPU), once every rank let go.
-                gc.collect()
-                dist.barrier(group)
-                torch.cuda.ipc_collect()
+                gc.collect()  # what earlier variants left (their workspaces) goes first
                 torch.cuda.reset_peak_memory_stats(device)
                 if rank == 0:
                     held = torch.cuda.memory_allocated(device) / 2**30
