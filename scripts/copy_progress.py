@@ -24,25 +24,9 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-import triton
-import triton.language as tl
 
-from mok.kernels.comm import _now
 from mok.provenance import commit_id
-
-
-@triton.jit
-def spin_kernel(flag_ptr, out_ptr, timeout):
-    """Each program spins until *flag_ptr >= 1 or `timeout` ns pass; out[pid] = ns waited,
-    negative when the flag never came."""
-    start = _now(True)
-    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-    elapsed = tl.zeros([], dtype=tl.int64)
-    while (value < 1) & (elapsed <= timeout):
-        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-        elapsed = _now(True) - start
-    result = tl.where(value >= 1, elapsed, -elapsed - 1)
-    tl.store(out_ptr + tl.program_id(0), result)
+from mok.testing.progress import SPIN_WARPS, flag_reaches_spinners, spinners_per_sm
 
 
 def _owner(queue, done, numel):
@@ -50,37 +34,6 @@ def _owner(queue, done, numel):
     src = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
     queue.put(src)
     done.wait()
-
-
-def run_case(copy, set_flag, flag, out, grid, timeout_ns, num_warps, race_priority=None):
-    """(arrived, max ms waited) of `grid` spinners and the copy then the flag on a second stream.
-    race_priority None: the spinners start first, the copy is queued once they hold the SMs.
-    Else the copy is queued first, on a stream of that priority, and both wait for the same
-    kernel (a 20 ms sleep), as copies queued before a GEMM both wait on a publish."""
-    flag.zero_()
-    out.zero_()
-    torch.cuda.synchronize()
-    if race_priority is None:
-        side = torch.cuda.Stream()
-        spin_kernel[(grid,)](flag, out, timeout_ns, num_warps=num_warps)
-        time.sleep(0.05)  # the spinners are resident before the copy is queued
-        with torch.cuda.stream(side):
-            copy()
-            set_flag()
-    else:
-        side = torch.cuda.Stream(priority=race_priority)
-        clock_khz = torch.cuda.get_device_properties(0).clock_rate
-        torch.cuda._sleep(int(0.02 * clock_khz * 1e3))
-        ready = torch.cuda.Event()
-        ready.record()
-        side.wait_event(ready)
-        with torch.cuda.stream(side):
-            copy()
-            set_flag()
-        spin_kernel[(grid,)](flag, out, timeout_ns, num_warps=num_warps)
-    torch.cuda.synchronize()
-    waited = out.cpu()
-    return int((waited >= 0).sum()), round(waited.abs().max().item() / 1e6, 3)
 
 
 def main(argv=None):
@@ -106,19 +59,15 @@ def main(argv=None):
     owner.start()
     peer_src = queue.get()
 
-    # programs of 1024 threads, as many as fill every SM's 2048 threads (2 a SM), and more
-    num_warps = 32
     out = torch.zeros(8 * props.multi_processor_count, device="cuda", dtype=torch.int64)
-    compiled = spin_kernel.warmup(flag, out, 1, num_warps=num_warps, grid=(1,))
-    compiled._init_handles()
-    per_sm = min(2048 // (32 * num_warps), 65536 // max(1, compiled.n_regs * 32 * num_warps))
-    print(f"{props.name}: {props.multi_processor_count} SMs; spinner {compiled.n_regs} registers"
-          f" a thread, {per_sm} programs of {32 * num_warps} threads an SM")
+    per_sm = spinners_per_sm(flag, out)
+    print(f"{props.name}: {props.multi_processor_count} SMs; {per_sm} spinning programs of "
+          f"{32 * SPIN_WARPS} threads an SM")
 
-    def from_host():
+    def from_host(flag):
         flag.copy_(ones, non_blocking=True)
 
-    def by_kernel():
+    def by_kernel(flag):
         flag.fill_(1)
 
     cases = [
@@ -129,13 +78,12 @@ def main(argv=None):
         ("none, flag from host memory (control)", lambda: None, from_host),
     ]
     rows = []
-    timeout_ns = int(args.timeout * 1e9)
     low, high = 0, -100  # the default and, mapped to the nearest valid one, the highest
     for name, copy, set_flag in cases:  # alone first: how long each takes without spinners
         torch.cuda.synchronize()
         start = time.perf_counter()
         copy()
-        set_flag()
+        set_flag(flag)
         torch.cuda.synchronize()
         alone = (time.perf_counter() - start) * 1e3
         grids = (per_sm * props.multi_processor_count, 4 * per_sm * props.multi_processor_count)
@@ -144,8 +92,12 @@ def main(argv=None):
             runs += [(f"copy queued first, priority {priority}", priority, grids[0])
                      for priority in (low, high) for _ in range(3)]
         for order, priority, grid in runs:
-            arrived, ms = run_case(copy, set_flag, flag, out[:grid], grid, timeout_ns,
-                                   num_warps, priority)
+            def work(flag, copy=copy, set_flag=set_flag):
+                copy()
+                set_flag(flag)
+
+            arrived, ms = flag_reaches_spinners(work, flag, out[:grid], timeout_s=args.timeout,
+                                                race_priority=priority)
             row = {"case": name, "order": order, "spinners": grid, "arrived": arrived,
                    "max_wait_ms": ms, "alone_ms": round(alone, 3), "gpu": props.name,
                    "commit": commit_id()}

@@ -674,3 +674,19 @@ def test_fp8_real_shape_is_deterministic_and_within_fp8_tolerance(shape):
         if expected is not None:
             assert_close(actual, expected, dtype=torch.bfloat16, name=name,
                          tolerance=FP8_TOLERANCE)
+
+
+def test_landed_flags_reach_tiles_that_hold_every_sm():
+    """The copied rows' landed flags are copies from pinned host memory (the copy engines): they
+    reach programs spinning on every SM (a flag written by a kernel, or a copy within one GPU,
+    waits for an SM: scripts/copy_progress.py)."""
+    from mok.testing.progress import flag_reaches_spinners, spinners_per_sm
+
+    flag = torch.zeros(1, device="cuda", dtype=torch.int64)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.zeros(4 * 2 * sms, device="cuda", dtype=torch.int64)
+    every_sm = out[:spinners_per_sm(flag, out) * sms]
+    ones = torch.ones(1, dtype=torch.int64).pin_memory()
+    arrived, ms = flag_reaches_spinners(lambda f: f.copy_(ones, non_blocking=True), flag,
+                                        every_sm, timeout_s=2.0)
+    assert arrived == every_sm.numel() and ms < 1000.0, (arrived, ms)
