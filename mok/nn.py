@@ -276,6 +276,13 @@ class _ExpertParallelExperts(torch.autograd.Function):
         return (None, None, None, None, d_x, None, d_rw, d_sg, d_su, d_sd, d_rg, d_ru, d_rd)
 
 
+@torch.compiler.disable
+def _expert_parallel_experts(*args) -> torch.Tensor:
+    """_ExpertParallelExperts.apply, where torch.compile breaks the graph: the workspace's
+    creation and the exchange run eagerly (collectives and host-side state)."""
+    return _ExpertParallelExperts.apply(*args)
+
+
 def moe_experts(
     x: torch.Tensor,
     topk_experts: torch.Tensor,
@@ -323,7 +330,7 @@ def moe_experts(
     if group is not None and dist.get_world_size(group) > 1:
         config = F.MoKConfig(recompute_gate_up=recompute_gate_up, precision=precision,
                              peer_timeout_s=peer_timeout_s, macrobatch_size=macrobatch_size)
-        return _ExpertParallelExperts.apply(
+        return _expert_parallel_experts(
             group, max_tokens, config, swiglu_limit, x, topk_experts, router_weights.float(),
             w_shared_gate, w_shared_up, w_shared_down, w_routed_gate, w_routed_up,
             w_routed_down)

@@ -609,6 +609,33 @@ def test_expert_parallel_module_matches_reference_backend(rank, world_size):
     _ep_module_body(rank, world_size)
 
 
+def _ep_compiled_body(rank, world_size):
+    """torch.compile of a module under expert parallelism breaks the graph at the experts (the
+    workspace's creation and the exchange run eagerly): the compiled module's outputs and
+    gradients equal the eager module's."""
+    import torch.distributed as dist
+
+    device = rank_device(rank)
+    torch.manual_seed(0)
+    module = MoE(32, 16, 2 * world_size, 2, device=device, ep_group=dist.group.WORLD,
+                 ep_max_tokens=12)
+    _own_experts(module, rank)
+    x = torch.randn(12, 32, device=device, generator=torch.Generator(device=device)
+                    .manual_seed(rank))
+    eager = loss_and_grads(module, x)
+    compiled = loss_and_grads(torch.compile(module, backend="aot_eager"), x)
+    for a, b in zip(compiled[:2], eager[:2], strict=True):
+        assert torch.equal(a, b)
+    assert set(compiled[2]) == set(eager[2])
+    for name, grad in compiled[2].items():
+        assert torch.equal(grad, eager[2][name]), name
+
+
+@distributed_test(world_sizes=(2,))
+def test_expert_parallel_module_compiles(rank, world_size):
+    _ep_compiled_body(rank, world_size)
+
+
 def _ep_ring_body(rank, world_size):
     """MoE(ep_macrobatch_size=128) with ep_max_tokens=300: the symmetric buffer a ring of two
     windows of 128 tokens, a call moving its tokens in three (ranks passing 150 and 130);
