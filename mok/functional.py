@@ -330,12 +330,12 @@ class Workspace:
 _WORKSPACES: dict[tuple, Workspace] = {}
 
 
-def _check_same_on_every_rank(group: dist.ProcessGroup, **sizes: int | str) -> None:
+def _check_same_on_every_rank(group: dist.ProcessGroup, **values: int | str) -> None:
     """Raise MoKInputError on every rank of `group` where the ranks' values differ (each rank's
     buffers, which the others read, are laid out by them)."""
     gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, sizes, group=group)
-    differ = [name for name in sizes if len({each[name] for each in gathered}) > 1]
+    dist.all_gather_object(gathered, values, group=group)
+    differ = [name for name in values if len({each[name] for each in gathered}) > 1]
     if differ:
         by_rank = "; ".join(f"{name}: " + ", ".join(str(each[name]) for each in gathered)
                             for name in differ)

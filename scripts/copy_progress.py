@@ -25,6 +25,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from mok.exchange.symmetric import HIGHEST_PRIORITY
 from mok.provenance import commit_id
 from mok.testing.progress import SPIN_WARPS, flag_reaches_spinners, spinners_per_sm
 
@@ -78,12 +79,15 @@ def main(argv=None):
         ("none, flag from host memory (control)", lambda: None, from_host),
     ]
     rows = []
-    low, high = 0, -100  # the default and, mapped to the nearest valid one, the highest
+    low, high = 0, HIGHEST_PRIORITY  # the default and the highest
     for name, copy, set_flag in cases:  # alone first: how long each takes without spinners
         torch.cuda.synchronize()
+        def work(flag, copy=copy, set_flag=set_flag):
+            copy()
+            set_flag(flag)
+
         start = time.perf_counter()
-        copy()
-        set_flag(flag)
+        work(flag)
         torch.cuda.synchronize()
         alone = (time.perf_counter() - start) * 1e3
         grids = (per_sm * props.multi_processor_count, 4 * per_sm * props.multi_processor_count)
@@ -92,10 +96,6 @@ def main(argv=None):
             runs += [(f"copy queued first, priority {priority}", priority, grids[0])
                      for priority in (low, high) for _ in range(3)]
         for order, priority, grid in runs:
-            def work(flag, copy=copy, set_flag=set_flag):
-                copy()
-                set_flag(flag)
-
             arrived, ms = flag_reaches_spinners(work, flag, out[:grid], timeout_s=args.timeout,
                                                 race_priority=priority)
             row = {"case": name, "order": order, "spinners": grid, "arrived": arrived,
