@@ -480,10 +480,13 @@ class Router(nn.Module):
 
     With RouterConfig.bias_update_rate, a training forward routes with the bias and leaves its
     load pending: the next forward routes with the updated bias (next_bias) and, in training,
-    stores it in expert_bias. A forward recomputed inside the backward (activation
-    checkpointing) routes with expert_bias, as the first run did, and changes nothing. So
-    expert_bias is the bias of the last training forward; state_dict saves next_bias, the one
-    the next forward routes with, and loading one drops the pending load. load_group: the
+    stores it in expert_bias. So expert_bias is the bias of the last training forward;
+    state_dict saves next_bias, the one the next forward routes with, and loading one drops the
+    pending load. A forward recomputed inside the backward (activation checkpointing) routes
+    with the bias its first run used and changes nothing: the router keeps the bias and the
+    logits' column sums of its last RECOMPUTE_HISTORY training forwards and, on the device,
+    takes the latest of them whose sums equal the recomputed ones (the latest not yet
+    recomputed where several match; expert_bias where none does). load_group: the
     ranks whose loads add up to the one the update sees (MoE passes its expert-parallel group,
     so that the replicated router's bias stays the same on every rank).
 
@@ -523,6 +526,8 @@ class Router(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.register_state_dict_post_hook(_save_next_bias)
         self.register_load_state_dict_pre_hook(_drop_pending_load)
+        # The biases of the last training forwards, for their recomputation: _BiasHistory.
+        self._bias_history: _BiasHistory | None = None
 
     def next_bias(self) -> torch.Tensor:
         """The bias the next forward routes with: expert_bias plus the pending update,
@@ -556,8 +561,19 @@ class Router(nn.Module):
         cfg = self.config
         updates = bool(cfg.bias_update_rate) and self.training
         recomputed = updates and _in_backward()
-        bias = self.expert_bias if recomputed else self.next_bias()
         logits = _fp32_linear(x, self.weight)
+        if updates:
+            fingerprint = logits.sum(dim=0)
+            history = self._bias_history
+            if history is None or history.fingerprints.device != logits.device:
+                history = self._bias_history = _BiasHistory(self.num_experts, logits.device)
+            if recomputed:
+                bias = history.find(fingerprint, self.expert_bias)
+            else:
+                bias = self.next_bias()
+                history.add(fingerprint, bias)
+        else:
+            bias = self.expert_bias
         if cfg.scoring is RouterScoring.SOFTMAX:
             scores = logits.softmax(dim=-1)
             selection = scores
@@ -587,6 +603,43 @@ class Router(nn.Module):
                 if self.load_group is not None:  # no host sync: stream-ordered on a GPU
                     dist.all_reduce(self.expert_load, group=self.load_group)
         return RoutingOutput(topk_experts, weights, logits, tokens_per_expert, aux_loss)
+
+
+RECOMPUTE_HISTORY = 64  # training forwards whose bias a recomputation can find
+
+
+class _BiasHistory:
+    """A ring of the last RECOMPUTE_HISTORY training forwards' (logits' column sums, bias),
+    kept and searched on the device (no host sync)."""
+
+    def __init__(self, num_experts: int, device: torch.device) -> None:
+        size = RECOMPUTE_HISTORY
+        self.fingerprints = torch.zeros(size, num_experts, device=device, dtype=torch.float32)
+        self.biases = torch.zeros(size, num_experts, device=device, dtype=torch.float32)
+        # 0: empty, 1: not yet recomputed, 2: recomputed.
+        self.state = torch.zeros(size, device=device, dtype=torch.int8)
+        self.added = 0
+
+    def add(self, fingerprint: torch.Tensor, bias: torch.Tensor) -> None:
+        slot = self.added % RECOMPUTE_HISTORY
+        self.fingerprints[slot] = fingerprint
+        self.biases[slot] = bias
+        self.state[slot] = 1
+        self.added += 1
+
+    def find(self, fingerprint: torch.Tensor, default: torch.Tensor) -> torch.Tensor:
+        """The bias of the latest forward whose fingerprint equals this one, preferring one not
+        yet recomputed (and marking it recomputed); default where none matches."""
+        size = RECOMPUTE_HISTORY
+        match = (self.fingerprints == fingerprint).all(dim=1) & (self.state > 0)
+        fresh = match & (self.state == 1)
+        pick = torch.where(fresh.any(), fresh, match)
+        slots = torch.arange(size, device=match.device)
+        newness = size - (self.added - 1 - slots) % size  # the latest slot scores size
+        index = (pick * newness).argmax()
+        found = pick.any()
+        self.state.index_put_((index,), torch.where(found, 2, self.state[index]).to(torch.int8))
+        return torch.where(found, self.biases[index], default)
 
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

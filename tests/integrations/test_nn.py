@@ -219,6 +219,72 @@ def test_checkpointing_routes_the_recomputed_forward_as_the_first(use_reentrant)
     assert plain.router.next_bias().abs().max() > 0  # the bias did move
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointing_several_forwards_before_one_backward(use_reentrant):
+    # Several training forwards, each moving the bias, then one backward: every recomputed
+    # forward must route with the bias its own first run used. Two of the forwards take the same
+    # tokens (their recomputations find one entry each, the latest first).
+    router = RouterConfig(scoring=RouterScoring.SIGMOID, bias_update_rate=5e-2)
+    plain = MoE(32, 16, 8, 2, router=router, backend="reference", device=DEVICE,
+                dtype=torch.float64)
+    checkpointed = MoE(32, 16, 8, 2, router=router, backend="reference", device=DEVICE,
+                       dtype=torch.float64)
+    checkpointed.load_state_dict(plain.state_dict())
+    xs = [torch.randn(64, 32, device=DEVICE, dtype=torch.float64,
+                      generator=torch.Generator(DEVICE).manual_seed(seed))
+          for seed in (0, 1, 0, 2)]
+    d_ys = [torch.randn_like(x) for x in xs]
+    for step in range(2):
+        plain_in = [x.clone().requires_grad_() for x in xs]
+        checkpointed_in = [x.clone().requires_grad_() for x in xs]
+        biases, plain_out = [], []
+        for x in plain_in:
+            biases.append(plain.router.next_bias().clone())
+            plain_out.append(plain(x))
+        # The bias moved between the forwards: recomputing with the last one would differ.
+        assert not any(torch.equal(a, b) for a, b in zip(biases, biases[1:], strict=False)), step
+        checkpointed_out = [torch.utils.checkpoint.checkpoint(
+            checkpointed, x, use_reentrant=use_reentrant) for x in checkpointed_in]
+        sum((y * d_y).sum() for y, d_y in zip(plain_out, d_ys, strict=True)).backward()
+        sum((y * d_y).sum() for y, d_y in zip(checkpointed_out, d_ys, strict=True)).backward()
+        for i, (a, b) in enumerate(zip(plain_in, checkpointed_in, strict=True)):
+            assert torch.equal(a.grad, b.grad), (step, i)
+        assert torch.equal(plain.router.next_bias(), checkpointed.router.next_bias()), step
+        for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), (step, name)
+            a.grad = b.grad = None
+
+
+def test_recomputation_routes_with_its_forward_s_bias():
+    # The router alone: biases recorded per forward and found again by the logits, the latest
+    # not yet recomputed first among equal tokens; tokens never seen route with expert_bias.
+    router = Router(16, 8, 2, RouterConfig(scoring=RouterScoring.SIGMOID,
+                                           bias_update_rate=0.5)).to(DEVICE)
+    xs = [torch.randn(40, 16, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(s))
+          for s in (0, 1, 0)]
+    biases = []
+    for x in xs:
+        biases.append(router.next_bias().clone())
+        router(x)
+    assert not torch.equal(biases[0], biases[2])
+
+    def recompute(x):
+        # A forward run inside autograd's backward, as activation checkpointing runs it.
+        found = []
+        leaf = torch.zeros((), device=DEVICE, requires_grad=True)
+        out = leaf * 1.0
+        out.register_hook(lambda grad: found.append(router(x).topk_experts))
+        out.backward()
+        return found[0]
+
+    for i in (2, 1, 0):
+        assert torch.equal(recompute(xs[i]), routed_with(router, xs[i], biases[i])), i
+    assert torch.equal(recompute(xs[0]), routed_with(router, xs[0], biases[2]))  # all recomputed
+    unseen = torch.randn(40, 16, device=DEVICE)
+    assert torch.equal(recompute(unseen), routed_with(router, unseen, router.expert_bias))
+    assert torch.equal(router.expert_bias, biases[2])  # recomputations change nothing
+
+
 def test_router_keeps_fp32_bias_and_scores_under_casts_and_autocast():
     router = Router(16, 4, 2, RouterConfig(scoring=RouterScoring.SIGMOID,
                                            bias_update_rate=1e-3)).to(DEVICE)
