@@ -224,6 +224,7 @@ def test_checkpointing_several_forwards_before_one_backward(use_reentrant):
     # Several training forwards, each moving the bias, then one backward: every recomputed
     # forward must route with the bias its own first run used. Two of the forwards take the same
     # tokens (their recomputations find one entry each, the latest first).
+    torch.manual_seed(0)
     router = RouterConfig(scoring=RouterScoring.SIGMOID, bias_update_rate=5e-2)
     plain = MoE(32, 16, 8, 2, router=router, backend="reference", device=DEVICE,
                 dtype=torch.float64)
@@ -258,6 +259,7 @@ def test_checkpointing_several_forwards_before_one_backward(use_reentrant):
 def test_recomputation_routes_with_its_forward_s_bias():
     # The router alone: biases recorded per forward and found again by the logits, the latest
     # not yet recomputed first among equal tokens; tokens never seen route with expert_bias.
+    torch.manual_seed(0)
     router = Router(16, 8, 2, RouterConfig(scoring=RouterScoring.SIGMOID,
                                            bias_update_rate=0.5)).to(DEVICE)
     xs = [torch.randn(40, 16, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(s))
