@@ -5,8 +5,8 @@ mok.testing holds the pure-PyTorch reference the kernels are checked against.
 """
 
 from mok import _env  # noqa: F401  (must run before any Triton kernel is decorated)
-from mok.errors import MoKDataError, MoKError, MoKInputError
+from mok.errors import MoKDataError, MoKError, MoKInputError, MoKTimeoutError
 
 __version__ = "0.1.0"
 
-__all__ = ["MoKDataError", "MoKError", "MoKInputError", "__version__"]
+__all__ = ["MoKDataError", "MoKError", "MoKInputError", "MoKTimeoutError", "__version__"]

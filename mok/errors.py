@@ -17,6 +17,11 @@ class MoKDataError(MoKError):
     """The data itself was invalid (found on the device, reported later without a host sync)."""
 
 
+class MoKTimeoutError(MoKError, TimeoutError):
+    """A rank of the expert-parallel group did not reach a step the group takes together
+    (found on the host, within MoKConfig.peer_timeout_s)."""
+
+
 class ErrorFlag(enum.IntEnum):
     """Slots of the int32 error-flag vector that kernels set (never clear) on the device."""
 

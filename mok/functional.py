@@ -200,7 +200,8 @@ class Workspace:
         self.topk = int(topk)
         self.error_flags = torch.zeros(NUM_ERROR_FLAGS, dtype=torch.int32, device=device)
         if group is not None and dist.get_world_size(group) > 1:
-            _check_same_on_every_rank(group, num_local_tokens=self.num_local_tokens,
+            _check_same_on_every_rank(group, config.peer_timeout_s,
+                                      num_local_tokens=self.num_local_tokens,
                                       hidden_size=self.hidden_size, topk=self.topk,
                                       ranks_per_node=ranks_per_node or 0,
                                       macrobatch_size=config.macrobatch_size or 0,
@@ -330,11 +331,13 @@ class Workspace:
 _WORKSPACES: dict[tuple, Workspace] = {}
 
 
-def _check_same_on_every_rank(group: dist.ProcessGroup, **values: int | str) -> None:
+def _check_same_on_every_rank(group: dist.ProcessGroup, timeout_s: float,
+                              **values: int | str) -> None:
     """Raise MoKInputError on every rank of `group` where the ranks' values differ (each rank's
-    buffers, which the others read, are laid out by them)."""
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, values, group=group)
+    buffers, which the others read, are laid out by them); MoKTimeoutError where a rank does
+    not come within timeout_s."""
+    gathered = ops.gather_within(group, values, timeout_s=timeout_s,
+                                 step="the creation of an expert-parallel workspace")
     differ = [name for name in values if len({each[name] for each in gathered}) > 1]
     if differ:
         by_rank = "; ".join(f"{name}: " + ", ".join(str(each[name]) for each in gathered)

@@ -10,13 +10,17 @@ same kernels and the same flag logic as the GPU). Kernels reach rank p's copy of
 from __future__ import annotations
 
 import os
+import pickle
+import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from mok import _env
+from mok.errors import MoKTimeoutError
 from mok.kernels import comm as kernels
 from mok.ops.launch import cdiv, launch, next_power_of_2
 
@@ -47,6 +51,44 @@ def row_align(itemsize: int, *strides: int) -> int:
 
 def _p_pad(world_size: int) -> int:
     return next_power_of_2(max(world_size, 2))
+
+
+_GATHER_ROUNDS: Counter = Counter()  # gather_within calls so far, by group and step
+
+
+def gather_within(group: dist.ProcessGroup, value: object, *, timeout_s: float,
+                  step: str) -> list:
+    """Every rank's `value` (picklable), by group rank, exchanged through the default process
+    group's store. Ranks that wait timeout_s without every rank having come raise
+    MoKTimeoutError naming the ranks missing, and a rank coming after that raises too, so that
+    no rank goes on alone into the collectives that follow `step`."""
+    name = getattr(group, "group_name", "") or "default"
+    _GATHER_ROUNDS[name, step] += 1
+    store = dist.PrefixStore(f"mok/{name}/{step}/{_GATHER_ROUNDS[name, step]}/",
+                             dist.distributed_c10d._get_default_store())
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    store.set(f"value{rank}", pickle.dumps(value))
+    # "state" is written once, by whoever comes first: the last rank to arrive ("closed") or a
+    # rank whose wait ran out ("abandoned"); compare_set makes that one write atomic.
+    if store.add("arrived", 1) == world_size:
+        store.compare_set("state", "", "closed")
+    deadline = time.monotonic() + timeout_s
+    while not store.check(["state"]) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    state = store.compare_set("state", "", f"abandoned by rank {rank}").decode()
+    if state != "closed":
+        if state == f"abandoned by rank {rank}":
+            missing = [peer for peer in range(world_size)
+                       if not store.check([f"value{peer}"])]
+            what = f"rank(s) {missing} did not reach it within {timeout_s:g} s"
+        else:
+            what = f"{state.replace('abandoned by', '')} gave up waiting for it first"
+        raise MoKTimeoutError(
+            f"{step}: the ranks of the expert-parallel group did not all reach it: {what} "
+            f"(MoKConfig.peer_timeout_s). A rank that raised or stopped before it, or ranks "
+            f"calling with different options or dtypes (a workspace each), leave the others "
+            f"waiting here")
+    return [pickle.loads(store.get(f"value{peer}")) for peer in range(world_size)]
 
 
 class SymmetricBuffer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import mok.functional as F
 from mok import ops
 from mok import plan as mok_plan
-from mok.errors import NUM_ERROR_FLAGS, MoKDataError, MoKInputError
+from mok.errors import NUM_ERROR_FLAGS, MoKDataError, MoKInputError, MoKTimeoutError
 from mok.exchange import CrossNodeExchange
 from mok.ops import small_tiles
 from mok.testing import (
@@ -803,6 +804,38 @@ def _formats_differ_body(rank, world_size):
 @distributed_test(world_sizes=(2,))
 def test_ep_ranks_with_different_formats_raise(rank, world_size):
     _formats_differ_body(rank, world_size)
+
+
+def _creation_waits_bounded_body(rank, world_size):
+    """The workspace's creation is a step of the whole group: a rank that never comes leaves
+    the others a MoKTimeoutError naming it after peer_timeout_s (not the process group's
+    timeout), and a rank coming after that raises too, rather than go on alone into the
+    collectives that follow. Ranks that all come create it."""
+    import time
+
+    def create(timeout_s):
+        return F.create_workspace(F.MoKConfig(peer_timeout_s=timeout_s), dist.group.WORLD,
+                                  device=_device(rank), num_local_tokens=8, hidden_size=16,
+                                  topk=2)
+
+    if rank == 1:  # comes 3 s late, after rank 0 gave up
+        time.sleep(3.0)
+        with pytest.raises(MoKTimeoutError, match=r"rank 0 gave up waiting"):
+            create(30.0)
+    else:
+        start = time.monotonic()
+        with pytest.raises(MoKTimeoutError, match=re.escape("rank(s) [1] did not reach it")):
+            create(1.0)
+        assert time.monotonic() - start < 2.5
+    dist.barrier()
+    workspace = create(30.0)  # the next round: every rank comes
+    assert workspace.ep_size == world_size
+    dist.barrier()
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_workspace_creation_waits_are_bounded(rank, world_size):
+    _creation_waits_bounded_body(rank, world_size)
 
 
 def _local_experts_differ_body(rank, world_size):
