@@ -526,8 +526,9 @@ class Router(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.register_state_dict_post_hook(_save_next_bias)
         self.register_load_state_dict_pre_hook(_drop_pending_load)
-        # The biases of the last training forwards, for their recomputation: _BiasHistory.
-        self._bias_history: _BiasHistory | None = None
+        # The biases of the last training forwards, for their recomputation (not buffers: not
+        # saved, nor broadcast by DDP).
+        self._bias_history = _BiasHistory(num_experts, self.expert_bias.device)
 
     def next_bias(self) -> torch.Tensor:
         """The bias the next forward routes with: expert_bias plus the pending update,
@@ -549,6 +550,7 @@ class Router(nn.Module):
         finally:
             for name, buffer in kept.items():
                 self._buffers[name] = buffer.to(fn(buffer[:0]).device)
+            self._bias_history = self._bias_history.to(self.expert_bias.device)
         return self
 
     def forward(self, x: torch.Tensor) -> RoutingOutput:
@@ -563,15 +565,12 @@ class Router(nn.Module):
         recomputed = updates and _in_backward()
         logits = _fp32_linear(x, self.weight)
         if updates:
-            fingerprint = logits.sum(dim=0)
-            history = self._bias_history
-            if history is None or history.fingerprints.device != logits.device:
-                history = self._bias_history = _BiasHistory(self.num_experts, logits.device)
+            fingerprint = logits.detach().sum(dim=0)
             if recomputed:
-                bias = history.find(fingerprint, self.expert_bias)
+                bias = self._bias_history.find(fingerprint, self.expert_bias)
             else:
                 bias = self.next_bias()
-                history.add(fingerprint, bias)
+                self._bias_history.add(fingerprint, bias)
         else:
             bias = self.expert_bias
         if cfg.scoring is RouterScoring.SOFTMAX:
@@ -610,7 +609,8 @@ RECOMPUTE_HISTORY = 64  # training forwards whose bias a recomputation can find
 
 class _BiasHistory:
     """A ring of the last RECOMPUTE_HISTORY training forwards' (logits' column sums, bias),
-    kept and searched on the device (no host sync)."""
+    written and searched on the device (no host sync; its slot is a device tensor, so a
+    compiled forward sees no changing Python state)."""
 
     def __init__(self, num_experts: int, device: torch.device) -> None:
         size = RECOMPUTE_HISTORY
@@ -618,14 +618,22 @@ class _BiasHistory:
         self.biases = torch.zeros(size, num_experts, device=device, dtype=torch.float32)
         # 0: empty, 1: not yet recomputed, 2: recomputed.
         self.state = torch.zeros(size, device=device, dtype=torch.int8)
-        self.added = 0
+        self.next_slot = torch.zeros(1, device=device, dtype=torch.int64)
+
+    def to(self, device: torch.device) -> _BiasHistory:
+        if self.state.device == device:
+            return self
+        moved = _BiasHistory.__new__(_BiasHistory)
+        for name in ("fingerprints", "biases", "state", "next_slot"):
+            setattr(moved, name, getattr(self, name).to(device))
+        return moved
 
     def add(self, fingerprint: torch.Tensor, bias: torch.Tensor) -> None:
-        slot = self.added % RECOMPUTE_HISTORY
-        self.fingerprints[slot] = fingerprint
-        self.biases[slot] = bias
-        self.state[slot] = 1
-        self.added += 1
+        slot = self.next_slot
+        self.fingerprints.index_copy_(0, slot, fingerprint[None])
+        self.biases.index_copy_(0, slot, bias.detach()[None].float())
+        self.state.index_fill_(0, slot, 1)
+        self.next_slot.add_(1).remainder_(RECOMPUTE_HISTORY)
 
     def find(self, fingerprint: torch.Tensor, default: torch.Tensor) -> torch.Tensor:
         """The bias of the latest forward whose fingerprint equals this one, preferring one not
@@ -635,11 +643,11 @@ class _BiasHistory:
         fresh = match & (self.state == 1)
         pick = torch.where(fresh.any(), fresh, match)
         slots = torch.arange(size, device=match.device)
-        newness = size - (self.added - 1 - slots) % size  # the latest slot scores size
-        index = (pick * newness).argmax()
+        newness = size - (self.next_slot - 1 - slots) % size  # the latest slot scores size
+        index = (pick * newness).argmax().reshape(1)
         found = pick.any()
-        self.state.index_put_((index,), torch.where(found, 2, self.state[index]).to(torch.int8))
-        return torch.where(found, self.biases[index], default)
+        self.state.index_copy_(0, index, torch.where(found, 2, self.state[index]).to(torch.int8))
+        return torch.where(found, self.biases[index[0]], default)
 
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

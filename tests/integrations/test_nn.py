@@ -256,6 +256,29 @@ def test_checkpointing_several_forwards_before_one_backward(use_reentrant):
             a.grad = b.grad = None
 
 
+def test_bias_updates_compile_without_recompiles():
+    # The bias history's slot is a device tensor: training steps of a compiled module with the
+    # bias update compile once (fullgraph) and match eager bitwise, bias included.
+    torch.manual_seed(0)
+    router = RouterConfig(scoring=RouterScoring.SIGMOID, bias_update_rate=1e-2)
+    eager = MoE(32, 16, 8, 2, router=router, device=DEVICE)
+    module = MoE(32, 16, 8, 2, router=router, device=DEVICE)
+    module.load_state_dict(eager.state_dict())
+    compiles = []
+
+    def backend(graph, example_inputs):
+        compiles.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(module, fullgraph=True, backend=backend)
+    for step in range(4):
+        x = torch.randn(64, 32, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
+        assert torch.equal(compiled(x), eager(x)), step
+        assert torch.equal(module.router.next_bias(), eager.router.next_bias()), step
+    assert len(compiles) == 1
+    assert bool(eager.router.next_bias().abs().max() > 0)
+
+
 def test_recomputation_routes_with_its_forward_s_bias():
     # The router alone: biases recorded per forward and found again by the logits, the latest
     # not yet recomputed first among equal tokens; tokens never seen route with expert_bias.
