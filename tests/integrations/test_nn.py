@@ -191,17 +191,21 @@ def routed_with(router, x, bias):
     return (scores + bias).topk(router.top_k, dim=-1).indices
 
 
+def _twin_biased_modules(rate):
+    """Two equal float64 reference modules whose sigmoid router updates its bias at `rate`."""
+    router = RouterConfig(scoring=RouterScoring.SIGMOID, bias_update_rate=rate)
+    plain, twin = (MoE(32, 16, 8, 2, router=router, backend="reference", device=DEVICE,
+                       dtype=torch.float64) for _ in range(2))
+    twin.load_state_dict(plain.state_dict())
+    return plain, twin
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_checkpointing_routes_the_recomputed_forward_as_the_first(use_reentrant):
     # Activation checkpointing runs the forward again inside the backward. With the
     # auxiliary-loss-free bias update that second run must route with the first run's bias and
     # update nothing: gradients and biases then equal those of the module run plainly.
-    router = RouterConfig(scoring=RouterScoring.SIGMOID, bias_update_rate=1e-3)
-    plain = MoE(32, 16, 8, 2, router=router, backend="reference", device=DEVICE,
-                dtype=torch.float64)
-    checkpointed = MoE(32, 16, 8, 2, router=router, backend="reference", device=DEVICE,
-                       dtype=torch.float64)
-    checkpointed.load_state_dict(plain.state_dict())
+    plain, checkpointed = _twin_biased_modules(1e-3)
     for step in range(3):
         x = torch.randn(64, 32, device=DEVICE, dtype=torch.float64,
                         generator=torch.Generator(DEVICE).manual_seed(step))
@@ -225,12 +229,7 @@ def test_checkpointing_several_forwards_before_one_backward(use_reentrant):
     # forward must route with the bias its own first run used. Two of the forwards take the same
     # tokens (their recomputations find one entry each, the latest first).
     torch.manual_seed(0)
-    router = RouterConfig(scoring=RouterScoring.SIGMOID, bias_update_rate=5e-2)
-    plain = MoE(32, 16, 8, 2, router=router, backend="reference", device=DEVICE,
-                dtype=torch.float64)
-    checkpointed = MoE(32, 16, 8, 2, router=router, backend="reference", device=DEVICE,
-                       dtype=torch.float64)
-    checkpointed.load_state_dict(plain.state_dict())
+    plain, checkpointed = _twin_biased_modules(5e-2)
     xs = [torch.randn(64, 32, device=DEVICE, dtype=torch.float64,
                       generator=torch.Generator(DEVICE).manual_seed(seed))
           for seed in (0, 1, 0, 2)]
