@@ -14,6 +14,11 @@ Supported block classes (where the installed transformers has them; transformers
 | mixtral | MixtralSparseMoeBlock | MixtralTopKRouter | MixtralExperts | - |
 | olmoe | OlmoeSparseMoeBlock | OlmoeTopKRouter | OlmoeExperts | - |
 | deepseek_v3 | DeepseekV3MoE | DeepseekV3TopkRouter | DeepseekV3Experts | DeepseekV3MLP |
+| deepseek_v2 | DeepseekV2Moe | DeepseekV2TopkRouter | DeepseekV2Experts | DeepseekV2MLP |
+| glm4_moe | Glm4MoeMoE | Glm4MoeTopkRouter | Glm4MoeExperts | Glm4MoeMLP |
+| ernie4_5_moe | Ernie4_5_MoeSparseMoeBlock | ...TopKRouter | ...Experts | ...MLP (optional) |
+| qwen2_moe | Qwen2MoeSparseMoeBlock | Qwen2MoeTopKRouter | Qwen2MoeExperts | Qwen2MoeMLP, gated |
+| flex_olmo | FlexOlmoSparseMoeBlock | FlexOlmoTopKRouter | FlexOlmoExperts | - |
 
 Layout facts this relies on (checked at patch time, an unexpected layout raises ValueError):
 - experts.gate_up_proj [E, 2I, H] holds gate rows [:, :I] then up rows [:, I:] (concatenated,
@@ -27,8 +32,10 @@ Layout facts this relies on (checked at patch time, an unexpected layout raises 
   routed_scaling_factor) stays the model's own: the replacement calls it. transformers records
   router_logits (for output_router_logits and the auxiliary loss) with a hook on the router
   module, so calling it keeps that working.
-- DeepSeek-V3's shared_experts is an MLP of bias-free nn.Linear gate_proj, up_proj [I_s, H] and
-  down_proj [H, I_s] with SiLU: exactly mok's shared expert, so it runs inside mok's kernels.
+- the shared expert (DeepSeek's, GLM's and ERNIE's shared_experts) is an MLP of bias-free
+  nn.Linear gate_proj, up_proj [I_s, H] and down_proj [H, I_s] with SiLU: exactly mok's shared
+  expert, so it runs inside mok's kernels. Qwen2-MoE's shared_expert is scaled per token by
+  sigmoid(shared_expert_gate(x)): it runs through its own forward, scaled so.
   Checked at every call: a shared expert that is no longer that (an adapter such as LoRA or a
   quantized layer in place of a Linear, hooks on it or its layers, a size the kernels cannot
   run) runs through its own forward, added to the routed experts' output as the original does.
@@ -56,6 +63,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -66,12 +74,31 @@ from mok.nn import Backend, _check_options, moe_experts
 
 __all__ = ["MokSparseMoeBlock", "patch_moe_blocks", "supported_block_types"]
 
-# (transformers.models.<family>, block class) of the families whose blocks can be replaced.
-FAMILIES: tuple[tuple[str, str], ...] = (
-    ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
-    ("mixtral", "MixtralSparseMoeBlock"),
-    ("olmoe", "OlmoeSparseMoeBlock"),
-    ("deepseek_v3", "DeepseekV3MoE"),
+
+
+@dataclass(frozen=True)
+class Family:
+    """A transformers family whose sparse MoE blocks can be replaced: transformers.models.<name>,
+    its block class, the attribute of its shared expert (None: none) and of the per-token
+    sigmoid gate on that expert's output (Qwen2-MoE's shared_expert_gate; None: none)."""
+
+    name: str
+    block: str
+    shared: str | None = None
+    shared_gate: str | None = None
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
+    Family("mixtral", "MixtralSparseMoeBlock"),
+    Family("olmoe", "OlmoeSparseMoeBlock"),
+    Family("deepseek_v3", "DeepseekV3MoE", shared="shared_experts"),
+    Family("deepseek_v2", "DeepseekV2Moe", shared="shared_experts"),
+    Family("glm4_moe", "Glm4MoeMoE", shared="shared_experts"),
+    Family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", shared="shared_experts"),
+    Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", shared="shared_expert",
+           shared_gate="shared_expert_gate"),
+    Family("flex_olmo", "FlexOlmoSparseMoeBlock"),
 )
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -87,13 +114,19 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
 @functools.cache
 def supported_block_types() -> dict[type[nn.Module], str]:
     """The block classes of the installed transformers that can be replaced, -> family name."""
-    types: dict[type[nn.Module], str] = {}
-    for family, class_name in FAMILIES:
+    return {block_type: family.name for block_type, family in _block_families().items()}
+
+
+@functools.cache
+def _block_families() -> dict[type[nn.Module], Family]:
+    types: dict[type[nn.Module], Family] = {}
+    for family in FAMILIES:
         try:
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            module = importlib.import_module(
+                f"transformers.models.{family.name}.modeling_{family.name}")
         except ImportError:
             continue
-        block_type = getattr(module, class_name, None)
+        block_type = getattr(module, family.block, None)
         if block_type is not None:
             types[block_type] = family
     return types
@@ -217,12 +250,19 @@ class MokSparseMoeBlock(nn.Module):
                 object.__setattr__(self, name, value)
         self.gate: nn.Module
         self.experts: nn.Module
-        self.shared_experts: nn.Module | None
         if not isinstance(getattr(block, "gate", None), nn.Module):
             raise ValueError(f"{where}: no router module `gate`")
         if not isinstance(getattr(block, "experts", None), nn.Module):
             raise ValueError(f"{where}: no experts module `experts`")
         _check_experts(self.experts, self.gate, where)
+        family = _block_families().get(type(block), Family("", where, shared="shared_experts"))
+        # The shared expert's attribute and its gate's (Family), where the block has them.
+        self._shared_name = family.shared if isinstance(
+            self._modules.get(family.shared or ""), nn.Module) else None
+        self._shared_gate_name = family.shared_gate if self._shared_name else None
+        if self._shared_gate_name is not None and not isinstance(
+                self._modules.get(self._shared_gate_name), nn.Module):
+            raise ValueError(f"{where}: no shared expert gate `{self._shared_gate_name}`")
         if "shared_experts" not in self._modules:
             self.shared_experts = None
         self.block_type = where
@@ -245,8 +285,8 @@ class MokSparseMoeBlock(nn.Module):
             per_rank = num_experts // ranks
             self._local_experts = slice(rank * per_rank, (rank + 1) * per_rank)
         widths = [("expert intermediate size", two_i // 2)]
-        mlp = self.shared_experts
-        if mlp is not None and _fused_shared(mlp, hidden):  # runs in mok's call
+        mlp = self._shared()
+        if mlp is not None and self._shared_gate_name is None and _fused_shared(mlp, hidden):
             widths.append(("shared expert intermediate size", mlp.gate_proj.weight.shape[0]))
         try:
             _check_options(self.backend, swiglu_limit=swiglu_limit,
@@ -275,11 +315,17 @@ class MokSparseMoeBlock(nn.Module):
         _, topk_weights, topk_ids = self.gate(x)
         return self._experts(x, topk_ids, topk_weights).view(shape)
 
+    def _shared(self) -> nn.Module | None:
+        """The shared expert (Family.shared), or None."""
+        return getattr(self, self._shared_name) if self._shared_name else None
+
     def _experts(self, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed (+ shared) experts: x [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H].
-        The shared expert runs inside mok's call where _fused_shared says it can, else through
-        its own forward (as the original block runs it), added to the routed experts' output."""
+        The shared expert runs inside mok's call where _fused_shared says it can and no gate
+        scales it, else through its own forward (as the original block runs it), scaled by
+        sigmoid(its gate(x)) where the family has one, and added to the routed experts'
+        output."""
         experts = self.experts
         if not (isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
                 and isinstance(getattr(experts, "down_proj", None), torch.Tensor)):
@@ -301,8 +347,9 @@ class MokSparseMoeBlock(nn.Module):
         # of the parameter itself.
         gate_up = cast(gate_up)
         shared: list[torch.Tensor | None] = [None, None, None]
-        mlp = self.shared_experts
-        fused = mlp is not None and _fused_shared(mlp, x.shape[-1])
+        mlp = self._shared()
+        fused = (mlp is not None and self._shared_gate_name is None
+                 and _fused_shared(mlp, x.shape[-1]))
         if fused:
             shared = [cast(mlp.gate_proj.weight), cast(mlp.up_proj.weight),
                       cast(mlp.down_proj.weight)]
@@ -316,7 +363,11 @@ class MokSparseMoeBlock(nn.Module):
                             macrobatch_size=self.ep_macrobatch_size)
         y = y.to(x.dtype)
         if mlp is not None and not fused:
-            y = y + mlp(x)
+            shared_y = mlp(x)
+            if self._shared_gate_name is not None:
+                gate = getattr(self, self._shared_gate_name)
+                shared_y = torch.sigmoid(gate(x)) * shared_y
+            y = y + shared_y
         return y
 
     def extra_repr(self) -> str:
