@@ -18,6 +18,8 @@ Supported block classes (where the installed transformers has them; transformers
 | glm4_moe | Glm4MoeMoE | Glm4MoeTopkRouter | Glm4MoeExperts | Glm4MoeMLP |
 | ernie4_5_moe | Ernie4_5_MoeSparseMoeBlock | ...TopKRouter | ...Experts | ...MLP (optional) |
 | qwen2_moe | Qwen2MoeSparseMoeBlock | Qwen2MoeTopKRouter | Qwen2MoeExperts | Qwen2MoeMLP, gated |
+| qwen3_next | Qwen3NextSparseMoeBlock | Qwen3NextTopKRouter | Qwen3NextExperts | ...MLP, gated |
+| hunyuan_v1_moe | HunYuanMoEV1Moe | HunYuanMoEV1Gate (its wg) | HunYuanMoEV1Experts | shared_mlp |
 | flex_olmo | FlexOlmoSparseMoeBlock | FlexOlmoTopKRouter | FlexOlmoExperts | - |
 
 Layout facts this relies on (checked at patch time, an unexpected layout raises ValueError):
@@ -34,8 +36,9 @@ Layout facts this relies on (checked at patch time, an unexpected layout raises 
   module, so calling it keeps that working.
 - the shared expert (DeepSeek's, GLM's and ERNIE's shared_experts) is an MLP of bias-free
   nn.Linear gate_proj, up_proj [I_s, H] and down_proj [H, I_s] with SiLU: exactly mok's shared
-  expert, so it runs inside mok's kernels. Qwen2-MoE's shared_expert is scaled per token by
-  sigmoid(shared_expert_gate(x)): it runs through its own forward, scaled so.
+  expert, so it runs inside mok's kernels (HunYuan's shared_mlp too). Qwen2-MoE's and
+  Qwen3-Next's shared_expert is scaled per token by sigmoid(shared_expert_gate(x)): it runs
+  through its own forward, scaled so.
   Checked at every call: a shared expert that is no longer that (an adapter such as LoRA or a
   quantized layer in place of a Linear, hooks on it or its layers, a size the kernels cannot
   run) runs through its own forward, added to the routed experts' output as the original does.
@@ -80,12 +83,14 @@ __all__ = ["MokSparseMoeBlock", "patch_moe_blocks", "supported_block_types"]
 class Family:
     """A transformers family whose sparse MoE blocks can be replaced: transformers.models.<name>,
     its block class, the attribute of its shared expert (None: none) and of the per-token
-    sigmoid gate on that expert's output (Qwen2-MoE's shared_expert_gate; None: none)."""
+    sigmoid gate on that expert's output (Qwen2-MoE's shared_expert_gate; None: none), and
+    where below the router its weight is (checked against the experts' count)."""
 
     name: str
     block: str
     shared: str | None = None
     shared_gate: str | None = None
+    router_weight: str = "weight"  # the router's [E, H] weight, a dotted path below `gate`
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -98,6 +103,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", shared="shared_experts"),
     Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", shared="shared_expert",
            shared_gate="shared_expert_gate"),
+    Family("qwen3_next", "Qwen3NextSparseMoeBlock", shared="shared_expert",
+           shared_gate="shared_expert_gate"),
+    Family("hunyuan_v1_moe", "HunYuanMoEV1Moe", shared="shared_mlp", router_weight="wg.weight"),
     Family("flex_olmo", "FlexOlmoSparseMoeBlock"),
 )
 
@@ -139,7 +147,8 @@ def _silu_types() -> tuple[type[nn.Module], ...]:
     return (nn.SiLU,) if found is None else (nn.SiLU, found)
 
 
-def _check_experts(experts: nn.Module, router: nn.Module, where: str) -> None:
+def _check_experts(experts: nn.Module, router: nn.Module, where: str,
+                   router_weight: str = "weight") -> None:
     """Raise ValueError unless `experts` is the layout the module docstring describes."""
     gate_up = getattr(experts, "gate_up_proj", None)
     down = getattr(experts, "down_proj", None)
@@ -175,7 +184,9 @@ def _check_experts(experts: nn.Module, router: nn.Module, where: str) -> None:
     if apply_gate is not default_gate:
         raise ValueError(f"{where}: experts override _apply_gate; only act(gate) * up is "
                          "supported")
-    router_weight = getattr(router, "weight", None)
+    for name in router_weight.split("."):
+        router = getattr(router, name, None)
+    router_weight = router
     if not isinstance(router_weight, torch.Tensor) or router_weight.shape[0] != num_experts:
         raise ValueError(f"{where}: the router scores {getattr(router_weight, 'shape', None)} "
                          f"experts, the experts hold {num_experts} (expert parallelism?)")
@@ -254,8 +265,8 @@ class MokSparseMoeBlock(nn.Module):
             raise ValueError(f"{where}: no router module `gate`")
         if not isinstance(getattr(block, "experts", None), nn.Module):
             raise ValueError(f"{where}: no experts module `experts`")
-        _check_experts(self.experts, self.gate, where)
         family = _block_families().get(type(block), Family("", where, shared="shared_experts"))
+        _check_experts(self.experts, self.gate, where, family.router_weight)
         # The shared expert's attribute and its gate's (Family), where the block has them.
         self._shared_name = family.shared if isinstance(
             self._modules.get(family.shared or ""), nn.Module) else None

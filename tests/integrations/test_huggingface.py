@@ -108,6 +108,17 @@ FAMILIES = [
                 shared_expert_intermediate_size=32, num_key_value_heads=2, num_experts=8,
                 num_experts_per_tok=2, norm_topk_prob=False, output_router_logits=True,
                 router_aux_loss_coef=0.01)),
+    Family("qwen3_next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+           dict(num_hidden_layers=2, intermediate_size=48, moe_intermediate_size=16,
+                shared_expert_intermediate_size=32, num_key_value_heads=2, head_dim=8,
+                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                output_router_logits=True, router_aux_loss_coef=0.01,
+                layer_types=["full_attention", "full_attention"])),
+    # The router's weight is gate.wg.weight; the shared expert is shared_mlp.
+    Family("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config",
+           dict(num_hidden_layers=2, intermediate_size=16, num_key_value_heads=2, head_dim=8,
+                num_experts=8, moe_topk=2, num_shared_expert=1),
+           router_logits=False),
     Family("flex_olmo", "FlexOlmoForCausalLM", "FlexOlmoConfig",
            dict(num_hidden_layers=2, intermediate_size=16, num_key_value_heads=4,
                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
@@ -217,7 +228,8 @@ def test_patch_keeps_parameters_and_state_dict_keys(family):
     # The experts, routers and shared experts are the original modules, parameters included.
     names = [name for name, _ in model.named_parameters()]
     assert any(".experts.gate_up_proj" in name for name in names)
-    assert sum(".mlp.gate.weight" in name for name in names) == family.moe_layers
+    assert sum(".mlp.gate." in name and name.endswith("weight")
+               for name in names) == family.moe_layers
     assert patch_moe_blocks(model) == 0  # nothing left to replace
 
 
