@@ -646,8 +646,9 @@ class _BiasHistory:
         newness = size - (self.next_slot - 1 - slots) % size  # the latest slot scores size
         index = (pick * newness).argmax().reshape(1)
         found = pick.any()
-        self.state.index_copy_(0, index, torch.where(found, 2, self.state[index]).to(torch.int8))
-        return torch.where(found, self.biases[index[0]], default)
+        kept = self.state.index_select(0, index)
+        self.state.index_copy_(0, index, torch.where(found, 2, kept).to(torch.int8))
+        return torch.where(found, self.biases.index_select(0, index)[0], default)
 
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -690,3 +690,36 @@ def test_landed_flags_reach_tiles_that_hold_every_sm():
     arrived, ms = flag_reaches_spinners(lambda f: f.copy_(ones, non_blocking=True), flag,
                                         every_sm, timeout_s=2.0)
     assert arrived == every_sm.numel() and ms < 1000.0, (arrived, ms)
+
+
+def test_router_bias_history_never_waits_for_the_gpu():
+    """mok.nn.MoE with the sigmoid router's bias update under activation checkpointing: two
+    training forwards, then one backward that recomputes both (each finding its own bias on
+    the device), with no host sync; the gradients equal the module run plainly."""
+    from mok.nn import MoE, RouterConfig, RouterScoring
+
+    torch.manual_seed(0)
+    router = RouterConfig(scoring=RouterScoring.SIGMOID, bias_update_rate=5e-2)
+    plain = MoE(256, 128, 8, 2, router=router, device="cuda", dtype=torch.bfloat16)
+    checkpointed = MoE(256, 128, 8, 2, router=router, device="cuda", dtype=torch.bfloat16)
+    checkpointed.load_state_dict(plain.state_dict())
+    xs = [torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+
+    def step(module, checkpoint):
+        module.zero_grad(set_to_none=True)
+        ys = [torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False) if checkpoint
+              else module(x) for x in xs]
+        sum(y.float().square().mean() for y in ys).backward()
+        return [p.grad.clone() for p in module.parameters()]
+
+    step(checkpointed, True)  # compiles the kernels
+    step(plain, False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step(checkpointed, True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    expected = step(plain, False)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
