@@ -72,9 +72,10 @@ def gather_within(group: dist.ProcessGroup, value: object, *, timeout_s: float,
     # rank whose wait ran out ("abandoned"); compare_set makes that one write atomic.
     if store.add("arrived", 1) == world_size:
         store.compare_set("state", "", "closed")
-    deadline = time.monotonic() + timeout_s
+    deadline, pause = time.monotonic() + timeout_s, 0.001
     while not store.check(["state"]) and time.monotonic() < deadline:
-        time.sleep(0.002)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)  # many ranks polling one store: back off
     state = store.compare_set("state", "", f"abandoned by rank {rank}").decode()
     if state != "closed":
         if state == f"abandoned by rank {rank}":
