@@ -631,7 +631,7 @@ class _BiasHistory:
     def add(self, fingerprint: torch.Tensor, bias: torch.Tensor) -> None:
         slot = self.next_slot
         self.fingerprints.index_copy_(0, slot, fingerprint[None])
-        self.biases.index_copy_(0, slot, bias.detach()[None].float())
+        self.biases.index_copy_(0, slot, bias.detach()[None])
         self.state.index_fill_(0, slot, 1)
         self.next_slot.add_(1).remainder_(RECOMPUTE_HISTORY)
 

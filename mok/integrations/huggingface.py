@@ -78,7 +78,6 @@ from mok.nn import Backend, _check_options, moe_experts
 __all__ = ["MokSparseMoeBlock", "patch_moe_blocks", "supported_block_types"]
 
 
-
 @dataclass(frozen=True)
 class Family:
     """A transformers family whose sparse MoE blocks can be replaced: transformers.models.<name>,
@@ -184,11 +183,10 @@ def _check_experts(experts: nn.Module, router: nn.Module, where: str,
     if apply_gate is not default_gate:
         raise ValueError(f"{where}: experts override _apply_gate; only act(gate) * up is "
                          "supported")
-    for name in router_weight.split("."):
-        router = getattr(router, name, None)
-    router_weight = router
-    if not isinstance(router_weight, torch.Tensor) or router_weight.shape[0] != num_experts:
-        raise ValueError(f"{where}: the router scores {getattr(router_weight, 'shape', None)} "
+    weight = functools.reduce(lambda owner, name: getattr(owner, name, None),
+                              router_weight.split("."), router)
+    if not isinstance(weight, torch.Tensor) or weight.shape[0] != num_experts:
+        raise ValueError(f"{where}: the router scores {getattr(weight, 'shape', None)} "
                          f"experts, the experts hold {num_experts} (expert parallelism?)")
 
 
