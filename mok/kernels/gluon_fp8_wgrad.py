@@ -14,11 +14,12 @@ p - SPLIT): d_w_gate and d_w_up from one [d_gate, d_up] operand.
 
 One CTA per SM strides over the [BLOCK_P, BLOCK_Q] output tiles, expert by expert (the tiles of
 one expert read the same rows and share them in L2). Partitions, as mok.kernels.gluon_fp8's
-fp8_rows_ws_kernel: a loader warp fills a ring of NUM_STAGES stages with qa's [BLOCK_P, 128]
-and qb's [BLOCK_Q, 128] boxes by TMA, continuous across tiles; two MMA partitions of one
-warpgroup take 64 rows of P each, wgmma each block into a scratch accumulator, wait for it, and
-add it scaled by the outer product of the block's scales to the fp32 accumulator (the blocks in
-order, so results are bitwise reproducible); then the tile through shared memory and a TMA
+fp8_rows_ws_kernel: a loader warp fills a ring of NUM_STAGES stages by TMA, continuous across
+tiles, each stage with qa's [BLOCK_P, 128] and qb's [BLOCK_Q, 128] boxes and the block's
+BLOCK_P and BLOCK_Q scales; two MMA partitions of one warpgroup take 64 rows of P each, wgmma
+each block into a scratch accumulator, read the block's scales from the stage, wait for the
+wgmma, and add it scaled by the outer product of the scales to the fp32 accumulator (the blocks
+in order, so results are bitwise reproducible); then the tile through shared memory and a TMA
 store. An expert without rows stores zeros. Barriers as fp8_rows_ws_kernel's (ready[s] count 1
 with expect-tx; empty[s] count 2).
 """
@@ -52,11 +53,13 @@ def _tile(tile, num_p, num_q, expert_offsets_ptr, num_experts):
 
 
 @gluon.jit
-def _load_partition(a_desc, b_desc, expert_offsets_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
-                    num_experts, num_p, num_q,
+def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, expert_offsets_ptr, a_bufs,
+                    b_bufs, a_scale_bufs, b_scale_bufs, ready_bars, empty_bars, num_experts,
+                    num_p, num_q, stride_as, stride_bs,
                     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Fills the ring: qa's and qb's boxes of each K step by TMA."""
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    """Fills the ring: qa's and qb's boxes of each K step and their scales by TMA."""
+    nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes
+                            + a_scale_desc.block_type.nbytes + b_scale_desc.block_type.nbytes)
     i = 0
     for tile in range(gl.program_id(0), num_experts * num_p * num_q, gl.num_programs(0)):
         _, pid_p, pid_q, start, blocks = _tile(tile, num_p, num_q, expert_offsets_ptr,
@@ -67,33 +70,31 @@ def _load_partition(a_desc, b_desc, expert_offsets_ptr, a_bufs, b_bufs, ready_ba
             bar = ready_bars.index(s)
             mbarrier.expect(bar, nbytes)
             k0 = start + kk * ROWS
+            slot = k0 // ROWS
             tma.async_copy_global_to_shared(a_desc, [pid_p * BLOCK_P, k0], bar, a_bufs.index(s))
             tma.async_copy_global_to_shared(b_desc, [pid_q * BLOCK_Q, k0], bar, b_bufs.index(s))
+            tma.async_copy_global_to_shared(a_scale_desc, [slot * stride_as + pid_p * BLOCK_P],
+                                            bar, a_scale_bufs.index(s))
+            tma.async_copy_global_to_shared(b_scale_desc, [slot * stride_bs + pid_q * BLOCK_Q],
+                                            bar, b_scale_bufs.index(s))
             i += 1
 
 
 @gluon.jit
-def _mma_partition(out_desc, out2_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
-                   a_scale_ptr, b_scale_ptr, expert_offsets_ptr, num_experts, num_p, num_q, P,
-                   Q, SPLIT, stride_as, stride_bs,
+def _mma_partition(out_desc, out2_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready_bars,
+                   empty_bars, c_smem, expert_offsets_ptr, num_experts, num_p, num_q, P, SPLIT,
                    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, NUM_STAGES: gl.constexpr,
                    HALF: gl.constexpr):
-    """Rows HALF * 64 .. + 64 of P of every tile: the scaled K loop, then the store."""
+    """Rows HALF * 64 .. + 64 of P of every tile: the scaled K loop, then the store. Columns
+    past Q read the next scales of the flat scale tensor (or TMA's zeros) against qb's
+    zero-filled rows: never stored."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_Q, 32])
-    p_in_tile = HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-    q_in_tile = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, acc_layout))
     tmp = gl.zeros([64, BLOCK_Q], gl.float32, acc_layout)
     i = 0
     for tile in range(gl.program_id(0), num_experts * num_p * num_q, gl.num_programs(0)):
         expert, pid_p, pid_q, start, blocks = _tile(tile, num_p, num_q, expert_offsets_ptr,
                                                     num_experts)
-        ps = pid_p * BLOCK_P + p_in_tile
-        qs = pid_q * BLOCK_Q + q_in_tile
-        in_q = qs < Q
-        slot = (start // ROWS).to(gl.int64)
-        a_scale_ptrs = a_scale_ptr + slot * stride_as + ps
-        b_scale_ptrs = b_scale_ptr + slot * stride_bs + qs
         acc = gl.zeros([64, BLOCK_Q], gl.float32, acc_layout)
         for _ in range(blocks):
             s = i % NUM_STAGES
@@ -101,13 +102,12 @@ def _mma_partition(out_desc, out2_desc, a_bufs, b_bufs, ready_bars, empty_bars, 
             tmp = warpgroup_mma(a_bufs.index(s).slice(HALF * 64, 64),
                                 b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
                                 is_async=True)
-            a_scale = gl.load(a_scale_ptrs)
-            b_scale = gl.load(b_scale_ptrs, mask=in_q, other=0.0)
+            a_scale = a_scale_bufs.index(s).slice(HALF * 64, 64).load(
+                gl.SliceLayout(1, acc_layout))
+            b_scale = b_scale_bufs.index(s).load(gl.SliceLayout(0, acc_layout))
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
             mbarrier.arrive(empty_bars.index(s))
             acc += tmp * (a_scale[:, None] * b_scale[None, :])
-            a_scale_ptrs += stride_as
-            b_scale_ptrs += stride_bs
             i += 1
         # the tile lies on one side of SPLIT (BLOCK_P divides it)
         p0 = pid_p * BLOCK_P + HALF * 64
@@ -120,18 +120,24 @@ def _mma_partition(out_desc, out2_desc, a_bufs, b_bufs, ready_bars, empty_bars, 
 
 @gluon.jit
 def fp8_wgrad_ws_kernel(
-    a_desc, b_desc, out_desc, out2_desc, a_scale_ptr, b_scale_ptr, expert_offsets_ptr,
-    num_experts, num_p, num_q, P, Q, SPLIT, stride_as, stride_bs,
+    a_desc, b_desc, a_scale_desc, b_scale_desc, out_desc, out2_desc, expert_offsets_ptr,
+    num_experts, num_p, num_q, P, SPLIT, stride_as, stride_bs,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, NUM_STAGES: gl.constexpr,
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = 4 (the first MMA partition).
     Descriptors: a_desc qa [P, C] e4m3 with [BLOCK_P, 128] boxes, b_desc qb [Q, C] e4m3 with
-    [BLOCK_Q, 128] boxes, out_desc out viewed [E * SPLIT, Q] and out2_desc out2 viewed
-    [E * (P - SPLIT), Q] with [64, BLOCK_Q] boxes (without a split, SPLIT = P and out2 = out).
-    BLOCK_P 128 dividing SPLIT and P - SPLIT; BLOCK_Q 64 or 128."""
+    [BLOCK_Q, 128] boxes, a_scale_desc and b_scale_desc the scales flattened (row stride
+    stride_as, stride_bs; multiples of 4) with [BLOCK_P] and [BLOCK_Q] boxes, out_desc out
+    viewed [E * SPLIT, Q] and out2_desc out2 viewed [E * (P - SPLIT), Q] with [64, BLOCK_Q]
+    boxes (without a split, SPLIT = P and out2 = out). BLOCK_P 128 dividing SPLIT and
+    P - SPLIT; BLOCK_Q 64 or 128."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_P, ROWS], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_Q, ROWS], b_desc.layout)
+    a_scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_P],
+                                             a_scale_desc.layout)
+    b_scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_Q],
+                                             b_scale_desc.layout)
     c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                        out_desc.layout)
     c_smem2 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
@@ -139,15 +145,14 @@ def fp8_wgrad_ws_kernel(
     ready_bars, empty_bars = _ring_barriers(NUM_STAGES, 1, 2)
 
     gl.warp_specialize([
-        (_mma_partition, (out_desc, out2_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
-                          a_scale_ptr, b_scale_ptr, expert_offsets_ptr, num_experts, num_p,
-                          num_q, P, Q, SPLIT, stride_as, stride_bs, BLOCK_P, BLOCK_Q,
-                          NUM_STAGES, 0)),
-        (_mma_partition, (out_desc, out2_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
-                          a_scale_ptr, b_scale_ptr, expert_offsets_ptr, num_experts, num_p,
-                          num_q, P, Q, SPLIT, stride_as, stride_bs, BLOCK_P, BLOCK_Q,
-                          NUM_STAGES, 1)),
-        (_load_partition, (a_desc, b_desc, expert_offsets_ptr, a_bufs, b_bufs, ready_bars,
-                           empty_bars, num_experts, num_p, num_q, BLOCK_P, BLOCK_Q,
+        (_mma_partition, (out_desc, out2_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs,
+                          ready_bars, empty_bars, c_smem, expert_offsets_ptr, num_experts,
+                          num_p, num_q, P, SPLIT, BLOCK_P, BLOCK_Q, NUM_STAGES, 0)),
+        (_mma_partition, (out_desc, out2_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs,
+                          ready_bars, empty_bars, c_smem2, expert_offsets_ptr, num_experts,
+                          num_p, num_q, P, SPLIT, BLOCK_P, BLOCK_Q, NUM_STAGES, 1)),
+        (_load_partition, (a_desc, b_desc, a_scale_desc, b_scale_desc, expert_offsets_ptr,
+                           a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready_bars, empty_bars,
+                           num_experts, num_p, num_q, stride_as, stride_bs, BLOCK_P, BLOCK_Q,
                            NUM_STAGES)),
     ], [4, 1], [MMA_REGS, LOAD_REGS])

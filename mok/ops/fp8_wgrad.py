@@ -8,6 +8,7 @@ import math
 
 import torch
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
 from mok import _env
 from mok.arch import arch_of
@@ -137,14 +138,16 @@ def gluon_takes_fp8_wgrad(qa: Quantized, qb: Quantized, routing: Routing, tiles:
     """Whether the Gluon kernel (mok.kernels.gluon_fp8_wgrad) runs this weight gradient: an
     sm_90 GPU, the schedule's alignment a multiple of 128 (whole blocks of rows per expert),
     128-row tiles dividing the gradient's rows on each side of the split, 64 or 128 columns,
-    an output TMA can store (16-bit or fp32 rows of 16-byte multiples)."""
+    an output TMA can store (16-bit or fp32 rows of 16-byte multiples), scales TMA can load
+    (contiguous, rows of 16-byte multiples)."""
     width_a, width_b = qa.data.shape[0], qb.data.shape[0]
     cut = split if split is not None else width_a
     return (qa.data.is_cuda and arch_of(qa.data.device).warp_specialized
             and routing.align % QUANT_BLOCK == 0 and tiles.block_k == QUANT_BLOCK
             and tiles.block_m == 128 and tiles.block_n in (64, 128)
             and cut % 128 == 0 and (width_a - cut) % 128 == 0
-            and out_dtype in _GLUON_OUT and (width_b * out_dtype.itemsize) % 16 == 0)
+            and out_dtype in _GLUON_OUT and (width_b * out_dtype.itemsize) % 16 == 0
+            and all(q.scales.is_contiguous() and q.scales.stride(0) % 4 == 0 for q in (qa, qb)))
 
 
 _GLUON_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -159,15 +162,25 @@ def _wgrad_gluon(qa: Quantized, qb: Quantized, outs: list[torch.Tensor], routing
     out_dtype = _GLUON_OUT[outs[0].dtype]
     views = [out.view(-1, width_b) for out in outs]
     epilogue = 2 * 64 * bq * outs[0].element_size()  # each MMA partition's output buffer
-    stages = min(tiles.num_stages, (_SMEM - epilogue) // ((bp + bq) * QUANT_BLOCK))
+    stage = (bp + bq) * (QUANT_BLOCK + 4)  # the codes' boxes and their fp32 scales
+    stages = min(tiles.num_stages, (_SMEM - epilogue) // stage)
     launch(gluon_fp8_wgrad.fp8_wgrad_ws_kernel, (_num_programs(qa.data.device),))(
         a_desc=_gluon_descriptor(qa.data, [bp, QUANT_BLOCK], gl.float8e4nv),
         b_desc=_gluon_descriptor(qb.data, [bq, QUANT_BLOCK], gl.float8e4nv),
+        a_scale_desc=_scale_descriptor(qa.scales, bp),
+        b_scale_desc=_scale_descriptor(qb.scales, bq),
         out_desc=_gluon_descriptor(views[0], [64, bq], out_dtype),
         out2_desc=_gluon_descriptor(views[-1], [64, bq], out_dtype),
-        a_scale_ptr=qa.scales, b_scale_ptr=qb.scales, expert_offsets_ptr=routing.expert_offsets,
-        num_experts=num, num_p=cdiv(width_a, bp), num_q=cdiv(width_b, bq), P=width_a,
-        Q=width_b, SPLIT=split, stride_as=qa.scales.stride(0), stride_bs=qb.scales.stride(0),
-        BLOCK_P=bp, BLOCK_Q=bq, NUM_STAGES=stages, LOAD_REGS=_GLUON_LOAD_REGS,
-        MMA_REGS=_GLUON_MMA_REGS, num_warps=4,
+        expert_offsets_ptr=routing.expert_offsets, num_experts=num, num_p=cdiv(width_a, bp),
+        num_q=cdiv(width_b, bq), P=width_a, SPLIT=split, stride_as=qa.scales.stride(0),
+        stride_bs=qb.scales.stride(0), BLOCK_P=bp, BLOCK_Q=bq, NUM_STAGES=stages,
+        LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_GLUON_MMA_REGS, num_warps=4,
     )
+
+
+_SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def _scale_descriptor(scales: torch.Tensor, box: int) -> GluonDescriptor:
+    """A TMA descriptor of scales [slots, N] fp32 (contiguous) flattened, with [box] boxes."""
+    return GluonDescriptor.from_tensor(scales.view(-1), [box], _SCALE_LAYOUT)
