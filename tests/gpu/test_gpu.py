@@ -587,12 +587,16 @@ def test_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up, var
     _check_sync_free_and_graph_replay(config, tiles)
 
 
-@pytest.mark.parametrize("recompute_gate_up", [True, False], ids=["recompute", "kept"])
-def test_fp8_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up):
+@pytest.mark.parametrize(("recompute_gate_up", "fp8_weight_gradients"),
+                         [(True, False), (False, False), (False, True)],
+                         ids=["recompute", "kept", "kept_fp8_weight_gradients"])
+def test_fp8_no_host_sync_and_cuda_graph_replay_matches_eager(recompute_gate_up,
+                                                              fp8_weight_gradients):
     # MoKConfig(precision="fp8"): the captured step quantizes the weights it reads, so a replay
     # after the weights changed follows them, and an eager call after the graph too.
     _check_sync_free_and_graph_replay(
-        F.MoKConfig(recompute_gate_up=recompute_gate_up, precision="fp8"), None,
+        F.MoKConfig(recompute_gate_up=recompute_gate_up, precision="fp8",
+                    fp8_weight_gradients=fp8_weight_gradients), None,
         changed=("w_routed_down", "w_shared_up"))
 
 
@@ -656,12 +660,18 @@ def _check_sync_free_and_graph_replay(config, tiles, changed=()):
     F.check_errors(workspace)
 
 
-@pytest.mark.parametrize("shape", [SHAPES_BY_NAME["qwen3-30b-a3b"],
-                                   SHAPES_BY_NAME["kimi-ep64-slice"],
-                                   SHAPES_BY_NAME["deepseek-v2-lite"]], ids=lambda s: s.name)
-def test_fp8_real_shape_is_deterministic_and_within_fp8_tolerance(shape):
+@pytest.mark.parametrize(("shape", "fp8_weight_gradients"),
+                         [(SHAPES_BY_NAME["qwen3-30b-a3b"], False),
+                          (SHAPES_BY_NAME["kimi-ep64-slice"], False),
+                          (SHAPES_BY_NAME["deepseek-v2-lite"], False),
+                          (SHAPES_BY_NAME["qwen3-30b-a3b"], True),
+                          (SHAPES_BY_NAME["mixtral-8x7b"], True)],
+                         ids=["qwen3-30b-a3b", "kimi-ep64-slice", "deepseek-v2-lite",
+                              "qwen3-30b-a3b-fp8_weight_gradients",
+                              "mixtral-8x7b-fp8_weight_gradients"])
+def test_fp8_real_shape_is_deterministic_and_within_fp8_tolerance(shape, fp8_weight_gradients):
     inputs = shape_inputs(shape, seed=1)
-    config = F.MoKConfig(precision="fp8")
+    config = F.MoKConfig(precision="fp8", fp8_weight_gradients=fp8_weight_gradients)
     y, grads, _, context = run_layer(inputs, config=config)
     y2, grads2, _, _ = run_layer(inputs, config=config)
     assert torch.equal(y, y2)
