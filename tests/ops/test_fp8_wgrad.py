@@ -143,3 +143,60 @@ def test_fp8_wgrad_rejects_bad_operands(device):
     with pytest.raises(ValueError, match="K steps"):
         grouped_wgrad_fp8(rows, x, routing, RowTiles(128, 64, 64), gather_a=False,
                           gather_b=True, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("align", "weighted", "limit", "dtype"),
+                         [(16, True, None, torch.bfloat16), (128, False, 1.5, torch.bfloat16),
+                          (32, True, 1.5, torch.float16)],
+                         ids=["align16_weighted", "align128_shared_limit", "align32_fp16"])
+def test_dswiglu_along_rows_is_the_dswiglu_then_quantize_row_blocks(device, align, weighted,
+                                                                     limit, dtype):
+    # mok.ops.dswiglu_fp8_along_rows against dswiglu_fp8 (apart) and quantize_row_blocks of the
+    # 16-bit d_gate_up and h it stores: the same bits in every code and scale of the rows in use
+    # (experts of several row blocks, blocks cut at an expert's end, padding rows, an expert
+    # without rows); the pre-activations left as they were.
+    from mok.ops.fp8 import dswiglu_fp8, gate_up_fp8
+    from mok.ops.fp8_wgrad import dswiglu_fp8_along_rows
+    from mok.ops.quantize import quantize_rows, quantize_weights
+
+    tokens, hidden, inter = 300, 256, 256
+    routing, router_weights = schedule(device, tokens=tokens, experts=4, topk=2, align=align,
+                                       seed=21, unused=(2,))
+    generator = torch.Generator().manual_seed(22)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype).to(device)
+    w_g, w_u, w_d = ((torch.randn(4, n, k, generator=generator) / k ** 0.5).to(dtype).to(device)
+                     for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    tiles = RowTiles(16, 128, QUANT_BLOCK, group_m=2, num_warps=4, num_stages=2)
+    gate_up = gate_up_fp8(quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u),
+                          routing, tiles, limit, out_dtype=dtype)
+    d_out = quantize_rows(torch.randn(tokens, hidden, generator=generator).to(dtype).to(device))
+    w_down_t = quantize_weights(w_d.transpose(1, 2))
+    weights = router_weights if weighted else None
+    kept = gate_up.clone()
+    q, h, partial = dswiglu_fp8(d_out, w_down_t, kept, routing, tiles, weights, limit,
+                                apart=True)
+    expected = (quantize_row_blocks(kept, routing, gather=False),
+                quantize_row_blocks(h, routing, gather=False))
+    mine = gate_up.clone()
+    q2, partial2, *along_rows = dswiglu_fp8_along_rows(d_out, w_down_t, mine, routing, tiles,
+                                                       weights, limit)
+    n = int(routing.used_rows)
+    assert torch.equal(mine[:n].view(torch.int16), gate_up[:n].view(torch.int16))
+    assert n > 0 and (routing.row_route[:n] < 0).any()
+    assert torch.equal(q.data[:n].view(torch.uint8), q2.data[:n].view(torch.uint8))
+    assert torch.equal(q.scales[:n], q2.scales[:n])
+    assert (partial2 is None) == (not weighted)
+    if weighted:
+        assert torch.equal(partial[:n], partial2[:n])
+    sub = math.gcd(align, QUANT_BLOCK)
+    offsets = routing.expert_offsets.long().cpu()
+    for (codes, scales), (theirs, their_scales) in zip(along_rows, expected, strict=True):
+        assert codes.shape == theirs.shape and scales.shape == their_scales.shape
+        for e in range(routing.num_local_experts):
+            start, end = int(offsets[e]), min(int(offsets[e + 1]), n)
+            if end <= start:
+                continue
+            slots = slice(start // sub, start // sub + math.ceil((end - start) / QUANT_BLOCK))
+            assert torch.equal(codes[:, start:end].view(torch.uint8),
+                               theirs[:, start:end].view(torch.uint8)), e
+            assert torch.equal(scales[slots], their_scales[slots]), e
