@@ -108,7 +108,8 @@ def _block_values(dh0_ptr, gate_up_ptr, row_route_ptr, router_weights_ptr, first
     dh0 = tl.load(dh0_ptr + rows[:, None] * stride_dm + cols[None, :], mask=keep, other=0.0)
     h, d_gate, d_up, partial = _dswiglu_values(
         dh0, gate_up_ptr + rows[:, None] * stride_gum + cols[None, :], route, valid, keep, N,
-        router_weights_ptr, swiglu_limit, HAS_LIMIT, WEIGHTED)
+        router_weights_ptr, swiglu_limit, dh0_ptr, keep, dh0_ptr, HAS_LIMIT, WEIGHTED, False,
+        False)
     return rows, mine, h, d_gate, d_up, partial
 
 
