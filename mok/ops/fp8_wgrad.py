@@ -18,8 +18,6 @@ from mok.kernels import gluon_fp8_wgrad
 from mok.ops.checks import check_out_dtype, check_rows
 from mok.ops.experts import _gluon_descriptor, _num_programs
 from mok.ops.fp8 import (
-    _DSWIGLU_ROWS,
-    _DSWIGLU_WARPS,
     _GLUON_LOAD_REGS,
     _GLUON_MMA_REGS,
     _SMEM,
@@ -34,6 +32,9 @@ from mok.ops.tuning import FP8_WGRAD_TILES, RowTiles
 
 E4M3 = torch.float8_e4m3fn
 _QUANTIZE_COLUMNS = 64
+# The along-rows dSwiGLU launch: rows of its [rows, 128] blocks, and its warps.
+_ALONG_ROWS_BLOCK = 16
+_ALONG_ROWS_WARPS = 8
 
 
 def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
@@ -105,7 +106,7 @@ def dswiglu_fp8_along_rows(
             spare.stride(0), d_gate_up.data.stride(0), d_gate_up.scales.stride(0),
             h.data.stride(0), h.scales.stride(0),
             HAS_LIMIT=swiglu_limit is not None, WEIGHTED=weighted, ALIGN=routing.align, SUB=sub,
-            BLOCK_M=_DSWIGLU_ROWS, UPCAST=_env.INTERPRET, num_warps=_DSWIGLU_WARPS,
+            BLOCK_M=_ALONG_ROWS_BLOCK, UPCAST=_env.INTERPRET, num_warps=_ALONG_ROWS_WARPS,
         )
     return Quantized(out, out_scales), partial, d_gate_up, h
 
