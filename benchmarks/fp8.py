@@ -16,10 +16,6 @@ random routes), stage by stage:
   dswiglu    dswiglu_fp8 on random e4m3 d_output rows over the kept pre-activations (one
              Triton launch, and on an sm_90 GPU apart: the Gluon GEMM into fp32, then the
              dSwiGLU; dswiglu_rows times that second launch alone, GB/s, with several blocks);
-  dswiglu_along  on an sm_90 GPU: d_gate_up and h quantized along the rows for the FP8
-             weight gradients by the dSwiGLU's second launch (dswiglu_fp8_along_rows, with
-             several blocks, checked bit for bit) against the dSwiGLU apart followed by two
-             quantize_row_blocks launches; the dSwiGLU's GEMM included in both;
   d_x        d_x_rows_fp8 on random e4m3 d_gate_up rows (Triton, Gluon);
   wgrad_*    the weight gradients of down and of gate/up: mok's bf16 launches (the layer's
              plan), grouped_wgrad_fp8 (its operands quantized along the rows, then the GEMM),
@@ -86,45 +82,6 @@ def _dswiglu_rows_with(rows: int, warps: int, *args) -> None:
 
 
 WGRAD_FP8_VARIANTS = ((128, 128, 8, 4), (64, 128, 4, 6), (64, 128, 4, 4))
-# Blocks of the along-rows dSwiGLU launch timed (rows, warps); mok.ops.fp8_wgrad's is the first.
-ALONG_ROWS_VARIANTS = ((16, 8), (32, 8), (64, 8), (32, 16), (64, 16), (32, 4))
-
-
-def _along_rows_with(rows: int, warps: int, *args, **kwargs):
-    """mok.ops.dswiglu_fp8_along_rows with [rows, 128] blocks of `warps`."""
-    from mok.ops import fp8_wgrad
-
-    before = fp8_wgrad._ALONG_ROWS_BLOCK, fp8_wgrad._ALONG_ROWS_WARPS
-    fp8_wgrad._ALONG_ROWS_BLOCK, fp8_wgrad._ALONG_ROWS_WARPS = rows, warps
-    try:
-        return ops.dswiglu_fp8_along_rows(*args, **kwargs)
-    finally:
-        fp8_wgrad._ALONG_ROWS_BLOCK, fp8_wgrad._ALONG_ROWS_WARPS = before
-
-
-def _same_along_rows(mine, theirs, routing) -> bool:
-    """Whether two operands quantized along the rows agree bit for bit in the codes of the
-    rows in use and the scales of the slots the experts use."""
-    n = int(routing.used_rows)
-    if not torch.equal(mine.data[:, :n].view(torch.uint8), theirs.data[:, :n].view(torch.uint8)):
-        return False
-    sub = math.gcd(routing.align, QUANT_BLOCK)
-    offsets = routing.expert_offsets.long().cpu()
-    for e in range(routing.num_local_experts):
-        start, end = int(offsets[e]), min(int(offsets[e + 1]), n)
-        slots = slice(start // sub, start // sub + math.ceil(max(end - start, 0) / QUANT_BLOCK))
-        if not torch.equal(mine.scales[slots], theirs.scales[slots]):
-            return False
-    return True
-
-
-def _separate_along_rows(d_out_q, down_t, gate_up, routing, tiles, router_weights):
-    """What the along-rows launch replaces: the dSwiGLU apart (d_gate_up and h in 16 bits), then
-    d_gate_up and h quantized along the rows, each in a launch of its own."""
-    q, h, partial = ops.dswiglu_fp8(d_out_q, down_t, gate_up, routing, tiles, router_weights,
-                                    apart=True)
-    return (q, partial, ops.quantize_row_blocks(gate_up, routing, gather=False),
-            ops.quantize_row_blocks(h, routing, gather=False))
 
 
 def median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
@@ -455,25 +412,6 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                 _dswiglu_rows_with, rows_, warps, dh0, kept_buffers["rows"], routing,
                 router_weights, None, d_gate_up_out, scales_out, h_out, partial_out), 0,
                 routes * inter * (4 + 4 + 2 + 4 + 2)))
-        # d_gate_up and h quantized along the rows for the FP8 weight gradients: by the
-        # dSwiGLU's second launch, against that launch's 16-bit outputs quantized apart (both
-        # with the dSwiGLU's GEMM); the variants' outputs compared bit for bit with the latter
-        along_args = (d_out_q, fp8_experts.down_t, kept, routing, gluon_tiles["down_bwd_saved"],
-                      router_weights)
-        theirs = _separate_along_rows(d_out_q, fp8_experts.down_t, kept.clone(), *along_args[3:])
-        along_buffer = kept.clone()
-        stages.append(("dswiglu_along", "mok_fp8_separate", functools.partial(
-            _separate_along_rows, d_out_q, fp8_experts.down_t, along_buffer, *along_args[3:]),
-            gemm, 0))
-        for rows_, warps in ALONG_ROWS_VARIANTS:
-            mine = _along_rows_with(rows_, warps, *along_args)
-            same = all(_same_along_rows(a, b, routing)
-                       for a, b in ((mine[2], theirs[2]), (mine[3], theirs[3])))
-            print(f"   along-rows dSwiGLU {rows_}x128 w{warps}: d_gate_up and h as quantized "
-                  f"apart, bit for bit: {same}", flush=True)
-            errors[("dswiglu_along", f"mok_fp8_{rows_}x128_w{warps}")] = 0.0 if same else 1.0
-            stages.append(("dswiglu_along", f"mok_fp8_{rows_}x128_w{warps}", functools.partial(
-                _along_rows_with, rows_, warps, *along_args), gemm, 0))
     if device.type == "cuda":  # torch._scaled_mm needs a GPU
         stages += [
             ("dense_gate_up", "cublas_bf16", lambda: dense_mm(routes, hidden, 2 * inter, False),

@@ -15,9 +15,7 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   mok.testing.tolerance.FP8_TOLERANCE; on sm_90 the plan gives most launches the warp-specialized
   Gluon FP8 kernels (MOK_FP8_GLUON). mok_fp8_triton: mok_fp8 on the Triton FP8 kernels alone
   (MOK_FP8_GLUON=0); mok_fp8_fused_dswiglu: the dSwiGLU in one launch. mok_fp8_wgrad:
-  mok_fp8 with its weight gradients on e4m3 operands too (MoKConfig.fp8_weight_gradients);
-  mok_fp8_wgrad_along_rows: that with their d_gate_up and h operands quantized by the
-  dSwiGLU's second launch (the plan's _FP8_DSWIGLU_ALONG_ROWS).
+  mok_fp8 with its weight gradients on e4m3 operands too (MoKConfig.fp8_weight_gradients).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -221,17 +219,6 @@ def mok_fp8_recompute_implementation(shape: MoEShape, settings: Settings) -> Imp
 def mok_fp8_wgrad_implementation(shape: MoEShape, settings: Settings) -> Implementation:
     return mok_implementation(shape, settings, name="mok_fp8_wgrad",
                               config=F.MoKConfig(precision="fp8", fp8_weight_gradients=True))
-
-
-def mok_fp8_wgrad_along_rows_implementation(shape: MoEShape,
-                                            settings: Settings) -> Implementation:
-    """mok_fp8_wgrad with d_gate_up and h quantized along the rows by the dSwiGLU."""
-    from mok import plan
-
-    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_wgrad_along_rows",
-                                            config=F.MoKConfig(precision="fp8",
-                                                               fp8_weight_gradients=True)),
-                         plan, "_FP8_DSWIGLU_ALONG_ROWS", True)
 
 
 def _with_setting(inner: Implementation, owner, name: str, value) -> Implementation:
@@ -514,7 +501,6 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8_triton": mok_fp8_triton_implementation,
     "mok_fp8_fused_dswiglu": mok_fp8_fused_dswiglu_implementation,
     "mok_fp8_wgrad": mok_fp8_wgrad_implementation,
-    "mok_fp8_wgrad_along_rows": mok_fp8_wgrad_along_rows_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,
     "triton_dense": triton_dense_implementation,

@@ -851,18 +851,13 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
             gate_up = _fp8_pre_activations(schedule, x, ops.quantize_rows(x_rows), experts,
                                            weights, routing, swiglu_limit,
                                            moved=scatter is not None)
-        if config.fp8_weight_gradients and fp8.dswiglu_along_rows:
-            d_gate_up_q, partial, *saved = ops.dswiglu_fp8_along_rows(
-                dq, weights.down_t, gate_up, routing, fp8.dswiglu, route_weights, swiglu_limit)
-        else:
-            d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
-                                                      fp8.dswiglu, route_weights, swiglu_limit,
-                                                      apart=fp8.dswiglu_apart)
-            _overwritten(gate_up)
-            saved = [gate_up, h]  # gate_up holds d_gate_up now
+        d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
+                                                  fp8.dswiglu, route_weights, swiglu_limit,
+                                                  apart=fp8.dswiglu_apart)
+        _overwritten(gate_up)
         d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, fp8.d_x,
                                     out_dtype=dtype, scatter=scatter)
-        return fp8, d_x_rows, partial, saved
+        return fp8, d_x_rows, partial, [gate_up, h]  # gate_up holds d_gate_up now
 
     d_shared = (None, None, None)
     d_x_shared_rows = None
@@ -1078,8 +1073,7 @@ def _weight_grads(plan: BackwardPlan | Fp8Plan, routing, d_output, x, saved, rou
     """(d_w_gate, d_w_up, d_w_down) from saved = [d_gate_up, h] (emptied, so that the first
     one's operand is freed before the other gradients are allocated: d_gate_up [C, 2I], or with
     down_first h [C, I], where d_gate_up lives on in a kept context); d_output and x by token.
-    fp8 (MoKConfig.fp8_weight_gradients, plan an Fp8Plan): on e4m3 operands (d_gate_up and h
-    already quantized along the rows where the plan's dswiglu_along_rows gave them)."""
+    fp8 (MoKConfig.fp8_weight_gradients, plan an Fp8Plan): on e4m3 operands."""
     d_gate_up, h = saved
     saved.clear()
 

@@ -149,10 +149,7 @@ class Fp8Plan:
     recomputing backward's), down, dswiglu, d_x; the weight gradients, in the inputs' dtype, as
     the 16-bit plan's; wgrad_fp8, those of the weight gradients on e4m3 operands
     (MoKConfig.fp8_weight_gradients); dswiglu_apart: the dSwiGLU as two launches (its GEMM
-    into fp32 on the dswiglu tiles, then the dSwiGLU over it; mok.ops.dswiglu_fp8's apart);
-    dswiglu_along_rows: with the FP8 weight gradients, their d_gate_up and h operands
-    quantized by the dSwiGLU's second launch (mok.ops.dswiglu_fp8_along_rows) rather than
-    stored in 16 bits and quantized by launches of their own."""
+    into fp32 on the dswiglu tiles, then the dSwiGLU over it; mok.ops.dswiglu_fp8's apart)."""
 
     gate_up: RowTiles
     gate_up_saved: RowTiles
@@ -163,7 +160,6 @@ class Fp8Plan:
     wgrad_down: WgradTiles
     wgrad_fp8: RowTiles = FP8_WGRAD_TILES
     dswiglu_apart: bool = False
-    dswiglu_along_rows: bool = False
 
 
 def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,
@@ -174,15 +170,14 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     of 16); the dSwiGLU apart, its GEMM on the Gluon kernel, where that takes it
     (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight gradients on
     the Gluon kernel where the alignment, H and I are multiples of 128; scatter: down and d_x
-    write their rows to other ranks (the Triton kernel's epilogue); the FP8 weight gradients'
-    d_gate_up and h from the dSwiGLU where _FP8_DSWIGLU_ALONG_ROWS. Remembered per arguments
+    write their rows to other ranks (the Triton kernel's epilogue). Remembered per arguments
     and switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
-                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_DSWIGLU_ALONG_ROWS)
+                       _env.FP8_GLUON, _FP8_DSWIGLU_APART)
 
 
 def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
-              scatter: bool, gluon_on: bool, apart_on: bool, along_rows_on: bool) -> Fp8Plan:
+              scatter: bool, gluon_on: bool, apart_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
@@ -196,16 +191,12 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
         made = dataclasses.replace(made, wgrad_fp8=FP8_WGRAD_GLUON_TILES)
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
     # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
-    return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon,
-                               dswiglu_along_rows=along_rows_on)
+    return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)
 
 
 # The dSwiGLU on sm_90: apart (its GEMM on the Gluon kernel, then the dSwiGLU), or False: in one
 # launch of the Triton kernel.
 _FP8_DSWIGLU_APART = True
-# With the FP8 weight gradients: their d_gate_up and h operands quantized by the dSwiGLU's
-# second launch. Off until timed on a GPU (docs/measurements.md, 2026-12-06 late morning).
-_FP8_DSWIGLU_ALONG_ROWS = False
 
 
 # Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).

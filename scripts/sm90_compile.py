@@ -447,9 +447,6 @@ def main(argv=None) -> None:
             ("quantize rows fp8 for weight gradients", wgrad8,
              lambda tt: fp8_wgrad.quantize_row_blocks(x, routing, gather=True,
                                                       router_weights=rw)),
-            ("dswiglu along rows fp8 limit", ops.fp8_tiles("down_bwd_saved", 128),
-             lambda tt: fp8_wgrad.dswiglu_fp8_along_rows(
-                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0)),
         ]
         # The Gluon FP8 kernels (mok.kernels.gluon_fp8, gluon_fp8_wgrad), as an sm_90 GPU would
         # run them.

@@ -18,13 +18,6 @@ K-major operand an e4m3 MMA reads), and the scales [C / SUB, P], of a source rea
 GATHER, by token (src row = route // topk), WEIGHTED rows scaled by their route's router weight
 first; padding rows are zeros. A program per block slot and BLOCK_N columns.
 
-fp8_dswiglu_rows_kernel: the dSwiGLU over dh0 computed apart (mok.kernels.fp8_gemm's
-fp8_dswiglu_rows_kernel: d_gate_up in e4m3 with 1 x 128 scales, the router-weight gradient's
-partial sums) that also quantizes d_gate_up and h along the rows, as quantize_row_blocks_kernel
-quantizes their 16-bit values, instead of storing them in 16 bits. A program per block slot and
-128 columns: the slot's rows in [BLOCK_M, 128] blocks twice, first for each column's amax, then
-for the outputs (the same arithmetic again, so the values quantized are the values measured).
-
 fp8_wgrad_kernel: one [BLOCK_P, BLOCK_Q] tile of one expert's gradient; each block's e4m3
 product is scaled by the outer product of the two scale vectors and added to an fp32
 accumulator, the blocks in order, so results are bitwise reproducible. Rows p >= SPLIT go to
@@ -36,8 +29,8 @@ import triton
 import triton.language as tl
 
 from mok.kernels.common import cast_to, to_e4m3
-from mok.kernels.fp8_gemm import _dot_e4m3, _dswiglu_values
-from mok.kernels.quantize import _block_scale, quantize_tile
+from mok.kernels.fp8_gemm import _dot_e4m3
+from mok.kernels.quantize import _block_scale
 
 ROWS = tl.constexpr(128)  # the scales' block along the rows
 
@@ -92,107 +85,6 @@ def quantize_row_blocks_kernel(
     tl.store(scale_ptr + slot.to(tl.int64) * stride_s + cols, scale, mask=in_n)
     tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + rows[None, :], tl.trans(q),
              mask=in_n[:, None] & mine[None, :])
-
-
-@triton.jit
-def _block_values(dh0_ptr, gate_up_ptr, row_route_ptr, router_weights_ptr, first, end, cols, N,
-                  swiglu_limit, stride_dm, stride_gum, HAS_LIMIT: tl.constexpr,
-                  WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(rows, whether they are before end, h, d_gate, d_up, partial sums) of the BLOCK_M rows
-    from first (mok.kernels.fp8_gemm's _dswiglu_values over dh0)."""
-    rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
-    mine = rows < end
-    route = tl.load(row_route_ptr + rows, mask=mine, other=-1)
-    valid = route >= 0
-    keep = valid[:, None] & (cols < N)[None, :]
-    dh0 = tl.load(dh0_ptr + rows[:, None] * stride_dm + cols[None, :], mask=keep, other=0.0)
-    h, d_gate, d_up, partial = _dswiglu_values(
-        dh0, gate_up_ptr + rows[:, None] * stride_gum + cols[None, :], route, valid, keep, N,
-        router_weights_ptr, swiglu_limit, dh0_ptr, keep, dh0_ptr, HAS_LIMIT, WEIGHTED, False,
-        False)
-    return rows, mine, h, d_gate, d_up, partial
-
-
-@triton.jit
-def _column_amax(value, amax):
-    """amax with the tile's column amaxes (NaN left out)."""
-    magnitude = tl.abs(value)
-    magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)
-    return tl.maximum(amax, tl.max(magnitude, axis=0))
-
-
-@triton.jit
-def _store_rows_e4m3(value, ptrs, scale_ptrs, mine, UPCAST: tl.constexpr):
-    """value [BLOCK_M, 128] as e4m3 with a scale per row (mok.kernels.quantize's rule), the
-    rows in mine."""
-    q, scale = quantize_tile(value, True, False, UPCAST)
-    tl.store(ptrs, q, mask=mine[:, None])
-    tl.store(scale_ptrs, scale, mask=mine)
-
-
-@triton.jit
-def _store_columns(value, inverse, q_ptr, stride_q, rows, mine, cols, UPCAST: tl.constexpr):
-    """value's codes at inverse's scales, transposed: q[col, row]."""
-    q = to_e4m3(value * inverse[None, :], UPCAST)
-    tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + rows[None, :], tl.trans(q),
-             mask=mine[None, :])
-
-
-@triton.jit
-def fp8_dswiglu_rows_kernel(
-    dh0_ptr, out_ptr, out_scale_ptr, row_route_ptr, block_expert_ptr, expert_offsets_ptr,
-    router_weights_ptr, gate_up_ptr, partial_ptr, gu_q_ptr, gu_scale_ptr, h_q_ptr, h_scale_ptr,
-    N, num_experts, swiglu_limit, stride_dm, stride_om, stride_osm, stride_gum, stride_pm,
-    stride_gq, stride_gs, stride_hq, stride_hs,
-    HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, ALIGN: tl.constexpr, SUB: tl.constexpr,
-    BLOCK_M: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Block slot program_id(0), columns program_id(1) * 128 + [0, 128) of h (and of d_gate and
-    d_up, N columns apart): out and out_scale (d_gate_up in e4m3, 1 x 128 scales), partial (with
-    WEIGHTED), gu_q [2N, C] and gu_scale [C / SUB, 2N] (d_gate_up along the rows), h_q [N, C] and
-    h_scale [C / SUB, N] (h along the rows); the values quantized along the rows are first
-    rounded to gate_up's dtype."""
-    slot = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    first, end, used = _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN,
-                                  SUB)
-    if not used:
-        return
-    dtype = gate_up_ptr.dtype.element_ty
-    cols = pid_n * 128 + tl.arange(0, 128)
-    amax_h = tl.zeros([128], dtype=tl.float32)
-    amax_gate = tl.zeros([128], dtype=tl.float32)
-    amax_up = tl.zeros([128], dtype=tl.float32)
-    for i in range(0, ROWS, BLOCK_M):  # the columns' amax
-        _, _, h, d_gate, d_up, _ = _block_values(
-            dh0_ptr, gate_up_ptr, row_route_ptr, router_weights_ptr, first + i, end, cols, N,
-            swiglu_limit, stride_dm, stride_gum, HAS_LIMIT, WEIGHTED, BLOCK_M)
-        amax_h = _column_amax(cast_to(h, dtype, UPCAST).to(tl.float32), amax_h)
-        amax_gate = _column_amax(cast_to(d_gate, dtype, UPCAST).to(tl.float32), amax_gate)
-        amax_up = _column_amax(cast_to(d_up, dtype, UPCAST).to(tl.float32), amax_up)
-    scale_h, inverse_h = _block_scale(amax_h, False)
-    scale_gate, inverse_gate = _block_scale(amax_gate, False)
-    scale_up, inverse_up = _block_scale(amax_up, False)
-    row_slot = slot.to(tl.int64)
-    tl.store(h_scale_ptr + row_slot * stride_hs + cols, scale_h)
-    tl.store(gu_scale_ptr + row_slot * stride_gs + cols, scale_gate)
-    tl.store(gu_scale_ptr + row_slot * stride_gs + N + cols, scale_up)
-    for i in range(0, ROWS, BLOCK_M):  # the outputs
-        rows, mine, h, d_gate, d_up, partial = _block_values(
-            dh0_ptr, gate_up_ptr, row_route_ptr, router_weights_ptr, first + i, end, cols, N,
-            swiglu_limit, stride_dm, stride_gum, HAS_LIMIT, WEIGHTED, BLOCK_M)
-        if WEIGHTED:
-            tl.store(partial_ptr + rows * stride_pm + pid_n, partial, mask=mine)
-        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        scale_ptrs = out_scale_ptr + rows * stride_osm + pid_n
-        _store_rows_e4m3(d_gate, out_ptrs, scale_ptrs, mine, UPCAST)
-        _store_rows_e4m3(d_up, out_ptrs + N, scale_ptrs + N // 128, mine, UPCAST)
-        _store_columns(cast_to(h, dtype, UPCAST).to(tl.float32), inverse_h, h_q_ptr, stride_hq,
-                       rows, mine, cols, UPCAST)
-        _store_columns(cast_to(d_gate, dtype, UPCAST).to(tl.float32), inverse_gate, gu_q_ptr,
-                       stride_gq, rows, mine, cols, UPCAST)
-        _store_columns(cast_to(d_up, dtype, UPCAST).to(tl.float32), inverse_up,
-                       gu_q_ptr + N * stride_gq, stride_gq, rows, mine, cols, UPCAST)
 
 
 @triton.jit

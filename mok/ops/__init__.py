@@ -35,7 +35,7 @@ from mok.ops.fp8 import (
     gate_up_swiglu_fp8,
     quantize_experts,
 )
-from mok.ops.fp8_wgrad import dswiglu_fp8_along_rows, grouped_wgrad_fp8, quantize_row_blocks
+from mok.ops.fp8_wgrad import grouped_wgrad_fp8, quantize_row_blocks
 from mok.ops.quantize import (
     QUANT_BLOCK,
     Quantized,
@@ -96,7 +96,6 @@ __all__ = [
     "down_proj_fp8",
     "dswiglu_apart",
     "dswiglu_fp8",
-    "dswiglu_fp8_along_rows",
     "exchange_routes",
     "fp8_tiles",
     "gate_up_buffer",

@@ -17,14 +17,7 @@ from mok.kernels import fp8_wgrad as kernels
 from mok.kernels import gluon_fp8_wgrad
 from mok.ops.checks import check_out_dtype, check_rows
 from mok.ops.experts import _gluon_descriptor, _num_programs
-from mok.ops.fp8 import (
-    _GLUON_LOAD_REGS,
-    _GLUON_MMA_REGS,
-    _SMEM,
-    FP8_TILES,
-    _check_dswiglu,
-    _dswiglu_product,
-)
+from mok.ops.fp8 import _GLUON_LOAD_REGS, _GLUON_MMA_REGS, _SMEM
 from mok.ops.launch import cdiv, launch
 from mok.ops.quantize import QUANT_BLOCK, Quantized
 from mok.ops.routing import Routing, check_router_weights
@@ -32,9 +25,6 @@ from mok.ops.tuning import FP8_WGRAD_TILES, RowTiles
 
 E4M3 = torch.float8_e4m3fn
 _QUANTIZE_COLUMNS = 64
-# The along-rows dSwiGLU launch: rows of its [rows, 128] blocks, and its warps.
-_ALONG_ROWS_BLOCK = 16
-_ALONG_ROWS_WARPS = 8
 
 
 def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
@@ -68,49 +58,6 @@ def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
     return Quantized(codes, scales)
 
 
-def dswiglu_fp8_along_rows(
-    d_output: Quantized,
-    w_down_t: Quantized,
-    gate_up: torch.Tensor,
-    routing: Routing,
-    tiles: RowTiles = FP8_TILES,
-    router_weights: torch.Tensor | None = None,
-    swiglu_limit: float | None = None,
-) -> tuple[Quantized, torch.Tensor | None, Quantized, Quantized]:
-    """mok.ops.dswiglu_fp8 computed apart, for the weight gradients on e4m3 operands: returns
-    (d_gate_up in e4m3 with 1 x 128 scales, the router-weight gradient's partial sums or None,
-    d_gate_up and h quantized along the rows as quantize_row_blocks quantizes them in
-    gate_up's dtype). gate_up keeps the pre-activations; neither d_gate_up nor h is stored in
-    16 bits."""
-    inter = _check_dswiglu(d_output, w_down_t, gate_up, routing, tiles, router_weights)
-    device, rows = gate_up.device, routing.capacity_rows
-    sub = _rows_per_slot(routing)
-    out = torch.empty(rows, 2 * inter, dtype=E4M3, device=device)
-    out_scales = torch.empty(rows, 2 * inter // QUANT_BLOCK, dtype=torch.float32, device=device)
-    partial = (torch.empty(rows, inter // QUANT_BLOCK, dtype=torch.float32, device=device)
-               if router_weights is not None else None)
-    d_gate_up = Quantized(torch.empty(2 * inter, rows, dtype=E4M3, device=device),
-                          torch.empty(rows // sub, 2 * inter, dtype=torch.float32, device=device))
-    h = Quantized(torch.empty(inter, rows, dtype=E4M3, device=device),
-                  torch.empty(rows // sub, inter, dtype=torch.float32, device=device))
-    dh0 = _dswiglu_product(d_output, w_down_t, routing, tiles)
-    if rows and inter:
-        weighted = router_weights is not None
-        spare = partial if weighted else out_scales  # pointers the kernel does not read
-        launch(kernels.fp8_dswiglu_rows_kernel, (rows // sub, inter // QUANT_BLOCK))(
-            dh0, out, out_scales, routing.row_route, routing.block_expert,
-            routing.expert_offsets, router_weights if weighted else spare, gate_up, spare,
-            d_gate_up.data, d_gate_up.scales, h.data, h.scales, inter,
-            routing.num_local_experts, swiglu_limit if swiglu_limit is not None else 0.0,
-            dh0.stride(0), out.stride(0), out_scales.stride(0), gate_up.stride(0),
-            spare.stride(0), d_gate_up.data.stride(0), d_gate_up.scales.stride(0),
-            h.data.stride(0), h.scales.stride(0),
-            HAS_LIMIT=swiglu_limit is not None, WEIGHTED=weighted, ALIGN=routing.align, SUB=sub,
-            BLOCK_M=_ALONG_ROWS_BLOCK, UPCAST=_env.INTERPRET, num_warps=_ALONG_ROWS_WARPS,
-        )
-    return Quantized(out, out_scales), partial, d_gate_up, h
-
-
 def _rows_per_slot(routing: Routing) -> int:
     """Rows per scale slot (mok.kernels.fp8_wgrad's SUB): gcd(align, 128), so that an expert
     of n rows (a multiple of align) has n / SUB >= ceil(n / 128) slots of its own."""
@@ -118,8 +65,8 @@ def _rows_per_slot(routing: Routing) -> int:
 
 
 def grouped_wgrad_fp8(
-    a: torch.Tensor | Quantized,
-    b: torch.Tensor | Quantized,
+    a: torch.Tensor,
+    b: torch.Tensor,
     routing: Routing,
     tiles: RowTiles = FP8_WGRAD_TILES,
     *,
@@ -131,20 +78,14 @@ def grouped_wgrad_fp8(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """out [E, P, Q] = sum over expert e's rows of a[row, :P]^T b[row, :Q] on e4m3 operands
     (quantize_row_blocks of each, a's rows scaled by their route's router weight when given),
-    fp32 sums, in out_dtype. a and b: by token (gather_*) or by schedule row, or already
-    quantized (quantize_row_blocks' or dswiglu_fp8_along_rows' codes and scales; a so only
-    without router_weights). split: rows [0, split) of the gradient in one tensor and [split,
-    P) in another (d_w_gate and d_w_up from [d_gate, d_up]); split a multiple of
-    tiles.block_m."""
+    fp32 sums, in out_dtype. a and b: by token (gather_*) or by schedule row. split: rows
+    [0, split) of the gradient in one tensor and [split, P) in another (d_w_gate and d_w_up
+    from [d_gate, d_up]); split a multiple of tiles.block_m."""
     if tiles.block_k != QUANT_BLOCK:
         raise ValueError(f"the FP8 weight gradients take K steps of {QUANT_BLOCK} rows, got "
                          f"block_k={tiles.block_k}")
-    if isinstance(a, Quantized) and router_weights is not None:
-        raise ValueError("router_weights scale a's rows before they are quantized: pass a "
-                         "unquantized")
-    qa = a if isinstance(a, Quantized) else quantize_row_blocks(a, routing, gather=gather_a,
-                                                                router_weights=router_weights)
-    qb = b if isinstance(b, Quantized) else quantize_row_blocks(b, routing, gather=gather_b)
+    qa = quantize_row_blocks(a, routing, gather=gather_a, router_weights=router_weights)
+    qb = quantize_row_blocks(b, routing, gather=gather_b)
     return grouped_wgrad_fp8_quantized(qa, qb, routing, tiles, out_dtype=out_dtype, split=split)
 
 

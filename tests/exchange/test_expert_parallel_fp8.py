@@ -197,17 +197,6 @@ def test_ep_fp8_weight_gradients(rank, world_size):
 
 
 @distributed_test(world_sizes=(2,))
-def test_ep_fp8_weight_gradients_along_rows(rank, world_size):
-    # The same with d_gate_up and h quantized along the rows by the dSwiGLU (the plan's
-    # dswiglu_along_rows; set in this spawned rank's process only).
-    from mok import plan
-
-    plan._FP8_DSWIGLU_ALONG_ROWS = True
-    _fp8_body(rank, world_size, shared=True, recompute=False, limit=None, uneven=True,
-              fp8_wgrad=True)
-
-
-@distributed_test(world_sizes=(2,))
 def test_ep_fp8_across_nodes(rank, world_size):
     # Two "nodes" of one rank: the tokens gathered between nodes in x's dtype, quantized on the
     # experts' node.
