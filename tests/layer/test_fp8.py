@@ -100,7 +100,8 @@ def test_fp8_layer_is_deterministic_and_kept_equals_recomputed(device):
 def test_fp8_layer_with_the_dswiglu_apart_is_the_layer_in_one_launch(device, monkeypatch, limit):
     # The plan runs the dSwiGLU apart where its GEMM has Gluon tiles (sm_90); here the Triton
     # kernel runs both ways. A shared expert (no router weights) and routed ones, kept and
-    # recomputed pre-activations: every output and gradient the same bits.
+    # recomputed pre-activations: every output and gradient the same bits (on a GPU the
+    # router-weight gradient within 1e-5).
     from mok import plan
 
     inputs = make_inputs(40, 256, 128, 3, 2, shared_intermediate_size=128, device=device,
@@ -116,7 +117,11 @@ def test_fp8_layer_with_the_dswiglu_apart_is_the_layer_in_one_launch(device, mon
     for (y, grads, *_), (y_two, grads_two, *_) in zip(one, two, strict=True):
         assert torch.equal(y, y_two)
         for name, a, b in zip(GRAD_NAMES, grads, grads_two, strict=True):
-            assert (a is None and b is None) or torch.equal(a, b), name
+            if name == "d_router_weights" and a.is_cuda:
+                # compiled, the two kernels sum the partial sums' 128 columns in other orders
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            else:
+                assert (a is None and b is None) or torch.equal(a, b), name
 
 
 def test_fp8_rejects_what_it_cannot_run(device):
