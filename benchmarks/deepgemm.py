@@ -32,14 +32,13 @@ from pathlib import Path
 
 import torch
 
-import mok.functional as F
 from benchmarks import append_rows, commit_id
-from benchmarks.fp8 import FIELDS, RESULTS, max_rel_err, median_ms
+from benchmarks.fp8 import FIELDS, RESULTS, max_rel_err, median_ms, shape_schedule
 from mok import ops
 from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
 from mok.ops.fp8_wgrad import grouped_wgrad_fp8_quantized
 from mok.ops.quantize import Quantized, quantize_rows
-from mok.testing import SHAPES_BY_NAME, MoEShape, make_shape_inputs
+from mok.testing import SHAPES_BY_NAME, MoEShape
 
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "kimi-ep64-slice")
 
@@ -71,14 +70,9 @@ def _k_grouped(q: Quantized, offsets: list[int]) -> tuple[torch.Tensor, torch.Te
 
 def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
                 warmup: int) -> list[dict]:
-    inputs = make_shape_inputs(shape, device=device, seed=7)
+    inputs, schedule = shape_schedule(shape, device)
     x = inputs.x
     w_gate, w_up, w_down = inputs.routed_weights
-    config = F.MoKConfig()
-    workspace = F.create_workspace(config, None, device=device, num_local_tokens=shape.num_tokens,
-                                   hidden_size=shape.hidden_size, topk=shape.topk)
-    schedule = F.build_schedule(workspace, config, inputs.topk_experts,
-                                num_local_experts=shape.num_experts)
     routing = schedule.routing
     if routing.align % 128:
         raise SystemExit(f"the schedule's alignment {routing.align} is not a multiple of 128")

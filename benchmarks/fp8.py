@@ -185,17 +185,24 @@ def partial_checked(d_out_q, down_t, kept, routing) -> torch.Tensor:
     return out
 
 
-def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int, *,
-                only: tuple[str, ...] = ()) -> list[dict]:
-    """The rows of one shape's stages (only: those whose names start so; default all)."""
+def shape_schedule(shape: MoEShape, device: torch.device):
+    """(inputs, schedule) of a shape: mok.testing's inputs (seed 7) and the layer's schedule of
+    their routes."""
     inputs = make_shape_inputs(shape, device=device, seed=7)
-    x, router_weights = inputs.x, inputs.router_weights.reshape(-1).float()
-    w_gate, w_up, w_down = inputs.routed_weights
     config = F.MoKConfig()
     workspace = F.create_workspace(config, None, device=device, num_local_tokens=shape.num_tokens,
                                    hidden_size=shape.hidden_size, topk=shape.topk)
     schedule = F.build_schedule(workspace, config, inputs.topk_experts,
                                 num_local_experts=shape.num_experts)
+    return inputs, schedule
+
+
+def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int, *,
+                only: tuple[str, ...] = ()) -> list[dict]:
+    """The rows of one shape's stages (only: those whose names start so; default all)."""
+    inputs, schedule = shape_schedule(shape, device)
+    x, router_weights = inputs.x, inputs.router_weights.reshape(-1).float()
+    w_gate, w_up, w_down = inputs.routed_weights
     routing = schedule.routing
     hidden, inter = shape.hidden_size, shape.intermediate_size
     forward = plan.forward_plan(schedule.tiles, plan.Operands.of(x, w_gate, w_up, w_down),
