@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 from pathlib import Path
 
 import torch
@@ -36,8 +37,9 @@ from benchmarks import append_rows, commit_id
 from benchmarks.fp8 import FIELDS, RESULTS, max_rel_err, median_ms, shape_schedule
 from mok import ops
 from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
-from mok.ops.fp8_wgrad import grouped_wgrad_fp8_quantized
+from mok.ops.fp8_wgrad import gluon_takes_fp8_wgrad, grouped_wgrad_fp8_quantized
 from mok.ops.quantize import Quantized, quantize_rows
+from mok.ops.tuning import FP8_WGRAD_GLUON_TILES, FP8_WGRAD_TILES
 from mok.testing import SHAPES_BY_NAME, MoEShape
 
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "kimi-ep64-slice")
@@ -145,11 +147,16 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
                 ks, dtype=torch.int32, device=device), acc)
             return acc
         split = inter if kind == "gate_up" else None
-        stages[f"wgrad_{kind}"] = ((2 if kind == "gate_up" else 1) * gemm, {
-            "deepgemm": deepgemm_k,
-            "mok_fp8_gemm_only": lambda qa=qa, qb=qb, split=split: grouped_wgrad_fp8_quantized(
-                qa, qb, routing, out_dtype=x.dtype, split=split),
-        })
+        impls = {"deepgemm": deepgemm_k}
+        # mok's Triton kernel, and the Gluon one the layer's plan runs where it takes the launch
+        for label, tiles in (("mok_fp8_gemm_only", FP8_WGRAD_TILES),
+                             (f"mok_fp8_gemm_only_gluon_s{FP8_WGRAD_GLUON_TILES.num_stages}",
+                              FP8_WGRAD_GLUON_TILES)):
+            if tiles.gluon and not gluon_takes_fp8_wgrad(qa, qb, routing, tiles, x.dtype, split):
+                continue
+            impls[label] = functools.partial(grouped_wgrad_fp8_quantized, qa, qb, routing, tiles,
+                                             out_dtype=x.dtype, split=split)
+        stages[f"wgrad_{kind}"] = ((2 if kind == "gate_up" else 1) * gemm, impls)
 
     # DeepGEMM against mok on the same codes (used rows; the experts' gradients)
     errors = {}
@@ -159,7 +166,7 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
         errors[stage] = max_rel_err(theirs[used], stages[stage][1][mine]().float()[used])
     for kind in ("down", "gate_up"):
         theirs = stages[f"wgrad_{kind}"][1]["deepgemm"]()
-        ours = stages[f"wgrad_{kind}"][1]["mok_fp8_gemm_only"]()
+        ours = list(stages[f"wgrad_{kind}"][1].values())[-1]()  # the layer's kernel
         ours = torch.cat(ours, dim=1) if isinstance(ours, tuple) else ours
         errors[f"wgrad_{kind}"] = max_rel_err(theirs, ours.float())
     print(f"== {shape.name}: DeepGEMM against mok, max rel: "
