@@ -11,8 +11,9 @@ both:
                  (DeepGEMM m_grouped_fp8_gemm_nt_contiguous, bf16 pre-activations out; mok's
                  gate_up_fp8 writes the same, gate_up_swiglu_fp8 gathers the rows itself and
                  writes h in e4m3);
-  down           h's rows times w_down (mok's down_proj_fp8 also scales by the router weight);
-  d_x            d_gate_up's rows times gate and up transposed (mok's d_x_rows_fp8);
+  down           h's rows times w_down (mok's down_proj_fp8, unweighted);
+  d_x            d_gate_up's rows times gate and up transposed (mok's d_x_rows_fp8); both of
+                 mok's also with the rows' scales staged in the ring (mok_fp8_gluon_staged);
   wgrad_down,    the weight gradients on operands quantized along the rows, 128 rows of an
   wgrad_gate_up  expert a block (DeepGEMM k_grouped_fp8_gemm_nt_contiguous, fp32 out, each
                  expert's block copied contiguous for it; mok's grouped_wgrad_fp8_quantized,
@@ -27,6 +28,7 @@ benchmarks/results/fp8.csv (--csv to change), the fields of benchmarks.fp8.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 from pathlib import Path
@@ -98,6 +100,9 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
                                             dtype=x.dtype))
     gluon = {kind: ops.fp8_tiles(kind, routing.align, gluon=True)
              for kind in ("gate_up", "gate_up_saved", "down", "d_x")}
+    # down and d_x also with the rows' scales staged in the ring (RowTiles.staged_scales)
+    staged = {kind: dataclasses.replace(gluon[kind], staged_scales=True)
+              for kind in ("down", "d_x")}
     gemm = 2.0 * shape.num_tokens * shape.topk * hidden * inter
 
     def deepgemm_m(a: Quantized, b: Quantized, n: int):
@@ -121,11 +126,15 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
         "down": (gemm, {
             "deepgemm": deepgemm_m(h_q, down_q, hidden),
             "mok_fp8": lambda: down_proj_fp8(h_q, down_q, routing, gluon["down"], None),
+            "mok_fp8_gluon_staged": lambda: down_proj_fp8(h_q, down_q, routing,
+                                                          staged["down"], None),
         }),
         "d_x": (2 * gemm, {
             "deepgemm": deepgemm_m(d_gate_up_q, experts.gate_up_t, hidden),
             "mok_fp8": lambda: ops.d_x_rows_fp8(d_gate_up_q, experts.gate_up_t, routing,
                                                 gluon["d_x"]),
+            "mok_fp8_gluon_staged": lambda: ops.d_x_rows_fp8(d_gate_up_q, experts.gate_up_t,
+                                                             routing, staged["d_x"]),
         }),
     }
     # the weight gradients: operands quantized along the rows by mok, regrouped for DeepGEMM

@@ -75,20 +75,29 @@ def _ring_barriers(NUM_STAGES: gl.constexpr, READY: gl.constexpr, EMPTY: gl.cons
 
 @gluon.jit
 def _load_partition(a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
-                    ready_bars, empty_bars, N, K,
+                    ready_bars, empty_bars, a_scale_ptr, a_scale_bufs, N, K, stride_as,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Fills the ring: A and weight boxes by TMA."""
+                    GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    STAGED: gl.constexpr):
+    """Fills the ring: A and weight boxes by TMA; STAGED: also the A rows' scales of the K
+    step, by 4-byte cp.async (then each loader thread arrives on the stage's ready barrier)."""
+    scale_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    scale_rows = gl.arange(0, BLOCK_M, layout=scale_layout).to(gl.int64)
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
         # w viewed [E * N, K]: rows past the expert's N reach only columns >= N (clipped)
         w_row = gl.load(block_expert_ptr + r0 // ALIGN) * N + c0
+        scale_ptrs = a_scale_ptr + (r0 + scale_rows) * stride_as
         for kk in range(gl.cdiv(K, BLOCK_K)):
             k0 = kk * BLOCK_K
+            s = i % NUM_STAGES
             i = _load_step(a_desc, r0, k0, w_desc, w_row, k0, a_bufs, b_bufs, ready_bars,
                            empty_bars, i, NUM_STAGES)
+            if STAGED:  # the stage is free: _load_step waited on its empty barrier
+                async_copy.async_copy_global_to_shared(a_scale_bufs.index(s), scale_ptrs + kk)
+                async_copy.mbarrier_arrive(ready_bars.index(s), increment_count=False)
 
 
 @gluon.jit
@@ -105,9 +114,12 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
                    used_rows_ptr, N, K, topk, stride_as, stride_wse, stride_wsn,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   HAS_WEIGHT: gl.constexpr, GATHER: gl.constexpr, HALF: gl.constexpr):
+                   HAS_WEIGHT: gl.constexpr, GATHER: gl.constexpr, HALF: gl.constexpr,
+                   a_scale_bufs, STAGED: gl.constexpr):
     """Rows HALF * 64 .. + 64 of every tile: the scaled K loop, then the epilogue. GATHER: the
-    A rows are tokens' rows (their scales by token), landed by cp.async."""
+    A rows are tokens' rows (their scales by token), landed by cp.async. STAGED: the rows'
+    scales of each K step read from the stage (a_scale_bufs), the weight block's from global
+    memory a step ahead."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -131,7 +143,10 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
         a_scale_ptrs = a_scale_ptr + src * stride_as
         w_tile_scale_ptr = w_scale_ptr + expert * stride_wse + (c0 // 128) * stride_wsn
         acc = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
-        next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, 0, k_blocks, valid)
+        if STAGED:
+            next_w = gl.load(w_tile_scale_ptr)
+        else:
+            next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, 0, k_blocks, valid)
         for kk in range(k_blocks):
             s = i % NUM_STAGES
             mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
@@ -140,8 +155,14 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
             tmp = warpgroup_mma(a_bufs.index(s).slice(HALF * 64, 64),
                                 b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
                                 is_async=True)
-            scale = next_scale
-            next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, kk + 1, k_blocks, valid)
+            if STAGED:
+                a_scale = a_scale_bufs.index(s).slice(HALF * 64, 64).load(row_layout)
+                scale = a_scale * next_w
+                next_w = gl.load(w_tile_scale_ptr + kk + 1, mask=kk + 1 < k_blocks, other=0.0)
+            else:
+                scale = next_scale
+                next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, kk + 1, k_blocks,
+                                         valid)
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
             mbarrier.arrive(empty_bars.index(s))
             acc += tmp * scale[:, None]
@@ -160,13 +181,14 @@ def fp8_rows_ws_kernel(
     block_expert_ptr, used_rows_ptr, N, K, stride_as, stride_wse, stride_wsn,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
-    MMA_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
+    MMA_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr, STAGED: gl.constexpr = False,
 ):
     """Launched with one program per SM and num_warps = 4 (the first MMA partition).
     Descriptors: a [R, K] e4m3 with [BLOCK_M, BLOCK_K] boxes, w viewed [E * N, K] e4m3 with
     [BLOCK_N, BLOCK_K] boxes (TMA zero-fills both past K), out [R, N] with [64, BLOCK_N] boxes.
     BLOCK_M 64 or 128, BLOCK_N 64 or 128 (one weight scale a tile and K step), BLOCK_K 128.
-    router_weights_ptr: fp32 [T * topk] by route (unused without HAS_WEIGHT)."""
+    router_weights_ptr: fp32 [T * topk] by route (unused without HAS_WEIGHT). STAGED: the
+    loader also copies each K step's row scales into the stage (ready[s] then counts 33)."""
     NUM_MMA: gl.constexpr = BLOCK_M // 64
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
                                        a_desc.layout)
@@ -174,7 +196,12 @@ def fp8_rows_ws_kernel(
                                        w_desc.layout)
     c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                        out_desc.layout)
-    ready_bars, empty_bars = _ring_barriers(NUM_STAGES, 1, NUM_MMA)
+    if STAGED:
+        a_scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
+                                                 gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        a_scale_bufs = c_smem  # not read
+    ready_bars, empty_bars = _ring_barriers(NUM_STAGES, 33 if STAGED else 1, NUM_MMA)
 
     # (The partitions' arguments stay literal tuples: a tuple held in a variable loses its
     # constexprs.)
@@ -186,15 +213,16 @@ def fp8_rows_ws_kernel(
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 0)),
+                              HAS_WEIGHT, False, 0, a_scale_bufs, STAGED)),
             (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 1)),
+                              HAS_WEIGHT, False, 1, a_scale_bufs, STAGED)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
-                               ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                               ALIGN, NUM_STAGES)),
+                               ready_bars, empty_bars, a_scale_ptr, a_scale_bufs, N, K,
+                               stride_as, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
+                               STAGED)),
         ], [4, 1], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
@@ -202,10 +230,11 @@ def fp8_rows_ws_kernel(
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 0)),
+                              HAS_WEIGHT, False, 0, a_scale_bufs, STAGED)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
-                               ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                               ALIGN, NUM_STAGES)),
+                               ready_bars, empty_bars, a_scale_ptr, a_scale_bufs, N, K,
+                               stride_as, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
+                               STAGED)),
         ], [1], [LOAD_REGS])
 
 
@@ -238,12 +267,12 @@ def fp8_gather_ws_kernel(
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, 0)),
+                          False, True, 0, c_smem, False)),
         (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, 1)),
+                          False, True, 1, c_smem, False)),
         (_gather_load_partition, (a_ptr, w_desc, w_desc, row_route_ptr, block_expert_ptr,
                                   used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
                                   topk, stride_am, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,

@@ -449,7 +449,7 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
         stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=tiles.num_stages, LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_GLUON_MMA_REGS,
-        HAS_WEIGHT=router_weights is not None, num_warps=4,
+        HAS_WEIGHT=router_weights is not None, STAGED=tiles.staged_scales, num_warps=4,
     )
 
 

@@ -92,6 +92,10 @@ class RowTiles(Tiles):
     whose tiles ask for it (an sm_90 GPU, operands and sizes it takes, a launch that does not
     pull rows in its own programs) and hands the launchers tiles without it elsewhere: the
     Triton kernel then runs the same tiles.
+
+    staged_scales (FP8, the Gluon kernel of down and d_x): its loader also copies each K step's
+    row scales into the ring's stage, where the MMA partitions read them (otherwise they load
+    them from global memory a step ahead); the same products. No plan gives it yet.
     """
 
     tma: bool = False
@@ -99,6 +103,7 @@ class RowTiles(Tiles):
     epilogue_split: int = 1
     flatten: bool = False
     gluon: bool = False
+    staged_scales: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

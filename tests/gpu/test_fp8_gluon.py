@@ -79,7 +79,9 @@ def _schedule_rows(routing, width, generator):
     (512, 384, GLUON),  # 3 K blocks in down, 6 in d_x
     (640, 256, dataclasses.replace(GLUON, num_stages=5)),  # N not a multiple of 128 x 2
     (512, 256, dataclasses.replace(GLUON, block_m=64, num_stages=6)),
-], ids=["128x128", "n640_s5", "64x128"])
+    (512, 384, dataclasses.replace(GLUON, staged_scales=True)),
+    (640, 256, dataclasses.replace(GLUON, block_m=64, num_stages=6, staged_scales=True)),
+], ids=["128x128", "n640_s5", "64x128", "staged_scales", "64x128_staged_scales"])
 def test_gluon_fp8_rows_match_dequantized_math_and_the_triton_kernel(hidden, inter, tiles):
     weights, router_weights, routing, generator = _setup(
         tokens=3000, hidden=hidden, inter=inter, experts=16, topk=4, seed=hidden + inter)
@@ -99,6 +101,8 @@ def test_gluon_fp8_rows_match_dequantized_math_and_the_triton_kernel(hidden, int
 
         out = run(tiles)
         assert torch.equal(out[:n], run(tiles)[:n]), kind  # bitwise deterministic
+        if tiles.staged_scales:  # the same products, the scales read from the stage
+            assert torch.equal(out[:n], run(dataclasses.replace(tiles, staged_scales=False))[:n])
         expected = torch.einsum(
             "rk,rnk->rn", reference.dequantize_e4m3(a.data, a.scales, (1, QUANT_BLOCK))[rows],
             reference.dequantize_e4m3(w.data, w.scales, block)[experts])
