@@ -9,8 +9,8 @@ both:
 
   gate_up        x's rows gathered by the schedule, times gate and up side by side
                  (DeepGEMM m_grouped_fp8_gemm_nt_contiguous, bf16 pre-activations out; mok's
-                 gate_up_fp8 writes the same, gate_up_swiglu_fp8 gathers the rows itself and
-                 writes h in e4m3);
+                 gate_up_fp8 writes the same, also with the rows' scales staged,
+                 gate_up_swiglu_fp8 gathers the rows itself and writes h in e4m3);
   down           h's rows times w_down (mok's down_proj_fp8, unweighted);
   d_x            d_gate_up's rows times gate and up transposed (mok's d_x_rows_fp8); both of
                  mok's also with the rows' scales staged in the ring (mok_fp8_gluon_staged);
@@ -102,7 +102,7 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
              for kind in ("gate_up", "gate_up_saved", "down", "d_x")}
     # down and d_x also with the rows' scales staged in the ring (RowTiles.staged_scales)
     staged = {kind: dataclasses.replace(gluon[kind], staged_scales=True)
-              for kind in ("down", "d_x")}
+              for kind in ("gate_up_saved", "down", "d_x")}
     gemm = 2.0 * shape.num_tokens * shape.topk * hidden * inter
 
     def deepgemm_m(a: Quantized, b: Quantized, n: int):
@@ -122,6 +122,8 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
                 x_q, gate_q, up_q, routing, gluon["gate_up_saved"]),
             "mok_fp8_swiglu": lambda: gate_up_swiglu_fp8(x_q, gate_q, up_q, routing,
                                                          gluon["gate_up"]),
+            "mok_fp8_pre_activations_staged": lambda: ops.gate_up_fp8(
+                x_q, gate_q, up_q, routing, staged["gate_up_saved"]),
         }),
         "down": (gemm, {
             "deepgemm": deepgemm_m(h_q, down_q, hidden),

@@ -478,6 +478,16 @@ def main(argv=None) -> None:
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
                 apart=True)),
+            ("gate_up fp8 gluon tma staged scales", r(gate_up_gluon, staged_scales=True),
+             lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt)),
+            ("gate_up saving fp8 gluon tma staged scales",
+             r(ops.fp8_tiles("gate_up_saved", 128, gluon=True), staged_scales=True),
+             lambda tt: fp8.gate_up_fp8(x8, g8, g8, routing, tt, 7.0)),
+            ("down_bwd saved apart fp8 gluon tma staged scales",
+             r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), staged_scales=True),
+             lambda tt: fp8.dswiglu_fp8(
+                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
+                apart=True)),
         ]
         fp8_gluon = dataclasses.replace(ops.fp8_tiles("down", 128), block_m=128, num_stages=4,
                                         gluon=True)

@@ -71,6 +71,19 @@ def _ring_barriers(NUM_STAGES: gl.constexpr, READY: gl.constexpr, EMPTY: gl.cons
     return ready_bars, empty_bars
 
 
+@gluon.jit
+def _scale_ring(NUM_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, STAGED: gl.constexpr,
+                stand_in):
+    """STAGED: a ring of NUM_STAGES stages of BLOCK_M fp32 row scales; else stand_in (not
+    read)."""
+    if STAGED:
+        bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        bufs = stand_in
+    return bufs
+
+
 # -- down and d_x: every operand by TMA -------------------------------------------------------
 
 @gluon.jit
@@ -196,11 +209,7 @@ def fp8_rows_ws_kernel(
                                        w_desc.layout)
     c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                        out_desc.layout)
-    if STAGED:
-        a_scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
-                                                 gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        a_scale_bufs = c_smem  # not read
+    a_scale_bufs = _scale_ring(NUM_STAGES, BLOCK_M, STAGED, c_smem)
     ready_bars, empty_bars = _ring_barriers(NUM_STAGES, 33 if STAGED else 1, NUM_MMA)
 
     # (The partitions' arguments stay literal tuples: a tuple held in a variable loses its
@@ -245,6 +254,7 @@ def fp8_gather_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_LAYOUT: gl.constexpr,
+    STAGED: gl.constexpr = False,
 ):
     """out[r] = a[token(r)] . w[e]^T, the scaled products as fp8_rows_ws_kernel's, with the
     token rows gathered by cp.async (the dSwiGLU's product dh0 = d_out[token] . w_down_t[e],
@@ -252,7 +262,8 @@ def fp8_gather_ws_kernel(
     Launched with one program per SM and num_warps = 4; a [T, K] e4m3 (row stride stride_am,
     K a multiple of 16) with scales [T, cdiv(K, 128)]; w viewed [E * N, K] e4m3 with [BLOCK_N,
     BLOCK_K] boxes, scales [E, N / 128, cdiv(K, 128)]; out [R, N] with [64, BLOCK_N] boxes;
-    A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3). Padding rows get 0."""
+    A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3). Padding rows get 0.
+    STAGED: the loader also copies each K step's row scales into the stage."""
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, BLOCK_K],
                                        w_desc.layout)
@@ -260,6 +271,7 @@ def fp8_gather_ws_kernel(
                                        out_desc.layout)
     c_smem2 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                         out_desc.layout)
+    a_scale_bufs = _scale_ring(NUM_STAGES, BLOCK_M, STAGED, c_smem)
     ready_bars, empty_bars = _ring_barriers(NUM_STAGES, LOAD_WARPS * 32 + 1, 2)
 
     gl.warp_specialize([
@@ -267,16 +279,17 @@ def fp8_gather_ws_kernel(
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, 0, c_smem, False)),
+                          False, True, 0, a_scale_bufs, STAGED)),
         (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, 1, c_smem, False)),
+                          False, True, 1, a_scale_bufs, STAGED)),
         (_gather_load_partition, (a_ptr, w_desc, w_desc, row_route_ptr, block_expert_ptr,
-                                  used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
-                                  topk, stride_am, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
-                                  NUM_STAGES, LOAD_WARPS, 1)),
+                                  used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
+                                  a_scale_ptr, a_scale_bufs, N, K, topk, stride_am, stride_as,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
+                                  LOAD_WARPS, 1, STAGED)),
     ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
 
 
@@ -284,21 +297,25 @@ def fp8_gather_ws_kernel(
 
 @gluon.jit
 def _gather_load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
-                           used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K, topk,
-                           stride_xm,
+                           used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, x_scale_ptr,
+                           a_scale_bufs, N, K, topk, stride_xm, stride_xs,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, ALIGN: gl.constexpr,
                            NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                           NUM_B: gl.constexpr):
+                           NUM_B: gl.constexpr, STAGED: gl.constexpr):
     """Fills the ring: the weight boxes by TMA (NUM_B 2: gate's and up's, into the two halves
     of a stage's B buffer; 1: w_gate_desc's alone), the tile's token rows of x by cp.async
-    (16-byte copies, zero-filled on padding rows and past K) into its A buffer."""
+    (16-byte copies, zero-filled on padding rows and past K) into its A buffer; STAGED: also
+    the rows' scales of the K step (4-byte copies, 0 on padding rows) into a_scale_bufs."""
     w_bytes: gl.constexpr = NUM_B * w_gate_desc.block_type.nbytes
     TPW_K: gl.constexpr = BLOCK_K // 16
     gather: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_K, TPW_K], [LOAD_WARPS, 1],
                                             [1, 0])
+    scale_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // (32 * LOAD_WARPS)], [32],
+                                                  [LOAD_WARPS], [0])
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
+    scale_rows = gl.arange(0, BLOCK_M, layout=scale_layout)
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -308,6 +325,11 @@ def _gather_load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_e
         valid = route >= 0
         token = gl.where(valid, route // topk, 0).to(gl.int64)
         a_ptrs = x_ptr + token[:, None] * stride_xm + cols[None, :]
+        if STAGED:
+            scale_route = gl.load(row_route_ptr + r0 + scale_rows)
+            scale_valid = scale_route >= 0
+            scale_ptrs = x_scale_ptr + gl.where(scale_valid, scale_route // topk,
+                                                0).to(gl.int64) * stride_xs
         for kk in range(gl.cdiv(K, BLOCK_K)):
             s = i % NUM_STAGES
             mbarrier.wait(empty_bars.index(s), ((i // NUM_STAGES) & 1) ^ 1)
@@ -322,6 +344,9 @@ def _gather_load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_e
                                                 b_buf.slice(BLOCK_N, BLOCK_N))
             mask = valid[:, None] & ((k0 + cols) < K)[None, :]
             async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + k0, mask=mask)
+            if STAGED:
+                async_copy.async_copy_global_to_shared(a_scale_bufs.index(s), scale_ptrs + kk,
+                                                       mask=scale_valid)
             async_copy.mbarrier_arrive(bar, increment_count=False)
             i += 1
 
@@ -366,9 +391,10 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
                            BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, ALIGN: gl.constexpr,
                            NUM_STAGES: gl.constexpr, HAS_LIMIT: gl.constexpr,
                            SWIGLU: gl.constexpr, QUANTIZE_H: gl.constexpr,
-                           SAVE_GATE_UP: gl.constexpr, HALF: gl.constexpr):
+                           SAVE_GATE_UP: gl.constexpr, HALF: gl.constexpr, a_scale_bufs,
+                           STAGED: gl.constexpr):
     """Rows HALF * 64 .. + 64 of every tile: per K step the gate product, scaled and added,
-    then the up product; then the epilogue."""
+    then the up product; then the epilogue. STAGED: x's row scales read from the stage."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -388,8 +414,12 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
         w_offset = expert * stride_wse + (c0 // 128) * stride_wsn
         acc_g = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
         acc_u = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
-        next_g = _step_scale(x_scale_ptrs, w_gate_scale_ptr + w_offset, 0, k_blocks, valid)
-        next_u = _step_scale(x_scale_ptrs, w_up_scale_ptr + w_offset, 0, k_blocks, valid)
+        if STAGED:
+            next_wg = gl.load(w_gate_scale_ptr + w_offset)
+            next_wu = gl.load(w_up_scale_ptr + w_offset)
+        else:
+            next_g = _step_scale(x_scale_ptrs, w_gate_scale_ptr + w_offset, 0, k_blocks, valid)
+            next_u = _step_scale(x_scale_ptrs, w_up_scale_ptr + w_offset, 0, k_blocks, valid)
         for kk in range(k_blocks):
             s = i % NUM_STAGES
             mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
@@ -398,12 +428,20 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
             b = b_bufs.index(s)
             tmp = warpgroup_mma(a, b.slice(0, BLOCK_N).permute((1, 0)), tmp, use_acc=False,
                                 is_async=True)
-            scale_g = next_g
-            scale_u = next_u
-            next_g = _step_scale(x_scale_ptrs, w_gate_scale_ptr + w_offset, kk + 1, k_blocks,
-                                 valid)
-            next_u = _step_scale(x_scale_ptrs, w_up_scale_ptr + w_offset, kk + 1, k_blocks,
-                                 valid)
+            if STAGED:
+                x_scale = a_scale_bufs.index(s).slice(HALF * 64, 64).load(row_layout)
+                scale_g = x_scale * next_wg
+                scale_u = x_scale * next_wu
+                inside = kk + 1 < k_blocks
+                next_wg = gl.load(w_gate_scale_ptr + w_offset + kk + 1, mask=inside, other=0.0)
+                next_wu = gl.load(w_up_scale_ptr + w_offset + kk + 1, mask=inside, other=0.0)
+            else:
+                scale_g = next_g
+                scale_u = next_u
+                next_g = _step_scale(x_scale_ptrs, w_gate_scale_ptr + w_offset, kk + 1,
+                                     k_blocks, valid)
+                next_u = _step_scale(x_scale_ptrs, w_up_scale_ptr + w_offset, kk + 1,
+                                     k_blocks, valid)
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
             acc_g += tmp * scale_g[:, None]
             tmp = warpgroup_mma(a, b.slice(BLOCK_N, BLOCK_N).permute((1, 0)), tmp,
@@ -446,7 +484,7 @@ def fp8_gate_up_ws_kernel(
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_LAYOUT: gl.constexpr,
     HAS_LIMIT: gl.constexpr, SWIGLU: gl.constexpr, QUANTIZE_H: gl.constexpr,
-    SAVE_GATE_UP: gl.constexpr,
+    SAVE_GATE_UP: gl.constexpr, STAGED: gl.constexpr = False,
 ):
     """The FP8 gate/up of mok.kernels.fp8_gemm ("swiglu" and "gate_up" epilogues) with BLOCK_M
     128 (two MMA partitions of 64 rows) and BLOCK_N 128: g = x[token(r)] . w_gate[e, n], u =
@@ -458,7 +496,8 @@ def fp8_gate_up_ws_kernel(
     (h's scale 1). Launched with one program per SM and num_warps = 4; x [T, K] e4m3 (row
     stride stride_xm, K a multiple of 16) with x_scale [T, cdiv(K, 128)]; w viewed [E * N, K]
     with [BLOCK_N, BLOCK_K] boxes, scales [E, N / 128, cdiv(K, 128)]; the outputs' boxes
-    [64, BLOCK_N]; A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3)."""
+    [64, BLOCK_N]; A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3). STAGED:
+    the loader also copies each K step's x row scales into the stage."""
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K],
                                        w_gate_desc.layout)
@@ -479,6 +518,7 @@ def fp8_gate_up_ws_kernel(
     if not SAVE_GATE_UP:
         kept_smem = h_smem
         kept_smem2 = h_smem2
+    a_scale_bufs = _scale_ring(NUM_STAGES, BLOCK_M, STAGED, h_smem)
     ready_bars, empty_bars = _ring_barriers(NUM_STAGES, LOAD_WARPS * 32 + 1, 2)
 
     gl.warp_specialize([
@@ -488,16 +528,17 @@ def fp8_gate_up_ws_kernel(
                                   used_rows_ptr, N, K, topk, swiglu_limit, stride_xs,
                                   stride_wse, stride_wsn, stride_hs, BLOCK_M, BLOCK_N, BLOCK_K,
                                   GROUP_M, ALIGN, NUM_STAGES, HAS_LIMIT, SWIGLU, QUANTIZE_H,
-                                  SAVE_GATE_UP, 0)),
+                                  SAVE_GATE_UP, 0, a_scale_bufs, STAGED)),
         (_gate_up_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,
                                   empty_bars, h_smem2, kept_smem2, x_scale_ptr,
                                   w_gate_scale_ptr, w_up_scale_ptr, h_scale_ptr, row_route_ptr,
                                   block_expert_ptr, used_rows_ptr, N, K, topk, swiglu_limit,
                                   stride_xs, stride_wse, stride_wsn, stride_hs, BLOCK_M,
                                   BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES, HAS_LIMIT,
-                                  SWIGLU, QUANTIZE_H, SAVE_GATE_UP, 1)),
+                                  SWIGLU, QUANTIZE_H, SAVE_GATE_UP, 1, a_scale_bufs, STAGED)),
         (_gather_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr,
                                   block_expert_ptr, used_rows_ptr, a_bufs, b_bufs, ready_bars,
-                                  empty_bars, N, K, topk, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  GROUP_M, ALIGN, NUM_STAGES, LOAD_WARPS, 2)),
+                                  empty_bars, x_scale_ptr, a_scale_bufs, N, K, topk, stride_xm,
+                                  stride_xs, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
+                                  NUM_STAGES, LOAD_WARPS, 2, STAGED)),
     ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

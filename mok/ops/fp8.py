@@ -589,7 +589,8 @@ def _gather_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routin
     experts, n, k = w.data.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     epilogue = 2 * 64 * bn * out.element_size()  # each MMA partition's output buffer
-    stages = min(tiles.num_stages, (_SMEM - epilogue) // ((bm + bn) * bk))
+    stage = (bm + bn) * bk + (4 * bm if tiles.staged_scales else 0)
+    stages = min(tiles.num_stages, (_SMEM - epilogue) // stage)
     launch(gluon_fp8.fp8_gather_ws_kernel, (_num_programs(out.device),))(
         a_ptr=a.data, w_desc=_descriptor(w.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
         out_desc=_descriptor(out, [64, bn], _GLUON_OUT[out.dtype]), a_scale_ptr=a.scales,
@@ -599,7 +600,8 @@ def _gather_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routin
         stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
-        MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv), num_warps=4,
+        MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
+        STAGED=tiles.staged_scales, num_warps=4,
     )
 
 
@@ -625,7 +627,8 @@ def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Ro
     # the ring's stages within shared memory beside the epilogue's buffers (two of each)
     epilogue = 2 * 64 * bn * ((h.element_size() if h is not None else 0)
                               + (gate_up.element_size() if kept else 0))
-    stages = min(tiles.num_stages, (_SMEM - epilogue) // ((bm + 2 * bn) * bk))
+    stage = (bm + 2 * bn) * bk + (4 * bm if tiles.staged_scales else 0)
+    stages = min(tiles.num_stages, (_SMEM - epilogue) // stage)
     w_view = [experts * n, k]
     launch(gluon_fp8.fp8_gate_up_ws_kernel, (_num_programs(x.data.device),))(
         x_ptr=x.data,
@@ -645,5 +648,6 @@ def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Ro
         NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
         MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
         HAS_LIMIT=swiglu_limit is not None, SWIGLU=h is not None,
-        QUANTIZE_H=h_scales is not None, SAVE_GATE_UP=kept, num_warps=4,
+        QUANTIZE_H=h_scales is not None, SAVE_GATE_UP=kept, STAGED=tiles.staged_scales,
+        num_warps=4,
     )

@@ -93,9 +93,10 @@ class RowTiles(Tiles):
     pull rows in its own programs) and hands the launchers tiles without it elsewhere: the
     Triton kernel then runs the same tiles.
 
-    staged_scales (FP8, the Gluon kernel of down and d_x): its loader also copies each K step's
-    row scales into the ring's stage, where the MMA partitions read them (otherwise they load
-    them from global memory a step ahead); the same products. No plan gives it yet.
+    staged_scales (the FP8 Gluon kernels: gate/up, down, d_x and the dSwiGLU's GEMM apart):
+    the loader also copies each K step's row scales into the ring's stage, where the MMA
+    partitions read them (otherwise they load them from global memory a step ahead); the same
+    products. No plan gives it yet.
     """
 
     tma: bool = False

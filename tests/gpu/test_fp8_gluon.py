@@ -234,6 +234,44 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
 
 
 @SM90
+@pytest.mark.parametrize(("hidden", "limit"), [(512, None), (400, 1.5)],
+                         ids=["plain", "k_tail_limit"])
+def test_gluon_fp8_gathering_kernels_with_staged_scales_give_the_same_bits(hidden, limit):
+    # RowTiles.staged_scales in the kernels that gather token rows: gate/up (h in e4m3 and
+    # fp32, the pre-activations kept or alone) and the dSwiGLU's GEMM apart; padding rows'
+    # scales are 0 either way.
+    weights, router_weights, routing, generator = _setup(tokens=3000, hidden=hidden, inter=256,
+                                                         experts=16, topk=4, seed=hidden + 1)
+    xq = _token_rows(3000, hidden, generator)
+    d_out_q = _token_rows(3000, hidden, generator)
+    n = int(routing.used_rows)
+    for kind in ("gate_up", "gate_up_saved", "down_bwd_saved"):
+        tiles = fp8_tiles(kind, ALIGN, gluon=True)
+        staged = dataclasses.replace(tiles, staged_scales=True)
+        assert tiles.gluon
+
+        def run(t, kind=kind):
+            if kind == "gate_up":
+                kept = torch.empty(routing.capacity_rows, 512, dtype=torch.bfloat16,
+                                   device="cuda")
+                hq = gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, t, limit,
+                                        gate_up=kept)
+                h = gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, t, limit,
+                                       quantize_h=False, out_dtype=torch.float32)
+                return hq.data.view(torch.uint8), hq.scales, kept, h
+            if kind == "gate_up_saved":
+                return (gate_up_fp8(xq, weights.gate, weights.up, routing, t, limit), )
+            d_gate_up = gate_up_fp8(xq, weights.gate, weights.up, routing,
+                                    fp8_tiles("gate_up_saved", ALIGN), limit)
+            q, h, partial = dswiglu_fp8(d_out_q, weights.down_t, d_gate_up, routing, t,
+                                        router_weights, limit, apart=True)
+            return d_gate_up, q.data.view(torch.uint8), q.scales, h, partial
+
+        for mine, theirs in zip(run(staged), run(tiles), strict=True):
+            assert torch.equal(mine[:n], theirs[:n]), kind
+
+
+@SM90
 @pytest.mark.parametrize(("limit", "weighted"), [(None, True), (1.5, True), (None, False)],
                          ids=["plain", "limit", "shared"])
 def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit, weighted):
