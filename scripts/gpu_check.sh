@@ -4,7 +4,9 @@
 # expert-parallel launches' pulls and scatters on one GPU. Each step has its own time limit and
 # writes under $OUT (default ./gpu-out). Steps: RUN_TESTS RUN_TRAIN RUN_STEP (a training step
 # by kernel kind and step mode) RUN_TRAIN_BENCH (end to end) RUN_TUNE RUN_BENCH RUN_HOST
-# RUN_BREAKDOWN RUN_EP_LOCAL RUN_FP8 (the FP8 kernels beside bf16, benchmarks.fp8) RUN_COMPARE
+# RUN_BREAKDOWN RUN_EP_LOCAL RUN_FP8 (the FP8 kernels beside bf16, benchmarks.fp8) RUN_DEEPGEMM
+# (benchmarks.deepgemm; DEEPGEMM_SRC a DeepGEMM source tree, built first where deep_gemm does
+# not import) RUN_COMPARE
 # (benchmarks.compare; COMPARE_ARGS names the base: on a copy of the tree without its git
 # history, --base REV --base-dir DIR with REV's mok extracted in DIR beforehand) (1 runs
 # it); *_TIMEOUT seconds; *_ARGS extra arguments; TESTS_JOBS groups of tests side by side,
@@ -108,6 +110,15 @@ fi
 if [ "${RUN_FP8:-0}" = 1 ]; then
   step fp8 "${FP8_TIMEOUT:-200}" fp8.log python3 -m benchmarks.fp8 --csv "$OUT/fp8.csv" \
     ${FP8_ARGS:-}
+fi
+if [ "${RUN_DEEPGEMM:-0}" = 1 ]; then
+  export PYTHONPATH=$(realpath "${DEEPGEMM_SRC:?DEEPGEMM_SRC names a DeepGEMM source tree}"):$PYTHONPATH
+  if ! python3 -c "import deep_gemm" 2>/dev/null; then
+    step deepgemm_build "${DEEPGEMM_BUILD_TIMEOUT:-200}" deepgemm_build.log \
+      bash scripts/build_deepgemm.sh "$DEEPGEMM_SRC"
+  fi
+  step deepgemm "${DEEPGEMM_TIMEOUT:-300}" deepgemm.log python3 -m benchmarks.deepgemm \
+    --csv "$OUT/fp8.csv" ${DEEPGEMM_ARGS:-}
 fi
 if [ "${RUN_COMPARE:-0}" = 1 ]; then
   step compare "${COMPARE_TIMEOUT:-300}" compare.log python3 -m benchmarks.compare \
