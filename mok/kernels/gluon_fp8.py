@@ -25,14 +25,16 @@ One CTA per SM strides over the [BLOCK_M, BLOCK_N] output tiles of the used rows
 blocks at a time). Partitions:
 - loader (worker): per K step the A box [BLOCK_M, BLOCK_K] (by TMA, one warp; or gathered by
   16-byte cp.async, LOAD_WARPS warps) and the weight box(es) [BLOCK_N, BLOCK_K] by TMA into a
-  ring of NUM_STAGES stages, continuous across tiles.
+  ring of NUM_STAGES stages, continuous across tiles; STAGED: also the step's BLOCK_M row
+  scales, by 4-byte cp.async, into the stage's slot of a scale ring, where the MMA partitions
+  read them (else they load them from global memory a step ahead).
 - MMA (BLOCK_M // 64 of them, the default partition and with BLOCK_M 128 a worker of MMA_REGS
   registers): its 64 rows of every tile's A and the whole weight box; then the epilogue through
   its own shared-memory buffers and TMA stores.
 
 Barriers (stage s = i % NUM_STAGES of the i-th K step counted over all of this CTA's tiles,
 round = i // NUM_STAGES, phase parity = round & 1): ready[s]: the loader arrives with
-expect-tx (count 1; gathering, each loader thread once more through
+expect-tx (count 1; gathering, or staging the scales, each loader thread once more through
 cp.async.mbarrier.arrive.noinc: count LOAD_WARPS * 32 + 1), the MMA partitions wait on parity
 round & 1 (gathering, then fence: cp.async writes through the generic proxy); empty[s] (count
 BLOCK_M // 64): each MMA partition arrives once its wgmma of stage s has completed; the loader
