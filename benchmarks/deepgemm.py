@@ -87,6 +87,7 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
     m_indices = torch.where(used, row_expert, -1).to(torch.int32).contiguous()
     offsets = routing.expert_offsets.long().cpu().tolist()
     ks = [end - start for start, end in zip(offsets[:-1], offsets[1:], strict=True)]
+    ks_device = torch.tensor(ks, dtype=torch.int32, device=device)
 
     x_q = quantize_rows(x)
     x_rows_q = quantize_rows(_rows_of(routing, x, gather=True))
@@ -154,8 +155,7 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
 
         def deepgemm_k(ka=ka, kb=kb, acc=acc):
             acc.zero_()
-            deep_gemm.k_grouped_fp8_gemm_nt_contiguous(ka, kb, acc, ks, torch.tensor(
-                ks, dtype=torch.int32, device=device), acc)
+            deep_gemm.k_grouped_fp8_gemm_nt_contiguous(ka, kb, acc, ks, ks_device, acc)
             return acc
         split = inter if kind == "gate_up" else None
         impls = {"deepgemm": deepgemm_k}
