@@ -175,35 +175,6 @@ def _store_e4m3(value, ptrs, scale_ptrs, in_n, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _dswiglu_values(dh0, gu_ptrs, route, valid, keep, N, router_weights_ptr, swiglu_limit,
-                    h_ptrs, h_mask, partial_ptrs, HAS_LIMIT: tl.constexpr,
-                    WEIGHTED: tl.constexpr, UPCAST: tl.constexpr):
-    """(h, d_gate, d_up, the router-weight gradient's partial sums sum_n dh0 * h) of a tile: the
-    dSwiGLU of dh0 = d_out[token] @ w_down[e] over the kept pre-activations at gu_ptrs (gate,
-    then up N columns after it); with WEIGHTED d_h is dh0 scaled by the route's router weight.
-    d_gate and d_up are 0 outside keep. h (at h_ptrs, h_mask) and with WEIGHTED the partial
-    sums (at partial_ptrs) stored as soon as they are made."""
-    gate = tl.load(gu_ptrs, mask=keep, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptrs + N, mask=keep, other=0.0).to(tl.float32)
-    if HAS_LIMIT:
-        gate_pass, up_pass = activation.passes(gate, up, swiglu_limit, True)
-        gate, up = activation.clamp(gate, up, swiglu_limit)
-    sig, silu = activation.silu(gate)
-    h = silu * up
-    tl.store(h_ptrs, cast_to(h, h_ptrs.dtype.element_ty, UPCAST), mask=h_mask)
-    partial = tl.sum(dh0 * h, axis=1)
-    d_h = dh0
-    if WEIGHTED:
-        tl.store(partial_ptrs, partial)
-        d_h = dh0 * tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
-    d_gate, d_up = activation.dswiglu(d_h, gate, up, sig, silu)
-    if HAS_LIMIT:
-        d_gate = tl.where(gate_pass, d_gate, 0.0)
-        d_up = tl.where(up_pass, d_up, 0.0)
-    return h, tl.where(keep, d_gate, 0.0), tl.where(keep, d_up, 0.0), partial
-
-
-@triton.jit
 def _dswiglu_epilogue(dh0, rows, route, valid, keep, cols, in_n, pid_n, N, out_ptr,
                       out_scale_ptr, router_weights_ptr, gate_up_ptr, h_ptr, partial_ptr,
                       stride_om, stride_osm, stride_gum, stride_hm, stride_pm, swiglu_limit,
@@ -215,10 +186,25 @@ def _dswiglu_epilogue(dh0, rows, route, valid, keep, cols, in_n, pid_n, N, out_p
     scaled by the route's router weight and the router-weight gradient's partial sums
     sum_n dh0 * h into partial[r, pid_n]."""
     gu_ptrs = gate_up_ptr + rows[:, None] * stride_gum + cols[None, :]
-    _, d_gate, d_up, _ = _dswiglu_values(
-        dh0, gu_ptrs, route, valid, keep, N, router_weights_ptr, swiglu_limit,
-        h_ptr + rows[:, None] * stride_hm + cols[None, :], in_n[None, :],
-        partial_ptr + rows * stride_pm + pid_n, HAS_LIMIT, WEIGHTED, UPCAST)
+    gate = tl.load(gu_ptrs, mask=keep, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptrs + N, mask=keep, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        gate_pass, up_pass = activation.passes(gate, up, swiglu_limit, True)
+        gate, up = activation.clamp(gate, up, swiglu_limit)
+    sig, silu = activation.silu(gate)
+    h = silu * up
+    tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :],
+             cast_to(h, h_ptr.dtype.element_ty, UPCAST), mask=in_n[None, :])
+    d_h = dh0
+    if WEIGHTED:
+        tl.store(partial_ptr + rows * stride_pm + pid_n, tl.sum(dh0 * h, axis=1))
+        d_h = dh0 * tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
+    d_gate, d_up = activation.dswiglu(d_h, gate, up, sig, silu)
+    if HAS_LIMIT:
+        d_gate = tl.where(gate_pass, d_gate, 0.0)
+        d_up = tl.where(up_pass, d_up, 0.0)
+    d_gate = tl.where(keep, d_gate, 0.0)
+    d_up = tl.where(keep, d_up, 0.0)
     tl.store(gu_ptrs, cast_to(d_gate, gate_up_ptr.dtype.element_ty, UPCAST), mask=in_n[None, :])
     tl.store(gu_ptrs + N, cast_to(d_up, gate_up_ptr.dtype.element_ty, UPCAST),
              mask=in_n[None, :])

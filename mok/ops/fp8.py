@@ -282,28 +282,6 @@ def dswiglu_fp8(
     router_weights); d_gate_up also replaces gate_up in place, in its dtype. apart (always with
     Gluon tiles): two launches, the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over
     it; the same results (on a GPU the partial sums up to their order over each 128 columns)."""
-    inter = _check_dswiglu(d_output, w_down_t, gate_up, routing, tiles, router_weights)
-    device = gate_up.device
-    rows, blocks = routing.capacity_rows, inter // QUANT_BLOCK
-    out = torch.empty(rows, 2 * inter, dtype=E4M3, device=device)
-    out_scales = torch.empty(rows, 2 * blocks, dtype=torch.float32, device=device)
-    h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
-    partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
-               if router_weights is not None else None)
-    if apart or tiles.gluon:
-        dh0 = _dswiglu_product(d_output, w_down_t, routing, tiles)
-        _dswiglu_rows(dh0, gate_up, routing, router_weights, swiglu_limit, out, out_scales, h,
-                      partial)
-    else:
-        _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
-                swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True,
-                gate_up=gate_up, h=h, partial=partial)
-    return Quantized(out, out_scales), h, partial
-
-
-def _check_dswiglu(d_output: Quantized, w_down_t: Quantized, gate_up: torch.Tensor,
-                   routing: Routing, tiles: RowTiles, router_weights: torch.Tensor | None) -> int:
-    """dswiglu_fp8's operands checked; returns I."""
     _, hidden = _rows_operand(d_output, "d_output")
     check_tokens(d_output.data, "d_output", routing.num_tokens)
     _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
@@ -312,21 +290,27 @@ def _check_dswiglu(d_output: Quantized, w_down_t: Quantized, gate_up: torch.Tens
     _check_gate_up(gate_up, routing, inter)
     check_router_weights(router_weights, routing, fp32=True)
     _check_tiles(tiles, routing, quantize_out=True)
-    return inter
-
-
-def _dswiglu_product(d_output: Quantized, w_down_t: Quantized, routing: Routing,
-                    tiles: RowTiles) -> torch.Tensor:
-    """dh0 [C, I] fp32 = d_output[token] @ w_down[e] (the dSwiGLU's GEMM computed apart): on the
-    Gluon kernel with Gluon tiles, else on the Triton kernel's plain epilogue."""
-    rows, inter = routing.capacity_rows, w_down_t.data.shape[1]
-    dh0 = torch.empty(rows, inter, dtype=torch.float32, device=d_output.data.device)
-    if tiles.gluon and rows > 0:
-        _gather_gluon(d_output, w_down_t, dh0, routing, tiles)
+    device = gate_up.device
+    rows, blocks = routing.capacity_rows, inter // QUANT_BLOCK
+    out = torch.empty(rows, 2 * inter, dtype=E4M3, device=device)
+    out_scales = torch.empty(rows, 2 * blocks, dtype=torch.float32, device=device)
+    h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
+    partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
+               if router_weights is not None else None)
+    if apart or tiles.gluon:
+        dh0 = torch.empty(rows, inter, dtype=torch.float32, device=device)
+        if tiles.gluon and rows > 0:
+            _gather_gluon(d_output, w_down_t, dh0, routing, tiles)
+        else:
+            _launch(d_output, w_down_t, None, dh0, dh0, routing, tiles, None, None, gather=True,
+                    epilogue="plain", quantize_out=False)
+        _dswiglu_rows(dh0, gate_up, routing, router_weights, swiglu_limit, out, out_scales, h,
+                      partial)
     else:
-        _launch(d_output, w_down_t, None, dh0, dh0, routing, tiles, None, None, gather=True,
-                epilogue="plain", quantize_out=False)
-    return dh0
+        _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
+                swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True,
+                gate_up=gate_up, h=h, partial=partial)
+    return Quantized(out, out_scales), h, partial
 
 
 def d_x_rows_fp8(
