@@ -1,6 +1,7 @@
 """DeepGEMM's grouped FP8 GEMMs beside mok's FP8 launches: an anchor, per shape.
 
     python -m benchmarks.deepgemm [--shapes qwen3-30b-a3b kimi-ep64-slice] [--repeats 20]
+                                  [--stages down d_x]
 
 Needs an sm_90 GPU and DeepGEMM importable (`deep_gemm`, built from its source). Per shape, one
 process, the schedule of random routes (rows grouped by expert, each expert's rows padded to
@@ -73,7 +74,7 @@ def _k_grouped(q: Quantized, offsets: list[int]) -> tuple[torch.Tensor, torch.Te
 
 
 def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
-                warmup: int) -> list[dict]:
+                warmup: int, only: tuple[str, ...] = ()) -> list[dict]:
     inputs, schedule = shape_schedule(shape, device)
     x = inputs.x
     w_gate, w_up, w_down = inputs.routed_weights
@@ -169,13 +170,19 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
                                              out_dtype=x.dtype, split=split)
         stages[f"wgrad_{kind}"] = ((2 if kind == "gate_up" else 1) * gemm, impls)
 
+    stages = {stage: v for stage, v in stages.items()
+              if not only or stage.startswith(only)}
     # DeepGEMM against mok on the same codes (used rows; the experts' gradients)
     errors = {}
     for stage, mine in (("gate_up", "mok_fp8_pre_activations"), ("down", "mok_fp8"),
                         ("d_x", "mok_fp8")):
+        if stage not in stages:
+            continue
         theirs = stages[stage][1]["deepgemm"]().float()
         errors[stage] = max_rel_err(theirs[used], stages[stage][1][mine]().float()[used])
     for kind in ("down", "gate_up"):
+        if f"wgrad_{kind}" not in stages:
+            continue
         theirs = stages[f"wgrad_{kind}"][1]["deepgemm"]()
         ours = list(stages[f"wgrad_{kind}"][1].values())[-1]()  # the layer's kernel
         ours = torch.cat(ours, dim=1) if isinstance(ours, tuple) else ours
@@ -206,12 +213,16 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--csv", default=str(RESULTS))
+    parser.add_argument("--stages", nargs="+", metavar="STAGE", default=(),
+                        help="check and time only the stages whose names start so (default: "
+                             "all)")
     args = parser.parse_args(argv)
     import deep_gemm  # optional: only this benchmark needs it
 
     device = torch.device("cuda")
     for name in args.shapes:
-        rows = bench_shape(deep_gemm, SHAPES_BY_NAME[name], device, args.repeats, args.warmup)
+        rows = bench_shape(deep_gemm, SHAPES_BY_NAME[name], device, args.repeats, args.warmup,
+                           only=tuple(args.stages))
         append_rows(Path(args.csv), FIELDS, rows)
     print(f"rows appended to {args.csv}")
 
