@@ -34,6 +34,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 TARGET = GPUTarget("cuda", 90, 32)
 RESULTS: list[dict] = []
 DUMP_DIR: str | None = None
+DUMP_SASS = False
 
 
 def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
@@ -56,6 +57,9 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
         path = os.path.join(DUMP_DIR, f"{len(os.listdir(DUMP_DIR)):02d}-{name}.ttgir")
         with open(path, "w") as handle:
             handle.write(ttgir)
+        if DUMP_SASS:
+            with open(path[:-len("ttgir")] + "sass", "w") as handle:
+                handle.write(_sass(kernel.asm["cubin"]))
     RESULTS.append(dict(
         kernel=name, regs=regs, spills=local, stack=stack,
         shared_kb=round(kernel.metadata.shared / 1024, 1),
@@ -64,17 +68,30 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
     return None
 
 
+def _tool(name: str) -> str:
+    from triton.backends.nvidia import compiler as nvidia
+
+    return os.path.join(os.path.dirname(nvidia.__file__), "bin", name)
+
+
+def _sass(cubin: bytes) -> str:
+    """The cubin's SASS (Triton's bundled cuobjdump)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        return subprocess.run([_tool("cuobjdump"), "-sass", handle.name], check=True,
+                              capture_output=True, text=True).stdout
+
+
 def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
     """(registers per thread, local memory bytes per thread: spills, stack frame bytes per
     thread: where ptxas puts spills too, a kernel without calls having no other use for it)
     from cuobjdump."""
-    from triton.backends.nvidia import compiler as nvidia
-
-    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", handle.name], check=True,
+        text = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", handle.name],
+                              check=True,
                               capture_output=True, text=True).stdout
     return tuple(int(found.group(1)) if found else -1
                  for found in (re.search(rf"{key}:(\d+)", text)
@@ -92,10 +109,13 @@ def main(argv=None) -> None:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES_BY_NAME))
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--dump-ttgir", metavar="DIR", help="also write each kernel's TTGIR here")
+    parser.add_argument("--dump-sass", action="store_true",
+                        help="with --dump-ttgir, also each kernel's SASS (cuobjdump -sass)")
     parser.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     parser.add_argument("--match", default="", help="compile only the runs whose label has this")
     args = parser.parse_args(argv)
-    global DUMP_DIR
+    global DUMP_DIR, DUMP_SASS
+    DUMP_SASS = args.dump_sass
     if args.dump_ttgir:
         os.makedirs(args.dump_ttgir, exist_ok=True)
         DUMP_DIR = args.dump_ttgir
@@ -488,13 +508,22 @@ def main(argv=None) -> None:
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
                 apart=True)),
+            ("down_bwd saved apart fp8 gluon tma 128x256",
+             r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), block_n=256),
+             lambda tt: fp8.dswiglu_fp8(
+                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
+                apart=True)),
         ]
         fp8_gluon = dataclasses.replace(ops.fp8_tiles("down", 128), block_m=128, num_stages=4,
                                         gluon=True)
         for label, variant in (("", {}), (" s5", dict(num_stages=5)),
                                (" 64x128 s6", dict(block_m=64, num_stages=6)),
                                (" staged scales", dict(staged_scales=True)),
-                               (" 64x128 staged scales", dict(block_m=64, staged_scales=True))):
+                               (" 64x128 staged scales", dict(block_m=64, staged_scales=True)),
+                               (" 128x256 s3", dict(block_n=256, num_stages=3)),
+                               (" 128x256 s4", dict(block_n=256)),
+                               (" 128x256 s3 staged scales", dict(block_n=256, num_stages=3,
+                                                                  staged_scales=True))):
             runs += [
                 (f"down fp8 gluon tma{label}", r(fp8_gluon, **variant),
                  lambda tt: fp8.down_proj_fp8(quantized(rows, inter),
