@@ -427,6 +427,9 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
         raise ValueError(_NOT_TAKEN)
     experts, n, k = w.data.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    epilogue = (bm // 64) * 64 * min(bn, 128) * out.element_size()  # the MMA partitions'
+    stage = (bm + bn) * bk + (4 * bm if tiles.staged_scales else 0)
+    stages = min(tiles.num_stages, (_SMEM - epilogue) // stage)
     launch(gluon_fp8.fp8_rows_ws_kernel, (_num_programs(out.device),))(
         a_desc=_descriptor(a.data, [bm, bk], gl.float8e4nv),
         w_desc=_descriptor(w.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
@@ -437,7 +440,7 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
         used_rows_ptr=routing.used_rows, N=n, K=k, stride_as=a.scales.stride(0),
         stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
-        NUM_STAGES=tiles.num_stages, LOAD_REGS=_GLUON_LOAD_REGS,
+        NUM_STAGES=stages, LOAD_REGS=_GLUON_LOAD_REGS,
         MMA_REGS=_GLUON_MMA_REGS if bn <= 128 else _GLUON_MMA_REGS_TWO,
         HAS_WEIGHT=router_weights is not None, STAGED=tiles.staged_scales, num_warps=4,
     )
