@@ -173,12 +173,11 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     write their rows to other ranks (the Triton kernel's epilogue). Remembered per arguments
     and switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
-                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_STAGED_SCALES)
+                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_STAGED_SCALES)
 
 
 def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
-              scatter: bool, gluon_on: bool, apart_on: bool, wide_on: bool,
-              staged_on: bool) -> Fp8Plan:
+              scatter: bool, gluon_on: bool, apart_on: bool, staged_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
@@ -190,19 +189,11 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
                    *_wgrads(pick, operands, tiles.align, sizes))
     if gluon and tiles.align % 128 == 0 and hidden % 128 == 0 and intermediate % 128 == 0:
         made = dataclasses.replace(made, wgrad_fp8=FP8_WGRAD_GLUON_TILES)
-    changes = {}
-    for field in ("gate_up", "gate_up_saved", "down", "dswiglu", "d_x"):
-        row_tiles = getattr(made, field)
-        if not row_tiles.gluon:
-            continue
-        if wide_on and field in ("down", "dswiglu", "d_x") and row_tiles.block_m == 128:
-            # the dSwiGLU's GEMM writes fp32: its epilogue buffers leave room for 3 stages
-            row_tiles = dataclasses.replace(row_tiles, block_n=256,
-                                            num_stages=3 if field == "dswiglu" else 4)
-        if staged_on:
-            row_tiles = dataclasses.replace(row_tiles, staged_scales=True)
-        changes[field] = row_tiles
-    made = dataclasses.replace(made, **changes)
+    if staged_on:
+        made = dataclasses.replace(made, **{
+            field: dataclasses.replace(getattr(made, field), staged_scales=True)
+            for field in ("gate_up", "gate_up_saved", "down", "dswiglu", "d_x")
+            if getattr(made, field).gluon})
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
     # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
     return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)
@@ -211,10 +202,9 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
 # The dSwiGLU on sm_90: apart (its GEMM on the Gluon kernel, then the dSwiGLU), or False: in one
 # launch of the Triton kernel.
 _FP8_DSWIGLU_APART = True
-# The Gluon FP8 row GEMMs' variants, off until timed on a GPU: down, d_x and the dSwiGLU's GEMM
-# at 128 x 256 (two products of 128 columns a K step), and every Gluon row GEMM with the rows'
-# scales staged in its ring (RowTiles.staged_scales).
-_FP8_WIDE_ROWS = False
+# Every Gluon FP8 row GEMM with the rows' scales staged in its ring (RowTiles.staged_scales):
+# off, faster at two of three shapes and slower at the third (docs/measurements.md,
+# 2026-12-06 afternoon).
 _FP8_STAGED_SCALES = False
 
 

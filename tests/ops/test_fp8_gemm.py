@@ -463,18 +463,14 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", False)
     assert gluon(hidden=256) == (True, True, True, False, True)
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", True)
-    # the variants' switches: 128 x 256 for down, d_x and the dSwiGLU's GEMM; staged scales
-    # for every Gluon row GEMM; scattering, down and d_x stay on the Triton tiles
-    monkeypatch.setattr(plan, "_FP8_WIDE_ROWS", True)
+    # _FP8_STAGED_SCALES: every Gluon row GEMM's row scales staged (scattering, down and d_x
+    # stay on the Triton tiles, which have none)
     monkeypatch.setattr(plan, "_FP8_STAGED_SCALES", True)
     for scatter in (False, True):
         fp8 = plan.fp8_plan(tiles, operands, hidden=256, intermediate=256, scatter=scatter)
         for name in ("gate_up", "gate_up_saved", "down", "dswiglu", "d_x"):
             t = getattr(fp8, name)
-            wide = name in ("down", "dswiglu", "d_x") and t.gluon
-            assert (t.block_n, t.staged_scales) == ((256, True) if wide
-                                                    else (128, t.gluon)), (name, scatter)
-    monkeypatch.setattr(plan, "_FP8_WIDE_ROWS", False)
+            assert t.staged_scales == t.gluon, (name, scatter)
     monkeypatch.setattr(plan, "_FP8_STAGED_SCALES", False)
     monkeypatch.setattr(_env, "FP8_GLUON", False)
     assert gluon(hidden=256) == (False,) * 5
