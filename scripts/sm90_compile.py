@@ -514,7 +514,7 @@ def main(argv=None) -> None:
         for label, variant in (("", {}), (" s5", dict(num_stages=5)),
                                (" 64x128 s6", dict(block_m=64, num_stages=6)),
                                (" staged scales", dict(staged_scales=True)),
-                               (" 64x128 staged scales", dict(block_m=64, staged_scales=True)),):
+                               (" 64x128 staged scales", dict(block_m=64, staged_scales=True))):
             runs += [
                 (f"down fp8 gluon tma{label}", r(fp8_gluon, **variant),
                  lambda tt: fp8.down_proj_fp8(quantized(rows, inter),
