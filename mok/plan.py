@@ -170,8 +170,9 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     of 16); the dSwiGLU apart, its GEMM on the Gluon kernel, where that takes it
     (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight gradients on
     the Gluon kernel where the alignment, H and I are multiples of 128; scatter: down and d_x
-    write their rows to other ranks (the Triton kernel's epilogue). Remembered per arguments
-    and switches (`_remembered`)."""
+    write their rows to other ranks (the Triton kernel's epilogue); the Gluon launches' row
+    scales staged in their rings where _FP8_STAGED_SCALES. Remembered per arguments and
+    switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
                        _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_STAGED_SCALES)
 

@@ -96,7 +96,7 @@ class RowTiles(Tiles):
     staged_scales (the FP8 Gluon kernels: gate/up, down, d_x and the dSwiGLU's GEMM apart):
     the loader also copies each K step's row scales into the ring's stage, where the MMA
     partitions read them (otherwise they load them from global memory a step ahead); the same
-    products. No plan gives it yet.
+    products. The FP8 plan gives it where mok.plan._FP8_STAGED_SCALES (off).
     """
 
     tma: bool = False
