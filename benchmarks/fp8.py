@@ -12,8 +12,9 @@ random routes), stage by stage:
              gate_up_swiglu_fp8 (h in e4m3 with its scales; Triton, and on an sm_90 GPU
              Gluon);
   down       mok's bf16 down, and down_proj_fp8 on that h (the Triton kernel, and on an sm_90
-             GPU the Gluon one; on sm_90 each Gluon launch also with the rows' scales staged
-             in its ring, mok_fp8_gluon_staged, checked bit for bit against it);
+             GPU the Gluon one; on sm_90 each Gluon launch also with other tiles, checked bit
+             for bit against it: the rows' scales staged in its ring, mok_fp8_gluon_staged;
+             down, d_x and the dSwiGLU's GEMM apart at 128 x 256, mok_fp8_gluon_256_*);
   dswiglu    dswiglu_fp8 on random e4m3 d_output rows over the kept pre-activations (one
              Triton launch, and on an sm_90 GPU apart: the Gluon GEMM into fp32, then the
              dSwiGLU; dswiglu_rows times that second launch alone, GB/s, with several blocks);
@@ -407,18 +408,25 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                 d_out_q, fp8_experts.down_t, kept_buffers["mok_fp8_apart"], routing,
                 gluon_tiles["down_bwd_saved"], router_weights, apart=True), gemm, 0),
         ]
-        # the Gluon launches with the rows' scales staged in the ring (RowTiles.staged_scales),
-        # against those above: the same bits (the dSwiGLU apart: its fp32 output, compared
-        # through the bf16 d_gate_up it leaves in the buffer)
-        staged = {kind: dataclasses.replace(gluon_tiles[kind], staged_scales=True)
-                  for kind in ("gate_up", "down", "d_x", "down_bwd_saved")}
+        # other Gluon tiles against those above, the same bits expected (the dSwiGLU apart: its
+        # fp32 output, compared through the bf16 d_gate_up it leaves in the buffer): the rows'
+        # scales staged in the ring (RowTiles.staged_scales); 256 columns, two products of 128
+        # a K step (not gate/up)
+        variants = {  # implementation: (tiles' changes, the stages it runs)
+            "mok_fp8_gluon_staged": (dict(staged_scales=True),
+                                     ("gate_up", "down", "d_x", "dswiglu")),
+            "mok_fp8_gluon_256_s3": (dict(block_n=256, num_stages=3), ("down", "d_x", "dswiglu")),
+            "mok_fp8_gluon_256_s4": (dict(block_n=256, num_stages=4), ("down", "d_x", "dswiglu")),
+            "mok_fp8_gluon_256_s3_staged": (dict(block_n=256, num_stages=3, staged_scales=True),
+                                            ("down", "d_x", "dswiglu")),
+        }
 
         def dswiglu_apart(t, buffer, **_):
             ops.dswiglu_fp8(d_out_q, fp8_experts.down_t, buffer, routing, t, router_weights,
                             apart=True)
             return buffer
 
-        staged_ops = {  # stage: (tiles kind, op(tiles, **fp32 output), flops)
+        variant_ops = {  # stage: (tiles kind, op(tiles, **fp32 output), flops)
             "gate_up": ("gate_up", lambda t, **kw: gate_up_swiglu_fp8(
                 x_q, gate_q, up_q, routing, t, quantize_h=not kw, **kw), 2 * gemm),
             "down": ("down", lambda t, **kw: down_proj_fp8(h_q, down_q, routing, t,
@@ -428,14 +436,18 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
             "dswiglu": ("down_bwd_saved", lambda t, **kw: dswiglu_apart(
                 t, kept.clone() if kw else kept_buffers["mok_fp8_apart"]), gemm),
         }
-        for stage, (kind, op, flops) in staged_ops.items():
-            mine = op(staged[kind], out_dtype=torch.float32)
-            theirs = op(gluon_tiles[kind], out_dtype=torch.float32)
-            errors[(stage, "mok_fp8_gluon_staged")] = max_rel_err(mine[used], theirs[used])
-            print(f"   {stage} with the row scales staged against the Gluon launch: bit for "
-                  f"bit {torch.equal(mine[used], theirs[used])}", flush=True)
-            stages.append((stage, "mok_fp8_gluon_staged", functools.partial(op, staged[kind]),
-                           flops, 0))
+        for impl, (changes, impl_stages) in variants.items():
+            for stage in impl_stages:
+                if only and not stage.startswith(only):
+                    continue
+                kind, op, flops = variant_ops[stage]
+                tiles = dataclasses.replace(gluon_tiles[kind], **changes)
+                mine = op(tiles, out_dtype=torch.float32)
+                theirs = op(gluon_tiles[kind], out_dtype=torch.float32)
+                errors[(stage, impl)] = max_rel_err(mine[used], theirs[used])
+                print(f"   {stage} {impl} against the Gluon launch: bit for bit "
+                      f"{torch.equal(mine[used], theirs[used])}", flush=True)
+                stages.append((stage, impl, functools.partial(op, tiles), flops, 0))
         # the dSwiGLU apart, its second launch alone (bytes: dh0 fp32, the kept gate and up
         # read; h, d_gate_up in bf16 and in e4m3 written) and with other blocks
         dh0 = torch.randn(routing.capacity_rows, inter, device=device)

@@ -170,15 +170,17 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     of 16); the dSwiGLU apart, its GEMM on the Gluon kernel, where that takes it
     (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight gradients on
     the Gluon kernel where the alignment, H and I are multiples of 128; scatter: down and d_x
-    write their rows to other ranks (the Triton kernel's epilogue); the Gluon launches' row
-    scales staged in their rings where _FP8_STAGED_SCALES. Remembered per arguments and
+    write their rows to other ranks (the Triton kernel's epilogue); down, d_x and the
+    dSwiGLU's GEMM at 128 x 256 where _FP8_WIDE_ROWS, the Gluon launches' row scales staged in
+    their rings where _FP8_STAGED_SCALES. Remembered per arguments and
     switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
-                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_STAGED_SCALES)
+                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_STAGED_SCALES)
 
 
 def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
-              scatter: bool, gluon_on: bool, apart_on: bool, staged_on: bool) -> Fp8Plan:
+              scatter: bool, gluon_on: bool, apart_on: bool, wide_on: bool,
+              staged_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
@@ -190,11 +192,17 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
                    *_wgrads(pick, operands, tiles.align, sizes))
     if gluon and tiles.align % 128 == 0 and hidden % 128 == 0 and intermediate % 128 == 0:
         made = dataclasses.replace(made, wgrad_fp8=FP8_WGRAD_GLUON_TILES)
-    if staged_on:
-        made = dataclasses.replace(made, **{
-            field: dataclasses.replace(getattr(made, field), staged_scales=True)
-            for field in ("gate_up", "gate_up_saved", "down", "dswiglu", "d_x")
-            if getattr(made, field).gluon})
+    changes = {}
+    for field in ("gate_up", "gate_up_saved", "down", "dswiglu", "d_x"):
+        row_tiles = getattr(made, field)
+        if not row_tiles.gluon:
+            continue
+        if wide_on and field in ("down", "dswiglu", "d_x") and row_tiles.block_m == 128:
+            row_tiles = dataclasses.replace(row_tiles, block_n=256)  # stages: as they fit
+        if staged_on:
+            row_tiles = dataclasses.replace(row_tiles, staged_scales=True)
+        changes[field] = row_tiles
+    made = dataclasses.replace(made, **changes)
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
     # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
     return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)
@@ -203,6 +211,9 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
 # The dSwiGLU on sm_90: apart (its GEMM on the Gluon kernel, then the dSwiGLU), or False: in one
 # launch of the Triton kernel.
 _FP8_DSWIGLU_APART = True
+# down, d_x and the dSwiGLU's GEMM at 128 x 256 on the Gluon kernels: off, untimed since their
+# K loops' spills were removed (docs/measurements.md, 2026-12-06 afternoon).
+_FP8_WIDE_ROWS = False
 # Every Gluon FP8 row GEMM with the rows' scales staged in its ring (RowTiles.staged_scales):
 # off, faster at two of three shapes and slower at the third (docs/measurements.md,
 # 2026-12-06 afternoon).

@@ -508,13 +508,22 @@ def main(argv=None) -> None:
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
                 apart=True)),
+            ("down_bwd saved apart fp8 gluon tma 128x256",
+             r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), block_n=256),
+             lambda tt: fp8.dswiglu_fp8(
+                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
+                apart=True)),
         ]
         fp8_gluon = dataclasses.replace(ops.fp8_tiles("down", 128), block_m=128, num_stages=4,
                                         gluon=True)
         for label, variant in (("", {}), (" s5", dict(num_stages=5)),
                                (" 64x128 s6", dict(block_m=64, num_stages=6)),
                                (" staged scales", dict(staged_scales=True)),
-                               (" 64x128 staged scales", dict(block_m=64, staged_scales=True))):
+                               (" 64x128 staged scales", dict(block_m=64, staged_scales=True)),
+                               (" 128x256 s3", dict(block_n=256, num_stages=3)),
+                               (" 128x256 s4", dict(block_n=256)),
+                               (" 128x256 s3 staged scales", dict(block_n=256, num_stages=3,
+                                                                  staged_scales=True))):
             runs += [
                 (f"down fp8 gluon tma{label}", r(fp8_gluon, **variant),
                  lambda tt: fp8.down_proj_fp8(quantized(rows, inter),

@@ -134,15 +134,20 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
     """Rows HALF * 64 .. + 64 of every tile: the scaled K loop, then the epilogue. GATHER: the
     A rows are tokens' rows (their scales by token), landed by cp.async. STAGED: the rows'
     scales of each K step read from the stage (a_scale_bufs), the weight block's from global
-    memory a step ahead."""
+    memory a step ahead. BLOCK_N 256: two products of 128 columns a K step (two weight-scale
+    blocks), one after the other through the one scratch accumulator, as gate/up's, the first
+    added before the second is issued."""
+    WIDTH: gl.constexpr = BLOCK_N if BLOCK_N <= 128 else 128  # one wgmma's columns
+    TWO: gl.constexpr = BLOCK_N > 128
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     rows = HALF * 64 + gl.arange(0, 64, layout=row_layout)
 
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     k_blocks = gl.cdiv(K, BLOCK_K)
-    tmp = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
+    w_blocks = gl.cdiv(N, 128)
+    tmp = gl.zeros([64, WIDTH], gl.float32, acc_layout)
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
@@ -157,36 +162,70 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
             src = (r0 + rows).to(gl.int64)
         a_scale_ptrs = a_scale_ptr + src * stride_as
         w_tile_scale_ptr = w_scale_ptr + expert * stride_wse + (c0 // 128) * stride_wsn
-        acc = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
+        acc = gl.zeros([64, WIDTH], gl.float32, acc_layout)
+        if TWO:  # the second 128 columns' weight block (none past N: scale 0)
+            w_hi_ptr = w_tile_scale_ptr + stride_wsn
+            hi_ok = c0 // 128 + 1 < w_blocks
+            acc_hi = gl.zeros([64, WIDTH], gl.float32, acc_layout)
         if STAGED:
             next_w = gl.load(w_tile_scale_ptr)
+            if TWO:
+                next_w_hi = gl.load(w_hi_ptr, mask=hi_ok, other=0.0)
         else:
             next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, 0, k_blocks, valid)
+            if TWO:
+                next_hi = _step_scale(a_scale_ptrs, w_hi_ptr, 0, k_blocks, valid & hi_ok)
         for kk in range(k_blocks):
             s = i % NUM_STAGES
             mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
             if GATHER:
                 fence_async_shared()  # cp.async (generic proxy) -> wgmma (async proxy)
-            tmp = warpgroup_mma(a_bufs.index(s).slice(HALF * 64, 64),
-                                b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
-                                is_async=True)
+            a = a_bufs.index(s).slice(HALF * 64, 64)
+            b = b_bufs.index(s)
+            if TWO:
+                b = b.slice(0, WIDTH)
+            tmp = warpgroup_mma(a, b.permute((1, 0)), tmp, use_acc=False, is_async=True)
+            more = kk + 1 < k_blocks
             if STAGED:
                 a_scale = a_scale_bufs.index(s).slice(HALF * 64, 64).load(row_layout)
                 scale = a_scale * next_w
-                next_w = gl.load(w_tile_scale_ptr + kk + 1, mask=kk + 1 < k_blocks, other=0.0)
+                next_w = gl.load(w_tile_scale_ptr + kk + 1, mask=more, other=0.0)
+                if TWO:
+                    scale_hi = a_scale * next_w_hi
+                    next_w_hi = gl.load(w_hi_ptr + kk + 1, mask=more & hi_ok, other=0.0)
             else:
                 scale = next_scale
                 next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, kk + 1, k_blocks,
                                          valid)
+                if TWO:
+                    scale_hi = next_hi
+                    next_hi = _step_scale(a_scale_ptrs, w_hi_ptr, kk + 1, k_blocks,
+                                          valid & hi_ok)
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
-            mbarrier.arrive(empty_bars.index(s))
-            acc += tmp * scale[:, None]
+            if TWO:
+                acc += tmp * scale[:, None]
+                # Nothing is pending: this only keeps the sums above ahead of the next wgmma,
+                # which LLVM otherwise sinks below it (then both products live: spills).
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                tmp = warpgroup_mma(a, b_bufs.index(s).slice(WIDTH, WIDTH).permute((1, 0)), tmp,
+                                    use_acc=False, is_async=True)
+                tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
+                mbarrier.arrive(empty_bars.index(s))
+                acc_hi += tmp * scale_hi[:, None]
+            else:
+                mbarrier.arrive(empty_bars.index(s))
+                acc += tmp * scale[:, None]
             i += 1
 
         if HAS_WEIGHT:
             acc = acc * weight[:, None]
         acc = gl.where(valid[:, None], acc, 0.0)  # padding rows: 0 whatever their codes
         _put(out_desc, acc, r0 + HALF * 64, c0, c_smem)  # waited on before c_smem's next use
+        if TWO:
+            if HAS_WEIGHT:
+                acc_hi = acc_hi * weight[:, None]
+            acc_hi = gl.where(valid[:, None], acc_hi, 0.0)
+            _put(out_desc, acc_hi, r0 + HALF * 64, c0 + WIDTH, c_smem)
     tma.store_wait(pendings=0)
 
 
@@ -200,8 +239,9 @@ def fp8_rows_ws_kernel(
 ):
     """Launched with one program per SM and num_warps = 4 (the first MMA partition).
     Descriptors: a [R, K] e4m3 with [BLOCK_M, BLOCK_K] boxes, w viewed [E * N, K] e4m3 with
-    [BLOCK_N, BLOCK_K] boxes (TMA zero-fills both past K), out [R, N] with [64, BLOCK_N] boxes.
-    BLOCK_M 64 or 128, BLOCK_N 64 or 128 (one weight scale a tile and K step), BLOCK_K 128.
+    [BLOCK_N, BLOCK_K] boxes (TMA zero-fills both past K), out [R, N] with [64, min(BLOCK_N,
+    128)] boxes. BLOCK_M 64 or 128, BLOCK_N 64, 128 or 256 (two products of 128 columns a K
+    step), BLOCK_K 128.
     router_weights_ptr: fp32 [T * topk] by route (unused without HAS_WEIGHT). STAGED: the
     loader also copies each K step's row scales into the stage (ready[s] then counts 33)."""
     NUM_MMA: gl.constexpr = BLOCK_M // 64
@@ -260,10 +300,12 @@ def fp8_gather_ws_kernel(
 ):
     """out[r] = a[token(r)] . w[e]^T, the scaled products as fp8_rows_ws_kernel's, with the
     token rows gathered by cp.async (the dSwiGLU's product dh0 = d_out[token] . w_down_t[e],
-    computed apart). BLOCK_M 128 (two MMA partitions of 64 rows), BLOCK_N 128, BLOCK_K 128.
+    computed apart). BLOCK_M 128 (two MMA partitions of 64 rows), BLOCK_N 128 or 256, BLOCK_K
+    128.
     Launched with one program per SM and num_warps = 4; a [T, K] e4m3 (row stride stride_am,
     K a multiple of 16) with scales [T, cdiv(K, 128)]; w viewed [E * N, K] e4m3 with [BLOCK_N,
-    BLOCK_K] boxes, scales [E, N / 128, cdiv(K, 128)]; out [R, N] with [64, BLOCK_N] boxes;
+    BLOCK_K] boxes, scales [E, N / 128, cdiv(K, 128)]; out [R, N] with [64, min(BLOCK_N, 128)]
+    boxes;
     A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3). Padding rows get 0.
     STAGED: the loader also copies each K step's row scales into the stage."""
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)

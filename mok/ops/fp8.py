@@ -289,7 +289,8 @@ def dswiglu_fp8(
         raise MoKInputError(f"the FP8 backward needs I a multiple of {QUANT_BLOCK}, got {inter}")
     _check_gate_up(gate_up, routing, inter)
     check_router_weights(router_weights, routing, fp32=True)
-    _check_tiles(tiles, routing, quantize_out=True)
+    # apart, the GEMM writes fp32 dh0 and the second launch quantizes: any width the GEMM takes
+    _check_tiles(tiles, routing, quantize_out=not (apart or tiles.gluon))
     device = gate_up.device
     rows, blocks = routing.capacity_rows, inter // QUANT_BLOCK
     out = torch.empty(rows, 2 * inter, dtype=E4M3, device=device)
@@ -383,15 +384,12 @@ def gluon_takes_fp8(kind: str, a: Quantized, w: Quantized, out_dtype: torch.dtyp
     """Whether the Gluon FP8 kernel of `kind` (mok.kernels.gluon_fp8, FP8_GLUON_KINDS) can run
     a[r or token] @ w[e]^T into out_dtype with these tiles: an sm_90 GPU, operands TMA and
     16-byte copies can read (aligned starts and row strides, experts back to back), outputs
-    in an e4m3 or 16- or 32-bit dtype, K steps of 128, 128 columns (64 for down and d_x too)
-    and 128 rows (64 for down and d_x too)."""
+    in an e4m3 or 16- or 32-bit dtype, K steps of 128 and _GLUON_TILES' (columns, rows)."""
     data, experts, rows = a.data, w.data, w.data.shape[1]
     gathered = kind in ("gate_up", "gate_up_saved", "down_bwd_saved")
     return (data.is_cuda and arch_of(data.device).warp_specialized
             and out_dtype in _GLUON_OUT and tiles.block_k == QUANT_BLOCK
-            and (tiles.block_n, tiles.block_m) in ({(128, 128)} if gathered
-                                                   else {(64, 64), (64, 128), (128, 64),
-                                                         (128, 128)})
+            and (tiles.block_n, tiles.block_m) in _GLUON_TILES[kind]
             and data.stride(0) % 16 == 0 and data.data_ptr() % 16 == 0
             and (not gathered or data.shape[1] % 16 == 0)
             and experts.stride(1) % 16 == 0 and experts.data_ptr() % 16 == 0
@@ -404,12 +402,21 @@ def gluon_takes_fp8_rows(a: Quantized, w: Quantized, out_dtype: torch.dtype,
     return gluon_takes_fp8("down", a, w, out_dtype, tiles)
 
 
+# The (block_n, block_m) each Gluon FP8 kernel takes: 256 columns are two products of 128 a K
+# step (down, d_x and the dSwiGLU's GEMM apart).
+_GLUON_TILES = {"gate_up": {(128, 128)}, "gate_up_saved": {(128, 128)},
+                "down_bwd_saved": {(128, 128), (256, 128)},
+                **dict.fromkeys(("down", "d_x"), {(64, 64), (64, 128), (128, 64), (128, 128),
+                                                  (256, 128)})}
 _GLUON_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
               E4M3: gl.float8e4nv}
 _GLUON_LOAD_REGS = 24  # the row GEMMs' loader: one warp issuing TMA copies
 _GLUON_GATHER_WARPS = 4  # gate/up's loader: x's rows by cp.async, the weights by TMA
 _GLUON_GATHER_REGS = 64
-_GLUON_MMA_REGS = 224  # the second MMA partition (the first takes what is left)
+# The second MMA partition's registers (the first takes what is left), with 256 columns too:
+# three accumulators of 64 registers fit (more for it leaves the first fewer with a gathering
+# loader).
+_GLUON_MMA_REGS = 224
 _SMEM = HOPPER.shared_memory - 1024  # a program's shared memory, less the barriers'
 _NOT_TAKEN = ("the tiles ask for the Gluon FP8 kernel (RowTiles.gluon), which does not take "
               "this launch (GPU, layout or tiles); mok.plan gives Gluon tiles only where it does")
@@ -422,17 +429,20 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
         raise ValueError(_NOT_TAKEN)
     experts, n, k = w.data.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    epilogue = bm * min(bn, 128) * out.element_size()  # the MMA partitions' output buffers
+    stage = (bm + bn) * bk + (4 * bm if tiles.staged_scales else 0)
+    stages = min(tiles.num_stages, (_SMEM - epilogue) // stage)
     launch(gluon_fp8.fp8_rows_ws_kernel, (_num_programs(out.device),))(
         a_desc=_descriptor(a.data, [bm, bk], gl.float8e4nv),
         w_desc=_descriptor(w.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
-        out_desc=_descriptor(out, [64, bn], _GLUON_OUT[out.dtype]),
+        out_desc=_descriptor(out, [64, min(bn, 128)], _GLUON_OUT[out.dtype]),
         a_scale_ptr=a.scales, w_scale_ptr=w.scales,
         router_weights_ptr=router_weights if router_weights is not None else a.scales,
         row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
         used_rows_ptr=routing.used_rows, N=n, K=k, stride_as=a.scales.stride(0),
         stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
-        NUM_STAGES=tiles.num_stages, LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_GLUON_MMA_REGS,
+        NUM_STAGES=stages, LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_GLUON_MMA_REGS,
         HAS_WEIGHT=router_weights is not None, STAGED=tiles.staged_scales, num_warps=4,
     )
 
@@ -572,20 +582,22 @@ def _gather_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routin
         raise ValueError(_NOT_TAKEN)
     experts, n, k = w.data.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    epilogue = 2 * 64 * bn * out.element_size()  # each MMA partition's output buffer
+    epilogue = 2 * 64 * min(bn, 128) * out.element_size()  # each MMA partition's buffer
     stage = (bm + bn) * bk + (4 * bm if tiles.staged_scales else 0)
     stages = min(tiles.num_stages, (_SMEM - epilogue) // stage)
     launch(gluon_fp8.fp8_gather_ws_kernel, (_num_programs(out.device),))(
         a_ptr=a.data, w_desc=_descriptor(w.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
-        out_desc=_descriptor(out, [64, bn], _GLUON_OUT[out.dtype]), a_scale_ptr=a.scales,
+        out_desc=_descriptor(out, [64, min(bn, 128)], _GLUON_OUT[out.dtype]),
+        a_scale_ptr=a.scales,
         w_scale_ptr=w.scales, row_route_ptr=routing.row_route,
         block_expert_ptr=routing.block_expert, used_rows_ptr=routing.used_rows, N=n, K=k,
         topk=routing.topk, stride_am=a.data.stride(0), stride_as=a.scales.stride(0),
         stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
-        MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
-        STAGED=tiles.staged_scales, num_warps=4,
+        MMA_REGS=_GLUON_MMA_REGS,
+        A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv), STAGED=tiles.staged_scales,
+        num_warps=4,
     )
 
 

@@ -81,7 +81,12 @@ def _schedule_rows(routing, width, generator):
     (512, 256, dataclasses.replace(GLUON, block_m=64, num_stages=6)),
     (512, 384, dataclasses.replace(GLUON, staged_scales=True)),
     (640, 256, dataclasses.replace(GLUON, block_m=64, num_stages=6, staged_scales=True)),
-], ids=["128x128", "n640_s5", "64x128", "staged_scales", "64x128_staged_scales"])
+    (512, 384, dataclasses.replace(GLUON, block_n=256, num_stages=3)),
+    # down's last tile: its second 128 columns past N = 640
+    (640, 256, dataclasses.replace(GLUON, block_n=256, num_stages=4)),
+    (640, 384, dataclasses.replace(GLUON, block_n=256, num_stages=3, staged_scales=True)),
+], ids=["128x128", "n640_s5", "64x128", "staged_scales", "64x128_staged_scales", "128x256",
+        "128x256_n640_s4", "128x256_staged_scales"])
 def test_gluon_fp8_rows_match_dequantized_math_and_the_triton_kernel(hidden, inter, tiles):
     weights, router_weights, routing, generator = _setup(
         tokens=3000, hidden=hidden, inter=inter, experts=16, topk=4, seed=hidden + inter)
@@ -101,8 +106,10 @@ def test_gluon_fp8_rows_match_dequantized_math_and_the_triton_kernel(hidden, int
 
         out = run(tiles)
         assert torch.equal(out[:n], run(tiles)[:n]), kind  # bitwise deterministic
-        if tiles.staged_scales:  # the same products, the scales read from the stage
-            assert torch.equal(out[:n], run(dataclasses.replace(tiles, staged_scales=False))[:n])
+        if tiles.staged_scales or tiles.block_n == 256:
+            # the same products: the scales read from the stage, or 128 columns at a time
+            plain = dataclasses.replace(tiles, staged_scales=False, block_n=128)
+            assert torch.equal(out[:n], run(plain)[:n]), kind
         expected = torch.einsum(
             "rk,rnk->rn", reference.dequantize_e4m3(a.data, a.scales, (1, QUANT_BLOCK))[rows],
             reference.dequantize_e4m3(w.data, w.scales, block)[experts])
@@ -238,16 +245,18 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
                          ids=["plain", "k_tail_limit"])
 def test_gluon_fp8_gathering_kernels_with_staged_scales_give_the_same_bits(hidden, limit):
     # RowTiles.staged_scales in the kernels that gather token rows: gate/up (h in e4m3 and
-    # fp32, the pre-activations kept or alone) and the dSwiGLU's GEMM apart; padding rows'
-    # scales are 0 either way.
+    # fp32, the pre-activations kept or alone) and the dSwiGLU's GEMM apart (also at 128 x
+    # 256, staged or not); padding rows' scales are 0 either way.
     weights, router_weights, routing, generator = _setup(tokens=3000, hidden=hidden, inter=256,
                                                          experts=16, topk=4, seed=hidden + 1)
     xq = _token_rows(3000, hidden, generator)
     d_out_q = _token_rows(3000, hidden, generator)
     n = int(routing.used_rows)
-    for kind in ("gate_up", "gate_up_saved", "down_bwd_saved"):
+    for kind, changes in (("gate_up", {}), ("gate_up_saved", {}), ("down_bwd_saved", {}),
+                          ("down_bwd_saved", dict(block_n=256, staged_scales=False)),
+                          ("down_bwd_saved", dict(block_n=256))):
         tiles = fp8_tiles(kind, ALIGN, gluon=True)
-        staged = dataclasses.replace(tiles, staged_scales=True)
+        staged = dataclasses.replace(tiles, **{"staged_scales": True, **changes})
         assert tiles.gluon
 
         def run(t, kind=kind):
