@@ -163,18 +163,17 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
         a_scale_ptrs = a_scale_ptr + src * stride_as
         w_tile_scale_ptr = w_scale_ptr + expert * stride_wse + (c0 // 128) * stride_wsn
         acc = gl.zeros([64, WIDTH], gl.float32, acc_layout)
-        if TWO:  # the second 128 columns' weight block (none past N: scale 0)
-            w_hi_ptr = w_tile_scale_ptr + stride_wsn
-            hi_ok = c0 // 128 + 1 < w_blocks
+        if TWO:  # the second 128 columns' weight block (past N the first's: stores clip them)
+            w_hi_ptr = w_tile_scale_ptr + gl.where(c0 // 128 + 1 < w_blocks, stride_wsn, 0)
             acc_hi = gl.zeros([64, WIDTH], gl.float32, acc_layout)
         if STAGED:
             next_w = gl.load(w_tile_scale_ptr)
             if TWO:
-                next_w_hi = gl.load(w_hi_ptr, mask=hi_ok, other=0.0)
+                next_w_hi = gl.load(w_hi_ptr)
         else:
             next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, 0, k_blocks, valid)
             if TWO:
-                next_hi = _step_scale(a_scale_ptrs, w_hi_ptr, 0, k_blocks, valid & hi_ok)
+                next_hi = _step_scale(a_scale_ptrs, w_hi_ptr, 0, k_blocks, valid)
         for kk in range(k_blocks):
             s = i % NUM_STAGES
             mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
@@ -192,15 +191,14 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
                 next_w = gl.load(w_tile_scale_ptr + kk + 1, mask=more, other=0.0)
                 if TWO:
                     scale_hi = a_scale * next_w_hi
-                    next_w_hi = gl.load(w_hi_ptr + kk + 1, mask=more & hi_ok, other=0.0)
+                    next_w_hi = gl.load(w_hi_ptr + kk + 1, mask=more, other=0.0)
             else:
                 scale = next_scale
                 next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, kk + 1, k_blocks,
                                          valid)
                 if TWO:
                     scale_hi = next_hi
-                    next_hi = _step_scale(a_scale_ptrs, w_hi_ptr, kk + 1, k_blocks,
-                                          valid & hi_ok)
+                    next_hi = _step_scale(a_scale_ptrs, w_hi_ptr, kk + 1, k_blocks, valid)
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
             if TWO:
                 acc += tmp * scale[:, None]
