@@ -215,16 +215,22 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
                 acc += tmp * scale[:, None]
             i += 1
 
-        if HAS_WEIGHT:
-            acc = acc * weight[:, None]
-        acc = gl.where(valid[:, None], acc, 0.0)  # padding rows: 0 whatever their codes
-        _put(out_desc, acc, r0 + HALF * 64, c0, c_smem)  # waited on before c_smem's next use
+        if not HAS_WEIGHT:
+            weight = valid  # not read
+        _put_rows(out_desc, acc, weight, valid, r0 + HALF * 64, c0, c_smem, HAS_WEIGHT)
         if TWO:
-            if HAS_WEIGHT:
-                acc_hi = acc_hi * weight[:, None]
-            acc_hi = gl.where(valid[:, None], acc_hi, 0.0)
-            _put(out_desc, acc_hi, r0 + HALF * 64, c0 + WIDTH, c_smem)
+            _put_rows(out_desc, acc_hi, weight, valid, r0 + HALF * 64, c0 + WIDTH, c_smem,
+                      HAS_WEIGHT)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _put_rows(out_desc, acc, weight, valid, r, c, c_smem, HAS_WEIGHT: gl.constexpr):
+    """acc (times the rows' router weights with HAS_WEIGHT; padding rows 0 whatever their
+    codes) -> out_desc's box at (r, c) through c_smem (waited on before its next use)."""
+    if HAS_WEIGHT:
+        acc = acc * weight[:, None]
+    _put(out_desc, gl.where(valid[:, None], acc, 0.0), r, c, c_smem)
 
 
 @gluon.jit

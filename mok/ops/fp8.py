@@ -422,6 +422,15 @@ _NOT_TAKEN = ("the tiles ask for the Gluon FP8 kernel (RowTiles.gluon), which do
               "this launch (GPU, layout or tiles); mok.plan gives Gluon tiles only where it does")
 
 
+def _fitted_stages(tiles: RowTiles, b_rows: int, epilogue: int) -> int:
+    """The Gluon ring's stages within a program's shared memory beside `epilogue` bytes of
+    output buffers: each stage an A box, b_rows weight rows and (staged_scales) the rows'
+    scales; at most tiles.num_stages."""
+    stage = (tiles.block_m + b_rows) * tiles.block_k + (
+        4 * tiles.block_m if tiles.staged_scales else 0)
+    return min(tiles.num_stages, (_SMEM - epilogue) // stage)
+
+
 def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
                 tiles: RowTiles, router_weights: torch.Tensor | None) -> None:
     """The schedule's row GEMM by the warp-specialized Gluon kernel (mok.kernels.gluon_fp8)."""
@@ -429,9 +438,8 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
         raise ValueError(_NOT_TAKEN)
     experts, n, k = w.data.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    epilogue = bm * min(bn, 128) * out.element_size()  # the MMA partitions' output buffers
-    stage = (bm + bn) * bk + (4 * bm if tiles.staged_scales else 0)
-    stages = min(tiles.num_stages, (_SMEM - epilogue) // stage)
+    # the MMA partitions' output buffers: their rows, at most 128 columns
+    stages = _fitted_stages(tiles, bn, bm * min(bn, 128) * out.element_size())
     launch(gluon_fp8.fp8_rows_ws_kernel, (_num_programs(out.device),))(
         a_desc=_descriptor(a.data, [bm, bk], gl.float8e4nv),
         w_desc=_descriptor(w.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
@@ -582,9 +590,7 @@ def _gather_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routin
         raise ValueError(_NOT_TAKEN)
     experts, n, k = w.data.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    epilogue = 2 * 64 * min(bn, 128) * out.element_size()  # each MMA partition's buffer
-    stage = (bm + bn) * bk + (4 * bm if tiles.staged_scales else 0)
-    stages = min(tiles.num_stages, (_SMEM - epilogue) // stage)
+    stages = _fitted_stages(tiles, bn, 2 * 64 * min(bn, 128) * out.element_size())
     launch(gluon_fp8.fp8_gather_ws_kernel, (_num_programs(out.device),))(
         a_ptr=a.data, w_desc=_descriptor(w.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
         out_desc=_descriptor(out, [64, min(bn, 128)], _GLUON_OUT[out.dtype]),
@@ -620,11 +626,9 @@ def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Ro
         gate_desc, up_desc = (_descriptor(half, [64, bn], _GLUON_OUT[gate_up.dtype])
                               for half in (gate_up[:, :n], gate_up[:, n:]))
     h_desc = _descriptor(h, [64, bn], _GLUON_OUT[h.dtype]) if h is not None else gate_desc
-    # the ring's stages within shared memory beside the epilogue's buffers (two of each)
-    epilogue = 2 * 64 * bn * ((h.element_size() if h is not None else 0)
-                              + (gate_up.element_size() if kept else 0))
-    stage = (bm + 2 * bn) * bk + (4 * bm if tiles.staged_scales else 0)
-    stages = min(tiles.num_stages, (_SMEM - epilogue) // stage)
+    # the epilogue's buffers: two of each output
+    stages = _fitted_stages(tiles, 2 * bn, 2 * 64 * bn * (
+        (h.element_size() if h is not None else 0) + (gate_up.element_size() if kept else 0)))
     w_view = [experts * n, k]
     launch(gluon_fp8.fp8_gate_up_ws_kernel, (_num_programs(x.data.device),))(
         x_ptr=x.data,
