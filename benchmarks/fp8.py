@@ -505,6 +505,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
     for name in args.shapes:
+        shape = FP8_SHAPES[name]
+        if shape.hidden_size % 128 or shape.intermediate_size % 128:
+            print(f"skipped {name}: FP8 needs H and I multiples of 128, got "
+                  f"({shape.hidden_size}, {shape.intermediate_size})")
+            continue
         append_rows(args.csv, FIELDS, bench_shape(FP8_SHAPES[name], device, args.repeats,
                                                   args.warmup, only=tuple(args.stages)))
     print(f"rows appended to {args.csv}")

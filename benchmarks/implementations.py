@@ -16,7 +16,8 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   Gluon FP8 kernels (MOK_FP8_GLUON). mok_fp8_triton: mok_fp8 on the Triton FP8 kernels alone
   (MOK_FP8_GLUON=0); mok_fp8_fused_dswiglu: the dSwiGLU in one launch. mok_fp8_wgrad:
   mok_fp8 with its weight gradients on e4m3 operands too (MoKConfig.fp8_weight_gradients);
-  mok_fp8_wide: down, d_x and the dSwiGLU's GEMM on 128 x 256 Gluon tiles (the plan's
+  mok_fp8_wide, mok_fp8_narrow: down, d_x and the dSwiGLU's GEMM on 128 x 256 Gluon tiles
+  at every K, and at none (mok_fp8 takes them where K is long enough: the plan's
   _FP8_WIDE_ROWS); mok_fp8_staged: the Gluon row GEMMs' row scales staged in their rings
   (_FP8_STAGED_SCALES).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
@@ -231,6 +232,15 @@ def mok_fp8_wide_implementation(shape: MoEShape, settings: Settings) -> Implemen
     return _with_setting(mok_implementation(shape, settings, name="mok_fp8_wide",
                                             config=F.MoKConfig(precision="fp8")),
                          plan, "_FP8_WIDE_ROWS", True)
+
+
+def mok_fp8_narrow_implementation(shape: MoEShape, settings: Settings) -> Implementation:
+    """mok_fp8 with every Gluon row GEMM on 128 x 128 tiles."""
+    from mok import plan
+
+    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_narrow",
+                                            config=F.MoKConfig(precision="fp8")),
+                         plan, "_FP8_WIDE_ROWS", False)
 
 
 def mok_fp8_staged_implementation(shape: MoEShape, settings: Settings) -> Implementation:
@@ -523,6 +533,7 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8_fused_dswiglu": mok_fp8_fused_dswiglu_implementation,
     "mok_fp8_wgrad": mok_fp8_wgrad_implementation,
     "mok_fp8_wide": mok_fp8_wide_implementation,
+    "mok_fp8_narrow": mok_fp8_narrow_implementation,
     "mok_fp8_staged": mok_fp8_staged_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,
