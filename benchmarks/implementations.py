@@ -16,10 +16,10 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   Gluon FP8 kernels (MOK_FP8_GLUON). mok_fp8_triton: mok_fp8 on the Triton FP8 kernels alone
   (MOK_FP8_GLUON=0); mok_fp8_fused_dswiglu: the dSwiGLU in one launch. mok_fp8_wgrad:
   mok_fp8 with its weight gradients on e4m3 operands too (MoKConfig.fp8_weight_gradients);
-  mok_fp8_wide, mok_fp8_narrow: down, d_x and the dSwiGLU's GEMM on 128 x 256 Gluon tiles
-  at every K, and at none (mok_fp8 takes them where K is long enough: the plan's
-  _FP8_WIDE_ROWS); mok_fp8_staged: the Gluon row GEMMs' row scales staged in their rings
-  (_FP8_STAGED_SCALES).
+  mok_fp8_narrow: down, d_x and the dSwiGLU's GEMM on 128 x 128 Gluon tiles (the plan's
+  _FP8_WIDE_ROWS off); mok_fp8_wide: on 128 x 256 (the plan's default since 2026-12-06; rows
+  of earlier commits ran it beside 128 x 128 mok_fp8); mok_fp8_staged: the Gluon row GEMMs'
+  row scales staged in their rings (_FP8_STAGED_SCALES).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.

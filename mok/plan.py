@@ -171,24 +171,15 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight gradients on
     the Gluon kernel where the alignment, H and I are multiples of 128; scatter: down and d_x
     write their rows to other ranks (the Triton kernel's epilogue); down, d_x and the
-    dSwiGLU's GEMM at 128 x 256 as _FP8_WIDE_ROWS says, the Gluon launches' row scales staged in
-    their rings where _FP8_STAGED_SCALES. Remembered per arguments and
-    switches (`_remembered`)."""
+    dSwiGLU's GEMM with Gluon tiles of 128 rows at 128 x 256 where _FP8_WIDE_ROWS (the
+    default), the Gluon launches' row scales staged in their rings where _FP8_STAGED_SCALES.
+    Remembered per arguments and switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
-                       _env.FP8_GLUON, _FP8_DSWIGLU_APART,
-                       _wide_rows(hidden=hidden, intermediate=intermediate), _FP8_STAGED_SCALES)
-
-
-def _wide_rows(**sizes) -> tuple[str, ...]:
-    """The launches _FP8_WIDE_ROWS puts on 128 x 256 tiles (where their Gluon tiles have 128
-    rows)."""
-    if isinstance(_FP8_WIDE_ROWS, bool):
-        return tuple(_WIDE_K) if _FP8_WIDE_ROWS else ()
-    return tuple(field for field, k in _WIDE_K.items() if k(sizes) >= _FP8_WIDE_MIN_K)
+                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_STAGED_SCALES)
 
 
 def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
-              scatter: bool, gluon_on: bool, apart_on: bool, wide: tuple[str, ...],
+              scatter: bool, gluon_on: bool, apart_on: bool, wide_on: bool,
               staged_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
@@ -206,7 +197,7 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
         row_tiles = getattr(made, field)
         if not row_tiles.gluon:
             continue
-        if field in wide and row_tiles.block_m == 128:
+        if wide_on and field in ("down", "dswiglu", "d_x") and row_tiles.block_m == 128:
             row_tiles = dataclasses.replace(row_tiles, block_n=256, num_stages=3)
         if staged_on:
             row_tiles = dataclasses.replace(row_tiles, staged_scales=True)
@@ -220,17 +211,11 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
 # The dSwiGLU on sm_90: apart (its GEMM on the Gluon kernel, then the dSwiGLU), or False: in one
 # launch of the Triton kernel.
 _FP8_DSWIGLU_APART = True
-# down, d_x and the dSwiGLU's GEMM at 128 x 256 on the Gluon kernels, 3 stages: "auto" where
-# their K is at least _FP8_WIDE_MIN_K, else True (always) or False (never). Measured on one H100
-# (docs/measurements.md, 2026-12-06 evening): 1.1-1.3x faster launches from K = 768 up, the
-# layer 2-9% faster at seven shapes and 10% slower at sonicmoe-7b (K = 256 and 512); 4 stages
-# lost 10-25% at mixtral-8x7b's d_x.
-_FP8_WIDE_ROWS: bool | str = "auto"
-_FP8_WIDE_MIN_K = 768
-# Each widened launch's K, from the plan's sizes.
-_WIDE_K = {"down": lambda sizes: sizes["intermediate"],
-           "d_x": lambda sizes: 2 * sizes["intermediate"],
-           "dswiglu": lambda sizes: sizes["hidden"]}
+# down, d_x and the dSwiGLU's GEMM at 128 x 256 on the Gluon kernels, 3 stages (False: 128 x
+# 128). On one H100 (docs/measurements.md, 2026-12-06 evening) the launches ran 1.0-1.3x faster
+# at four shapes from K = 256 to 28672, the layer 1-9% faster at eight shapes of nine; 4 stages
+# lost 10-27% at mixtral-8x7b's d_x.
+_FP8_WIDE_ROWS = True
 # Every Gluon FP8 row GEMM with the rows' scales staged in its ring (RowTiles.staged_scales):
 # off, faster at two of three shapes and slower at the third (docs/measurements.md,
 # 2026-12-06 afternoon).

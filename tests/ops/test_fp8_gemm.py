@@ -463,6 +463,7 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", False)
     assert gluon(hidden=256) == (True, True, True, False, True)
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", True)
+    assert plan._FP8_WIDE_ROWS and not plan._FP8_STAGED_SCALES  # the defaults
     # the variants' switches: 128 x 256 for down, d_x and the dSwiGLU's GEMM; every Gluon row
     # GEMM's row scales staged (scattering, down and d_x stay on the Triton tiles)
     for wide, staged in ((True, False), (False, True), (True, True)):
@@ -473,20 +474,10 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
             for name in ("gate_up", "gate_up_saved", "down", "dswiglu", "d_x"):
                 t = getattr(fp8, name)
                 widened = wide and t.gluon and name in ("down", "dswiglu", "d_x")
-                assert t.block_n == (256 if widened else 128), (name, scatter)
+                assert (t.block_n, t.num_stages) == ((256, 3) if widened else (128, 4)), (
+                    name, scatter)
                 assert t.staged_scales == (staged and t.gluon), (name, scatter)
     monkeypatch.setattr(plan, "_FP8_STAGED_SCALES", False)
-    # the default: 128 x 256 where the launch's K is at least 768 (down: I, d_x: 2I, the
-    # dSwiGLU's GEMM: H), 3 stages
-    monkeypatch.setattr(plan, "_FP8_WIDE_ROWS", "auto")
-    for hidden, inter, widened in ((256, 256, ()), (512, 384, ("d_x",)),
-                                   (768, 256, ("dswiglu",)),
-                                   (1024, 768, ("down", "dswiglu", "d_x"))):
-        fp8 = plan.fp8_plan(tiles, operands, hidden=hidden, intermediate=inter)
-        for name in ("gate_up", "gate_up_saved", "down", "dswiglu", "d_x"):
-            t = getattr(fp8, name)
-            assert (t.block_n, t.num_stages) == ((256, 3) if name in widened else (128, 4)), (
-                name, hidden, inter)
     monkeypatch.setattr(plan, "_FP8_WIDE_ROWS", False)
     monkeypatch.setattr(_env, "FP8_GLUON", False)
     assert gluon(hidden=256) == (False,) * 5
