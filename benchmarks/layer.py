@@ -16,7 +16,9 @@ weights and workspaces; CUDA only).
 An implementation that fails (unavailable, wrong against the reference, out of memory) is skipped
 with its reason for that shape and mode; the others go on. Each row is appended to the CSV as
 soon as it is measured, the chart (<csv>.png: TFLOP/s per shape, implementation and mode) is
-redrawn after each shape, and a table with the skips is printed at the end.
+redrawn after each shape, and a table with the skips is printed at the end. With --rounds N each
+shape's implementations are timed N times over, the order rotated by one each round, and each
+row is the median round (checked once; appended after the shape's last round).
 
 On a machine without CUDA it runs the `tiny` shape by default, mok under Triton's interpreter
 (wall-clock times, no memory figures; the numbers only show that the path works), and writes
@@ -29,6 +31,7 @@ import argparse
 import datetime
 import enum
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -142,15 +145,18 @@ def _error(exc: BaseException) -> str:
 def bench_implementation(impl_name: str, shape: MoEShape, settings: Settings,
                          input_sets: list[MoEInputs], reference: tuple | None, modes: list[Mode],
                          *, repeats: int, warmup: int, record: Callable[[dict, float], None],
-                         skip: Callable[[Skip], None]) -> None:
-    """Check and time one implementation at one shape in every mode; failures become skips."""
+                         skip: Callable[[Skip], None],
+                         checks: dict[bool, ErrorReport | str] | None = None) -> None:
+    """Check and time one implementation at one shape in every mode; failures become skips.
+    checks: by mode.trains, the worst report or why the check failed, filled here where it has
+    no entry (a later round passes the first round's: no second check)."""
     try:
         impl = IMPLEMENTATIONS[impl_name](shape, settings)
     except Exception as exc:
         for mode in modes:
             skip(Skip(shape.name, impl_name, mode.value, _error(exc)))
         return
-    checks: dict[bool, ErrorReport | str] = {}  # by mode.trains: the worst report, or why not
+    checks = {} if checks is None else checks
     for mode in modes:
         if impl.checked and mode.trains not in checks:
             kind = "forward+backward" if mode.trains else "forward"
@@ -188,6 +194,20 @@ def bench_implementation(impl_name: str, shape: MoEShape, settings: Settings,
                host_ms)
 
 
+def _median_row(rounds: list[tuple[dict, float]]) -> tuple[dict, float]:
+    """One row for an implementation's rounds in one mode: the median round's ms and TFLOP/s
+    (the lower middle one of an even count), the largest peak, the median host ms; the rest
+    as the first round's."""
+    by_ms = sorted(rounds, key=lambda entry: entry[0]["ms"])
+    row = dict(by_ms[(len(by_ms) - 1) // 2][0])
+    peaks = [r["peak_mem_gb"] for r, _ in rounds if r["peak_mem_gb"] != ""]
+    row["peak_mem_gb"] = max(peaks) if peaks else ""
+    row["max_rel_err"] = rounds[0][0]["max_rel_err"]
+    row["fallbacks"] = "; ".join(dict.fromkeys(f for r, _ in rounds
+                                               for f in r["fallbacks"].split("; ") if f))
+    return row, statistics.median(host for _, host in rounds)
+
+
 def _fallbacks_since(before: dict) -> str:
     """The fallbacks planned since `before` (mok.plan.fallbacks), one "kind (reason)" each."""
     return "; ".join(f"{kind} ({reason})" for (kind, reason), count in plan.fallbacks().items()
@@ -197,8 +217,11 @@ def _fallbacks_since(before: dict) -> str:
 def run(shapes: list[MoEShape], impl_names: list[str], modes: list[Mode], *, repeats: int = 20,
         warmup: int = 5, num_input_sets: int = 3, csv_path: Path | None = None,
         liger_autotune: bool = True, liger_tuning: Path | None = LIGER_TUNING,
-        host_ahead: bool = False) -> tuple[list[dict], list[Skip]]:
-    """Benchmark; returns (rows as appended to csv_path, skips). Draws csv_path's chart."""
+        host_ahead: bool = False, rounds: int = 1) -> tuple[list[dict], list[Skip]]:
+    """Benchmark; returns (rows as appended to csv_path, skips). Draws csv_path's chart.
+    rounds > 1: each shape's implementations timed that many times over, in order rotated by
+    one each round; a row's ms is the median of its rounds' medians (its peak the largest, its
+    host ms the median), and the printed line lists the rounds."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     settings = Settings(device, liger_autotune=liger_autotune, liger_tuning=liger_tuning,
                         host_ahead=host_ahead and device.type == "cuda")
@@ -208,17 +231,20 @@ def run(shapes: list[MoEShape], impl_names: list[str], modes: list[Mode], *, rep
     rows: list[dict] = []
     skips: list[Skip] = []
 
-    def record(row: dict, host_ms: float) -> None:
+    def record(row: dict, host_ms: float, each_ms: list[float] | None = None) -> None:
         row = {**common, **row}
         rows.append(row)
         if csv_path is not None:
             append_row(csv_path, row)
         peak = "n/a" if row["peak_mem_gb"] == "" else f"{row['peak_mem_gb']:.2f} GiB"
+        each = "" if each_ms is None else "  rounds " + " / ".join(f"{ms:.3f}" for ms in each_ms)
         print(f"{row['shape']:18s} {row['impl']:14s} {row['mode']:17s} {row['ms']:10.3f} ms "
               f"{row['tflops']:9.4g} TFLOP/s  peak {peak}  max_rel {row['max_rel_err']}  "
-              f"host {host_ms:.3f} ms", flush=True)
+              f"host {host_ms:.3f} ms{each}", flush=True)
 
     def skip(entry: Skip) -> None:
+        if entry in skips:  # a later round's: recorded once
+            return
         repeated = any((s.shape, s.impl, s.reason) == (entry.shape, entry.impl, entry.reason)
                        for s in skips)
         skips.append(entry)
@@ -237,11 +263,23 @@ def run(shapes: list[MoEShape], impl_names: list[str], modes: list[Mode], *, rep
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
-        for impl_name in impl_names:
-            bench_implementation(impl_name, shape, settings, input_sets, reference, modes,
-                                 repeats=repeats, warmup=warmup, record=record, skip=skip)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        checks = {name: {} for name in impl_names}
+        timed: dict[tuple[str, str], list[tuple[dict, float]]] = {}
+        for round_ in range(rounds):
+            shift = round_ % len(impl_names)
+            for impl_name in impl_names[shift:] + impl_names[:shift]:
+                def collect(row: dict, host_ms: float, impl_name=impl_name,
+                            timed=timed) -> None:
+                    timed.setdefault((impl_name, row["mode"]), []).append((row, host_ms))
+
+                bench_implementation(impl_name, shape, settings, input_sets, reference, modes,
+                                     repeats=repeats, warmup=warmup, skip=skip,
+                                     record=record if rounds == 1 else collect,
+                                     checks=checks[impl_name])
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        for each in timed.values():
+            record(*_median_row(each), each_ms=[row["ms"] for row, _ in each])
         del input_sets, reference
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -380,6 +418,10 @@ def main(argv: list[str] | None = None) -> None:
                              "host has queued all of it, as when the host runs ahead in training "
                              "(rows named IMPL@ahead); the default times a call from an idle "
                              "GPU, host pace included")
+    parser.add_argument("--rounds", type=int_at_least(1), default=1,
+                        help="time each shape's implementations this many times over, in "
+                             "rotated order, and report each row's median round (runs on one "
+                             "machine drift by 10-20%%: a ratio is best read within a run)")
     parser.add_argument("--redraw", action="store_true",
                         help="measure nothing: chart and tabulate the newest GPU row of each "
                              "(shape, implementation, mode) already in the CSV")
@@ -397,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         [Mode(mode) for mode in dict.fromkeys(args.modes)], repeats=args.repeats,
         warmup=args.warmup, num_input_sets=args.input_sets, csv_path=csv_path,
         liger_autotune=args.liger_autotune, liger_tuning=args.liger_tuning,
-        host_ahead=args.host_ahead)
+        host_ahead=args.host_ahead, rounds=args.rounds)
     for (kind, reason), count in plan.fallbacks().items():
         print(f"fallback: mok's {kind}: {reason} ({count} plans)")
     print(f"rows appended to {csv_path}; chart {csv_path.with_suffix('.png')}")

@@ -8,6 +8,7 @@ the GPU test log of scripts/gpu_check.sh (benchmarks.gpu_test_log)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime
 import hashlib
 import math
@@ -159,6 +160,48 @@ def test_failures_are_skipped_and_measured_rows_kept(tmp_path, monkeypatch):
     assert reasons[("fails_when_timed", "forward")].startswith("timing failed: OutOfMemoryError")
     assert reasons[("unavailable", "backward")] == "Unavailable: not installed here"
     assert (tmp_path / "layer.png").stat().st_size > 0
+
+
+def test_rounds_rotate_the_order_check_once_and_record_the_median_round(tmp_path, monkeypatch,
+                                                                         capsys):
+    built, checked = [], []
+
+    def factory(name):
+        def make(shape, settings):
+            built.append(name)
+            return dataclasses.replace(
+                implementations.grouped_mm_implementation(shape, settings), name=name)
+        return make
+
+    def unavailable(shape, settings):
+        built.append("unavailable")
+        raise Unavailable("not installed here")
+
+    def counted_check(impl, *args):
+        checked.append(impl.name)
+        return check(impl, *args)
+
+    check = layer.check
+    monkeypatch.setattr(layer, "check", counted_check)
+    monkeypatch.setattr(layer, "IMPLEMENTATIONS", {"a": factory("a"), "b": factory("b"),
+                                                   "unavailable": unavailable})
+    csv_path = tmp_path / "layer.csv"
+    rows, skips = layer.run([TINY], ["a", "b", "unavailable"], [Mode.FORWARD], repeats=1,
+                            warmup=0, num_input_sets=1, csv_path=csv_path, rounds=3)
+    # each round starts one later in the list
+    assert built == ["a", "b", "unavailable", "b", "unavailable", "a", "unavailable", "a", "b"]
+    assert checked == ["a", "b"]  # once each: the first round's
+    # one row per implementation and mode, its ms the median of the printed rounds
+    assert read_csv(csv_path) == [{k: str(v) for k, v in row.items()} for row in rows]
+    assert [row["mode"] for row in rows] == ["forward", "forward"]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "rounds " in line]
+    assert len(lines) == 2
+    for row, line in zip(rows, lines, strict=True):
+        each = [float(ms) for ms in line.split("rounds ")[1].split(" / ")]
+        assert len(each) == 3 and abs(row["ms"] - sorted(each)[1]) <= 5e-4  # printed .3f
+    # the implementation that cannot run: one skip, not one a round
+    assert [(skip.impl, skip.reason) for skip in skips] == [
+        ("unavailable", "Unavailable: not installed here")]
 
 
 def test_dense_ceiling_has_the_layers_counted_flops():
