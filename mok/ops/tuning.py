@@ -426,7 +426,7 @@ def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:
     64 rows, except the pre-activations' 128 (the SwiGLU and dSwiGLU epilogues cost more at 128
     rows, and 256 columns spilled). With gluon, for FP8_GLUON_KINDS where align takes their
     rows (gate/up and dSwiGLU 128, down and d_x 64), the Gluon kernel's: 128 x 128, up to 4
-    stages.
+    stages (mok.plan widens down's, d_x's and the dSwiGLU's to 128 x 256 at 3: _FP8_WIDE_ROWS).
     block_m at most the largest power of two dividing align."""
     if kind not in FP8_KINDS:
         raise ValueError(f"no FP8 tiles for {kind!r}")
