@@ -321,14 +321,17 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
         wgrad_variants["gate_up"][label] = functools.partial(
             wgrad_fp8_quantized, quantized["d_gate_up"], quantized["x"], routing, variant,
             out_dtype=x.dtype, split=inter)
-    # The Gluon kernel (sm_90, the schedule's alignment a multiple of 128), with 3 to 6 stages.
-    for stages_ in (5, 4, 6, 3) if gluon else ():
-        variant = dataclasses.replace(FP8_WGRAD_GLUON_TILES, num_stages=stages_)
+    # The Gluon kernel (sm_90, the schedule's alignment a multiple of 128), with 3 to 6 stages,
+    # and at 128 x 256 (stages as they fit).
+    for block_n, stages_ in ((128, 5), (128, 4), (128, 6), (128, 3), (256, 5)) if gluon else ():
+        variant = dataclasses.replace(FP8_WGRAD_GLUON_TILES, block_n=block_n,
+                                      num_stages=stages_)
+        label = f"gluon_s{stages_}" if block_n == 128 else f"gluon_{block_n}"
         for kind, a, b, split in (("down", "d_out", "h", None),
                                   ("gate_up", "d_gate_up", "x", inter)):
             if gluon_takes_fp8_wgrad(quantized[a], quantized[b], routing, variant, x.dtype,
                                      split):
-                wgrad_variants[kind][f"gluon_s{stages_}"] = functools.partial(
+                wgrad_variants[kind][label] = functools.partial(
                     wgrad_fp8_quantized, quantized[a], quantized[b], routing, variant,
                     out_dtype=x.dtype, split=split)
     if "gluon_s5" in wgrad_variants["gate_up"]:  # against the Triton kernel (same blocks, order)
@@ -342,6 +345,16 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
             print(f"   wgrad_{kind}: Gluon against Triton max rel "
                   f"{errors[(f'wgrad_{kind}', 'mok_fp8_gemm_only_gluon_s5')]:.2e}, bit for bit "
                   f"{torch.equal(mine, theirs)}", flush=True)
+            if "gluon_256" in wgrad_variants[kind]:  # the same products in the same order
+                wide = wgrad_fp8_quantized(
+                    quantized[a], quantized[b], routing,
+                    dataclasses.replace(FP8_WGRAD_GLUON_TILES, block_n=256),
+                    out_dtype=torch.float32, split=split)
+                wide = torch.cat(wide, 1) if split else wide
+                errors[(f"wgrad_{kind}", "mok_fp8_gemm_only_gluon_256")] = max_rel_err(wide,
+                                                                                      mine)
+                print(f"   wgrad_{kind}: Gluon 128 x 256 against 128 x 128 bit for bit "
+                      f"{torch.equal(wide, mine)}", flush=True)
     for kind, a, b in (("down", "d_out", "h"), ("gate_up", "d_gate_up", "x")):
         out = wgrad_fp8_quantized(quantized[a], quantized[b], routing, out_dtype=torch.float32)
         errors[(f"wgrad_{kind}", "mok_fp8")] = wgrad_checked(quantized[a], quantized[b],

@@ -172,15 +172,17 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     the Gluon kernel where the alignment, H and I are multiples of 128; scatter: down and d_x
     write their rows to other ranks (the Triton kernel's epilogue); down, d_x and the
     dSwiGLU's GEMM with Gluon tiles of 128 rows at 128 x 256 where _FP8_WIDE_ROWS (the
-    default), the Gluon launches' row scales staged in their rings where _FP8_STAGED_SCALES.
-    Remembered per arguments and switches (`_remembered`)."""
+    default), the Gluon launches' row scales staged in their rings where _FP8_STAGED_SCALES,
+    the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD. Remembered per
+    arguments and switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
-                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_STAGED_SCALES)
+                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_STAGED_SCALES,
+                       _FP8_WIDE_WGRAD)
 
 
 def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
               scatter: bool, gluon_on: bool, apart_on: bool, wide_on: bool,
-              staged_on: bool) -> Fp8Plan:
+              staged_on: bool, wide_wgrad_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
@@ -191,7 +193,8 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
                      for kind in FP8_KINDS),
                    *_wgrads(pick, operands, tiles.align, sizes))
     if gluon and tiles.align % 128 == 0 and hidden % 128 == 0 and intermediate % 128 == 0:
-        made = dataclasses.replace(made, wgrad_fp8=FP8_WGRAD_GLUON_TILES)
+        made = dataclasses.replace(made, wgrad_fp8=dataclasses.replace(
+            FP8_WGRAD_GLUON_TILES, block_n=256 if wide_wgrad_on else 128))
     changes = {}
     for field in ("gate_up", "gate_up_saved", "down", "dswiglu", "d_x"):
         row_tiles = getattr(made, field)
@@ -216,6 +219,9 @@ _FP8_DSWIGLU_APART = True
 # at four shapes from K = 256 to 28672, the layer 1-9% faster at eight shapes of nine; 4 stages
 # lost 10-27% at mixtral-8x7b's d_x.
 _FP8_WIDE_ROWS = True
+# The FP8 weight gradients' Gluon kernel at 128 x 256 (two wgmmas of 128 columns a K step):
+# off, untimed (built 2026-12-06 evening; the same bits as 128 x 128 by construction).
+_FP8_WIDE_WGRAD = False
 # Every Gluon FP8 row GEMM with the rows' scales staged in its ring (RowTiles.staged_scales):
 # off, faster at two of three shapes and slower at the third (docs/measurements.md,
 # 2026-12-06 afternoon).

@@ -481,6 +481,13 @@ def main(argv=None) -> None:
              lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
                  by_rows(2 * inter), by_rows(hid), routing, tt, out_dtype=torch.bfloat16,
                  split=inter)),
+            ("wgrad_down fp8 gluon tma 128x256", r(wgrad8_gluon, block_n=256),
+             lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
+                 by_rows(hid), by_rows(inter), routing, tt, out_dtype=torch.bfloat16)),
+            ("wgrad_gate_up fp8 gluon tma 128x256 fp32", r(wgrad8_gluon, block_n=256),
+             lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
+                 by_rows(2 * inter), by_rows(hid), routing, tt, out_dtype=torch.float32,
+                 split=inter)),
         ]
         gate_up_gluon = ops.fp8_tiles("gate_up", 128, gluon=True)
         runs += [

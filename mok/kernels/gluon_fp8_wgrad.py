@@ -87,34 +87,58 @@ def _mma_partition(out_desc, out2_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bu
                    HALF: gl.constexpr):
     """Rows HALF * 64 .. + 64 of P of every tile: the scaled K loop, then the store. Columns
     past Q read the next scales of the flat scale tensor (or TMA's zeros) against qb's
-    zero-filled rows: never stored."""
+    zero-filled rows: never stored. BLOCK_Q 256: two wgmmas of 128 columns a K step through
+    one scratch accumulator, each half scaled and added before the next."""
+    TWO: gl.constexpr = BLOCK_Q > 128
+    WIDTH: gl.constexpr = BLOCK_Q // 2 if TWO else BLOCK_Q
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_Q, 32])
-    tmp = gl.zeros([64, BLOCK_Q], gl.float32, acc_layout)
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    tmp = gl.zeros([64, WIDTH], gl.float32, acc_layout)
     i = 0
     for tile in range(gl.program_id(0), num_experts * num_p * num_q, gl.num_programs(0)):
         expert, pid_p, pid_q, start, blocks = _tile(tile, num_p, num_q, expert_offsets_ptr,
                                                     num_experts)
-        acc = gl.zeros([64, BLOCK_Q], gl.float32, acc_layout)
+        acc = gl.zeros([64, WIDTH], gl.float32, acc_layout)
+        if TWO:
+            acc_hi = gl.zeros([64, WIDTH], gl.float32, acc_layout)
         for _ in range(blocks):
             s = i % NUM_STAGES
             mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
-            tmp = warpgroup_mma(a_bufs.index(s).slice(HALF * 64, 64),
-                                b_bufs.index(s).permute((1, 0)), tmp, use_acc=False,
-                                is_async=True)
-            a_scale = a_scale_bufs.index(s).slice(HALF * 64, 64).load(
-                gl.SliceLayout(1, acc_layout))
-            b_scale = b_scale_bufs.index(s).load(gl.SliceLayout(0, acc_layout))
+            a = a_bufs.index(s).slice(HALF * 64, 64)
+            b_scales = b_scale_bufs.index(s)
+            tmp = warpgroup_mma(a, b_bufs.index(s).slice(0, WIDTH).permute((1, 0)), tmp,
+                                use_acc=False, is_async=True)
+            a_scale = a_scale_bufs.index(s).slice(HALF * 64, 64).load(row_layout)
+            b_scale = b_scales.slice(0, WIDTH).load(col_layout)
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
-            mbarrier.arrive(empty_bars.index(s))
-            acc += tmp * (a_scale[:, None] * b_scale[None, :])
+            if TWO:
+                acc += tmp * (a_scale[:, None] * b_scale[None, :])
+                # Nothing is pending: this keeps the sums above ahead of the next wgmma (as in
+                # mok.kernels.gluon_fp8's row tiles of 256 columns).
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                tmp = warpgroup_mma(a, b_bufs.index(s).slice(WIDTH, WIDTH).permute((1, 0)), tmp,
+                                    use_acc=False, is_async=True)
+                b_scale = b_scales.slice(WIDTH, WIDTH).load(col_layout)
+                tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
+                mbarrier.arrive(empty_bars.index(s))
+                acc_hi += tmp * (a_scale[:, None] * b_scale[None, :])
+            else:
+                mbarrier.arrive(empty_bars.index(s))
+                acc += tmp * (a_scale[:, None] * b_scale[None, :])
             i += 1
         # the tile lies on one side of SPLIT (BLOCK_P divides it)
         p0 = pid_p * BLOCK_P + HALF * 64
+        q0 = pid_q * BLOCK_Q
         if pid_p * BLOCK_P < SPLIT:
-            _put(out_desc, acc, expert * SPLIT + p0, pid_q * BLOCK_Q, c_smem)
+            _put(out_desc, acc, expert * SPLIT + p0, q0, c_smem)
+            if TWO:
+                _put(out_desc, acc_hi, expert * SPLIT + p0, q0 + WIDTH, c_smem)
         else:
-            _put(out2_desc, acc, expert * (P - SPLIT) + p0 - SPLIT, pid_q * BLOCK_Q, c_smem)
+            _put(out2_desc, acc, expert * (P - SPLIT) + p0 - SPLIT, q0, c_smem)
+            if TWO:
+                _put(out2_desc, acc_hi, expert * (P - SPLIT) + p0 - SPLIT, q0 + WIDTH, c_smem)
     tma.store_wait(pendings=0)
 
 
@@ -129,9 +153,9 @@ def fp8_wgrad_ws_kernel(
     Descriptors: a_desc qa [P, C] e4m3 with [BLOCK_P, 128] boxes, b_desc qb [Q, C] e4m3 with
     [BLOCK_Q, 128] boxes, a_scale_desc and b_scale_desc the scales flattened (row stride
     stride_as, stride_bs; multiples of 4) with [BLOCK_P] and [BLOCK_Q] boxes, out_desc out
-    viewed [E * SPLIT, Q] and out2_desc out2 viewed [E * (P - SPLIT), Q] with [64, BLOCK_Q]
-    boxes (without a split, SPLIT = P and out2 = out). BLOCK_P 128 dividing SPLIT and
-    P - SPLIT; BLOCK_Q 64 or 128."""
+    viewed [E * SPLIT, Q] and out2_desc out2 viewed [E * (P - SPLIT), Q] with [64,
+    min(BLOCK_Q, 128)] boxes (without a split, SPLIT = P and out2 = out). BLOCK_P 128 dividing
+    SPLIT and P - SPLIT; BLOCK_Q 64, 128 or 256."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_P, ROWS], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_Q, ROWS], b_desc.layout)
     a_scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_P],

@@ -137,14 +137,15 @@ def gluon_takes_fp8_wgrad(qa: Quantized, qb: Quantized, routing: Routing, tiles:
                           out_dtype: torch.dtype, split: int | None) -> bool:
     """Whether the Gluon kernel (mok.kernels.gluon_fp8_wgrad) runs this weight gradient: an
     sm_90 GPU, the schedule's alignment a multiple of 128 (whole blocks of rows per expert),
-    128-row tiles dividing the gradient's rows on each side of the split, 64 or 128 columns,
+    128-row tiles dividing the gradient's rows on each side of the split, 64, 128 or 256
+    columns,
     an output TMA can store (16-bit or fp32 rows of 16-byte multiples), scales TMA can load
     (contiguous, rows of 16-byte multiples)."""
     width_a, width_b = qa.data.shape[0], qb.data.shape[0]
     cut = split if split is not None else width_a
     return (qa.data.is_cuda and arch_of(qa.data.device).warp_specialized
             and routing.align % QUANT_BLOCK == 0 and tiles.block_k == QUANT_BLOCK
-            and tiles.block_m == 128 and tiles.block_n in (64, 128)
+            and tiles.block_m == 128 and tiles.block_n in (64, 128, 256)
             and cut % 128 == 0 and (width_a - cut) % 128 == 0
             and out_dtype in _GLUON_OUT and (width_b * out_dtype.itemsize) % 16 == 0
             and all(q.scales.is_contiguous() and q.scales.stride(0) % 4 == 0 for q in (qa, qb)))
@@ -161,7 +162,8 @@ def _wgrad_gluon(qa: Quantized, qb: Quantized, outs: list[torch.Tensor], routing
     bp, bq = tiles.block_m, tiles.block_n
     out_dtype = _GLUON_OUT[outs[0].dtype]
     views = [out.view(-1, width_b) for out in outs]
-    epilogue = 2 * 64 * bq * outs[0].element_size()  # each MMA partition's output buffer
+    box = min(bq, 128)  # the output's boxes: a 256-column tile stores two
+    epilogue = 2 * 64 * box * outs[0].element_size()  # each MMA partition's output buffer
     stage = (bp + bq) * (QUANT_BLOCK + 4)  # the codes' boxes and their fp32 scales
     stages = min(tiles.num_stages, (_SMEM - epilogue) // stage)
     launch(gluon_fp8_wgrad.fp8_wgrad_ws_kernel, (_num_programs(qa.data.device),))(
@@ -169,15 +171,19 @@ def _wgrad_gluon(qa: Quantized, qb: Quantized, outs: list[torch.Tensor], routing
         b_desc=_gluon_descriptor(qb.data, [bq, QUANT_BLOCK], gl.float8e4nv),
         a_scale_desc=_scale_descriptor(qa.scales, bp),
         b_scale_desc=_scale_descriptor(qb.scales, bq),
-        out_desc=_gluon_descriptor(views[0], [64, bq], out_dtype),
-        out2_desc=_gluon_descriptor(views[-1], [64, bq], out_dtype),
+        out_desc=_gluon_descriptor(views[0], [64, box], out_dtype),
+        out2_desc=_gluon_descriptor(views[-1], [64, box], out_dtype),
         expert_offsets_ptr=routing.expert_offsets, num_experts=num, num_p=cdiv(width_a, bp),
         num_q=cdiv(width_b, bq), P=width_a, SPLIT=split, stride_as=qa.scales.stride(0),
         stride_bs=qb.scales.stride(0), BLOCK_P=bp, BLOCK_Q=bq, NUM_STAGES=stages,
-        LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_GLUON_MMA_REGS, num_warps=4,
+        LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_WIDE_MMA_REGS if bq > 128 else _GLUON_MMA_REGS,
+        num_warps=4,
     )
 
 
+# The second MMA partition's registers at 256 columns: two accumulators, the scratch one and a
+# half's column scales (224 left 56-72 bytes of stack, sm90_compile; 240 none).
+_WIDE_MMA_REGS = 240
 _SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 

@@ -348,13 +348,18 @@ def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit,
 
 
 @SM90
-@pytest.mark.parametrize(("kind", "stages"), [("down", 5), ("gate_up", 5), ("gate_up", 3)],
-                         ids=["down", "gate_up", "gate_up_s3"])
-def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages):
+@pytest.mark.parametrize(("kind", "stages", "block_n", "inter"),
+                         [("down", 5, 128, 256), ("gate_up", 5, 128, 256),
+                          ("gate_up", 3, 128, 256), ("down", 5, 256, 384),
+                          ("gate_up", 5, 256, 256)],
+                         ids=["down", "gate_up", "gate_up_s3", "down_128x256_i384",
+                              "gate_up_128x256"])
+def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages, block_n, inter):
     # The FP8 weight gradients' GEMM (mok.kernels.gluon_fp8_wgrad) against the Triton one on
     # the same quantized operands (the same blocks in the same order): down (a = d_output by
     # token, weighted; b = h by row), gate/up (a = [d_gate, d_up] by row, split at I; b = x by
-    # token); an expert without rows gives zeros; bitwise deterministic.
+    # token); an expert without rows gives zeros; bitwise deterministic. 256 columns (down's
+    # I = 384: a tile's second half wholly past the columns) give the 128-column tiles' bits.
     from mok.ops.fp8_wgrad import (
         gluon_takes_fp8_wgrad,
         grouped_wgrad_fp8_quantized,
@@ -362,7 +367,7 @@ def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages):
     )
     from mok.ops.tuning import FP8_WGRAD_GLUON_TILES, FP8_WGRAD_TILES
 
-    tokens, hidden, inter, experts = 3000, 512, 256, 17
+    tokens, hidden, experts = 3000, 512, 17
     generator = torch.Generator().manual_seed(17)
     topk_experts = make_topk(tokens, experts - 1, 4, RoutingPattern.SKEWED, generator).cuda()
     routing = build_routing(topk_experts, torch.zeros(4, dtype=torch.int32, device="cuda"),
@@ -382,7 +387,7 @@ def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages):
             gather=False)
         b = quantize_row_blocks(x, routing, gather=True)
         split = inter
-    tiles = dataclasses.replace(FP8_WGRAD_GLUON_TILES, num_stages=stages)
+    tiles = dataclasses.replace(FP8_WGRAD_GLUON_TILES, block_n=block_n, num_stages=stages)
     assert gluon_takes_fp8_wgrad(a, b, routing, tiles, torch.float32, split)
 
     def run(t):
@@ -396,3 +401,6 @@ def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages):
         assert (mine[-1] == 0).all()  # the expert without rows
         scale = their.abs().amax()
         torch.testing.assert_close(mine, their, rtol=0, atol=1e-5 * float(scale))
+    if block_n != 128:
+        for mine, narrow in zip(ours, run(FP8_WGRAD_GLUON_TILES), strict=True):
+            assert torch.equal(mine, narrow)
