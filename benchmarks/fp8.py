@@ -523,8 +523,8 @@ def main(argv=None) -> None:
             print(f"skipped {name}: FP8 needs H and I multiples of 128, got "
                   f"({shape.hidden_size}, {shape.intermediate_size})")
             continue
-        append_rows(args.csv, FIELDS, bench_shape(FP8_SHAPES[name], device, args.repeats,
-                                                  args.warmup, only=tuple(args.stages)))
+        append_rows(args.csv, FIELDS, bench_shape(shape, device, args.repeats, args.warmup,
+                                                  only=tuple(args.stages)))
     print(f"rows appended to {args.csv}")
 
 

@@ -138,9 +138,8 @@ def gluon_takes_fp8_wgrad(qa: Quantized, qb: Quantized, routing: Routing, tiles:
     """Whether the Gluon kernel (mok.kernels.gluon_fp8_wgrad) runs this weight gradient: an
     sm_90 GPU, the schedule's alignment a multiple of 128 (whole blocks of rows per expert),
     128-row tiles dividing the gradient's rows on each side of the split, 64, 128 or 256
-    columns,
-    an output TMA can store (16-bit or fp32 rows of 16-byte multiples), scales TMA can load
-    (contiguous, rows of 16-byte multiples)."""
+    columns, an output TMA can store (16-bit or fp32 rows of 16-byte multiples), scales TMA
+    can load (contiguous, rows of 16-byte multiples)."""
     width_a, width_b = qa.data.shape[0], qb.data.shape[0]
     cut = split if split is not None else width_a
     return (qa.data.is_cuda and arch_of(qa.data.device).warp_specialized
