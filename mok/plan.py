@@ -173,16 +173,19 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     write their rows to other ranks (the Triton kernel's epilogue); down, d_x and the
     dSwiGLU's GEMM with Gluon tiles of 128 rows at 128 x 256 where _FP8_WIDE_ROWS (the
     default), the Gluon launches' row scales staged in their rings where _FP8_STAGED_SCALES,
-    the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD. Remembered per
-    arguments and switches (`_remembered`)."""
+    the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD, gate/up's
+    promotion ahead of its up wgmma where _FP8_PROMOTE_FIRST, the dSwiGLU in one Gluon launch
+    with an epilogue partition (not apart) where _FP8_DSWIGLU_FUSED. Remembered per arguments
+    and switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
                        _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_STAGED_SCALES,
-                       _FP8_WIDE_WGRAD)
+                       _FP8_WIDE_WGRAD, _FP8_PROMOTE_FIRST, _FP8_DSWIGLU_FUSED)
 
 
 def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
               scatter: bool, gluon_on: bool, apart_on: bool, wide_on: bool,
-              staged_on: bool, wide_wgrad_on: bool) -> Fp8Plan:
+              staged_on: bool, wide_wgrad_on: bool, promote_first_on: bool,
+              fused_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
@@ -204,8 +207,15 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
             row_tiles = dataclasses.replace(row_tiles, block_n=256, num_stages=3)
         if staged_on:
             row_tiles = dataclasses.replace(row_tiles, staged_scales=True)
+        if promote_first_on and field in ("gate_up", "gate_up_saved"):
+            row_tiles = dataclasses.replace(row_tiles, promote_first=True)
         changes[field] = row_tiles
     made = dataclasses.replace(made, **changes)
+    if fused_on and made.dswiglu.gluon and made.dswiglu.block_m == 128:
+        # one launch, its epilogue in a partition of its own (128 x 128 tiles)
+        return dataclasses.replace(made, dswiglu=dataclasses.replace(
+            made.dswiglu, block_n=128, num_stages=4, staged_scales=False,
+            epilogue_partition=True))
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
     # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
     return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)
@@ -226,6 +236,12 @@ _FP8_WIDE_WGRAD = False
 # off, faster at two of three shapes and slower at the third (docs/measurements.md,
 # 2026-12-06 afternoon).
 _FP8_STAGED_SCALES = False
+# The FP8 Gluon gate/up with each K step's gate product added before the up wgmma
+# (RowTiles.promote_first): fewer spills compiled (0-8 bytes of stack against 8-24); untimed.
+_FP8_PROMOTE_FIRST = False
+# The dSwiGLU in one launch of the Gluon kernel at 128 x 128, the dSwiGLU in a partition of its
+# own fed each tile's sums through shared memory (RowTiles.epilogue_partition): off, untimed.
+_FP8_DSWIGLU_FUSED = False
 
 
 # Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).

@@ -49,7 +49,7 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
         kernel = compile(source(self, signature, constexprs, attrs), target=TARGET,
                          options=options.__dict__)
     except Exception as exc:  # report and go on: the point is to see which tiles fail
-        RESULTS.append(dict(kernel=name, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+        RESULTS.append(dict(kernel=name, error=f"{type(exc).__name__}: {str(exc)[:300]} ... {str(exc)[-600:]}"))
         return None
     ttgir = kernel.asm.get("ttgir", "")
     regs, local, stack = _resource_usage(kernel.asm["cubin"])
@@ -507,6 +507,14 @@ def main(argv=None) -> None:
                 apart=True)),
             ("gate_up fp8 gluon tma staged scales", r(gate_up_gluon, staged_scales=True),
              lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt)),
+            ("gate_up fp8 gluon tma promote first", r(gate_up_gluon, promote_first=True),
+             lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt)),
+            ("gate_up fp8 gluon tma keeping limit promote first",
+             r(gate_up_gluon, promote_first=True),
+             lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt, 7.0, gate_up=dgu)),
+            ("gate_up saving fp8 gluon tma limit promote first",
+             r(ops.fp8_tiles("gate_up_saved", 128, gluon=True), promote_first=True),
+             lambda tt: fp8.gate_up_fp8(x8, g8, g8, routing, tt, 7.0)),
             ("gate_up saving fp8 gluon tma staged scales",
              r(ops.fp8_tiles("gate_up_saved", 128, gluon=True), staged_scales=True),
              lambda tt: fp8.gate_up_fp8(x8, g8, g8, routing, tt, 7.0)),
@@ -515,6 +523,13 @@ def main(argv=None) -> None:
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
                 apart=True)),
+            ("down_bwd saved fused fp8 gluon tma limit",
+             r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), epilogue_partition=True),
+             lambda tt: fp8.dswiglu_fp8(
+                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0)),
+            ("down_bwd saved fused fp8 gluon tma shared expert",
+             r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), epilogue_partition=True),
+             lambda tt: fp8.dswiglu_fp8(x8, quantized(experts, inter, hid), dgu, routing, tt)),
             ("down_bwd saved apart fp8 gluon tma 128x256",
              r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), block_n=256),
              lambda tt: fp8.dswiglu_fp8(

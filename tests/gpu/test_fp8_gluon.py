@@ -245,14 +245,17 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
                          ids=["plain", "k_tail_limit"])
 def test_gluon_fp8_gathering_kernels_with_staged_scales_give_the_same_bits(hidden, limit):
     # RowTiles.staged_scales in the kernels that gather token rows: gate/up (h in e4m3 and
-    # fp32, the pre-activations kept or alone) and the dSwiGLU's GEMM apart (also at 128 x
-    # 256, staged or not); padding rows' scales are 0 either way.
+    # fp32, the pre-activations kept or alone; also with RowTiles.promote_first, unstaged) and
+    # the dSwiGLU's GEMM apart (also at 128 x 256, staged or not); padding rows' scales are 0
+    # either way.
     weights, router_weights, routing, generator = _setup(tokens=3000, hidden=hidden, inter=256,
                                                          experts=16, topk=4, seed=hidden + 1)
     xq = _token_rows(3000, hidden, generator)
     d_out_q = _token_rows(3000, hidden, generator)
     n = int(routing.used_rows)
-    for kind, changes in (("gate_up", {}), ("gate_up_saved", {}), ("down_bwd_saved", {}),
+    first = dict(staged_scales=False, promote_first=True)
+    for kind, changes in (("gate_up", {}), ("gate_up_saved", {}), ("gate_up", first),
+                          ("gate_up_saved", first), ("down_bwd_saved", {}),
                           ("down_bwd_saved", dict(block_n=256, staged_scales=False)),
                           ("down_bwd_saved", dict(block_n=256))):
         tiles = fp8_tiles(kind, ALIGN, gluon=True)
@@ -404,3 +407,45 @@ def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages, block_n, inter)
     if block_n != 128:
         for mine, narrow in zip(ours, run(FP8_WGRAD_GLUON_TILES), strict=True):
             assert torch.equal(mine, narrow)
+
+
+@SM90
+@pytest.mark.parametrize(("hidden", "inter", "limit", "weighted"),
+                         [(512, 256, None, True), (400, 384, 1.5, True), (512, 256, None, False)],
+                         ids=["plain", "k_tail_limit", "shared"])
+def test_gluon_fp8_dswiglu_in_one_launch_gives_the_apart_bits(hidden, inter, limit, weighted):
+    # RowTiles.epilogue_partition: the GEMM's sums handed to an epilogue partition in the same
+    # launch; d_gate_up (bf16 and e4m3 with its scales) and h bit for bit the apart launches',
+    # the partial sums up to their order over 128 columns; padding rows 0 (scales 1).
+    weights, router_weights, routing, generator = _setup(tokens=3000, hidden=hidden,
+                                                         inter=inter, experts=16, topk=4,
+                                                         seed=hidden + inter)
+    xq = _token_rows(3000, hidden, generator)
+    d_out_q = _token_rows(3000, hidden, generator)
+    gate_up = gate_up_fp8(xq, weights.gate, weights.up, routing,
+                          fp8_tiles("gate_up_saved", ALIGN), limit)
+    route_weights = router_weights if weighted else None
+    tiles = fp8_tiles("down_bwd_saved", ALIGN, gluon=True)
+    fused = dataclasses.replace(tiles, block_n=128, epilogue_partition=True)
+
+    def run(t, apart):
+        d_gate_up = gate_up.clone()
+        q, h, partial = dswiglu_fp8(d_out_q, weights.down_t, d_gate_up, routing, t,
+                                    route_weights, limit, apart=apart)
+        return d_gate_up, q.data.view(torch.uint8), q.scales, h, partial
+
+    n = int(routing.used_rows)
+    mine, theirs, again = run(fused, False), run(tiles, True), run(fused, False)
+    for name, a, b, c in zip(("d_gate_up", "codes", "scales", "h", "partial"), mine, theirs,
+                             again, strict=True):
+        if name == "partial":
+            assert (a is None) == (not weighted) and (b is None) == (not weighted)
+            if weighted:
+                torch.testing.assert_close(a[:n], b[:n], rtol=0, atol=1e-5)
+                assert torch.equal(a[:n], c[:n])
+            continue
+        assert torch.equal(a[:n], b[:n]), name
+        assert torch.equal(a[:n], c[:n]), name  # deterministic
+    padding = routing.row_route[:n] < 0
+    assert (mine[0][:n][padding] == 0).all() and (mine[3][:n][padding] == 0).all()
+    assert (mine[2][:n][padding] == 1).all()

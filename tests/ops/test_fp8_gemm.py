@@ -464,7 +464,7 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     assert gluon(hidden=256) == (True, True, True, False, True)
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", True)
     assert plan._FP8_WIDE_ROWS and not plan._FP8_STAGED_SCALES  # the defaults
-    assert not plan._FP8_WIDE_WGRAD
+    assert not plan._FP8_WIDE_WGRAD and not plan._FP8_PROMOTE_FIRST
     assert plan.fp8_plan(tiles, operands, hidden=256, intermediate=256).wgrad_fp8.block_n == 128
     monkeypatch.setattr(plan, "_FP8_WIDE_WGRAD", True)
     wgrad = plan.fp8_plan(tiles, operands, hidden=256, intermediate=256).wgrad_fp8
@@ -484,6 +484,18 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
                     name, scatter)
                 assert t.staged_scales == (staged and t.gluon), (name, scatter)
     monkeypatch.setattr(plan, "_FP8_STAGED_SCALES", False)
+    monkeypatch.setattr(plan, "_FP8_PROMOTE_FIRST", True)
+    fp8 = plan.fp8_plan(tiles, operands, hidden=256, intermediate=256)
+    assert [getattr(fp8, name).promote_first for name in ("gate_up", "gate_up_saved", "down")] \
+        == [True, True, False]
+    monkeypatch.setattr(plan, "_FP8_PROMOTE_FIRST", False)
+    # the dSwiGLU in one launch with an epilogue partition: 128 x 128, not apart
+    assert not plan._FP8_DSWIGLU_FUSED
+    monkeypatch.setattr(plan, "_FP8_DSWIGLU_FUSED", True)
+    fp8 = plan.fp8_plan(tiles, operands, hidden=256, intermediate=256)
+    assert fp8.dswiglu.epilogue_partition and fp8.dswiglu.block_n == 128
+    assert not fp8.dswiglu_apart and not fp8.down.epilogue_partition
+    monkeypatch.setattr(plan, "_FP8_DSWIGLU_FUSED", False)
     monkeypatch.setattr(plan, "_FP8_WIDE_ROWS", False)
     monkeypatch.setattr(_env, "FP8_GLUON", False)
     assert gluon(hidden=256) == (False,) * 5
