@@ -14,8 +14,10 @@ import triton.language as tl
 
 @triton.jit
 def clamp(gate, up, limit):
-    """The pre-activations under the limit L: min(g, L), clamp(u, -L, L)."""
-    return tl.minimum(gate, limit), tl.minimum(tl.maximum(up, -limit), limit)
+    """The pre-activations under the limit L: min(g, L), clamp(u, -L, L), NaN kept (by
+    comparisons: a GPU's min and max return the other operand of a NaN)."""
+    up = tl.where(up < -limit, -limit, up)
+    return tl.where(gate > limit, limit, gate), tl.where(up > limit, limit, up)
 
 
 @triton.jit

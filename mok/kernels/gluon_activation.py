@@ -9,8 +9,9 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 @gluon.jit
 def clamp(gate, up, limit):
-    """min(g, L), clamp(u, -L, L)."""
-    return gl.minimum(gate, limit), gl.minimum(gl.maximum(up, -limit), limit)
+    """min(g, L), clamp(u, -L, L), NaN kept (mok.kernels.activation.clamp)."""
+    up = gl.where(up < -limit, -limit, up)
+    return gl.where(gate > limit, limit, gate), gl.where(up > limit, limit, up)
 
 
 @gluon.jit

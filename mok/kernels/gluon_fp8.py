@@ -433,9 +433,11 @@ def _row_amax(t):
 
 @gluon.jit
 def _to_e4m3(t, inverse):
-    """t times its row's 448 / amax, saturated at +-448, as e4m3 (_quantize_rows)."""
+    """t times its row's 448 / amax, saturated at +-448, as e4m3 (_quantize_rows); NaN stays
+    NaN (mok.kernels.common.to_e4m3: comparisons, as a GPU's min and max drop a NaN)."""
     scaled = t * inverse[:, None]
-    return gl.minimum(gl.maximum(scaled, -E4M3_MAX), E4M3_MAX).to(gl.float8e4nv)
+    scaled = gl.where(scaled > E4M3_MAX, E4M3_MAX, scaled)
+    return gl.where(scaled < -E4M3_MAX, -E4M3_MAX, scaled).to(gl.float8e4nv)
 
 
 @gluon.jit

@@ -357,3 +357,41 @@ def test_fp8_layer_takes_an_alignment_that_is_no_power_of_two(device):
     for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
         if expected is not None:
             assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize(("recompute", "limit"), [(True, None), (False, None), (False, 0.5)],
+                         ids=["recompute", "kept", "kept_limit"])
+def test_fp8_nonfinite_inputs_stay_in_their_token(device, recompute, limit):
+    # design.md 7, in FP8: a NaN in x[3] makes y[3] NaN (e4m3 codes keep NaN: an output clamped
+    # to +-448 before its cast must compare, not take min/max, which drop NaN on a GPU), an inf
+    # router weight of token 7 makes y[7] non-finite; every other token's outputs and
+    # gradients, and the weight gradients of experts neither reaches, are those of the run
+    # without them, bit for bit; with a SwiGLU limit too (its clamp keeps NaN).
+    def inputs():
+        return make_inputs(48, 256, 128, 4, 2, shared_intermediate_size=128, device=device,
+                           seed=21)
+
+    dirty = inputs()
+    with torch.no_grad():
+        dirty.x[3, 5] = float("nan")
+        dirty.router_weights[7, 1] = float("inf")
+    y, grads, _, _ = fp8_run(dirty, recompute=recompute, limit=limit)
+    y_clean, grads_clean, _, _ = fp8_run(inputs(), recompute=recompute, limit=limit)
+    assert bool(torch.isnan(y[3]).all())
+    assert not bool(torch.isfinite(y[7]).all())
+    others = torch.ones(48, dtype=torch.bool, device=y.device)
+    others[[3, 7]] = False
+    assert torch.equal(y[others], y_clean[others])
+    for name in ("d_x", "d_router_weights"):
+        grad, clean = grads[GRAD_NAMES.index(name)], grads_clean[GRAD_NAMES.index(name)]
+        assert torch.equal(grad[others], clean[others]), name
+        assert not bool(torch.isfinite(grad[3]).all()), name
+    touched = set(dirty.topk_experts[3].tolist()) | {int(dirty.topk_experts[7, 1])}
+    for name in ("d_w_routed_gate", "d_w_routed_up", "d_w_routed_down"):
+        grad, clean = grads[GRAD_NAMES.index(name)], grads_clean[GRAD_NAMES.index(name)]
+        for expert in range(grad.shape[0]):
+            if expert in touched:
+                assert not bool(torch.isfinite(grad[expert]).all()), (name, expert)
+            else:
+                assert torch.equal(grad[expert], clean[expert]), (name, expert)
