@@ -237,7 +237,8 @@ _FP8_WIDE_WGRAD = False
 # 2026-12-06 afternoon).
 _FP8_STAGED_SCALES = False
 # The FP8 Gluon gate/up with each K step's gate product added before the up wgmma
-# (RowTiles.promote_first): fewer spills compiled (0-8 bytes of stack against 8-24); untimed.
+# (RowTiles.promote_first): compiled, the pre-activations alone 8 bytes of stack against 24,
+# the other forms unchanged; untimed.
 _FP8_PROMOTE_FIRST = False
 # The dSwiGLU in one launch of the Gluon kernel at 128 x 128, the dSwiGLU in a partition of its
 # own fed each tile's sums through shared memory (RowTiles.epilogue_partition): off, untimed.
