@@ -11,13 +11,15 @@ mok.kernels.gluon_activation holds the same for the Gluon kernels.
 import triton
 import triton.language as tl
 
+NAN = tl.constexpr(tl.PropagateNan.ALL)  # min and max that return a NaN operand
+
 
 @triton.jit
 def clamp(gate, up, limit):
-    """The pre-activations under the limit L: min(g, L), clamp(u, -L, L), NaN kept (by
-    comparisons: a GPU's min and max return the other operand of a NaN)."""
-    up = tl.where(up < -limit, -limit, up)
-    return tl.where(gate > limit, limit, gate), tl.where(up > limit, limit, up)
+    """The pre-activations under the limit L: min(g, L), clamp(u, -L, L), NaN kept (a GPU's
+    plain min and max return the other operand of a NaN)."""
+    return (tl.minimum(gate, limit, propagate_nan=NAN),
+            tl.minimum(tl.maximum(up, -limit, propagate_nan=NAN), limit, propagate_nan=NAN))
 
 
 @triton.jit

@@ -1,17 +1,19 @@
 """SwiGLU and its derivative, with the limit, for the Gluon kernels (fp32 register tiles); the
 math and the +-inf form of kept pre-activations as mok.kernels.activation describes."""
 
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 LOG2E = gl.constexpr(1.4426950408889634)
+NAN = gl.constexpr(tl.PropagateNan.ALL)  # min and max that return a NaN operand
 
 
 @gluon.jit
 def clamp(gate, up, limit):
     """min(g, L), clamp(u, -L, L), NaN kept (mok.kernels.activation.clamp)."""
-    up = gl.where(up < -limit, -limit, up)
-    return gl.where(gate > limit, limit, gate), gl.where(up > limit, limit, up)
+    return (gl.minimum(gate, limit, propagate_nan=NAN),
+            gl.minimum(gl.maximum(up, -limit, propagate_nan=NAN), limit, propagate_nan=NAN))
 
 
 @gluon.jit
