@@ -212,10 +212,10 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
         changes[field] = row_tiles
     made = dataclasses.replace(made, **changes)
     if fused_on and made.dswiglu.gluon and made.dswiglu.block_m == 128:
-        # one launch, its epilogue in a partition of its own (128 x 128 tiles)
+        # one launch, its epilogue in a partition of its own (128 x 128 tiles; its launcher
+        # fits the ring beside the epilogue's buffers: 3 stages)
         return dataclasses.replace(made, dswiglu=dataclasses.replace(
-            made.dswiglu, block_n=128, num_stages=4, staged_scales=False,
-            epilogue_partition=True))
+            made.dswiglu, block_n=128, staged_scales=False, epilogue_partition=True))
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
     # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
     return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)
