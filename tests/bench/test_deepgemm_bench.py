@@ -11,12 +11,12 @@ from mok.reference import dequantize_e4m3
 from tests.ops.test_fp8_wgrad import schedule
 
 
-def test_rows_and_k_grouped_operands_are_the_layers():
+def test_rows_and_k_grouped_operands_are_the_layers(device):
     tokens, hidden, inter = 200, 256, 128
-    routing, _ = schedule("cpu", tokens=tokens, experts=3, topk=2, align=QUANT_BLOCK, seed=5)
+    routing, _ = schedule(device, tokens=tokens, experts=3, topk=2, align=QUANT_BLOCK, seed=5)
     generator = torch.Generator().manual_seed(6)
-    d_out = torch.randn(tokens, hidden, generator=generator).bfloat16()
-    h = torch.randn(routing.capacity_rows, inter, generator=generator).bfloat16()
+    d_out = torch.randn(tokens, hidden, generator=generator).bfloat16().to(device)
+    h = torch.randn(routing.capacity_rows, inter, generator=generator).bfloat16().to(device)
 
     rows = _rows_of(routing, d_out, gather=True)
     route = routing.row_route.long()
