@@ -49,7 +49,9 @@ def _compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
         kernel = compile(source(self, signature, constexprs, attrs), target=TARGET,
                          options=options.__dict__)
     except Exception as exc:  # report and go on: the point is to see which tiles fail
-        RESULTS.append(dict(kernel=name, error=f"{type(exc).__name__}: {str(exc)[:300]} ... {str(exc)[-600:]}"))
+        text = str(exc)
+        RESULTS.append(dict(kernel=name,
+                            error=f"{type(exc).__name__}: {text[:300]} ... {text[-600:]}"))
         return None
     ttgir = kernel.asm.get("ttgir", "")
     regs, local, stack = _resource_usage(kernel.asm["cubin"])

@@ -49,6 +49,13 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cuda", 0 if RANKS_SHARE_GPU else rank)
 
 
+def too_few_gpus(world_size: int) -> bool:
+    """Whether rank_device would put ranks on GPUs that are not present (one GPU a rank, the
+    ranks not sharing one): tests of that many ranks skip then."""
+    return (torch.cuda.is_available() and not RANKS_SHARE_GPU
+            and torch.cuda.device_count() < world_size)
+
+
 def _worker(rank, world_size, port, backend, fn, args, queue, env):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -36,7 +36,7 @@ from benchmarks.layer import CSV_FIELDS, TINY, Mode
 from mok import _env, provenance
 from mok.app.cli import main as mok_main
 from mok.testing import SHAPES, TOLERANCES, MoEShape, make_inputs, moe_reference_grads
-from mok.testing.distributed import RANKS_SHARE_GPU
+from mok.testing.distributed import too_few_gpus
 
 from ..conftest import DEVICE
 
@@ -373,9 +373,7 @@ def test_host_parts_of_the_forward_and_the_backward(capsys):
     assert "parts include what they call" in out and "forward: gate/up launched at" in out
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2
-                    and not RANKS_SHARE_GPU,
-                    reason="two ranks need two GPUs, or MOK_RANKS_SHARE_GPU=1")
+@pytest.mark.skipif(too_few_gpus(2), reason="two ranks need two GPUs, or MOK_RANKS_SHARE_GPU=1")
 @pytest.mark.slow
 def test_host_times_under_expert_parallelism(capsys):
     # Two processes (gloo on CPU): the host time of one forward and forward+backward of the EP

@@ -13,7 +13,7 @@ import mok.functional as F
 from mok.errors import MoKDataError, MoKInputError
 from mok.nn import Backend, MoE, Router, RouterConfig, RouterScoring, moe_experts
 from mok.testing import assert_close, distributed_test, make_inputs, moe_reference, rank_device
-from mok.testing.distributed import RANKS_SHARE_GPU
+from mok.testing.distributed import too_few_gpus
 from mok.testing.tolerance import FP8_TOLERANCE
 
 from ..conftest import DEVICE
@@ -867,11 +867,8 @@ def _ddp_body(rank, world_size):
             prepare_ddp(wrapped)
 
 
-# gloo between the ranks, each rank's module on rank_device: cuda:rank where GPUs are present,
-# so one GPU a rank unless they share one (MOK_RANKS_SHARE_GPU).
-@pytest.mark.skipif(torch.cuda.is_available() and not RANKS_SHARE_GPU
-                    and torch.cuda.device_count() < 2,
-                    reason="one GPU a rank: needs 2 GPUs, or MOK_RANKS_SHARE_GPU=1")
+# gloo between the ranks, each rank's module on rank_device
+@pytest.mark.skipif(too_few_gpus(2), reason="two ranks need two GPUs, or MOK_RANKS_SHARE_GPU=1")
 @distributed_test(world_sizes=(2,), backend="gloo")
 def test_prepare_ddp_keeps_each_rank_s_experts(rank, world_size):
     _ddp_body(rank, world_size)
