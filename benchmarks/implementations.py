@@ -21,9 +21,7 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   of earlier commits ran it beside 128 x 128 mok_fp8); mok_fp8_wgrad_wide: mok_fp8_wgrad with
   the weight gradients' Gluon tiles at 128 x 256 (_FP8_WIDE_WGRAD); mok_fp8_staged: the Gluon
   row GEMMs' row scales staged in their rings (_FP8_STAGED_SCALES); mok_fp8_promote_first: the
-  Gluon gate/up's gate product added before its up wgmma (_FP8_PROMOTE_FIRST);
-  mok_fp8_dswiglu_fused: the dSwiGLU in one Gluon launch with an epilogue partition
-  (_FP8_DSWIGLU_FUSED).
+  Gluon gate/up's gate product added before its up wgmma (_FP8_PROMOTE_FIRST).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -274,16 +272,6 @@ def mok_fp8_promote_first_implementation(shape: MoEShape,
     return _with_setting(mok_implementation(shape, settings, name="mok_fp8_promote_first",
                                             config=F.MoKConfig(precision="fp8")),
                          plan, "_FP8_PROMOTE_FIRST", True)
-
-
-def mok_fp8_dswiglu_fused_implementation(shape: MoEShape,
-                                         settings: Settings) -> Implementation:
-    """mok_fp8 with the dSwiGLU in one Gluon launch, its epilogue in a partition of its own."""
-    from mok import plan
-
-    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_dswiglu_fused",
-                                            config=F.MoKConfig(precision="fp8")),
-                         plan, "_FP8_DSWIGLU_FUSED", True)
 
 
 def _with_setting(inner: Implementation, owner, name: str, value) -> Implementation:
@@ -571,7 +559,6 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8_wgrad_wide": mok_fp8_wgrad_wide_implementation,
     "mok_fp8_staged": mok_fp8_staged_implementation,
     "mok_fp8_promote_first": mok_fp8_promote_first_implementation,
-    "mok_fp8_dswiglu_fused": mok_fp8_dswiglu_fused_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,
     "triton_dense": triton_dense_implementation,

@@ -174,18 +174,16 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     dSwiGLU's GEMM with Gluon tiles of 128 rows at 128 x 256 where _FP8_WIDE_ROWS (the
     default), the Gluon launches' row scales staged in their rings where _FP8_STAGED_SCALES,
     the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD, gate/up's
-    promotion ahead of its up wgmma where _FP8_PROMOTE_FIRST, the dSwiGLU in one Gluon launch
-    with an epilogue partition (not apart) where _FP8_DSWIGLU_FUSED. Remembered per arguments
-    and switches (`_remembered`)."""
+    promotion ahead of its up wgmma where _FP8_PROMOTE_FIRST. Remembered per arguments and
+    switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
                        _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_STAGED_SCALES,
-                       _FP8_WIDE_WGRAD, _FP8_PROMOTE_FIRST, _FP8_DSWIGLU_FUSED)
+                       _FP8_WIDE_WGRAD, _FP8_PROMOTE_FIRST)
 
 
 def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
               scatter: bool, gluon_on: bool, apart_on: bool, wide_on: bool,
-              staged_on: bool, wide_wgrad_on: bool, promote_first_on: bool,
-              fused_on: bool) -> Fp8Plan:
+              staged_on: bool, wide_wgrad_on: bool, promote_first_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
@@ -211,11 +209,6 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
             row_tiles = dataclasses.replace(row_tiles, promote_first=True)
         changes[field] = row_tiles
     made = dataclasses.replace(made, **changes)
-    if fused_on and made.dswiglu.gluon and made.dswiglu.block_m == 128:
-        # one launch, its epilogue in a partition of its own (128 x 128 tiles; its launcher
-        # fits the ring beside the epilogue's buffers: 3 stages)
-        return dataclasses.replace(made, dswiglu=dataclasses.replace(
-            made.dswiglu, block_n=128, staged_scales=False, epilogue_partition=True))
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
     # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
     return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)
@@ -240,9 +233,6 @@ _FP8_STAGED_SCALES = False
 # (RowTiles.promote_first): compiled, the pre-activations alone 8 bytes of stack against 24,
 # the other forms unchanged; untimed.
 _FP8_PROMOTE_FIRST = False
-# The dSwiGLU in one launch of the Gluon kernel at 128 x 128, the dSwiGLU in a partition of its
-# own fed each tile's sums through shared memory (RowTiles.epilogue_partition): off, untimed.
-_FP8_DSWIGLU_FUSED = False
 
 
 # Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).

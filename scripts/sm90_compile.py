@@ -525,13 +525,6 @@ def main(argv=None) -> None:
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
                 apart=True)),
-            ("down_bwd saved fused fp8 gluon tma limit",
-             r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), epilogue_partition=True),
-             lambda tt: fp8.dswiglu_fp8(
-                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0)),
-            ("down_bwd saved fused fp8 gluon tma shared expert",
-             r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), epilogue_partition=True),
-             lambda tt: fp8.dswiglu_fp8(x8, quantized(experts, inter, hid), dgu, routing, tt)),
             ("down_bwd saved apart fp8 gluon tma 128x256",
              r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), block_n=256),
              lambda tt: fp8.dswiglu_fp8(

@@ -13,10 +13,6 @@ e = block_expert[r // ALIGN]; padding rows (route -1) give 0.
   w the transposed w_down: the dSwiGLU's product dh0 alone, for a dSwiGLU run apart.
 - fp8_gate_up_ws_kernel: a = x's token rows (src(r) = token(r)) gathered by cp.async, the gate
   and the up products, then SwiGLU with h quantized in the epilogue, or the pre-activations.
-- fp8_dswiglu_ws_kernel: fp8_gather_ws_kernel's product with the dSwiGLU in the same launch:
-  each tile's sums handed through shared memory to an epilogue partition (4 warps), which runs
-  the dSwiGLU over them and the kept pre-activations (landed by TMA during the tile's K loop)
-  while the MMA partitions go on with the next tile.
 
 Each K step is one scale block (BLOCK_K = 128): its e4m3 wgmma (K-major operands, the only
 layout fp8 wgmma takes) goes into a scratch accumulator, which is scaled and added to the fp32
@@ -134,18 +130,13 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
                    HAS_WEIGHT: gl.constexpr, GATHER: gl.constexpr, HALF: gl.constexpr,
-                   a_scale_bufs, STAGED: gl.constexpr, handoff_bars, route_smem, weight_smem,
-                   HANDOFF: gl.constexpr):
+                   a_scale_bufs, STAGED: gl.constexpr):
     """Rows HALF * 64 .. + 64 of every tile: the scaled K loop, then the epilogue. GATHER: the
     A rows are tokens' rows (their scales by token), landed by cp.async. STAGED: the rows'
     scales of each K step read from the stage (a_scale_bufs), the weight block's from global
     memory a step ahead. BLOCK_N 256: two products of 128 columns a K step (two weight-scale
     blocks), one after the other through the one scratch accumulator, as gate/up's, the first
-    added before the second is issued. HANDOFF (BLOCK_N 128): each tile's sums (0 on padding
-    rows, unweighted) go to c_smem, fp32, for an epilogue partition instead, with the rows'
-    routes (route_smem) and HAS_WEIGHT router weights (weight_smem): handoff_bars[2 * HALF]
-    (ready) arrived on once they are there, handoff_bars[2 * HALF + 1] (free) waited on before
-    the next tile's."""
+    added before the second is issued."""
     WIDTH: gl.constexpr = BLOCK_N if BLOCK_N <= 128 else 128  # one wgmma's columns
     TWO: gl.constexpr = BLOCK_N > 128
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -158,7 +149,6 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
     w_blocks = gl.cdiv(N, 128)
     tmp = gl.zeros([64, WIDTH], gl.float32, acc_layout)
     i = 0
-    t = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
         route = gl.load(row_route_ptr + r0 + rows)
@@ -227,20 +217,10 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
 
         if not HAS_WEIGHT:
             weight = valid  # not read
-        if HANDOFF:
-            mbarrier.wait(handoff_bars.index(2 * HALF + 1), (t & 1) ^ 1)  # the first passes
-            c_smem.store(gl.where(valid[:, None], acc, 0.0))
-            route_smem.store(route)
-            if HAS_WEIGHT:
-                weight_smem.store(weight)
-            gl.thread_barrier()  # every thread's stores done before the one arrival
-            mbarrier.arrive(handoff_bars.index(2 * HALF))
-        else:
-            _put_rows(out_desc, acc, weight, valid, r0 + HALF * 64, c0, c_smem, HAS_WEIGHT)
-            if TWO:
-                _put_rows(out_desc, acc_hi, weight, valid, r0 + HALF * 64, c0 + WIDTH, c_smem,
-                          HAS_WEIGHT)
-        t += 1
+        _put_rows(out_desc, acc, weight, valid, r0 + HALF * 64, c0, c_smem, HAS_WEIGHT)
+        if TWO:
+            _put_rows(out_desc, acc_hi, weight, valid, r0 + HALF * 64, c0 + WIDTH, c_smem,
+                      HAS_WEIGHT)
     tma.store_wait(pendings=0)
 
 
@@ -288,14 +268,12 @@ def fp8_rows_ws_kernel(
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 0, a_scale_bufs, STAGED, ready_bars,
-                              c_smem, c_smem, False)),
+                              HAS_WEIGHT, False, 0, a_scale_bufs, STAGED)),
             (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 1, a_scale_bufs, STAGED, ready_bars,
-                              c_smem, c_smem, False)),
+                              HAS_WEIGHT, False, 1, a_scale_bufs, STAGED)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
                                ready_bars, empty_bars, a_scale_ptr, a_scale_bufs, N, K,
                                stride_as, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
@@ -307,8 +285,7 @@ def fp8_rows_ws_kernel(
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 0, a_scale_bufs, STAGED, ready_bars,
-                              c_smem, c_smem, False)),
+                              HAS_WEIGHT, False, 0, a_scale_bufs, STAGED)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
                                ready_bars, empty_bars, a_scale_ptr, a_scale_bufs, N, K,
                                stride_as, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
@@ -350,14 +327,12 @@ def fp8_gather_ws_kernel(
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, 0, a_scale_bufs, STAGED, ready_bars, c_smem,
-                          c_smem, False)),
+                          False, True, 0, a_scale_bufs, STAGED)),
         (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, 1, a_scale_bufs, STAGED, ready_bars, c_smem,
-                          c_smem, False)),
+                          False, True, 1, a_scale_bufs, STAGED)),
         (_gather_load_partition, (a_ptr, w_desc, w_desc, row_route_ptr, block_expert_ptr,
                                   used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
                                   a_scale_ptr, a_scale_bufs, N, K, topk, stride_am, stride_as,
@@ -624,184 +599,3 @@ def fp8_gate_up_ws_kernel(
                                   stride_xs, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
                                   NUM_STAGES, LOAD_WARPS, 2, STAGED)),
     ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
-
-
-# -- the dSwiGLU in one launch: its GEMM's sums handed to an epilogue partition ---------------
-
-@gluon.jit
-def _dswiglu_block(dh0, route, weight, gate, up, rows, cols, block, gate_up_ptr, h_ptr,
-                   out_ptr, out_scale_ptr, partial_ptr, N, swiglu_limit, stride_gum, stride_hm,
-                   stride_om, stride_osm, stride_pm, HAS_LIMIT: gl.constexpr,
-                   WEIGHTED: gl.constexpr):
-    """mok.kernels.fp8_gemm._dswiglu_epilogue (QUANTIZE_OUT) on rows' dh0 [R, 128] (0 on padding
-    rows) at cols, the 128 columns of column block `block`, their routes and (WEIGHTED) router
-    weights, over the kept pre-activations gate and up: h, d_gate_up in place of the kept
-    pre-activations, d_gate_up in e4m3 with its rows' scales, and WEIGHTED the router-weight
-    gradient's partial sums."""
-    valid = route >= 0
-    row_offsets = rows.to(gl.int64)
-    keep = valid[:, None]
-    gate = gl.where(keep, gate.to(gl.float32), 0.0)
-    up = gl.where(keep, up.to(gl.float32), 0.0)
-    if HAS_LIMIT:
-        gate_pass, up_pass = activation.passes(gate, up, swiglu_limit, True)
-        gate, up = activation.clamp(gate, up, swiglu_limit)
-    sig, silu = activation.silu(gate)
-    h = silu * up
-    gl.store(h_ptr + row_offsets[:, None] * stride_hm + cols[None, :],
-             h.to(h_ptr.dtype.element_ty))
-    d_h = dh0
-    if WEIGHTED:
-        gl.store(partial_ptr + row_offsets * stride_pm + block, gl.sum(dh0 * h, axis=1))
-        d_h = dh0 * weight[:, None]
-    d_gate, d_up = activation.dswiglu(d_h, gate, up, sig, silu)
-    if HAS_LIMIT:
-        d_gate = gl.where(gate_pass, d_gate, 0.0)
-        d_up = gl.where(up_pass, d_up, 0.0)
-    d_gate = gl.where(keep, d_gate, 0.0)
-    d_up = gl.where(keep, d_up, 0.0)
-    gu_ptrs = gate_up_ptr + row_offsets[:, None] * stride_gum + cols[None, :]
-    gl.store(gu_ptrs, d_gate.to(gate_up_ptr.dtype.element_ty))
-    gl.store(gu_ptrs + N, d_up.to(gate_up_ptr.dtype.element_ty))
-    out_ptrs = out_ptr + row_offsets[:, None] * stride_om + cols[None, :]
-    scale_ptrs = out_scale_ptr + row_offsets * stride_osm + block
-    q, scale = _quantize_rows(d_gate)
-    gl.store(out_ptrs, q)
-    gl.store(scale_ptrs, scale)
-    q, scale = _quantize_rows(d_up)
-    gl.store(out_ptrs + N, q)
-    gl.store(scale_ptrs + N // 128, scale)
-
-
-@gluon.jit
-def _load_gate_up(gate_desc, up_desc, gu_bufs, gu_bar, tile, num_pid_m, num_pid_n,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """The kept gate and up of tile's two 64-row halves by TMA into gu_bufs [gate 0, up 0,
-    gate 1, up 1], arriving on gu_bar."""
-    r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
-    mbarrier.expect(gu_bar, 4 * gate_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(gate_desc, [r0 + half * 64, c0], gu_bar,
-                                        gu_bufs.index(2 * half))
-        tma.async_copy_global_to_shared(up_desc, [r0 + half * 64, c0], gu_bar,
-                                        gu_bufs.index(2 * half + 1))
-
-
-@gluon.jit
-def _dswiglu_epilogue_partition(acc_bufs, route_bufs, weight_bufs, gu_bufs, gu_bar,
-                                handoff_bars, gate_desc, up_desc, gate_up_ptr, h_ptr, out_ptr,
-                                out_scale_ptr, partial_ptr, used_rows_ptr, N, swiglu_limit,
-                                stride_gum, stride_hm, stride_om, stride_osm, stride_pm,
-                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                GROUP_M: gl.constexpr, EPI_ROWS: gl.constexpr,
-                                HAS_LIMIT: gl.constexpr, WEIGHTED: gl.constexpr):
-    """Every tile's dSwiGLU (4 warps; each row's 128 columns across one warp, EPI_ROWS rows a
-    step): the kept gate and up by TMA, loaded while the MMA partitions run the tile's K loop;
-    the sums, routes and router weights from shared memory once handed over."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    sub_rows = gl.arange(0, EPI_ROWS, layout=row_layout)
-    sub_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
-    if gl.program_id(0) < num_tiles:
-        _load_gate_up(gate_desc, up_desc, gu_bufs, gu_bar, gl.program_id(0), num_pid_m,
-                      num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
-    t = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
-        cols = c0 + sub_cols
-        mbarrier.wait(gu_bar, t & 1)
-        for half in range(2):
-            mbarrier.wait(handoff_bars.index(2 * half), t & 1)
-            acc = acc_bufs.index(half)
-            routes = route_bufs.index(half)
-            weights = weight_bufs.index(half)
-            gates = gu_bufs.index(2 * half)
-            ups = gu_bufs.index(2 * half + 1)
-            for j in gl.static_range(64 // EPI_ROWS):
-                route = routes.slice(j * EPI_ROWS, EPI_ROWS).load(row_layout)
-                weight = route.to(gl.float32)  # not read without WEIGHTED
-                if WEIGHTED:
-                    weight = weights.slice(j * EPI_ROWS, EPI_ROWS).load(row_layout)
-                _dswiglu_block(acc.slice(j * EPI_ROWS, EPI_ROWS).load(layout), route, weight,
-                               gates.slice(j * EPI_ROWS, EPI_ROWS).load(layout),
-                               ups.slice(j * EPI_ROWS, EPI_ROWS).load(layout),
-                               r0 + half * 64 + j * EPI_ROWS + sub_rows, cols, c0 // 128,
-                               gate_up_ptr, h_ptr, out_ptr, out_scale_ptr, partial_ptr, N,
-                               swiglu_limit, stride_gum, stride_hm, stride_om, stride_osm,
-                               stride_pm, HAS_LIMIT, WEIGHTED)
-            gl.thread_barrier()  # every thread's reads done before the one arrival
-            mbarrier.arrive(handoff_bars.index(2 * half + 1))
-        # gate and up read (the barrier above): the next tile's into the same buffers
-        if tile + gl.num_programs(0) < num_tiles:
-            fence_async_shared()
-            _load_gate_up(gate_desc, up_desc, gu_bufs, gu_bar, tile + gl.num_programs(0),
-                          num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
-        t += 1
-
-
-@gluon.jit
-def fp8_dswiglu_ws_kernel(
-    a_ptr, w_desc, gate_desc, up_desc, a_scale_ptr, w_scale_ptr, gate_up_ptr, h_ptr, out_ptr,
-    out_scale_ptr, partial_ptr, router_weights_ptr, row_route_ptr, block_expert_ptr,
-    used_rows_ptr, N, K, topk, swiglu_limit, stride_am, stride_as, stride_wse, stride_wsn,
-    stride_gum, stride_hm, stride_om, stride_osm, stride_pm,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-    ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
-    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, EPI_REGS: gl.constexpr,
-    EPI_ROWS: gl.constexpr, A_LAYOUT: gl.constexpr, ACC_LAYOUT: gl.constexpr,
-    HAS_LIMIT: gl.constexpr, WEIGHTED: gl.constexpr,
-):
-    """The dSwiGLU of mok.kernels.fp8_gemm ("dswiglu" epilogue with QUANTIZE_OUT) in one
-    launch: fp8_gather_ws_kernel's product dh0 = d_out[token(r)] . w_down_t[e] (BLOCK_M 128,
-    BLOCK_N 128), each tile's sums handed through shared memory (ACC_LAYOUT, [2, 64, BLOCK_N]
-    fp32) to an epilogue partition of 4 warps, which runs _dswiglu_block over them while the
-    MMA partitions go on with the next tile: over the kept pre-activations gate_up [R, 2N]
-    (row stride stride_gum; gate_desc and up_desc its halves with [64, BLOCK_N] boxes;
-    d_gate_up replaces them in their dtype), h into h [R, N], d_gate and d_up in e4m3 into out
-    [R, 2N] with scales [R, 2N / 128] (d_gate's blocks, then d_up's), WEIGHTED: d_h = router
-    weight * dh0 and the partial sums sum_n dh0 * h into partial [R, N / 128]. N a multiple of
-    128. The same values as the GEMM apart, then fp8_dswiglu_rows_kernel (the partial sums up
-    to their order over 128 columns). Launched with one program per SM and num_warps = 4."""
-    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
-    b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, BLOCK_K],
-                                       w_desc.layout)
-    acc_bufs = gl.allocate_shared_memory(gl.float32, [2, 64, BLOCK_N], ACC_LAYOUT)
-    gu_bufs = gl.allocate_shared_memory(gate_desc.dtype, [4, 64, BLOCK_N], gate_desc.layout)
-    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # as _scale_ring's
-    route_bufs = gl.allocate_shared_memory(gl.int32, [2, 64], row_layout)
-    weight_bufs = gl.allocate_shared_memory(gl.float32, [2, 64], row_layout)
-    ready_bars, empty_bars = _ring_barriers(NUM_STAGES, LOAD_WARPS * 32 + 1, 2)
-    # per MMA partition: its sums there (2 * half), the buffer free again (2 * half + 1); gate
-    # and up landed
-    handoff_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for b in gl.static_range(4):
-        mbarrier.init(handoff_bars.index(b), count=1)
-    gu_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(gu_bar, count=1)
-
-    gl.warp_specialize([
-        (_mma_partition, (w_desc, a_bufs, b_bufs, ready_bars, empty_bars, acc_bufs.index(0),
-                          a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
-                          block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
-                          stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          WEIGHTED, True, 0, acc_bufs, False, handoff_bars,
-                          route_bufs.index(0), weight_bufs.index(0), True)),
-        (_mma_partition, (w_desc, a_bufs, b_bufs, ready_bars, empty_bars, acc_bufs.index(1),
-                          a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
-                          block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
-                          stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          WEIGHTED, True, 1, acc_bufs, False, handoff_bars,
-                          route_bufs.index(1), weight_bufs.index(1), True)),
-        (_gather_load_partition, (a_ptr, w_desc, w_desc, row_route_ptr, block_expert_ptr,
-                                  used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
-                                  a_scale_ptr, acc_bufs, N, K, topk, stride_am, stride_as,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                                  LOAD_WARPS, 1, False)),
-        (_dswiglu_epilogue_partition, (acc_bufs, route_bufs, weight_bufs, gu_bufs, gu_bar,
-                                       handoff_bars, gate_desc, up_desc, gate_up_ptr, h_ptr,
-                                       out_ptr, out_scale_ptr, partial_ptr, used_rows_ptr, N,
-                                       swiglu_limit, stride_gum, stride_hm, stride_om,
-                                       stride_osm, stride_pm, BLOCK_M, BLOCK_N, GROUP_M,
-                                       EPI_ROWS, HAS_LIMIT, WEIGHTED)),
-    ], [4, LOAD_WARPS, 4], [MMA_REGS, LOAD_REGS, EPI_REGS])

@@ -279,11 +279,10 @@ def dswiglu_fp8(
     (d_gate, d_up) from the kept pre-activations gate_up [C, 2I] (gate_up_fp8's), I a multiple
     of 128. Returns (d_gate_up in e4m3 [C, 2I] with 1 x 128 scales [C, 2I / 128], h [C, I] in
     gate_up's dtype, the router-weight gradient's partial sums [C, I / 128] fp32 or None without
-    router_weights); d_gate_up also replaces gate_up in place, in its dtype. apart (with Gluon
-    tiles unless they have epilogue_partition): two launches, the GEMM (tiles) into an fp32 dh0
-    [C, I], then the dSwiGLU over it; Gluon tiles with epilogue_partition: one launch, the
-    dSwiGLU in a partition of its own. The same results (on a GPU the partial sums up to their
-    order over each 128 columns)."""
+    router_weights); d_gate_up also replaces gate_up in place, in its dtype. apart (Gluon tiles
+    always run so): two launches, the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over
+    it. The same results (on a GPU the partial sums up to their order over each 128
+    columns)."""
     _, hidden = _rows_operand(d_output, "d_output")
     check_tokens(d_output.data, "d_output", routing.num_tokens)
     _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
@@ -300,11 +299,7 @@ def dswiglu_fp8(
     h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
     partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
                if router_weights is not None else None)
-    if tiles.gluon and tiles.epilogue_partition and not apart:
-        if rows > 0:
-            _dswiglu_gluon(d_output, w_down_t, gate_up, routing, tiles, router_weights,
-                           swiglu_limit, out, out_scales, h, partial)
-    elif apart or tiles.gluon:
+    if apart or tiles.gluon:
         dh0 = torch.empty(rows, inter, dtype=torch.float32, device=device)
         if tiles.gluon and rows > 0:
             _gather_gluon(d_output, w_down_t, dh0, routing, tiles)
@@ -610,57 +605,6 @@ def _gather_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routin
         MMA_REGS=_GLUON_MMA_REGS,
         A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv), STAGED=tiles.staged_scales,
         num_warps=4,
-    )
-
-
-# The dSwiGLU in one Gluon launch (RowTiles.epilogue_partition): its epilogue partition's rows a
-# step, its gathering loader's warps, and the registers of its partitions (two MMA and the
-# epilogue of 4 warps each, the loader: 448 threads sharing the 64K registers of an SM).
-_EPI_ROWS = 8
-_EPI_LOAD_WARPS = 2
-_EPI_MMA_REGS = 184
-_EPI_LOAD_REGS = 64
-_EPI_REGS = 112
-
-
-def _dswiglu_gluon(d_output: Quantized, w_down_t: Quantized, gate_up: torch.Tensor,
-                   routing: Routing, tiles: RowTiles, router_weights: torch.Tensor | None,
-                   swiglu_limit: float | None, out: torch.Tensor, out_scales: torch.Tensor,
-                   h: torch.Tensor, partial: torch.Tensor | None) -> None:
-    """dswiglu_fp8 in one launch of the warp-specialized Gluon kernel
-    (mok.kernels.gluon_fp8.fp8_dswiglu_ws_kernel): the GEMM's sums handed to an epilogue
-    partition through shared memory."""
-    if not gluon_takes_fp8("down_bwd_saved", d_output, w_down_t, torch.float32, tiles) or (
-            tiles.block_n != 128 or gate_up.dtype not in _GLUON_OUT or h.stride(1) != 1):
-        raise ValueError(_NOT_TAKEN)
-    experts, n, k = w_down_t.data.shape
-    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    # beside the ring: the handed-over sums (fp32), the kept gate and up, routes and weights
-    stages = _fitted_stages(tiles, bn, 2 * 64 * bn * 4 + 4 * 64 * bn * gate_up.element_size()
-                            + 2 * 2 * 64 * 4)
-    weighted = router_weights is not None
-    gate_desc, up_desc = (_descriptor(half, [64, bn], _GLUON_OUT[gate_up.dtype])
-                          for half in (gate_up[:, :n], gate_up[:, n:]))
-    launch(gluon_fp8.fp8_dswiglu_ws_kernel, (_num_programs(out.device),))(
-        a_ptr=d_output.data,
-        w_desc=_descriptor(w_down_t.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
-        gate_desc=gate_desc, up_desc=up_desc,
-        a_scale_ptr=d_output.scales, w_scale_ptr=w_down_t.scales, gate_up_ptr=gate_up, h_ptr=h,
-        out_ptr=out, out_scale_ptr=out_scales, partial_ptr=partial if weighted else out_scales,
-        router_weights_ptr=router_weights if weighted else out_scales,
-        row_route_ptr=routing.row_route, block_expert_ptr=routing.block_expert,
-        used_rows_ptr=routing.used_rows, N=n, K=k, topk=routing.topk,
-        swiglu_limit=swiglu_limit if swiglu_limit is not None else 0.0,
-        stride_am=d_output.data.stride(0), stride_as=d_output.scales.stride(0),
-        stride_wse=w_down_t.scales.stride(0), stride_wsn=w_down_t.scales.stride(1),
-        stride_gum=gate_up.stride(0), stride_hm=h.stride(0), stride_om=out.stride(0),
-        stride_osm=out_scales.stride(0), stride_pm=partial.stride(0) if weighted else 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
-        NUM_STAGES=stages, LOAD_WARPS=_EPI_LOAD_WARPS, LOAD_REGS=_EPI_LOAD_REGS,
-        MMA_REGS=_EPI_MMA_REGS, EPI_REGS=_EPI_REGS, EPI_ROWS=_EPI_ROWS,
-        A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
-        ACC_LAYOUT=_nvmma_layout((64, bn), gl.float32), HAS_LIMIT=swiglu_limit is not None,
-        WEIGHTED=weighted, num_warps=4,
     )
 
 

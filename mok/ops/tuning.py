@@ -99,9 +99,6 @@ class RowTiles(Tiles):
     products. The FP8 plan gives it where mok.plan._FP8_STAGED_SCALES (off). promote_first
     (the FP8 Gluon gate/up): each K step's gate product added into its sum before the up
     product's wgmma is issued; the same arithmetic (mok.plan._FP8_PROMOTE_FIRST).
-    epilogue_partition (the FP8 dSwiGLU's Gluon GEMM, 128 x 128): the dSwiGLU in the same
-    launch, in a partition of its own fed each tile's sums through shared memory, instead of
-    apart (mok.plan._FP8_DSWIGLU_FUSED).
     """
 
     tma: bool = False
@@ -111,7 +108,6 @@ class RowTiles(Tiles):
     gluon: bool = False
     staged_scales: bool = False
     promote_first: bool = False
-    epilogue_partition: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

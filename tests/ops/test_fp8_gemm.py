@@ -489,13 +489,6 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     assert [getattr(fp8, name).promote_first for name in ("gate_up", "gate_up_saved", "down")] \
         == [True, True, False]
     monkeypatch.setattr(plan, "_FP8_PROMOTE_FIRST", False)
-    # the dSwiGLU in one launch with an epilogue partition: 128 x 128, not apart
-    assert not plan._FP8_DSWIGLU_FUSED
-    monkeypatch.setattr(plan, "_FP8_DSWIGLU_FUSED", True)
-    fp8 = plan.fp8_plan(tiles, operands, hidden=256, intermediate=256)
-    assert fp8.dswiglu.epilogue_partition and fp8.dswiglu.block_n == 128
-    assert not fp8.dswiglu_apart and not fp8.down.epilogue_partition
-    monkeypatch.setattr(plan, "_FP8_DSWIGLU_FUSED", False)
     monkeypatch.setattr(plan, "_FP8_WIDE_ROWS", False)
     monkeypatch.setattr(_env, "FP8_GLUON", False)
     assert gluon(hidden=256) == (False,) * 5
