@@ -21,9 +21,7 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   of earlier commits ran it beside 128 x 128 mok_fp8); mok_fp8_wgrad_wide: mok_fp8_wgrad with
   the weight gradients' Gluon tiles at 128 x 256 (_FP8_WIDE_WGRAD); mok_fp8_staged: the Gluon
   row GEMMs' row scales staged in their rings (_FP8_STAGED_SCALES); mok_fp8_promote_first: the
-  Gluon gate/up's gate product added before its up wgmma (_FP8_PROMOTE_FIRST);
-  mok_fp8_wgrad_operands_apart: mok_fp8_wgrad with d_gate_up and h quantized for the weight
-  gradients by launches of their own (_FP8_WGRAD_OPERANDS off; the dSwiGLU still apart).
+  Gluon gate/up's gate product added before its up wgmma (_FP8_PROMOTE_FIRST).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -274,19 +272,6 @@ def mok_fp8_promote_first_implementation(shape: MoEShape,
     return _with_setting(mok_implementation(shape, settings, name="mok_fp8_promote_first",
                                             config=F.MoKConfig(precision="fp8")),
                          plan, "_FP8_PROMOTE_FIRST", True)
-
-
-def mok_fp8_wgrad_operands_apart_implementation(shape: MoEShape,
-                                                settings: Settings) -> Implementation:
-    """mok_fp8_wgrad with d_gate_up and h quantized for the weight gradients by launches of
-    their own, not by the dSwiGLU's second launch."""
-    from mok import plan
-
-    return _with_setting(mok_implementation(shape, settings,
-                                            name="mok_fp8_wgrad_operands_apart",
-                                            config=F.MoKConfig(precision="fp8",
-                                                               fp8_weight_gradients=True)),
-                         plan, "_FP8_WGRAD_OPERANDS", False)
 
 
 def _with_setting(inner: Implementation, owner, name: str, value) -> Implementation:
@@ -574,7 +559,6 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8_wgrad_wide": mok_fp8_wgrad_wide_implementation,
     "mok_fp8_staged": mok_fp8_staged_implementation,
     "mok_fp8_promote_first": mok_fp8_promote_first_implementation,
-    "mok_fp8_wgrad_operands_apart": mok_fp8_wgrad_operands_apart_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,
     "triton_dense": triton_dense_implementation,

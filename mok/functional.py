@@ -770,11 +770,11 @@ def _check_fp8(config: MoKConfig, workspace: Workspace, shared: _Experts | None,
 
 
 def _fp8_plan(schedule: Schedule, x: torch.Tensor, experts: _Experts, *,
-              moved: bool = False, fp8_wgrad: bool = False) -> Fp8Plan:
+              moved: bool = False) -> Fp8Plan:
     """moved: the routed experts' rows, which reach them in the exchange's buffers and whose
-    outputs go back to the tokens' ranks; fp8_wgrad: MoKConfig.fp8_weight_gradients."""
+    outputs go back to the tokens' ranks."""
     return fp8_plan(schedule.tiles, experts.operands(x, moved=moved), hidden=x.shape[1],
-                    intermediate=experts.intermediate, scatter=moved, fp8_wgrad=fp8_wgrad)
+                    intermediate=experts.intermediate, scatter=moved)
 
 
 def _fp8_weights(experts: _Experts) -> ops.Fp8Experts:
@@ -845,21 +845,18 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
 
     def input_grads(experts: _Experts, routing: Routing, gate_up, route_weights, d_rows, dq,
                     x_rows, scatter=None):
-        fp8 = _fp8_plan(schedule, x, experts, moved=scatter is not None,
-                        fp8_wgrad=config.fp8_weight_gradients)
+        fp8 = _fp8_plan(schedule, x, experts, moved=scatter is not None)
         weights = _fp8_weights(experts)
         if gate_up is None:
             gate_up = _fp8_pre_activations(schedule, x, ops.quantize_rows(x_rows), experts,
                                            weights, routing, swiglu_limit,
                                            moved=scatter is not None)
-        d_gate_up_q, h, partial, *operands = ops.dswiglu_fp8(
-            dq, weights.down_t, gate_up, routing, fp8.dswiglu, route_weights, swiglu_limit,
-            apart=fp8.dswiglu_apart, wgrad_operands=fp8.wgrad_operands)
+        d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
+                                                  fp8.dswiglu, route_weights, swiglu_limit,
+                                                  apart=fp8.dswiglu_apart)
         _overwritten(gate_up)
         d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, fp8.d_x,
                                     out_dtype=dtype, scatter=scatter)
-        if operands:  # the weight gradients' operands, quantized: the 16-bit h is not read
-            return fp8, d_x_rows, partial, list(operands[0])
         return fp8, d_x_rows, partial, [gate_up, h]  # gate_up holds d_gate_up now
 
     d_shared = (None, None, None)
@@ -1076,16 +1073,11 @@ def _weight_grads(plan: BackwardPlan | Fp8Plan, routing, d_output, x, saved, rou
     """(d_w_gate, d_w_up, d_w_down) from saved = [d_gate_up, h] (emptied, so that the first
     one's operand is freed before the other gradients are allocated: d_gate_up [C, 2I], or with
     down_first h [C, I], where d_gate_up lives on in a kept context); d_output and x by token.
-    fp8 (MoKConfig.fp8_weight_gradients, plan an Fp8Plan): on e4m3 operands, d_gate_up and h
-    either quantized already (ops.Quantized, ops.quantize_row_blocks's form) or not."""
+    fp8 (MoKConfig.fp8_weight_gradients, plan an Fp8Plan): on e4m3 operands."""
     d_gate_up, h = saved
     saved.clear()
 
     def gate_up():
-        if fp8 and isinstance(d_gate_up, ops.Quantized):
-            return ops.grouped_wgrad_fp8_quantized(
-                d_gate_up, ops.quantize_row_blocks(x, routing, gather=True), routing,
-                plan.wgrad_fp8, out_dtype=experts.gate.dtype, split=experts.intermediate)
         if fp8:
             return ops.grouped_wgrad_fp8(d_gate_up, x, routing, plan.wgrad_fp8, gather_a=False,
                                          gather_b=True, out_dtype=experts.gate.dtype,
@@ -1094,11 +1086,6 @@ def _weight_grads(plan: BackwardPlan | Fp8Plan, routing, d_output, x, saved, rou
                                          gather_x=True, out_dtype=experts.gate.dtype)
 
     def down():
-        if fp8 and isinstance(h, ops.Quantized):
-            return ops.grouped_wgrad_fp8_quantized(
-                ops.quantize_row_blocks(d_output, routing, gather=True,
-                                        router_weights=route_weights), h, routing,
-                plan.wgrad_fp8, out_dtype=experts.down.dtype)
         if fp8:
             return ops.grouped_wgrad_fp8(d_output, h, routing, plan.wgrad_fp8, gather_a=True,
                                          gather_b=False, router_weights=route_weights,

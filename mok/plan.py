@@ -149,9 +149,7 @@ class Fp8Plan:
     recomputing backward's), down, dswiglu, d_x; the weight gradients, in the inputs' dtype, as
     the 16-bit plan's; wgrad_fp8, those of the weight gradients on e4m3 operands
     (MoKConfig.fp8_weight_gradients); dswiglu_apart: the dSwiGLU as two launches (its GEMM
-    into fp32 on the dswiglu tiles, then the dSwiGLU over it; mok.ops.dswiglu_fp8's apart);
-    wgrad_operands: its second launch also leaves the FP8 weight gradients' d_gate_up and h
-    operands (mok.ops.dswiglu_fp8's wgrad_operands)."""
+    into fp32 on the dswiglu tiles, then the dSwiGLU over it; mok.ops.dswiglu_fp8's apart)."""
 
     gate_up: RowTiles
     gate_up_saved: RowTiles
@@ -162,11 +160,10 @@ class Fp8Plan:
     wgrad_down: WgradTiles
     wgrad_fp8: RowTiles = FP8_WGRAD_TILES
     dswiglu_apart: bool = False
-    wgrad_operands: bool = False
 
 
 def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,
-             scatter: bool = False, fp8_wgrad: bool = False) -> Fp8Plan:
+             scatter: bool = False) -> Fp8Plan:
     """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment):
     with MOK_FP8_GLUON (the default) the Gluon kernels where the GPU runs them (their operands
     are mok's own buffers and e4m3 weight copies, which they can read whenever H is a multiple
@@ -177,20 +174,16 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     dSwiGLU's GEMM with Gluon tiles of 128 rows at 128 x 256 where _FP8_WIDE_ROWS (the
     default), the Gluon launches' row scales staged in their rings where _FP8_STAGED_SCALES,
     the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD, gate/up's
-    promotion ahead of its up wgmma where _FP8_PROMOTE_FIRST. fp8_wgrad
-    (MoKConfig.fp8_weight_gradients): where the alignment is a multiple of 128 and
-    _FP8_WGRAD_OPERANDS (the default), the dSwiGLU apart whatever its GEMM's kernel, its second
-    launch quantizing the weight gradients' d_gate_up and h. Remembered per arguments and
+    promotion ahead of its up wgmma where _FP8_PROMOTE_FIRST. Remembered per arguments and
     switches (`_remembered`)."""
-    return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter, fp8_wgrad,
+    return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
                        _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_STAGED_SCALES,
-                       _FP8_WIDE_WGRAD, _FP8_PROMOTE_FIRST, _FP8_WGRAD_OPERANDS)
+                       _FP8_WIDE_WGRAD, _FP8_PROMOTE_FIRST)
 
 
 def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
-              scatter: bool, fp8_wgrad: bool, gluon_on: bool, apart_on: bool, wide_on: bool,
-              staged_on: bool, wide_wgrad_on: bool, promote_first_on: bool,
-              operands_on: bool) -> Fp8Plan:
+              scatter: bool, gluon_on: bool, apart_on: bool, wide_on: bool,
+              staged_on: bool, wide_wgrad_on: bool, promote_first_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
@@ -218,9 +211,7 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
     made = dataclasses.replace(made, **changes)
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
     # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
-    operands_on = operands_on and fp8_wgrad and tiles.align % 128 == 0
-    return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon or operands_on,
-                               wgrad_operands=operands_on)
+    return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)
 
 
 # The dSwiGLU on sm_90: apart (its GEMM on the Gluon kernel, then the dSwiGLU), or False: in one
@@ -242,9 +233,6 @@ _FP8_STAGED_SCALES = False
 # (RowTiles.promote_first): compiled, the pre-activations alone 8 bytes of stack against 24,
 # the other forms unchanged; untimed.
 _FP8_PROMOTE_FIRST = False
-# With MoKConfig.fp8_weight_gradients, d_gate_up and h quantized for them by the dSwiGLU's
-# second launch (False: by two launches of their own, as x and d_output are).
-_FP8_WGRAD_OPERANDS = True
 
 
 # Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).

@@ -507,11 +507,6 @@ def main(argv=None) -> None:
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
                 apart=True)),
-            ("down_bwd saved apart fp8 gluon tma wgrad operands",
-             ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
-             lambda tt: fp8.dswiglu_fp8(
-                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
-                apart=True, wgrad_operands=True)),
             ("gate_up fp8 gluon tma staged scales", r(gate_up_gluon, staged_scales=True),
              lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt)),
             ("gate_up fp8 gluon tma promote first", r(gate_up_gluon, promote_first=True),

@@ -18,10 +18,6 @@ K-major operand an e4m3 MMA reads), and the scales [C / SUB, P], of a source rea
 GATHER, by token (src row = route // topk), WEIGHTED rows scaled by their route's router weight
 first; padding rows are zeros. A program per block slot and BLOCK_N columns.
 
-fp8_dswiglu_columns_kernel: the FP8 dSwiGLU's second launch (mok.kernels.fp8_gemm's
-fp8_dswiglu_rows_kernel) over blocks of 128 rows, which then leaves d_gate_up and h quantized
-so too, from the values it stored, in place of two quantize_row_blocks_kernel launches.
-
 fp8_wgrad_kernel: one [BLOCK_P, BLOCK_Q] tile of one expert's gradient; each block's e4m3
 product is scaled by the outer product of the two scale vectors and added to an fp32
 accumulator, the blocks in order, so results are bitwise reproducible. Rows p >= SPLIT go to
@@ -33,8 +29,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels.common import cast_to, to_e4m3
-from mok.kernels.fp8_gemm import _dot_e4m3, _dswiglu_epilogue
-from mok.kernels.grouped_gemm import _tile_rows
+from mok.kernels.fp8_gemm import _dot_e4m3
 from mok.kernels.quantize import _block_scale
 
 ROWS = tl.constexpr(128)  # the scales' block along the rows
@@ -83,15 +78,6 @@ def quantize_row_blocks_kernel(
                 mask=valid[:, None] & in_n[None, :], other=0.0).to(tl.float32)
     if WEIGHTED:
         x *= tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
-    _store_column_block(x, rows, mine, cols, in_n, slot, q_ptr, scale_ptr, stride_q, stride_s,
-                        UPCAST)
-
-
-@triton.jit
-def _store_column_block(x, rows, mine, cols, in_n, slot, q_ptr, scale_ptr, stride_q, stride_s,
-                        UPCAST: tl.constexpr):
-    """x [128, BLOCK_N] fp32, block slot `slot`'s rows at cols: a scale per column
-    (scale[slot, n]) and the codes transposed (q[n, r], rows where mine)."""
     magnitude = tl.abs(x)
     magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of the amax
     scale, inverse = _block_scale(tl.max(magnitude, axis=0), False)
@@ -99,60 +85,6 @@ def _store_column_block(x, rows, mine, cols, in_n, slot, q_ptr, scale_ptr, strid
     tl.store(scale_ptr + slot.to(tl.int64) * stride_s + cols, scale, mask=in_n)
     tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + rows[None, :], tl.trans(q),
              mask=in_n[:, None] & mine[None, :])
-
-
-@triton.jit
-def fp8_dswiglu_columns_kernel(
-    dh0_ptr, out_ptr, out_scale_ptr, row_route_ptr, used_rows_ptr, router_weights_ptr,
-    gate_up_ptr, h_ptr, partial_ptr, gu_q_ptr, gu_scale_ptr, h_q_ptr, h_scale_ptr, N, topk,
-    swiglu_limit, stride_dm, stride_om, stride_osm, stride_gum, stride_hm, stride_pm,
-    stride_guq, stride_gus, stride_hq, stride_hs,
-    HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, SUB_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """mok.kernels.fp8_gemm.fp8_dswiglu_rows_kernel over a block of 128 rows (SUB_M rows a
-    step), then the weight gradients' operands of that block: d_gate_up and h, as just stored
-    in gate_up's dtype, quantized along the rows (quantize_row_blocks_kernel's codes and
-    scales: gu_q [2N, C] and gu_scale [C / 128, 2N], h_q [N, C] and h_scale [C / 128, N]).
-    Grid: (C / 128, N / 128); a schedule whose experts' rows start at multiples of 128."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    used = tl.load(used_rows_ptr)
-    if pid_m * ROWS >= used:
-        return
-    cols = pid_n * 128 + tl.arange(0, 128)
-    in_n = cols < N
-    for sub in range(ROWS // SUB_M):
-        rows, route, valid, _ = _tile_rows(row_route_ptr, pid_m * (ROWS // SUB_M) + sub, topk,
-                                           SUB_M)
-        keep = valid[:, None] & in_n[None, :]
-        dh0 = tl.load(dh0_ptr + rows[:, None] * stride_dm + cols[None, :], mask=keep,
-                      other=0.0)
-        _dswiglu_epilogue(dh0, rows, route, valid, keep, cols, in_n, pid_n, N, out_ptr,
-                          out_scale_ptr, router_weights_ptr, gate_up_ptr, h_ptr, partial_ptr,
-                          stride_om, stride_osm, stride_gum, stride_hm, stride_pm, swiglu_limit,
-                          HAS_LIMIT, WEIGHTED, True, UPCAST)
-    tl.debug_barrier()  # the block's d_gate_up and h stored by every thread, visible to all
-    rows = pid_m * ROWS + tl.arange(0, ROWS)
-    valid = tl.load(row_route_ptr + rows) >= 0
-    mine = rows < used
-    rows = rows.to(tl.int64)
-    for part in tl.static_range(128 // BLOCK_N):
-        part_cols = pid_n * 128 + part * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_part = part_cols < N
-        mask = valid[:, None] & in_part[None, :]
-        gate_ptrs = gate_up_ptr + rows[:, None] * stride_gum + part_cols[None, :]
-        # from L2, past any stale L1 line
-        d_gate = tl.load(gate_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        _store_column_block(d_gate.to(tl.float32), rows, mine, part_cols, in_part, pid_m,
-                            gu_q_ptr, gu_scale_ptr, stride_guq, stride_gus, UPCAST)
-        d_up = tl.load(gate_ptrs + N, mask=mask, other=0.0, cache_modifier=".cg")
-        _store_column_block(d_up.to(tl.float32), rows, mine, N + part_cols, in_part, pid_m,
-                            gu_q_ptr, gu_scale_ptr, stride_guq, stride_gus, UPCAST)
-        h = tl.load(h_ptr + rows[:, None] * stride_hm + part_cols[None, :], mask=mask,
-                    other=0.0, cache_modifier=".cg")
-        _store_column_block(h.to(tl.float32), rows, mine, part_cols, in_part, pid_m, h_q_ptr,
-                            h_scale_ptr, stride_hq, stride_hs, UPCAST)
 
 
 @triton.jit

@@ -26,7 +26,6 @@ from mok.ops.experts import (
 from mok.ops.fp8 import (
     FP8_TILES,
     Fp8Experts,
-    WgradOperands,
     cached_quantize_experts,
     clear_fp8_cache,
     d_x_rows_fp8,
@@ -36,7 +35,7 @@ from mok.ops.fp8 import (
     gate_up_swiglu_fp8,
     quantize_experts,
 )
-from mok.ops.fp8_wgrad import grouped_wgrad_fp8, grouped_wgrad_fp8_quantized, quantize_row_blocks
+from mok.ops.fp8_wgrad import grouped_wgrad_fp8, quantize_row_blocks
 from mok.ops.quantize import (
     QUANT_BLOCK,
     Quantized,
@@ -87,7 +86,6 @@ __all__ = [
     "cached_quantize_experts",
     "gather_within",
     "grouped_wgrad_fp8",
-    "grouped_wgrad_fp8_quantized",
     "quantize_row_blocks",
     "clear_fp8_cache",
     "d_x_rows_fp8",
@@ -98,7 +96,6 @@ __all__ = [
     "down_proj_fp8",
     "dswiglu_apart",
     "dswiglu_fp8",
-    "WgradOperands",
     "exchange_routes",
     "fp8_tiles",
     "gate_up_buffer",

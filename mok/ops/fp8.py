@@ -17,7 +17,6 @@ from mok import _env
 from mok.arch import HOPPER, arch_of
 from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
-from mok.kernels import fp8_wgrad as wgrad_kernels
 from mok.kernels import gluon_fp8
 from mok.ops import graphs
 from mok.ops.checks import FLOATS, check_out_dtype, check_row_tiles, check_tokens
@@ -274,8 +273,7 @@ def dswiglu_fp8(
     swiglu_limit: float | None = None,
     *,
     apart: bool = False,
-    wgrad_operands: bool = False,
-) -> tuple:
+) -> tuple[Quantized, torch.Tensor, torch.Tensor | None]:
     """The backward's first GEMM on e4m3 operands and the dSwiGLU after it: dh0 = d_output[token]
     @ w_down[e] (w_down_t [E, I, H], the transposed w_down quantized), d_h = router weight * dh0,
     (d_gate, d_up) from the kept pre-activations gate_up [C, 2I] (gate_up_fp8's), I a multiple
@@ -284,9 +282,7 @@ def dswiglu_fp8(
     router_weights); d_gate_up also replaces gate_up in place, in its dtype. apart (Gluon tiles
     always run so): two launches, the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over
     it. The same results (on a GPU the partial sums up to their order over each 128
-    columns). wgrad_operands (apart, the schedule's alignment a multiple of 128): the second
-    launch also quantizes d_gate_up and h along the rows, as mok.ops.quantize_row_blocks would
-    from them, and a fourth value returns them (WgradOperands)."""
+    columns)."""
     _, hidden = _rows_operand(d_output, "d_output")
     check_tokens(d_output.data, "d_output", routing.num_tokens)
     _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
@@ -296,9 +292,6 @@ def dswiglu_fp8(
     check_router_weights(router_weights, routing, fp32=True)
     # apart, the GEMM writes fp32 dh0 and the second launch quantizes: any width the GEMM takes
     _check_tiles(tiles, routing, quantize_out=not (apart or tiles.gluon))
-    if wgrad_operands and not (apart and routing.align % QUANT_BLOCK == 0):
-        raise ValueError(f"wgrad_operands needs the dSwiGLU apart and the schedule's alignment a "
-                         f"multiple of {QUANT_BLOCK}, got apart={apart}, align={routing.align}")
     device = gate_up.device
     rows, blocks = routing.capacity_rows, inter // QUANT_BLOCK
     out = torch.empty(rows, 2 * inter, dtype=E4M3, device=device)
@@ -306,15 +299,6 @@ def dswiglu_fp8(
     h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
     partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
                if router_weights is not None else None)
-    operands = None
-    if wgrad_operands:  # quantize_row_blocks's layout: codes transposed, a scale per 128 rows
-        operands = WgradOperands(
-            Quantized(torch.empty(2 * inter, rows, dtype=E4M3, device=device),
-                      torch.empty(rows // QUANT_BLOCK, 2 * inter, dtype=torch.float32,
-                                  device=device)),
-            Quantized(torch.empty(inter, rows, dtype=E4M3, device=device),
-                      torch.empty(rows // QUANT_BLOCK, inter, dtype=torch.float32,
-                                  device=device)))
     if apart or tiles.gluon:
         dh0 = torch.empty(rows, inter, dtype=torch.float32, device=device)
         if tiles.gluon and rows > 0:
@@ -323,23 +307,12 @@ def dswiglu_fp8(
             _launch(d_output, w_down_t, None, dh0, dh0, routing, tiles, None, None, gather=True,
                     epilogue="plain", quantize_out=False)
         _dswiglu_rows(dh0, gate_up, routing, router_weights, swiglu_limit, out, out_scales, h,
-                      partial, operands)
+                      partial)
     else:
         _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
                 swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True,
                 gate_up=gate_up, h=h, partial=partial)
-    if wgrad_operands:
-        return Quantized(out, out_scales), h, partial, operands
     return Quantized(out, out_scales), h, partial
-
-
-class WgradOperands(NamedTuple):
-    """d_gate_up [C, 2I] and h [C, I] quantized along the rows for the FP8 weight gradients
-    (mok.ops.quantize_row_blocks's codes [N, C] and scales [C / 128, N]), as dswiglu_fp8 leaves
-    them."""
-
-    d_gate_up: Quantized
-    h: Quantized
 
 
 def d_x_rows_fp8(
@@ -587,35 +560,18 @@ def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_li
 # registers on sm_90).
 _DSWIGLU_ROWS = 16
 _DSWIGLU_WARPS = 8
-# The columns a step of fp8_dswiglu_columns_kernel's quantization along the rows ([128, 64]).
-_COLUMN_BLOCK_N = 64
 
 
 def _dswiglu_rows(dh0: torch.Tensor, gate_up: torch.Tensor, routing: Routing,
                   router_weights: torch.Tensor | None, swiglu_limit: float | None,
                   out: torch.Tensor, out_scales: torch.Tensor, h: torch.Tensor,
-                  partial: torch.Tensor | None, operands: WgradOperands | None = None) -> None:
-    """The dSwiGLU over dh0 computed apart (mok.kernels.fp8_gemm.fp8_dswiglu_rows_kernel; with
-    operands mok.kernels.fp8_wgrad.fp8_dswiglu_columns_kernel, which also fills them)."""
+                  partial: torch.Tensor | None) -> None:
+    """The dSwiGLU over dh0 computed apart (mok.kernels.fp8_gemm.fp8_dswiglu_rows_kernel)."""
     rows, inter = dh0.shape
     if rows == 0 or inter == 0:
         return
     weighted = router_weights is not None
     partial = partial if weighted else out_scales
-    if operands is not None:
-        gu, hq = operands
-        launch(wgrad_kernels.fp8_dswiglu_columns_kernel, (rows // QUANT_BLOCK,
-                                                          inter // QUANT_BLOCK))(
-            dh0, out, out_scales, routing.row_route, routing.used_rows,
-            router_weights if weighted else out_scales, gate_up, h, partial, gu.data,
-            gu.scales, hq.data, hq.scales, inter, routing.topk,
-            swiglu_limit if swiglu_limit is not None else 0.0, dh0.stride(0), out.stride(0),
-            out_scales.stride(0), gate_up.stride(0), h.stride(0), partial.stride(0),
-            gu.data.stride(0), gu.scales.stride(0), hq.data.stride(0), hq.scales.stride(0),
-            HAS_LIMIT=swiglu_limit is not None, WEIGHTED=weighted, SUB_M=_DSWIGLU_ROWS,
-            BLOCK_N=_COLUMN_BLOCK_N, UPCAST=_env.INTERPRET, num_warps=_DSWIGLU_WARPS,
-        )
-        return
     block = math.gcd(_DSWIGLU_ROWS, routing.align)  # blocks within the schedule's rows
     launch(kernels.fp8_dswiglu_rows_kernel, (rows // block, inter // QUANT_BLOCK))(
         dh0, out, out_scales, routing.row_route, routing.used_rows,

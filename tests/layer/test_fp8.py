@@ -86,36 +86,6 @@ def test_fp8_weight_gradients_match_the_recipe(device, recompute):
         F.MoKConfig(fp8_weight_gradients=True)
 
 
-@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
-def test_fp8_weight_gradients_take_their_operands_from_the_dswiglu(device, monkeypatch,
-                                                                   recompute):
-    # A schedule aligned to 128 rows: the dSwiGLU's second launch quantizes d_gate_up and h for
-    # the FP8 weight gradients (Fp8Plan.wgrad_operands), so only x and d_output are quantized
-    # apart, once for the routed experts and once for the shared one; every output is that of
-    # the same plan with the four operands quantized apart.
-    inputs = make_inputs(160, 256, 128, 2, 2, shared_intermediate_size=128, device=device,
-                         seed=12)
-    config = F.MoKConfig(precision="fp8", recompute_gate_up=recompute, fp8_weight_gradients=True)
-    tiles = tiles_for_tests(32, align=128)
-    calls = []
-    quantize_row_blocks = ops.quantize_row_blocks
-    monkeypatch.setattr(ops, "quantize_row_blocks",
-                        lambda *args, **kwargs: calls.append(1) or quantize_row_blocks(*args,
-                                                                                       **kwargs))
-    y, grads, _, _ = run_layer(inputs, config=config, swiglu_limit=3.0, tiles=tiles)
-    assert len(calls) == 4
-    plan = F.fp8_plan
-    monkeypatch.setattr(F, "fp8_plan", lambda *args, **kwargs: dataclasses.replace(
-        plan(*args, **kwargs), wgrad_operands=False))
-    y_apart, grads_apart, _, _ = run_layer(inputs, config=config, swiglu_limit=3.0, tiles=tiles)
-    assert torch.equal(y, y_apart)
-    for name, a, b in zip(GRAD_NAMES, grads, grads_apart, strict=True):
-        assert torch.equal(a, b), name
-    _, grads_ref = moe_reference_fp8_grads(inputs, swiglu_limit=3.0, fp8_weight_gradients=True)
-    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
-        assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
-
-
 def test_fp8_layer_is_deterministic_and_kept_equals_recomputed(device):
     inputs = make_inputs(40, 256, 128, 3, 2, device=device, seed=3)
     runs = [fp8_run(inputs, recompute=recompute) for recompute in (True, True, False)]

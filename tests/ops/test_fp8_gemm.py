@@ -143,44 +143,6 @@ def test_dswiglu_fp8_apart_is_the_one_launch_bit_for_bit(device, limit, weighted
             assert torch.equal(one.view(torch.uint8), two.view(torch.uint8))
 
 
-@pytest.mark.parametrize("limit", [None, 1.5], ids=["plain", "limit"])
-def test_dswiglu_fp8_leaves_the_weight_gradients_operands(device, limit):
-    # wgrad_operands: the second launch also quantizes d_gate_up and h along the rows; codes and
-    # scales of every used row block bit for bit ops.quantize_row_blocks's of the d_gate_up and
-    # h it stored; the other outputs those of the launch without them.
-    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, tokens=150, inter=256,
-                                                           seed=13, align=QUANT_BLOCK)
-    gate_up = gate_up_fp8(quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u),
-                          routing, H_TILES, limit)
-    d_out_q = quantize_rows(torch.randn_like(x))
-    w_down_t = quantize_weights(w_d.transpose(1, 2))
-    kept, plain_kept = gate_up.clone(), gate_up.clone()
-    q, h, partial, operands = dswiglu_fp8(d_out_q, w_down_t, kept, routing, H_TILES,
-                                          router_weights, limit, apart=True, wgrad_operands=True)
-    plain = dswiglu_fp8(d_out_q, w_down_t, plain_kept, routing, H_TILES, router_weights, limit,
-                        apart=True)
-    n = used(routing)
-    assert n > QUANT_BLOCK and n % QUANT_BLOCK == 0
-    for mine, theirs in zip((q.data, q.scales, h, partial, kept),
-                            (*plain[0], plain[1], plain[2], plain_kept), strict=True):
-        assert torch.equal(mine[:n].view(torch.uint8), theirs[:n].view(torch.uint8))
-    for mine, src in ((operands.d_gate_up, kept), (operands.h, h)):
-        expected = ops.quantize_row_blocks(src, routing, gather=False)
-        assert torch.equal(mine.data[:, :n].view(torch.uint8),
-                           expected.data[:, :n].view(torch.uint8))
-        assert torch.equal(mine.scales[:n // QUANT_BLOCK], expected.scales[:n // QUANT_BLOCK])
-    assert (operands.d_gate_up.data[:, :n].float() != 0).any()
-    assert (operands.h.scales[:n // QUANT_BLOCK] != 1).any()
-    with pytest.raises(ValueError, match="wgrad_operands needs the dSwiGLU apart"):
-        dswiglu_fp8(d_out_q, w_down_t, gate_up.clone(), routing, H_TILES, router_weights, limit,
-                    wgrad_operands=True)
-    *_, narrow = setup(device, inter=256, seed=13)  # align 16
-    with pytest.raises(ValueError, match="alignment a multiple of 128"):
-        dswiglu_fp8(quantize_rows(x[:37]), w_down_t, torch.empty(
-            narrow.capacity_rows, 512, dtype=torch.bfloat16, device=device), narrow, H_TILES,
-            apart=True, wgrad_operands=True)
-
-
 def test_launchers_refuse_router_weights_not_in_route_order(device):
     # The kernels read route r's weight at flat index r: a [T, k] view in column-major order
     # (the right values, other strides) was read wrongly with no error; now refused, as are
@@ -469,31 +431,6 @@ def test_gluon_fp8_tiles_off_sm90_raise_and_the_plan_does_not_give_them(device, 
     fp8 = plan.fp8_plan(tiles, plan.Operands.of(x, w_g, w_u, w_d), hidden=256, intermediate=256)
     assert not any(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.dswiglu,
                                      fp8.d_x))
-
-
-def test_fp8_plan_has_the_dswiglu_quantize_the_weight_gradients_operands(device, monkeypatch):
-    # MoKConfig.fp8_weight_gradients on a schedule aligned to 128 rows: the dSwiGLU apart,
-    # whatever kernel its GEMM takes, its second launch quantizing d_gate_up and h
-    # (_FP8_WGRAD_OPERANDS, the default); at other alignments or without the switch, as before.
-    from mok import _env, plan
-
-    x, (w_g, w_u, w_d), *_ = setup(device, inter=256, align=128)
-    operands = plan.Operands.of(x, w_g, w_u, w_d)
-    assert plan._FP8_WGRAD_OPERANDS
-    for gluon_on in (True, False):
-        monkeypatch.setattr(_env, "FP8_GLUON", gluon_on)
-        for align in (128, 256, 32):
-            tiles = dataclasses.replace(ops.default_tiles(device), align=align)
-            default = plan.fp8_plan(tiles, operands, hidden=256, intermediate=256)
-            fp8 = plan.fp8_plan(tiles, operands, hidden=256, intermediate=256, fp8_wgrad=True)
-            assert not default.wgrad_operands
-            assert fp8.wgrad_operands == (align % 128 == 0), align
-            assert fp8.dswiglu_apart == (default.dswiglu_apart or align % 128 == 0), align
-            assert fp8.dswiglu == default.dswiglu
-    monkeypatch.setattr(plan, "_FP8_WGRAD_OPERANDS", False)
-    tiles = dataclasses.replace(ops.default_tiles(device), align=128)
-    assert not plan.fp8_plan(tiles, operands, hidden=256, intermediate=256,
-                             fp8_wgrad=True).wgrad_operands
 
 
 def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
