@@ -424,7 +424,7 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
         # other Gluon tiles against those above, the same bits expected (the dSwiGLU apart: its
         # fp32 output, compared through the bf16 d_gate_up it leaves in the buffer): the rows'
         # scales staged in the ring (RowTiles.staged_scales); 256 columns, two products of 128
-        # a K step (not gate/up); gate/up's gate product added before its up wgmma
+        # a K step (not gate/up)
         variants = {  # implementation: (tiles' changes, the stages it runs)
             "mok_fp8_gluon_staged": (dict(staged_scales=True),
                                      ("gate_up", "down", "d_x", "dswiglu")),
@@ -432,7 +432,6 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
             "mok_fp8_gluon_256_s4": (dict(block_n=256, num_stages=4), ("down", "d_x", "dswiglu")),
             "mok_fp8_gluon_256_s3_staged": (dict(block_n=256, num_stages=3, staged_scales=True),
                                             ("down", "d_x", "dswiglu")),
-            "mok_fp8_gluon_promote_first": (dict(promote_first=True), ("gate_up",)),
         }
 
         def dswiglu_apart(t, buffer, **_):

@@ -19,9 +19,9 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   mok_fp8_narrow: down, d_x and the dSwiGLU's GEMM on 128 x 128 Gluon tiles (the plan's
   _FP8_WIDE_ROWS off); mok_fp8_wide: on 128 x 256 (the plan's default since 2026-12-06; rows
   of earlier commits ran it beside 128 x 128 mok_fp8); mok_fp8_wgrad_wide: mok_fp8_wgrad with
-  the weight gradients' Gluon tiles at 128 x 256 (_FP8_WIDE_WGRAD); mok_fp8_staged: the Gluon
-  row GEMMs' row scales staged in their rings (_FP8_STAGED_SCALES); mok_fp8_promote_first: the
-  Gluon gate/up's gate product added before its up wgmma (_FP8_PROMOTE_FIRST).
+  the weight gradients' Gluon tiles at 128 x 256 (_FP8_WIDE_WGRAD, the default since
+  2026-12-07), mok_fp8_wgrad_narrow at 128 x 128; mok_fp8_staged: the Gluon
+  row GEMMs' row scales staged in their rings (_FP8_STAGED_SCALES).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -255,6 +255,17 @@ def mok_fp8_wgrad_wide_implementation(shape: MoEShape, settings: Settings) -> Im
                          plan, "_FP8_WIDE_WGRAD", True)
 
 
+def mok_fp8_wgrad_narrow_implementation(shape: MoEShape,
+                                        settings: Settings) -> Implementation:
+    """mok_fp8_wgrad with the weight gradients' Gluon tiles at 128 x 128."""
+    from mok import plan
+
+    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_wgrad_narrow",
+                                            config=F.MoKConfig(precision="fp8",
+                                                               fp8_weight_gradients=True)),
+                         plan, "_FP8_WIDE_WGRAD", False)
+
+
 def mok_fp8_staged_implementation(shape: MoEShape, settings: Settings) -> Implementation:
     """mok_fp8 with the Gluon row GEMMs' row scales staged in their rings."""
     from mok import plan
@@ -262,16 +273,6 @@ def mok_fp8_staged_implementation(shape: MoEShape, settings: Settings) -> Implem
     return _with_setting(mok_implementation(shape, settings, name="mok_fp8_staged",
                                             config=F.MoKConfig(precision="fp8")),
                          plan, "_FP8_STAGED_SCALES", True)
-
-
-def mok_fp8_promote_first_implementation(shape: MoEShape,
-                                         settings: Settings) -> Implementation:
-    """mok_fp8 with the Gluon gate/up's gate product added before its up wgmma."""
-    from mok import plan
-
-    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_promote_first",
-                                            config=F.MoKConfig(precision="fp8")),
-                         plan, "_FP8_PROMOTE_FIRST", True)
 
 
 def _with_setting(inner: Implementation, owner, name: str, value) -> Implementation:
@@ -557,8 +558,8 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8_wide": mok_fp8_wide_implementation,
     "mok_fp8_narrow": mok_fp8_narrow_implementation,
     "mok_fp8_wgrad_wide": mok_fp8_wgrad_wide_implementation,
+    "mok_fp8_wgrad_narrow": mok_fp8_wgrad_narrow_implementation,
     "mok_fp8_staged": mok_fp8_staged_implementation,
-    "mok_fp8_promote_first": mok_fp8_promote_first_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,
     "triton_dense": triton_dense_implementation,

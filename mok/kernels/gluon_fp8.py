@@ -442,10 +442,9 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
                            NUM_STAGES: gl.constexpr, HAS_LIMIT: gl.constexpr,
                            SWIGLU: gl.constexpr, QUANTIZE_H: gl.constexpr,
                            SAVE_GATE_UP: gl.constexpr, HALF: gl.constexpr, a_scale_bufs,
-                           STAGED: gl.constexpr, PROMOTE_FIRST: gl.constexpr):
+                           STAGED: gl.constexpr):
     """Rows HALF * 64 .. + 64 of every tile: per K step the gate product, scaled and added,
-    then the up product; then the epilogue. STAGED: x's row scales read from the stage.
-    PROMOTE_FIRST: the gate product's sums kept ahead of the up wgmma's issue."""
+    then the up product; then the epilogue. STAGED: x's row scales read from the stage."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -495,8 +494,6 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
                                      k_blocks, valid)
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
             acc_g += tmp * scale_g[:, None]
-            if PROMOTE_FIRST:  # nothing is pending: this orders the sums above before the wgmma
-                acc_g = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, ))
             tmp = warpgroup_mma(a, b.slice(BLOCK_N, BLOCK_N).permute((1, 0)), tmp,
                                 use_acc=False, is_async=True)
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
@@ -538,7 +535,6 @@ def fp8_gate_up_ws_kernel(
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_LAYOUT: gl.constexpr,
     HAS_LIMIT: gl.constexpr, SWIGLU: gl.constexpr, QUANTIZE_H: gl.constexpr,
     SAVE_GATE_UP: gl.constexpr, STAGED: gl.constexpr = False,
-    PROMOTE_FIRST: gl.constexpr = False,
 ):
     """The FP8 gate/up of mok.kernels.fp8_gemm ("swiglu" and "gate_up" epilogues) with BLOCK_M
     128 (two MMA partitions of 64 rows) and BLOCK_N 128: g = x[token(r)] . w_gate[e, n], u =
@@ -551,8 +547,7 @@ def fp8_gate_up_ws_kernel(
     stride stride_xm, K a multiple of 16) with x_scale [T, cdiv(K, 128)]; w viewed [E * N, K]
     with [BLOCK_N, BLOCK_K] boxes, scales [E, N / 128, cdiv(K, 128)]; the outputs' boxes
     [64, BLOCK_N]; A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3). STAGED:
-    the loader also copies each K step's x row scales into the stage. PROMOTE_FIRST: each K
-    step's gate product added before the up wgmma is issued (the same arithmetic)."""
+    the loader also copies each K step's x row scales into the stage."""
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K],
                                        w_gate_desc.layout)
@@ -583,16 +578,14 @@ def fp8_gate_up_ws_kernel(
                                   used_rows_ptr, N, K, topk, swiglu_limit, stride_xs,
                                   stride_wse, stride_wsn, stride_hs, BLOCK_M, BLOCK_N, BLOCK_K,
                                   GROUP_M, ALIGN, NUM_STAGES, HAS_LIMIT, SWIGLU, QUANTIZE_H,
-                                  SAVE_GATE_UP, 0, a_scale_bufs, STAGED,
-                                  PROMOTE_FIRST)),
+                                  SAVE_GATE_UP, 0, a_scale_bufs, STAGED)),
         (_gate_up_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,
                                   empty_bars, h_smem2, kept_smem2, x_scale_ptr,
                                   w_gate_scale_ptr, w_up_scale_ptr, h_scale_ptr, row_route_ptr,
                                   block_expert_ptr, used_rows_ptr, N, K, topk, swiglu_limit,
                                   stride_xs, stride_wse, stride_wsn, stride_hs, BLOCK_M,
                                   BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES, HAS_LIMIT,
-                                  SWIGLU, QUANTIZE_H, SAVE_GATE_UP, 1, a_scale_bufs, STAGED,
-                                  PROMOTE_FIRST)),
+                                  SWIGLU, QUANTIZE_H, SAVE_GATE_UP, 1, a_scale_bufs, STAGED)),
         (_gather_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr,
                                   block_expert_ptr, used_rows_ptr, a_bufs, b_bufs, ready_bars,
                                   empty_bars, x_scale_ptr, a_scale_bufs, N, K, topk, stride_xm,

@@ -650,5 +650,5 @@ def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Ro
         MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
         HAS_LIMIT=swiglu_limit is not None, SWIGLU=h is not None,
         QUANTIZE_H=h_scales is not None, SAVE_GATE_UP=kept, STAGED=tiles.staged_scales,
-        PROMOTE_FIRST=tiles.promote_first, num_warps=4,
+        num_warps=4,
     )

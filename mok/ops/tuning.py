@@ -96,9 +96,7 @@ class RowTiles(Tiles):
     staged_scales (the FP8 Gluon kernels: gate/up, down, d_x and the dSwiGLU's GEMM apart):
     the loader also copies each K step's row scales into the ring's stage, where the MMA
     partitions read them (otherwise they load them from global memory a step ahead); the same
-    products. The FP8 plan gives it where mok.plan._FP8_STAGED_SCALES (off). promote_first
-    (the FP8 Gluon gate/up): each K step's gate product added into its sum before the up
-    product's wgmma is issued; the same arithmetic (mok.plan._FP8_PROMOTE_FIRST).
+    products. The FP8 plan gives it where mok.plan._FP8_STAGED_SCALES (off).
     """
 
     tma: bool = False
@@ -107,7 +105,6 @@ class RowTiles(Tiles):
     flatten: bool = False
     gluon: bool = False
     staged_scales: bool = False
-    promote_first: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -255,7 +255,7 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
                          ids=["plain", "k_tail_limit"])
 def test_gluon_fp8_gathering_kernels_with_staged_scales_give_the_same_bits(hidden, limit):
     # RowTiles.staged_scales in the kernels that gather token rows: gate/up (h in e4m3 and
-    # fp32, the pre-activations kept or alone; also with RowTiles.promote_first, unstaged) and
+    # fp32, the pre-activations kept or alone) and
     # the dSwiGLU's GEMM apart (also at 128 x 256, staged or not); padding rows' scales are 0
     # either way.
     weights, router_weights, routing, generator = _setup(tokens=3000, hidden=hidden, inter=256,
@@ -263,9 +263,7 @@ def test_gluon_fp8_gathering_kernels_with_staged_scales_give_the_same_bits(hidde
     xq = _token_rows(3000, hidden, generator)
     d_out_q = _token_rows(3000, hidden, generator)
     n = int(routing.used_rows)
-    first = dict(staged_scales=False, promote_first=True)
-    for kind, changes in (("gate_up", {}), ("gate_up_saved", {}), ("gate_up", first),
-                          ("gate_up_saved", first), ("down_bwd_saved", {}),
+    for kind, changes in (("gate_up", {}), ("gate_up_saved", {}), ("down_bwd_saved", {}),
                           ("down_bwd_saved", dict(block_n=256, staged_scales=False)),
                           ("down_bwd_saved", dict(block_n=256))):
         tiles = fp8_tiles(kind, ALIGN, gluon=True)
