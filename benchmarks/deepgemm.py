@@ -10,12 +10,11 @@ both:
 
   gate_up        x's rows gathered by the schedule, times gate and up side by side
                  (DeepGEMM m_grouped_fp8_gemm_nt_contiguous, bf16 pre-activations out; mok's
-                 gate_up_fp8 writes the same, also with the rows' scales staged,
-                 gate_up_swiglu_fp8 gathers the rows itself and writes h in e4m3);
+                 gate_up_fp8 writes the same, gate_up_swiglu_fp8 gathers the rows itself
+                 and writes h in e4m3);
   down           h's rows times w_down (mok's down_proj_fp8, unweighted);
   d_x            d_gate_up's rows times gate and up transposed (mok's d_x_rows_fp8); both of
-                 mok's also with the rows' scales staged in the ring (mok_fp8_gluon_staged)
-                 and at 128 x 256 (mok_fp8_gluon_256_s4);
+                 mok's also at 128 x 256 (mok_fp8_gluon_256_s4);
   wgrad_down,    the weight gradients on operands quantized along the rows, 128 rows of an
   wgrad_gate_up  expert a block (DeepGEMM k_grouped_fp8_gemm_nt_contiguous, fp32 out, each
                  expert's block copied contiguous for it; mok's grouped_wgrad_fp8_quantized,
@@ -103,10 +102,7 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
                                             dtype=x.dtype))
     gluon = {kind: ops.fp8_tiles(kind, routing.align, gluon=True)
              for kind in ("gate_up", "gate_up_saved", "down", "d_x")}
-    # down and d_x also with the rows' scales staged in the ring (RowTiles.staged_scales)
-    staged = {kind: dataclasses.replace(gluon[kind], staged_scales=True)
-              for kind in ("gate_up_saved", "down", "d_x")}
-    # and at 128 x 256 (two products of 128 columns a K step)
+    # down and d_x also at 128 x 256 (two products of 128 columns a K step)
     wide = {kind: dataclasses.replace(gluon[kind], block_n=256, num_stages=4)
             for kind in ("down", "d_x")}
     gemm = 2.0 * shape.num_tokens * shape.topk * hidden * inter
@@ -128,14 +124,10 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
                 x_q, gate_q, up_q, routing, gluon["gate_up_saved"]),
             "mok_fp8_swiglu": lambda: gate_up_swiglu_fp8(x_q, gate_q, up_q, routing,
                                                          gluon["gate_up"]),
-            "mok_fp8_pre_activations_staged": lambda: ops.gate_up_fp8(
-                x_q, gate_q, up_q, routing, staged["gate_up_saved"]),
         }),
         "down": (gemm, {
             "deepgemm": deepgemm_m(h_q, down_q, hidden),
             "mok_fp8": lambda: down_proj_fp8(h_q, down_q, routing, gluon["down"], None),
-            "mok_fp8_gluon_staged": lambda: down_proj_fp8(h_q, down_q, routing,
-                                                          staged["down"], None),
             "mok_fp8_gluon_256_s4": lambda: down_proj_fp8(h_q, down_q, routing, wide["down"],
                                                           None),
         }),
@@ -143,8 +135,6 @@ def bench_shape(deep_gemm, shape: MoEShape, device: torch.device, repeats: int,
             "deepgemm": deepgemm_m(d_gate_up_q, experts.gate_up_t, hidden),
             "mok_fp8": lambda: ops.d_x_rows_fp8(d_gate_up_q, experts.gate_up_t, routing,
                                                 gluon["d_x"]),
-            "mok_fp8_gluon_staged": lambda: ops.d_x_rows_fp8(d_gate_up_q, experts.gate_up_t,
-                                                             routing, staged["d_x"]),
             "mok_fp8_gluon_256_s4": lambda: ops.d_x_rows_fp8(d_gate_up_q, experts.gate_up_t,
                                                              routing, wide["d_x"]),
         }),

@@ -12,9 +12,8 @@ random routes), stage by stage:
              gate_up_swiglu_fp8 (h in e4m3 with its scales; Triton, and on an sm_90 GPU
              Gluon);
   down       mok's bf16 down, and down_proj_fp8 on that h (the Triton kernel, and on an sm_90
-             GPU the Gluon one; on sm_90 each Gluon launch also with other tiles, checked bit
-             for bit against it: the rows' scales staged in its ring, mok_fp8_gluon_staged;
-             down, d_x and the dSwiGLU's GEMM apart at 128 x 256, mok_fp8_gluon_256_*);
+             GPU the Gluon one; on sm_90 down, d_x and the dSwiGLU's GEMM apart also at
+             128 x 256, mok_fp8_gluon_256_*, checked bit for bit against it);
   dswiglu    dswiglu_fp8 on random e4m3 d_output rows over the kept pre-activations (one
              Triton launch, and on an sm_90 GPU apart: the Gluon GEMM into fp32, then the
              dSwiGLU; dswiglu_rows times that second launch alone, GB/s, with several blocks);
@@ -422,16 +421,11 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                 gluon_tiles["down_bwd_saved"], router_weights, apart=True), gemm, 0),
         ]
         # other Gluon tiles against those above, the same bits expected (the dSwiGLU apart: its
-        # fp32 output, compared through the bf16 d_gate_up it leaves in the buffer): the rows'
-        # scales staged in the ring (RowTiles.staged_scales); 256 columns, two products of 128
-        # a K step (not gate/up)
+        # fp32 output, compared through the bf16 d_gate_up it leaves in the buffer): 256
+        # columns, two products of 128 a K step (not gate/up)
         variants = {  # implementation: (tiles' changes, the stages it runs)
-            "mok_fp8_gluon_staged": (dict(staged_scales=True),
-                                     ("gate_up", "down", "d_x", "dswiglu")),
             "mok_fp8_gluon_256_s3": (dict(block_n=256, num_stages=3), ("down", "d_x", "dswiglu")),
             "mok_fp8_gluon_256_s4": (dict(block_n=256, num_stages=4), ("down", "d_x", "dswiglu")),
-            "mok_fp8_gluon_256_s3_staged": (dict(block_n=256, num_stages=3, staged_scales=True),
-                                            ("down", "d_x", "dswiglu")),
         }
 
         def dswiglu_apart(t, buffer, **_):

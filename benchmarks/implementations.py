@@ -20,8 +20,7 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   _FP8_WIDE_ROWS off); mok_fp8_wide: on 128 x 256 (the plan's default since 2026-12-06; rows
   of earlier commits ran it beside 128 x 128 mok_fp8); mok_fp8_wgrad_wide: mok_fp8_wgrad with
   the weight gradients' Gluon tiles at 128 x 256 (_FP8_WIDE_WGRAD, the default since
-  2026-12-07), mok_fp8_wgrad_narrow at 128 x 128; mok_fp8_staged: the Gluon
-  row GEMMs' row scales staged in their rings (_FP8_STAGED_SCALES).
+  2026-12-07), mok_fp8_wgrad_narrow at 128 x 128.
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -264,15 +263,6 @@ def mok_fp8_wgrad_narrow_implementation(shape: MoEShape,
                                             config=F.MoKConfig(precision="fp8",
                                                                fp8_weight_gradients=True)),
                          plan, "_FP8_WIDE_WGRAD", False)
-
-
-def mok_fp8_staged_implementation(shape: MoEShape, settings: Settings) -> Implementation:
-    """mok_fp8 with the Gluon row GEMMs' row scales staged in their rings."""
-    from mok import plan
-
-    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_staged",
-                                            config=F.MoKConfig(precision="fp8")),
-                         plan, "_FP8_STAGED_SCALES", True)
 
 
 def _with_setting(inner: Implementation, owner, name: str, value) -> Implementation:
@@ -559,7 +549,6 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8_narrow": mok_fp8_narrow_implementation,
     "mok_fp8_wgrad_wide": mok_fp8_wgrad_wide_implementation,
     "mok_fp8_wgrad_narrow": mok_fp8_wgrad_narrow_implementation,
-    "mok_fp8_staged": mok_fp8_staged_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,
     "triton_dense": triton_dense_implementation,

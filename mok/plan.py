@@ -172,17 +172,15 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     the Gluon kernel where the alignment, H and I are multiples of 128; scatter: down and d_x
     write their rows to other ranks (the Triton kernel's epilogue); down, d_x and the
     dSwiGLU's GEMM with Gluon tiles of 128 rows at 128 x 256 where _FP8_WIDE_ROWS (the
-    default), the Gluon launches' row scales staged in their rings where _FP8_STAGED_SCALES,
-    the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD (the default).
-    Remembered per arguments and switches (`_remembered`)."""
+    default), the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD (the
+    default). Remembered per arguments and switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
-                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_STAGED_SCALES,
-                       _FP8_WIDE_WGRAD)
+                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_WIDE_WGRAD)
 
 
 def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
               scatter: bool, gluon_on: bool, apart_on: bool, wide_on: bool,
-              staged_on: bool, wide_wgrad_on: bool) -> Fp8Plan:
+              wide_wgrad_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     gluon = gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
@@ -202,8 +200,6 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
             continue
         if wide_on and field in ("down", "dswiglu", "d_x") and row_tiles.block_m == 128:
             row_tiles = dataclasses.replace(row_tiles, block_n=256, num_stages=3)
-        if staged_on:
-            row_tiles = dataclasses.replace(row_tiles, staged_scales=True)
         changes[field] = row_tiles
     made = dataclasses.replace(made, **changes)
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
@@ -223,11 +219,6 @@ _FP8_WIDE_ROWS = True
 # False: 128 x 128, 5 stages; the same bits). On one H100 (docs/measurements.md, 2026-12-07)
 # 4-18% faster for both weight gradients at qwen3-30b-a3b and kimi-ep64-slice.
 _FP8_WIDE_WGRAD = True
-# Every Gluon FP8 row GEMM with the rows' scales staged in its ring (RowTiles.staged_scales):
-# off, faster at two of three shapes and slower at the third (docs/measurements.md,
-# 2026-12-06 afternoon); gate/up 8% and 2% slower at qwen3-30b-a3b and kimi-ep64-slice
-# (2026-12-07).
-_FP8_STAGED_SCALES = False
 
 
 # Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).

@@ -507,16 +507,6 @@ def main(argv=None) -> None:
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
                 apart=True)),
-            ("gate_up fp8 gluon tma staged scales", r(gate_up_gluon, staged_scales=True),
-             lambda tt: fp8.gate_up_swiglu_fp8(x8, g8, g8, routing, tt)),
-            ("gate_up saving fp8 gluon tma staged scales",
-             r(ops.fp8_tiles("gate_up_saved", 128, gluon=True), staged_scales=True),
-             lambda tt: fp8.gate_up_fp8(x8, g8, g8, routing, tt, 7.0)),
-            ("down_bwd saved apart fp8 gluon tma staged scales",
-             r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), staged_scales=True),
-             lambda tt: fp8.dswiglu_fp8(
-                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
-                apart=True)),
             ("down_bwd saved apart fp8 gluon tma 128x256",
              r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), block_n=256),
              lambda tt: fp8.dswiglu_fp8(
@@ -527,12 +517,8 @@ def main(argv=None) -> None:
                                         gluon=True)
         for label, variant in (("", {}), (" s5", dict(num_stages=5)),
                                (" 64x128 s6", dict(block_m=64, num_stages=6)),
-                               (" staged scales", dict(staged_scales=True)),
-                               (" 64x128 staged scales", dict(block_m=64, staged_scales=True)),
                                (" 128x256 s3", dict(block_n=256, num_stages=3)),
-                               (" 128x256 s4", dict(block_n=256)),
-                               (" 128x256 s3 staged scales", dict(block_n=256, num_stages=3,
-                                                                  staged_scales=True))):
+                               (" 128x256 s4", dict(block_n=256))):
             runs += [
                 (f"down fp8 gluon tma{label}", r(fp8_gluon, **variant),
                  lambda tt: fp8.down_proj_fp8(quantized(rows, inter),

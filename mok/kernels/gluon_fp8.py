@@ -25,16 +25,15 @@ One CTA per SM strides over the [BLOCK_M, BLOCK_N] output tiles of the used rows
 blocks at a time). Partitions:
 - loader (worker): per K step the A box [BLOCK_M, BLOCK_K] (by TMA, one warp; or gathered by
   16-byte cp.async, LOAD_WARPS warps) and the weight box(es) [BLOCK_N, BLOCK_K] by TMA into a
-  ring of NUM_STAGES stages, continuous across tiles; STAGED: also the step's BLOCK_M row
-  scales, by 4-byte cp.async, into the stage's slot of a scale ring, where the MMA partitions
-  read them (else they load them from global memory a step ahead).
+  ring of NUM_STAGES stages, continuous across tiles (the MMA partitions load the rows' and
+  the weight block's scales from global memory a step ahead).
 - MMA (BLOCK_M // 64 of them, the default partition and with BLOCK_M 128 a worker of MMA_REGS
   registers): its 64 rows of every tile's A and the whole weight box; then the epilogue through
   its own shared-memory buffers and TMA stores.
 
 Barriers (stage s = i % NUM_STAGES of the i-th K step counted over all of this CTA's tiles,
 round = i // NUM_STAGES, phase parity = round & 1): ready[s]: the loader arrives with
-expect-tx (count 1; gathering, or staging the scales, each loader thread once more through
+expect-tx (count 1; gathering, each loader thread once more through
 cp.async.mbarrier.arrive.noinc: count LOAD_WARPS * 32 + 1), the MMA partitions wait on parity
 round & 1 (gathering, then fence: cp.async writes through the generic proxy); empty[s] (count
 BLOCK_M // 64): each MMA partition arrives once its wgmma of stage s has completed; the loader
@@ -73,46 +72,24 @@ def _ring_barriers(NUM_STAGES: gl.constexpr, READY: gl.constexpr, EMPTY: gl.cons
     return ready_bars, empty_bars
 
 
-@gluon.jit
-def _scale_ring(NUM_STAGES: gl.constexpr, BLOCK_M: gl.constexpr, STAGED: gl.constexpr,
-                stand_in):
-    """STAGED: a ring of NUM_STAGES stages of BLOCK_M fp32 row scales; else stand_in (not
-    read)."""
-    if STAGED:
-        bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M],
-                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        bufs = stand_in
-    return bufs
-
-
 # -- down and d_x: every operand by TMA -------------------------------------------------------
 
 @gluon.jit
 def _load_partition(a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
-                    ready_bars, empty_bars, a_scale_ptr, a_scale_bufs, N, K, stride_as,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    STAGED: gl.constexpr):
-    """Fills the ring: A and weight boxes by TMA; STAGED: also the A rows' scales of the K
-    step, by 4-byte cp.async (then each loader thread arrives on the stage's ready barrier)."""
-    scale_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    scale_rows = gl.arange(0, BLOCK_M, layout=scale_layout).to(gl.int64)
+                    ready_bars, empty_bars, N, K, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                    ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Fills the ring: A and weight boxes by TMA."""
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         r0, c0 = _tile_corner(tile, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
         # w viewed [E * N, K]: rows past the expert's N reach only columns >= N (clipped)
         w_row = gl.load(block_expert_ptr + r0 // ALIGN) * N + c0
-        scale_ptrs = a_scale_ptr + (r0 + scale_rows) * stride_as
         for kk in range(gl.cdiv(K, BLOCK_K)):
             k0 = kk * BLOCK_K
-            s = i % NUM_STAGES
             i = _load_step(a_desc, r0, k0, w_desc, w_row, k0, a_bufs, b_bufs, ready_bars,
                            empty_bars, i, NUM_STAGES)
-            if STAGED:  # the stage is free: _load_step waited on its empty barrier
-                async_copy.async_copy_global_to_shared(a_scale_bufs.index(s), scale_ptrs + kk)
-                async_copy.mbarrier_arrive(ready_bars.index(s), increment_count=False)
 
 
 @gluon.jit
@@ -129,14 +106,12 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
                    used_rows_ptr, N, K, topk, stride_as, stride_wse, stride_wsn,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   HAS_WEIGHT: gl.constexpr, GATHER: gl.constexpr, HALF: gl.constexpr,
-                   a_scale_bufs, STAGED: gl.constexpr):
+                   HAS_WEIGHT: gl.constexpr, GATHER: gl.constexpr, HALF: gl.constexpr):
     """Rows HALF * 64 .. + 64 of every tile: the scaled K loop, then the epilogue. GATHER: the
-    A rows are tokens' rows (their scales by token), landed by cp.async. STAGED: the rows'
-    scales of each K step read from the stage (a_scale_bufs), the weight block's from global
-    memory a step ahead. BLOCK_N 256: two products of 128 columns a K step (two weight-scale
-    blocks), one after the other through the one scratch accumulator, as gate/up's, the first
-    added before the second is issued."""
+    A rows are tokens' rows (their scales by token), landed by cp.async. Each K step's scales
+    (the rows' and the weight block's) are loaded a step ahead. BLOCK_N 256: two products of
+    128 columns a K step (two weight-scale blocks), one after the other through the one
+    scratch accumulator, as gate/up's, the first added before the second is issued."""
     WIDTH: gl.constexpr = BLOCK_N if BLOCK_N <= 128 else 128  # one wgmma's columns
     TWO: gl.constexpr = BLOCK_N > 128
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -166,14 +141,9 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
         if TWO:  # the second 128 columns' weight block (past N the first's: stores clip them)
             w_hi_ptr = w_tile_scale_ptr + gl.where(c0 // 128 + 1 < w_blocks, stride_wsn, 0)
             acc_hi = gl.zeros([64, WIDTH], gl.float32, acc_layout)
-        if STAGED:
-            next_w = gl.load(w_tile_scale_ptr)
-            if TWO:
-                next_w_hi = gl.load(w_hi_ptr)
-        else:
-            next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, 0, k_blocks, valid)
-            if TWO:
-                next_hi = _step_scale(a_scale_ptrs, w_hi_ptr, 0, k_blocks, valid)
+        next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, 0, k_blocks, valid)
+        if TWO:
+            next_hi = _step_scale(a_scale_ptrs, w_hi_ptr, 0, k_blocks, valid)
         for kk in range(k_blocks):
             s = i % NUM_STAGES
             mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
@@ -184,21 +154,11 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
             if TWO:
                 b = b.slice(0, WIDTH)
             tmp = warpgroup_mma(a, b.permute((1, 0)), tmp, use_acc=False, is_async=True)
-            more = kk + 1 < k_blocks
-            if STAGED:
-                a_scale = a_scale_bufs.index(s).slice(HALF * 64, 64).load(row_layout)
-                scale = a_scale * next_w
-                next_w = gl.load(w_tile_scale_ptr + kk + 1, mask=more, other=0.0)
-                if TWO:
-                    scale_hi = a_scale * next_w_hi
-                    next_w_hi = gl.load(w_hi_ptr + kk + 1, mask=more, other=0.0)
-            else:
-                scale = next_scale
-                next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, kk + 1, k_blocks,
-                                         valid)
-                if TWO:
-                    scale_hi = next_hi
-                    next_hi = _step_scale(a_scale_ptrs, w_hi_ptr, kk + 1, k_blocks, valid)
+            scale = next_scale
+            next_scale = _step_scale(a_scale_ptrs, w_tile_scale_ptr, kk + 1, k_blocks, valid)
+            if TWO:
+                scale_hi = next_hi
+                next_hi = _step_scale(a_scale_ptrs, w_hi_ptr, kk + 1, k_blocks, valid)
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
             if TWO:
                 acc += tmp * scale[:, None]
@@ -239,15 +199,14 @@ def fp8_rows_ws_kernel(
     block_expert_ptr, used_rows_ptr, N, K, stride_as, stride_wse, stride_wsn,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
-    MMA_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr, STAGED: gl.constexpr = False,
+    MMA_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = 4 (the first MMA partition).
     Descriptors: a [R, K] e4m3 with [BLOCK_M, BLOCK_K] boxes, w viewed [E * N, K] e4m3 with
     [BLOCK_N, BLOCK_K] boxes (TMA zero-fills both past K), out [R, N] with [64, min(BLOCK_N,
     128)] boxes. BLOCK_M 64 or 128, BLOCK_N 64, 128 or 256 (two products of 128 columns a K
     step), BLOCK_K 128.
-    router_weights_ptr: fp32 [T * topk] by route (unused without HAS_WEIGHT). STAGED: the
-    loader also copies each K step's row scales into the stage (ready[s] then counts 33)."""
+    router_weights_ptr: fp32 [T * topk] by route (unused without HAS_WEIGHT)."""
     NUM_MMA: gl.constexpr = BLOCK_M // 64
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
                                        a_desc.layout)
@@ -255,8 +214,7 @@ def fp8_rows_ws_kernel(
                                        w_desc.layout)
     c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                        out_desc.layout)
-    a_scale_bufs = _scale_ring(NUM_STAGES, BLOCK_M, STAGED, c_smem)
-    ready_bars, empty_bars = _ring_barriers(NUM_STAGES, 33 if STAGED else 1, NUM_MMA)
+    ready_bars, empty_bars = _ring_barriers(NUM_STAGES, 1, NUM_MMA)
 
     # (The partitions' arguments stay literal tuples: a tuple held in a variable loses its
     # constexprs.)
@@ -268,16 +226,15 @@ def fp8_rows_ws_kernel(
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 0, a_scale_bufs, STAGED)),
+                              HAS_WEIGHT, False, 0)),
             (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 1, a_scale_bufs, STAGED)),
+                              HAS_WEIGHT, False, 1)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
-                               ready_bars, empty_bars, a_scale_ptr, a_scale_bufs, N, K,
-                               stride_as, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                               STAGED)),
+                               ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                               ALIGN, NUM_STAGES)),
         ], [4, 1], [MMA_REGS, LOAD_REGS])
     else:
         gl.warp_specialize([
@@ -285,11 +242,10 @@ def fp8_rows_ws_kernel(
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 0, a_scale_bufs, STAGED)),
+                              HAS_WEIGHT, False, 0)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
-                               ready_bars, empty_bars, a_scale_ptr, a_scale_bufs, N, K,
-                               stride_as, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                               STAGED)),
+                               ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                               ALIGN, NUM_STAGES)),
         ], [1], [LOAD_REGS])
 
 
@@ -300,7 +256,6 @@ def fp8_gather_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_LAYOUT: gl.constexpr,
-    STAGED: gl.constexpr = False,
 ):
     """out[r] = a[token(r)] . w[e]^T, the scaled products as fp8_rows_ws_kernel's, with the
     token rows gathered by cp.async (the dSwiGLU's product dh0 = d_out[token] . w_down_t[e],
@@ -310,8 +265,7 @@ def fp8_gather_ws_kernel(
     K a multiple of 16) with scales [T, cdiv(K, 128)]; w viewed [E * N, K] e4m3 with [BLOCK_N,
     BLOCK_K] boxes, scales [E, N / 128, cdiv(K, 128)]; out [R, N] with [64, min(BLOCK_N, 128)]
     boxes;
-    A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3). Padding rows get 0.
-    STAGED: the loader also copies each K step's row scales into the stage."""
+    A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3). Padding rows get 0."""
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, BLOCK_K],
                                        w_desc.layout)
@@ -319,7 +273,6 @@ def fp8_gather_ws_kernel(
                                        out_desc.layout)
     c_smem2 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                         out_desc.layout)
-    a_scale_bufs = _scale_ring(NUM_STAGES, BLOCK_M, STAGED, c_smem)
     ready_bars, empty_bars = _ring_barriers(NUM_STAGES, LOAD_WARPS * 32 + 1, 2)
 
     gl.warp_specialize([
@@ -327,17 +280,16 @@ def fp8_gather_ws_kernel(
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, 0, a_scale_bufs, STAGED)),
+                          False, True, 0)),
         (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, 1, a_scale_bufs, STAGED)),
+                          False, True, 1)),
         (_gather_load_partition, (a_ptr, w_desc, w_desc, row_route_ptr, block_expert_ptr,
-                                  used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
-                                  a_scale_ptr, a_scale_bufs, N, K, topk, stride_am, stride_as,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                                  LOAD_WARPS, 1, STAGED)),
+                                  used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
+                                  topk, stride_am, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
+                                  NUM_STAGES, LOAD_WARPS, 1)),
     ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])
 
 
@@ -345,25 +297,20 @@ def fp8_gather_ws_kernel(
 
 @gluon.jit
 def _gather_load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_expert_ptr,
-                           used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, x_scale_ptr,
-                           a_scale_bufs, N, K, topk, stride_xm, stride_xs,
-                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K, topk,
+                           stride_xm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, ALIGN: gl.constexpr,
                            NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
-                           NUM_B: gl.constexpr, STAGED: gl.constexpr):
+                           NUM_B: gl.constexpr):
     """Fills the ring: the weight boxes by TMA (NUM_B 2: gate's and up's, into the two halves
     of a stage's B buffer; 1: w_gate_desc's alone), the tile's token rows of x by cp.async
-    (16-byte copies, zero-filled on padding rows and past K) into its A buffer; STAGED: also
-    the rows' scales of the K step (4-byte copies, 0 on padding rows) into a_scale_bufs."""
+    (16-byte copies, zero-filled on padding rows and past K) into its A buffer."""
     w_bytes: gl.constexpr = NUM_B * w_gate_desc.block_type.nbytes
     TPW_K: gl.constexpr = BLOCK_K // 16
     gather: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_K, TPW_K], [LOAD_WARPS, 1],
                                             [1, 0])
-    scale_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // (32 * LOAD_WARPS)], [32],
-                                                  [LOAD_WARPS], [0])
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather))
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather))
-    scale_rows = gl.arange(0, BLOCK_M, layout=scale_layout)
     num_pid_m, num_pid_n, num_tiles = _tile_grid(used_rows_ptr, N, BLOCK_M, BLOCK_N)
     i = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -373,11 +320,6 @@ def _gather_load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_e
         valid = route >= 0
         token = gl.where(valid, route // topk, 0).to(gl.int64)
         a_ptrs = x_ptr + token[:, None] * stride_xm + cols[None, :]
-        if STAGED:
-            scale_route = gl.load(row_route_ptr + r0 + scale_rows)
-            scale_valid = scale_route >= 0
-            scale_ptrs = x_scale_ptr + gl.where(scale_valid, scale_route // topk,
-                                                0).to(gl.int64) * stride_xs
         for kk in range(gl.cdiv(K, BLOCK_K)):
             s = i % NUM_STAGES
             mbarrier.wait(empty_bars.index(s), ((i // NUM_STAGES) & 1) ^ 1)
@@ -392,9 +334,6 @@ def _gather_load_partition(x_ptr, w_gate_desc, w_up_desc, row_route_ptr, block_e
                                                 b_buf.slice(BLOCK_N, BLOCK_N))
             mask = valid[:, None] & ((k0 + cols) < K)[None, :]
             async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + k0, mask=mask)
-            if STAGED:
-                async_copy.async_copy_global_to_shared(a_scale_bufs.index(s), scale_ptrs + kk,
-                                                       mask=scale_valid)
             async_copy.mbarrier_arrive(bar, increment_count=False)
             i += 1
 
@@ -441,10 +380,9 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
                            BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, ALIGN: gl.constexpr,
                            NUM_STAGES: gl.constexpr, HAS_LIMIT: gl.constexpr,
                            SWIGLU: gl.constexpr, QUANTIZE_H: gl.constexpr,
-                           SAVE_GATE_UP: gl.constexpr, HALF: gl.constexpr, a_scale_bufs,
-                           STAGED: gl.constexpr):
+                           SAVE_GATE_UP: gl.constexpr, HALF: gl.constexpr):
     """Rows HALF * 64 .. + 64 of every tile: per K step the gate product, scaled and added,
-    then the up product; then the epilogue. STAGED: x's row scales read from the stage."""
+    then the up product; then the epilogue."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -464,12 +402,8 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
         w_offset = expert * stride_wse + (c0 // 128) * stride_wsn
         acc_g = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
         acc_u = gl.zeros([64, BLOCK_N], gl.float32, acc_layout)
-        if STAGED:
-            next_wg = gl.load(w_gate_scale_ptr + w_offset)
-            next_wu = gl.load(w_up_scale_ptr + w_offset)
-        else:
-            next_g = _step_scale(x_scale_ptrs, w_gate_scale_ptr + w_offset, 0, k_blocks, valid)
-            next_u = _step_scale(x_scale_ptrs, w_up_scale_ptr + w_offset, 0, k_blocks, valid)
+        next_g = _step_scale(x_scale_ptrs, w_gate_scale_ptr + w_offset, 0, k_blocks, valid)
+        next_u = _step_scale(x_scale_ptrs, w_up_scale_ptr + w_offset, 0, k_blocks, valid)
         for kk in range(k_blocks):
             s = i % NUM_STAGES
             mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
@@ -478,20 +412,12 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
             b = b_bufs.index(s)
             tmp = warpgroup_mma(a, b.slice(0, BLOCK_N).permute((1, 0)), tmp, use_acc=False,
                                 is_async=True)
-            if STAGED:
-                x_scale = a_scale_bufs.index(s).slice(HALF * 64, 64).load(row_layout)
-                scale_g = x_scale * next_wg
-                scale_u = x_scale * next_wu
-                inside = kk + 1 < k_blocks
-                next_wg = gl.load(w_gate_scale_ptr + w_offset + kk + 1, mask=inside, other=0.0)
-                next_wu = gl.load(w_up_scale_ptr + w_offset + kk + 1, mask=inside, other=0.0)
-            else:
-                scale_g = next_g
-                scale_u = next_u
-                next_g = _step_scale(x_scale_ptrs, w_gate_scale_ptr + w_offset, kk + 1,
-                                     k_blocks, valid)
-                next_u = _step_scale(x_scale_ptrs, w_up_scale_ptr + w_offset, kk + 1,
-                                     k_blocks, valid)
+            scale_g = next_g
+            scale_u = next_u
+            next_g = _step_scale(x_scale_ptrs, w_gate_scale_ptr + w_offset, kk + 1, k_blocks,
+                                 valid)
+            next_u = _step_scale(x_scale_ptrs, w_up_scale_ptr + w_offset, kk + 1, k_blocks,
+                                 valid)
             tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tmp, ))
             acc_g += tmp * scale_g[:, None]
             tmp = warpgroup_mma(a, b.slice(BLOCK_N, BLOCK_N).permute((1, 0)), tmp,
@@ -534,7 +460,7 @@ def fp8_gate_up_ws_kernel(
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_LAYOUT: gl.constexpr,
     HAS_LIMIT: gl.constexpr, SWIGLU: gl.constexpr, QUANTIZE_H: gl.constexpr,
-    SAVE_GATE_UP: gl.constexpr, STAGED: gl.constexpr = False,
+    SAVE_GATE_UP: gl.constexpr,
 ):
     """The FP8 gate/up of mok.kernels.fp8_gemm ("swiglu" and "gate_up" epilogues) with BLOCK_M
     128 (two MMA partitions of 64 rows) and BLOCK_N 128: g = x[token(r)] . w_gate[e, n], u =
@@ -546,8 +472,7 @@ def fp8_gate_up_ws_kernel(
     (h's scale 1). Launched with one program per SM and num_warps = 4; x [T, K] e4m3 (row
     stride stride_xm, K a multiple of 16) with x_scale [T, cdiv(K, 128)]; w viewed [E * N, K]
     with [BLOCK_N, BLOCK_K] boxes, scales [E, N / 128, cdiv(K, 128)]; the outputs' boxes
-    [64, BLOCK_N]; A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3). STAGED:
-    the loader also copies each K step's x row scales into the stage."""
+    [64, BLOCK_N]; A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3)."""
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K],
                                        w_gate_desc.layout)
@@ -568,7 +493,6 @@ def fp8_gate_up_ws_kernel(
     if not SAVE_GATE_UP:
         kept_smem = h_smem
         kept_smem2 = h_smem2
-    a_scale_bufs = _scale_ring(NUM_STAGES, BLOCK_M, STAGED, h_smem)
     ready_bars, empty_bars = _ring_barriers(NUM_STAGES, LOAD_WARPS * 32 + 1, 2)
 
     gl.warp_specialize([
@@ -578,17 +502,16 @@ def fp8_gate_up_ws_kernel(
                                   used_rows_ptr, N, K, topk, swiglu_limit, stride_xs,
                                   stride_wse, stride_wsn, stride_hs, BLOCK_M, BLOCK_N, BLOCK_K,
                                   GROUP_M, ALIGN, NUM_STAGES, HAS_LIMIT, SWIGLU, QUANTIZE_H,
-                                  SAVE_GATE_UP, 0, a_scale_bufs, STAGED)),
+                                  SAVE_GATE_UP, 0)),
         (_gate_up_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,
                                   empty_bars, h_smem2, kept_smem2, x_scale_ptr,
                                   w_gate_scale_ptr, w_up_scale_ptr, h_scale_ptr, row_route_ptr,
                                   block_expert_ptr, used_rows_ptr, N, K, topk, swiglu_limit,
                                   stride_xs, stride_wse, stride_wsn, stride_hs, BLOCK_M,
                                   BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES, HAS_LIMIT,
-                                  SWIGLU, QUANTIZE_H, SAVE_GATE_UP, 1, a_scale_bufs, STAGED)),
+                                  SWIGLU, QUANTIZE_H, SAVE_GATE_UP, 1)),
         (_gather_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr,
                                   block_expert_ptr, used_rows_ptr, a_bufs, b_bufs, ready_bars,
-                                  empty_bars, x_scale_ptr, a_scale_bufs, N, K, topk, stride_xm,
-                                  stride_xs, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,
-                                  NUM_STAGES, LOAD_WARPS, 2, STAGED)),
+                                  empty_bars, N, K, topk, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  GROUP_M, ALIGN, NUM_STAGES, LOAD_WARPS, 2)),
     ], [4, LOAD_WARPS], [MMA_REGS, LOAD_REGS])

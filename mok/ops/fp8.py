@@ -425,10 +425,8 @@ _NOT_TAKEN = ("the tiles ask for the Gluon FP8 kernel (RowTiles.gluon), which do
 
 def _fitted_stages(tiles: RowTiles, b_rows: int, epilogue: int) -> int:
     """The Gluon ring's stages within a program's shared memory beside `epilogue` bytes of
-    output buffers: each stage an A box, b_rows weight rows and (staged_scales) the rows'
-    scales; at most tiles.num_stages."""
-    stage = (tiles.block_m + b_rows) * tiles.block_k + (
-        4 * tiles.block_m if tiles.staged_scales else 0)
+    output buffers: each stage an A box and b_rows weight rows; at most tiles.num_stages."""
+    stage = (tiles.block_m + b_rows) * tiles.block_k
     return min(tiles.num_stages, (_SMEM - epilogue) // stage)
 
 
@@ -452,7 +450,7 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
         stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=stages, LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_GLUON_MMA_REGS,
-        HAS_WEIGHT=router_weights is not None, STAGED=tiles.staged_scales, num_warps=4,
+        HAS_WEIGHT=router_weights is not None, num_warps=4,
     )
 
 
@@ -603,7 +601,7 @@ def _gather_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routin
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
         MMA_REGS=_GLUON_MMA_REGS,
-        A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv), STAGED=tiles.staged_scales,
+        A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
         num_warps=4,
     )
 
@@ -649,6 +647,5 @@ def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Ro
         NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
         MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
         HAS_LIMIT=swiglu_limit is not None, SWIGLU=h is not None,
-        QUANTIZE_H=h_scales is not None, SAVE_GATE_UP=kept, STAGED=tiles.staged_scales,
-        num_warps=4,
+        QUANTIZE_H=h_scales is not None, SAVE_GATE_UP=kept, num_warps=4,
     )

@@ -92,11 +92,6 @@ class RowTiles(Tiles):
     whose tiles ask for it (an sm_90 GPU, operands and sizes it takes, a launch that does not
     pull rows in its own programs) and hands the launchers tiles without it elsewhere: the
     Triton kernel then runs the same tiles.
-
-    staged_scales (the FP8 Gluon kernels: gate/up, down, d_x and the dSwiGLU's GEMM apart):
-    the loader also copies each K step's row scales into the ring's stage, where the MMA
-    partitions read them (otherwise they load them from global memory a step ahead); the same
-    products. The FP8 plan gives it where mok.plan._FP8_STAGED_SCALES (off).
     """
 
     tma: bool = False
@@ -104,7 +99,6 @@ class RowTiles(Tiles):
     epilogue_split: int = 1
     flatten: bool = False
     gluon: bool = False
-    staged_scales: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

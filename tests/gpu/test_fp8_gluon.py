@@ -89,14 +89,10 @@ def _schedule_rows(routing, width, generator):
     (512, 384, GLUON),  # 3 K blocks in down, 6 in d_x
     (640, 256, dataclasses.replace(GLUON, num_stages=5)),  # N not a multiple of 128 x 2
     (512, 256, dataclasses.replace(GLUON, block_m=64, num_stages=6)),
-    (512, 384, dataclasses.replace(GLUON, staged_scales=True)),
-    (640, 256, dataclasses.replace(GLUON, block_m=64, num_stages=6, staged_scales=True)),
     (512, 384, dataclasses.replace(GLUON, block_n=256, num_stages=3)),
     # down's last tile: its second 128 columns past N = 640
     (640, 256, dataclasses.replace(GLUON, block_n=256, num_stages=4)),
-    (640, 384, dataclasses.replace(GLUON, block_n=256, num_stages=3, staged_scales=True)),
-], ids=["128x128", "n640_s5", "64x128", "staged_scales", "64x128_staged_scales", "128x256",
-        "128x256_n640_s4", "128x256_staged_scales"])
+], ids=["128x128", "n640_s5", "64x128", "128x256", "128x256_n640_s4"])
 def test_gluon_fp8_rows_match_dequantized_math_and_the_triton_kernel(hidden, inter, tiles):
     weights, router_weights, routing, generator = _setup(
         tokens=3000, hidden=hidden, inter=inter, experts=16, topk=4, seed=hidden + inter)
@@ -116,9 +112,8 @@ def test_gluon_fp8_rows_match_dequantized_math_and_the_triton_kernel(hidden, int
 
         out = run(tiles)
         assert torch.equal(out[:n], run(tiles)[:n]), kind  # bitwise deterministic
-        if tiles.staged_scales or tiles.block_n == 256:
-            # the same products: the scales read from the stage, or 128 columns at a time
-            plain = dataclasses.replace(tiles, staged_scales=False, block_n=128)
+        if tiles.block_n == 256:  # the same products, 128 columns at a time
+            plain = dataclasses.replace(tiles, block_n=128)
             assert torch.equal(out[:n], run(plain)[:n]), kind
         expected = _rows_times_experts(
             reference.dequantize_e4m3(a.data, a.scales, (1, QUANT_BLOCK))[rows],
@@ -253,42 +248,29 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
 @SM90
 @pytest.mark.parametrize(("hidden", "limit"), [(512, None), (400, 1.5)],
                          ids=["plain", "k_tail_limit"])
-def test_gluon_fp8_gathering_kernels_with_staged_scales_give_the_same_bits(hidden, limit):
-    # RowTiles.staged_scales in the kernels that gather token rows: gate/up (h in e4m3 and
-    # fp32, the pre-activations kept or alone) and
-    # the dSwiGLU's GEMM apart (also at 128 x 256, staged or not); padding rows' scales are 0
-    # either way.
+def test_gluon_fp8_dswiglu_gemm_at_128x256_gives_the_128x128_bits(hidden, limit):
+    # The dSwiGLU's GEMM apart at 128 x 256 (two products of 128 columns a K step): every
+    # output of the dSwiGLU after it the bits of 128 x 128 tiles, deterministic.
     weights, router_weights, routing, generator = _setup(tokens=3000, hidden=hidden, inter=256,
                                                          experts=16, topk=4, seed=hidden + 1)
     xq = _token_rows(3000, hidden, generator)
     d_out_q = _token_rows(3000, hidden, generator)
     n = int(routing.used_rows)
-    for kind, changes in (("gate_up", {}), ("gate_up_saved", {}), ("down_bwd_saved", {}),
-                          ("down_bwd_saved", dict(block_n=256, staged_scales=False)),
-                          ("down_bwd_saved", dict(block_n=256))):
-        tiles = fp8_tiles(kind, ALIGN, gluon=True)
-        staged = dataclasses.replace(tiles, **{"staged_scales": True, **changes})
-        assert tiles.gluon
+    tiles = fp8_tiles("down_bwd_saved", ALIGN, gluon=True)
+    wide = dataclasses.replace(tiles, block_n=256, num_stages=3)
+    assert tiles.gluon and tiles.block_n == 128
 
-        def run(t, kind=kind):
-            if kind == "gate_up":
-                kept = torch.empty(routing.capacity_rows, 512, dtype=torch.bfloat16,
-                                   device="cuda")
-                hq = gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, t, limit,
-                                        gate_up=kept)
-                h = gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, t, limit,
-                                       quantize_h=False, out_dtype=torch.float32)
-                return hq.data.view(torch.uint8), hq.scales, kept, h
-            if kind == "gate_up_saved":
-                return (gate_up_fp8(xq, weights.gate, weights.up, routing, t, limit), )
-            d_gate_up = gate_up_fp8(xq, weights.gate, weights.up, routing,
-                                    fp8_tiles("gate_up_saved", ALIGN), limit)
-            q, h, partial = dswiglu_fp8(d_out_q, weights.down_t, d_gate_up, routing, t,
-                                        router_weights, limit, apart=True)
-            return d_gate_up, q.data.view(torch.uint8), q.scales, h, partial
+    def run(t):
+        d_gate_up = gate_up_fp8(xq, weights.gate, weights.up, routing,
+                                fp8_tiles("gate_up_saved", ALIGN), limit)
+        q, h, partial = dswiglu_fp8(d_out_q, weights.down_t, d_gate_up, routing, t,
+                                    router_weights, limit, apart=True)
+        return d_gate_up, q.data.view(torch.uint8), q.scales, h, partial
 
-        for mine, theirs in zip(run(staged), run(tiles), strict=True):
-            assert torch.equal(mine[:n], theirs[:n]), kind
+    ours = run(wide)
+    for mine, theirs, again in zip(ours, run(tiles), run(wide), strict=True):
+        assert torch.equal(mine[:n], theirs[:n])
+        assert torch.equal(mine[:n], again[:n])
 
 
 @SM90

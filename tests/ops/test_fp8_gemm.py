@@ -463,18 +463,17 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", False)
     assert gluon(hidden=256) == (True, True, True, False, True)
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", True)
-    assert plan._FP8_WIDE_ROWS and not plan._FP8_STAGED_SCALES  # the defaults
+    assert plan._FP8_WIDE_ROWS  # the default
     assert plan._FP8_WIDE_WGRAD
     wgrad = plan.fp8_plan(tiles, operands, hidden=256, intermediate=256).wgrad_fp8
     assert wgrad.gluon and wgrad.block_n == 256
     monkeypatch.setattr(plan, "_FP8_WIDE_WGRAD", False)
     assert plan.fp8_plan(tiles, operands, hidden=256, intermediate=256).wgrad_fp8.block_n == 128
     monkeypatch.setattr(plan, "_FP8_WIDE_WGRAD", True)
-    # the variants' switches: 128 x 256 for down, d_x and the dSwiGLU's GEMM; every Gluon row
-    # GEMM's row scales staged (scattering, down and d_x stay on the Triton tiles)
-    for wide, staged in ((True, False), (False, True), (True, True)):
+    # the switch: 128 x 256 for down, d_x and the dSwiGLU's GEMM (scattering, down and d_x stay
+    # on the Triton tiles)
+    for wide in (True, False):
         monkeypatch.setattr(plan, "_FP8_WIDE_ROWS", wide)
-        monkeypatch.setattr(plan, "_FP8_STAGED_SCALES", staged)
         for scatter in (False, True):
             fp8 = plan.fp8_plan(tiles, operands, hidden=256, intermediate=256, scatter=scatter)
             for name in ("gate_up", "gate_up_saved", "down", "dswiglu", "d_x"):
@@ -482,8 +481,6 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
                 widened = wide and t.gluon and name in ("down", "dswiglu", "d_x")
                 assert (t.block_n, t.num_stages) == ((256, 3) if widened else (128, 4)), (
                     name, scatter)
-                assert t.staged_scales == (staged and t.gluon), (name, scatter)
-    monkeypatch.setattr(plan, "_FP8_STAGED_SCALES", False)
     monkeypatch.setattr(plan, "_FP8_WIDE_ROWS", False)
     monkeypatch.setattr(_env, "FP8_GLUON", False)
     assert gluon(hidden=256) == (False,) * 5
