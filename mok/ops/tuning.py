@@ -279,8 +279,20 @@ class TileTable:
         return arch == self.arch and str(dtype).removeprefix("torch.") in self.dtypes
 
 
+# Tile fields of removed kernel variants: a table written before them holds them as False, the
+# tiles every kernel runs now; True names a variant that no longer exists.
+_RETIRED_FIELDS = ("staged_scales", "promote_first", "epilogue_partition")
+
+
 def _record(kind: str, fields: dict) -> Tiles:
-    """kind's tile record (KIND_TILES; TRITON's suffix aside) from its fields."""
+    """kind's tile record (KIND_TILES; TRITON's suffix aside) from its fields (retired fields
+    left out where False)."""
+    for name in _RETIRED_FIELDS:
+        if fields.get(name) is False:
+            fields = {key: value for key, value in fields.items() if key != name}
+        elif name in fields:
+            raise ValueError(f"tile field {name}={fields[name]!r} names a kernel variant mok "
+                             f"no longer has; tune the tiles again (python -m benchmarks.tune)")
     return KIND_TILES[kind.removesuffix(TRITON)](**fields)
 
 

@@ -64,6 +64,18 @@ def test_table_file_is_what_table_to_json_writes():
     assert table_to_json(table) == TUNED_TILES_PATH.read_text()
 
 
+def test_a_table_written_before_retired_tile_fields_still_loads():
+    # Tables that benchmarks.tune wrote before a kernel variant was removed hold its field as
+    # False (the tiles every kernel runs now): left out; True: refused with what to do.
+    fields = {**dataclasses.asdict(KIND_TILES["down"](128, 128, 128, gluon=True)),
+              "staged_scales": False, "promote_first": False, "epilogue_partition": False}
+    assert _record("down", fields) == KIND_TILES["down"](128, 128, 128, gluon=True)
+    with pytest.raises(ValueError, match="staged_scales=True names a kernel variant"):
+        _record("down", {**fields, "staged_scales": True})
+    with pytest.raises(TypeError):  # a field no version had
+        _record("down", {**fields, "stages": 3})
+
+
 def test_pick_falls_back_to_the_rule_then_the_config_tiles():
     # Outside the table: the architecture's rule for 16-bit dtypes (a record of the kind's type,
     # fitting the schedule's alignment; Triton tiles where triton asks for them), else the
