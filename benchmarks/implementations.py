@@ -18,9 +18,9 @@ here raises Unavailable with the reason, which the benchmark prints and records 
   mok_fp8 with its weight gradients on e4m3 operands too (MoKConfig.fp8_weight_gradients);
   mok_fp8_narrow: down, d_x and the dSwiGLU's GEMM on 128 x 128 Gluon tiles (the plan's
   _FP8_WIDE_ROWS off); mok_fp8_wide: on 128 x 256 (the plan's default since 2026-12-06; rows
-  of earlier commits ran it beside 128 x 128 mok_fp8); mok_fp8_wgrad_wide: mok_fp8_wgrad with
-  the weight gradients' Gluon tiles at 128 x 256 (_FP8_WIDE_WGRAD, the default since
-  2026-12-07), mok_fp8_wgrad_narrow at 128 x 128.
+  of earlier commits ran it beside 128 x 128 mok_fp8); mok_fp8_wgrad_narrow: mok_fp8_wgrad
+  with the weight gradients' Gluon tiles at 128 x 128 (_FP8_WIDE_WGRAD off; rows named
+  mok_fp8_wgrad_wide ran 128 x 256 beside 128 x 128 mok_fp8_wgrad before 2026-12-07).
 - grouped_mm: the torchtitan-style pipeline: device-side counts and offsets, permute, one
   torch._grouped_mm for gate and up, SwiGLU, torch._grouped_mm down, weighted unpermute; no host
   sync; backward through autograd.
@@ -242,16 +242,6 @@ def mok_fp8_narrow_implementation(shape: MoEShape, settings: Settings) -> Implem
     return _with_setting(mok_implementation(shape, settings, name="mok_fp8_narrow",
                                             config=F.MoKConfig(precision="fp8")),
                          plan, "_FP8_WIDE_ROWS", False)
-
-
-def mok_fp8_wgrad_wide_implementation(shape: MoEShape, settings: Settings) -> Implementation:
-    """mok_fp8_wgrad with the weight gradients' Gluon tiles at 128 x 256."""
-    from mok import plan
-
-    return _with_setting(mok_implementation(shape, settings, name="mok_fp8_wgrad_wide",
-                                            config=F.MoKConfig(precision="fp8",
-                                                               fp8_weight_gradients=True)),
-                         plan, "_FP8_WIDE_WGRAD", True)
 
 
 def mok_fp8_wgrad_narrow_implementation(shape: MoEShape,
@@ -547,7 +537,6 @@ IMPLEMENTATIONS: dict[str, Callable[[MoEShape, Settings], Implementation]] = {
     "mok_fp8_wgrad": mok_fp8_wgrad_implementation,
     "mok_fp8_wide": mok_fp8_wide_implementation,
     "mok_fp8_narrow": mok_fp8_narrow_implementation,
-    "mok_fp8_wgrad_wide": mok_fp8_wgrad_wide_implementation,
     "mok_fp8_wgrad_narrow": mok_fp8_wgrad_narrow_implementation,
     "dense": dense_implementation,
     "dense_fp8": dense_fp8_implementation,

@@ -193,15 +193,11 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
     if gluon and tiles.align % 128 == 0 and hidden % 128 == 0 and intermediate % 128 == 0:
         made = dataclasses.replace(made, wgrad_fp8=dataclasses.replace(
             FP8_WGRAD_GLUON_TILES, block_n=256 if wide_wgrad_on else 128))
-    changes = {}
-    for field in ("gate_up", "gate_up_saved", "down", "dswiglu", "d_x"):
-        row_tiles = getattr(made, field)
-        if not row_tiles.gluon:
-            continue
-        if wide_on and field in ("down", "dswiglu", "d_x") and row_tiles.block_m == 128:
-            row_tiles = dataclasses.replace(row_tiles, block_n=256, num_stages=3)
-        changes[field] = row_tiles
-    made = dataclasses.replace(made, **changes)
+    if wide_on:
+        made = dataclasses.replace(made, **{
+            field: dataclasses.replace(getattr(made, field), block_n=256, num_stages=3)
+            for field in ("down", "dswiglu", "d_x")
+            if getattr(made, field).gluon and getattr(made, field).block_m == 128})
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
     # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
     return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)

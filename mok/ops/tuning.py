@@ -288,12 +288,11 @@ def _record(kind: str, fields: dict) -> Tiles:
     """kind's tile record (KIND_TILES; TRITON's suffix aside) from its fields (retired fields
     left out where False)."""
     for name in _RETIRED_FIELDS:
-        if fields.get(name) is False:
-            fields = {key: value for key, value in fields.items() if key != name}
-        elif name in fields:
+        if fields.get(name, False) is not False:
             raise ValueError(f"tile field {name}={fields[name]!r} names a kernel variant mok "
                              f"no longer has; tune the tiles again (python -m benchmarks.tune)")
-    return KIND_TILES[kind.removesuffix(TRITON)](**fields)
+    return KIND_TILES[kind.removesuffix(TRITON)](
+        **{key: value for key, value in fields.items() if key not in _RETIRED_FIELDS})
 
 
 @cache
