@@ -16,7 +16,8 @@ scales never meet).
 quantize_row_blocks_kernel: the codes transposed, qa [P, C] (each column's rows contiguous, the
 K-major operand an e4m3 MMA reads), and the scales [C / SUB, P], of a source read by row or,
 GATHER, by token (src row = route // topk), WEIGHTED rows scaled by their route's router weight
-first; padding rows are zeros. A program per block slot and BLOCK_N columns.
+first; padding rows are zeros. A program per block slot and BLOCK_N columns, in groups of GROUP
+slots (mok.ops.tuning.QuantizeTiles).
 
 fp8_wgrad_kernel: one [BLOCK_P, BLOCK_Q] tile of one expert's gradient; each block's e4m3
 product is scaled by the outer product of the two scale vectors and added to an fp32
@@ -55,14 +56,28 @@ def _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN: t
 
 
 @triton.jit
+def _slot_and_columns(pid, num_slots, num_column_blocks, GROUP: tl.constexpr):
+    """(block slot, column block) of program pid: groups of GROUP slots (the last one cut at
+    num_slots), a group's slots next to each other, then its column blocks; GROUP 0: one
+    group of all slots."""
+    if GROUP == 0:
+        return pid % num_slots, pid // num_slots
+    per_group = GROUP * num_column_blocks
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(num_slots - first, GROUP)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
 def quantize_row_blocks_kernel(
     src_ptr, q_ptr, scale_ptr, row_route_ptr, block_expert_ptr, expert_offsets_ptr,
-    router_weights_ptr, N, topk, num_experts, stride_src, stride_q, stride_s,
+    router_weights_ptr, N, topk, num_experts, num_slots, stride_src, stride_q, stride_s,
     GATHER: tl.constexpr, WEIGHTED: tl.constexpr, ALIGN: tl.constexpr, SUB: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """q[n, r] and scale[slot, n] of block slot program_id(0), columns program_id(1)."""
-    slot = tl.program_id(0)
+    """q[n, r] and scale[slot, n] of one block slot and BLOCK_N columns (_slot_and_columns)."""
+    slot, column_block = _slot_and_columns(tl.program_id(0), num_slots, tl.cdiv(N, BLOCK_N),
+                                           GROUP)
     first, end, used = _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN,
                                   SUB)
     if not used:
@@ -72,7 +87,7 @@ def quantize_row_blocks_kernel(
     route = tl.load(row_route_ptr + rows, mask=mine, other=-1)
     valid = route >= 0
     src = (route // topk if GATHER else rows).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = cols < N
     x = tl.load(src_ptr + src[:, None] * stride_src + cols[None, :],
                 mask=valid[:, None] & in_n[None, :], other=0.0).to(tl.float32)

@@ -424,6 +424,22 @@ FP8_WGRAD_TILES = RowTiles(128, 128, 128, num_warps=8, num_stages=3)
 FP8_WGRAD_GLUON_TILES = RowTiles(128, 128, 128, num_warps=4, num_stages=5, gluon=True)
 
 
+
+@dataclass(frozen=True)
+class QuantizeTiles:
+    """Programs of quantize_row_blocks (mok.kernels.fp8_wgrad): each quantizes one 128-row
+    block slot's block_n columns with num_warps warps. group: programs are ordered in groups
+    of `group` slots, the slots of a group next to each other, then their column blocks (0:
+    one group of all slots, the column blocks one after another)."""
+
+    block_n: int = 64
+    group: int = 0
+    num_warps: int = 4
+
+
+# quantize_row_blocks' programs.
+QUANTIZE_ROW_BLOCKS_TILES = QuantizeTiles()
+
 def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:
     """The tiles of an FP8 row GEMM (FP8_KINDS): K steps of one scale block (128), 128 columns
     (an e4m3 output's 1 x 128 blocks). The Triton kernel's (mok.kernels.fp8_gemm), as measured
