@@ -24,8 +24,9 @@ random routes), stage by stage:
              mok_fp8_gemm_only_<tile>); random d_output and d_gate_up;
   quantize_rows_*  quantize_row_blocks of each weight gradient's operand (d_output by token
              with router weights, h, d_gate_up, x by token), the layer's programs and others
-             (mok.ops.tuning.QuantizeTiles, n<block_n>_g<group>_w<warps>; each checked bit for
-             bit against the layer's): ms and GB/s (bf16 read, e4m3 written, per schedule row);
+             (mok.ops.tuning.QuantizeTiles, n<block_n>_g<group>_w<warps>[_l<loop>_s<stages>];
+             each checked bit for bit against the layer's): ms and GB/s (bf16 read, e4m3
+             written, per schedule row);
   dense      the ceilings at gate/up's and down's FLOPs, all T*k routes as one matrix: bf16
              torch.mm, and e4m3 torch._scaled_mm with one scale per tensor.
 
@@ -80,7 +81,10 @@ DSWIGLU_APART_VARIANTS = ((16, 8), (16, 4), (32, 8), (64, 8))
 # Other programs of quantize_row_blocks timed (the layer's, QUANTIZE_ROW_BLOCKS_TILES, first).
 QUANTIZE_VARIANTS = (QuantizeTiles(64, 8, 4), QuantizeTiles(64, 32, 4), QuantizeTiles(64, 0, 8),
                      QuantizeTiles(64, 8, 8), QuantizeTiles(128, 0, 8), QuantizeTiles(128, 8, 8),
-                     QuantizeTiles(256, 8, 8))
+                     QuantizeTiles(256, 8, 8), QuantizeTiles(64, 0, 4, loop=4, num_stages=2),
+                     QuantizeTiles(64, 0, 4, loop=8, num_stages=3),
+                     QuantizeTiles(64, 16, 4, loop=8, num_stages=3),
+                     QuantizeTiles(64, 0, 8, loop=4, num_stages=2))
 
 
 def _dswiglu_rows_with(rows: int, warps: int, *args) -> None:
@@ -216,7 +220,8 @@ def quantize_stages(routing, errors: dict, operands: dict) -> list:
         nbytes = routing.capacity_rows * src.shape[1] * (src.element_size() + 1)
         layer = ops.quantize_row_blocks(src, routing, gather=gather, router_weights=weights)
         for tiles in (QUANTIZE_ROW_BLOCKS_TILES, *QUANTIZE_VARIANTS):
-            impl = f"n{tiles.block_n}_g{tiles.group}_w{tiles.num_warps}"
+            impl = f"n{tiles.block_n}_g{tiles.group}_w{tiles.num_warps}" + (
+                f"_l{tiles.loop}_s{tiles.num_stages}" if tiles.loop > 1 else "")
             if tiles is not QUANTIZE_ROW_BLOCKS_TILES:
                 mine = ops.quantize_row_blocks(src, routing, gather=gather,
                                                router_weights=weights, tiles=tiles)

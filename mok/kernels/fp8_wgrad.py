@@ -16,8 +16,8 @@ scales never meet).
 quantize_row_blocks_kernel: the codes transposed, qa [P, C] (each column's rows contiguous, the
 K-major operand an e4m3 MMA reads), and the scales [C / SUB, P], of a source read by row or,
 GATHER, by token (src row = route // topk), WEIGHTED rows scaled by their route's router weight
-first; padding rows are zeros. A program per block slot and BLOCK_N columns, in groups of GROUP
-slots (mok.ops.tuning.QuantizeTiles).
+first; padding rows are zeros. A program per block slot and LOOP blocks of BLOCK_N columns,
+in groups of GROUP slots (mok.ops.tuning.QuantizeTiles).
 
 fp8_wgrad_kernel: one [BLOCK_P, BLOCK_Q] tile of one expert's gradient; each block's e4m3
 product is scaled by the outer product of the two scale vectors and added to an fp32
@@ -73,11 +73,13 @@ def quantize_row_blocks_kernel(
     src_ptr, q_ptr, scale_ptr, row_route_ptr, block_expert_ptr, expert_offsets_ptr,
     router_weights_ptr, N, topk, num_experts, num_slots, stride_src, stride_q, stride_s,
     GATHER: tl.constexpr, WEIGHTED: tl.constexpr, ALIGN: tl.constexpr, SUB: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, LOOP: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    """q[n, r] and scale[slot, n] of one block slot and BLOCK_N columns (_slot_and_columns)."""
-    slot, column_block = _slot_and_columns(tl.program_id(0), num_slots, tl.cdiv(N, BLOCK_N),
-                                           GROUP)
+    """q[n, r] and scale[slot, n] of one block slot and LOOP blocks of BLOCK_N columns, one
+    after another (_slot_and_columns; STAGES: the loop's loads pipelined so deep)."""
+    slot, chunk = _slot_and_columns(tl.program_id(0), num_slots,
+                                    tl.cdiv(tl.cdiv(N, BLOCK_N), LOOP), GROUP)
     first, end, used = _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN,
                                   SUB)
     if not used:
@@ -87,19 +89,22 @@ def quantize_row_blocks_kernel(
     route = tl.load(row_route_ptr + rows, mask=mine, other=-1)
     valid = route >= 0
     src = (route // topk if GATHER else rows).to(tl.int64)
-    cols = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_n = cols < N
-    x = tl.load(src_ptr + src[:, None] * stride_src + cols[None, :],
-                mask=valid[:, None] & in_n[None, :], other=0.0).to(tl.float32)
     if WEIGHTED:
-        x *= tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
-    magnitude = tl.abs(x)
-    magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of the amax
-    scale, inverse = _block_scale(tl.max(magnitude, axis=0), False)
-    q = to_e4m3(x * inverse[None, :], UPCAST)
-    tl.store(scale_ptr + slot.to(tl.int64) * stride_s + cols, scale, mask=in_n)
-    tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + rows[None, :], tl.trans(q),
-             mask=in_n[:, None] & mine[None, :])
+        weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
+    for j in tl.range(0, LOOP, num_stages=STAGES):
+        cols = (chunk * LOOP + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_n = cols < N
+        x = tl.load(src_ptr + src[:, None] * stride_src + cols[None, :],
+                    mask=valid[:, None] & in_n[None, :], other=0.0).to(tl.float32)
+        if WEIGHTED:
+            x *= weight[:, None]
+        magnitude = tl.abs(x)
+        magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of the amax
+        scale, inverse = _block_scale(tl.max(magnitude, axis=0), False)
+        q = to_e4m3(x * inverse[None, :], UPCAST)
+        tl.store(scale_ptr + slot.to(tl.int64) * stride_s + cols, scale, mask=in_n)
+        tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + rows[None, :], tl.trans(q),
+                 mask=in_n[:, None] & mine[None, :])
 
 
 @triton.jit

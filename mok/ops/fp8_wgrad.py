@@ -49,13 +49,14 @@ def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
     scales = torch.empty(rows // sub, width, dtype=torch.float32, device=src.device)
     if rows and width:
         slots = rows // sub
-        launch(kernels.quantize_row_blocks_kernel, (slots * cdiv(width, tiles.block_n),))(
+        chunks = cdiv(cdiv(width, tiles.block_n), tiles.loop)
+        launch(kernels.quantize_row_blocks_kernel, (slots * chunks,))(
             src, codes, scales, routing.row_route, routing.block_expert, routing.expert_offsets,
             router_weights if router_weights is not None else scales, width, topk,
             routing.num_local_experts, slots, src.stride(0), codes.stride(0), scales.stride(0),
             GATHER=gather, WEIGHTED=router_weights is not None, ALIGN=routing.align, SUB=sub,
-            BLOCK_N=tiles.block_n, GROUP=tiles.group, UPCAST=_env.INTERPRET,
-            num_warps=tiles.num_warps,
+            BLOCK_N=tiles.block_n, LOOP=tiles.loop, GROUP=tiles.group,
+            STAGES=tiles.num_stages, UPCAST=_env.INTERPRET, num_warps=tiles.num_warps,
         )
     return Quantized(codes, scales)
 

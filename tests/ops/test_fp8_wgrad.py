@@ -84,12 +84,14 @@ def test_quantize_row_blocks_matches_reference(device, align, gather):
 
 
 @pytest.mark.parametrize("tiles", [QuantizeTiles(32, 1, 4), QuantizeTiles(128, 3, 8),
-                                   QuantizeTiles(64, 64, 2)],
-                         ids=lambda t: f"n{t.block_n}_g{t.group}_w{t.num_warps}")
+                                   QuantizeTiles(64, 64, 2), QuantizeTiles(32, 2, 4, loop=3),
+                                   QuantizeTiles(32, 0, 4, loop=8, num_stages=2)],
+                         ids=lambda t: f"n{t.block_n}_g{t.group}_w{t.num_warps}_l{t.loop}")
 @pytest.mark.parametrize("align", [16, 192], ids=lambda a: f"align{a}")
 def test_quantize_row_blocks_same_bits_whatever_the_programs(device, align, tiles):
-    # Other column blocks, slot groups (one slot; 3, the last group cut; more than the slots)
-    # and warps: the same codes and scales as the default programs.
+    # Other column blocks, slot groups (one slot; 3, the last group cut; more than the slots),
+    # warps and column loops (3 blocks, the last loop cut at N; 8, past N): the same codes and
+    # scales as the default programs.
     routing, router_weights = schedule(device, tokens=150, experts=3, topk=2, align=align,
                                        seed=5, unused=(0,))
     generator = torch.Generator().manual_seed(6)
