@@ -76,8 +76,10 @@ FIELDS = ("gpu", "commit", "date", "shape", "stage", "impl", "ms", "tflops", "gb
 SMALL = MoEShape("fp8-small", 4, 256, 256, 2, 64)  # CPU: every launch, in seconds
 FP8_SHAPES = {shape.name: shape for shape in (*SHAPES_BY_NAME.values(), SMALL)}
 # Other tiles of the FP8 weight-gradient GEMM timed on a GPU: (block_m, block_n, warps, stages).
-# Blocks of the dSwiGLU run apart timed (rows, warps); mok.ops.fp8's is the first.
-DSWIGLU_APART_VARIANTS = ((16, 8), (16, 4), (32, 8), (64, 8))
+# Blocks of the dSwiGLU run apart timed (rows, warps, a row block's column blocks next to each
+# other); mok.ops.fp8's is the first.
+DSWIGLU_APART_VARIANTS = ((16, 8, False), (16, 8, True), (16, 4, False), (32, 8, False),
+                          (32, 8, True), (64, 8, True))
 # Other programs of quantize_row_blocks timed (the layer's, QUANTIZE_ROW_BLOCKS_TILES, first).
 QUANTIZE_VARIANTS = (QuantizeTiles(64, 8, 4), QuantizeTiles(64, 32, 4), QuantizeTiles(64, 0, 8),
                      QuantizeTiles(64, 8, 8), QuantizeTiles(128, 0, 8), QuantizeTiles(128, 8, 8),
@@ -87,16 +89,18 @@ QUANTIZE_VARIANTS = (QuantizeTiles(64, 8, 4), QuantizeTiles(64, 32, 4), Quantize
                      QuantizeTiles(64, 0, 8, loop=4, num_stages=2))
 
 
-def _dswiglu_rows_with(rows: int, warps: int, *args) -> None:
-    """mok.ops.fp8's dSwiGLU over dh0 computed apart, with [rows, 128] blocks of `warps`."""
+def _dswiglu_rows_with(rows: int, warps: int, columns_first: bool, *args) -> None:
+    """mok.ops.fp8's dSwiGLU over dh0 computed apart, with [rows, 128] blocks of `warps`, a row
+    block's column blocks next to each other in the grid or not."""
     from mok.ops import fp8
 
-    before = fp8._DSWIGLU_ROWS, fp8._DSWIGLU_WARPS
-    fp8._DSWIGLU_ROWS, fp8._DSWIGLU_WARPS = rows, warps
+    before = fp8._DSWIGLU_ROWS, fp8._DSWIGLU_WARPS, fp8._DSWIGLU_COLUMNS_FIRST
+    fp8._DSWIGLU_ROWS, fp8._DSWIGLU_WARPS, fp8._DSWIGLU_COLUMNS_FIRST = (rows, warps,
+                                                                        columns_first)
     try:
         fp8._dswiglu_rows(*args)
     finally:
-        fp8._DSWIGLU_ROWS, fp8._DSWIGLU_WARPS = before
+        fp8._DSWIGLU_ROWS, fp8._DSWIGLU_WARPS, fp8._DSWIGLU_COLUMNS_FIRST = before
 
 
 WGRAD_FP8_VARIANTS = ((128, 128, 8, 4), (64, 128, 4, 6), (64, 128, 4, 4))
@@ -515,9 +519,11 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
         scales_out = torch.empty(routing.capacity_rows, 2 * inter // 128, device=device)
         h_out = torch.empty(routing.capacity_rows, inter, dtype=x.dtype, device=device)
         partial_out = torch.empty(routing.capacity_rows, inter // 128, device=device)
-        for rows_, warps in DSWIGLU_APART_VARIANTS:
-            stages.append(("dswiglu_rows", f"mok_fp8_{rows_}x128_w{warps}", functools.partial(
-                _dswiglu_rows_with, rows_, warps, dh0, kept_buffers["rows"], routing,
+        for rows_, warps, columns_first in DSWIGLU_APART_VARIANTS:
+            impl = f"mok_fp8_{rows_}x128_w{warps}" + ("_columns_first" if columns_first else "")
+            stages.append(("dswiglu_rows", impl, functools.partial(
+                _dswiglu_rows_with, rows_, warps, columns_first, dh0, kept_buffers["rows"],
+                routing,
                 router_weights, None, d_gate_up_out, scales_out, h_out, partial_out), 0,
                 routes * inter * (4 + 4 + 2 + 4 + 2)))
     stages += quantize_stages(routing, errors, {

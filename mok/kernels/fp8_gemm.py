@@ -131,14 +131,20 @@ def fp8_dswiglu_rows_kernel(
     gate_up_ptr, h_ptr, partial_ptr, N, topk, swiglu_limit, stride_dm, stride_om, stride_osm,
     stride_gum, stride_hm, stride_pm,
     HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
-    UPCAST: tl.constexpr,
+    COLUMNS_FIRST: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """The "dswiglu" epilogue of fp8_rows_kernel (QUANTIZE_OUT) on dh0 [C, N] fp32 read from
-    memory: one [BLOCK_M, 128] block a program (grid: row blocks, N / 128), the one launch's
-    arithmetic (compiled, the partial sums' order over the 128 columns follows the block's
-    layout, so they may differ from the one launch's in the last bits)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    memory: one [BLOCK_M, 128] block a program (grid: row blocks times N / 128, a row block's
+    column blocks next to each other with COLUMNS_FIRST, else a column block's row blocks), the
+    one launch's arithmetic (compiled, the partial sums' order over the 128 columns follows the
+    block's layout, so they may differ from the one launch's in the last bits)."""
+    pid = tl.program_id(0)
+    column_blocks = tl.cdiv(N, 128)
+    if COLUMNS_FIRST:
+        pid_m, pid_n = pid // column_blocks, pid % column_blocks
+    else:
+        row_blocks = tl.num_programs(0) // column_blocks
+        pid_m, pid_n = pid % row_blocks, pid // row_blocks
     if pid_m * BLOCK_M >= tl.load(used_rows_ptr):
         return
     rows, route, valid, _ = _tile_rows(row_route_ptr, pid_m, topk, BLOCK_M)

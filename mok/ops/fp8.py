@@ -555,9 +555,10 @@ def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_li
 
 
 # The dSwiGLU run apart: a program's [rows, 128] block and its warps (8 values a thread, 64
-# registers on sm_90).
+# registers on sm_90); whether a row block's column blocks are next to each other in the grid.
 _DSWIGLU_ROWS = 16
 _DSWIGLU_WARPS = 8
+_DSWIGLU_COLUMNS_FIRST = False
 
 
 def _dswiglu_rows(dh0: torch.Tensor, gate_up: torch.Tensor, routing: Routing,
@@ -571,13 +572,13 @@ def _dswiglu_rows(dh0: torch.Tensor, gate_up: torch.Tensor, routing: Routing,
     weighted = router_weights is not None
     partial = partial if weighted else out_scales
     block = math.gcd(_DSWIGLU_ROWS, routing.align)  # blocks within the schedule's rows
-    launch(kernels.fp8_dswiglu_rows_kernel, (rows // block, inter // QUANT_BLOCK))(
+    launch(kernels.fp8_dswiglu_rows_kernel, (rows // block * (inter // QUANT_BLOCK),))(
         dh0, out, out_scales, routing.row_route, routing.used_rows,
         router_weights if weighted else out_scales, gate_up, h, partial, inter, routing.topk,
         swiglu_limit if swiglu_limit is not None else 0.0, dh0.stride(0), out.stride(0),
         out_scales.stride(0), gate_up.stride(0), h.stride(0), partial.stride(0),
         HAS_LIMIT=swiglu_limit is not None, WEIGHTED=weighted, BLOCK_M=block,
-        UPCAST=_env.INTERPRET, num_warps=_DSWIGLU_WARPS,
+        COLUMNS_FIRST=_DSWIGLU_COLUMNS_FIRST, UPCAST=_env.INTERPRET, num_warps=_DSWIGLU_WARPS,
     )
 
 

@@ -10,6 +10,7 @@ import mok.reference as reference
 from mok import ops
 from mok.errors import MoKInputError
 from mok.ops import build_routing
+from mok.ops import fp8 as fp8_ops
 from mok.ops.fp8 import (
     d_x_rows_fp8,
     down_proj_fp8,
@@ -113,10 +114,11 @@ WIDE_TILES = RowTiles(16, 256, QUANT_BLOCK, group_m=2, num_warps=4, num_stages=2
 
 @pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "shared"])
 @pytest.mark.parametrize("limit", [None, 1.5], ids=["plain", "limit"])
-def test_dswiglu_fp8_apart_is_the_one_launch_bit_for_bit(device, limit, weighted):
-    # Two launches (the GEMM into fp32, then the dSwiGLU over it) against one: every output
-    # of every used row, padding rows too, the same bits (on a GPU the router-weight
-    # gradient's partial sums within 1e-5).
+def test_dswiglu_fp8_apart_is_the_one_launch_bit_for_bit(device, limit, weighted,
+                                                        monkeypatch):
+    # Two launches (the GEMM into fp32, then the dSwiGLU over it; its blocks in either grid
+    # order) against one: every output of every used row, padding rows too, the same bits (on
+    # a GPU the router-weight gradient's partial sums within 1e-5).
     x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=256, seed=12)
     gate_up = gate_up_fp8(quantize_rows(x), quantize_weights(w_g), quantize_weights(w_u),
                           routing, H_TILES, limit)
@@ -124,7 +126,8 @@ def test_dswiglu_fp8_apart_is_the_one_launch_bit_for_bit(device, limit, weighted
     w_down_t = quantize_weights(w_d.transpose(1, 2))
     weights = router_weights if weighted else None
     results, partials = [], []
-    for apart in (False, True):
+    for apart, columns_first in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(fp8_ops, "_DSWIGLU_COLUMNS_FIRST", columns_first)
         kept = gate_up.clone()
         q, h, partial = dswiglu_fp8(d_out_q, w_down_t, kept, routing, H_TILES, weights, limit,
                                     apart=apart)
@@ -132,11 +135,13 @@ def test_dswiglu_fp8_apart_is_the_one_launch_bit_for_bit(device, limit, weighted
         partials.append(partial)
     n = used(routing)
     assert n > 0
-    for one, two in zip(*results, strict=True):
-        assert torch.equal(one[:n].view(torch.uint8), two[:n].view(torch.uint8))
+    for other in results[1:]:
+        for one, two in zip(results[0], other, strict=True):
+            assert torch.equal(one[:n].view(torch.uint8), two[:n].view(torch.uint8))
     assert all((partial is None) == (not weighted) for partial in partials)
     if weighted:
-        one, two = (partial[:n] for partial in partials)
+        one, two, three = (partial[:n] for partial in partials)
+        assert torch.equal(two.view(torch.uint8), three.view(torch.uint8))  # the same kernel
         if one.is_cuda:  # compiled, the two kernels sum each 128 columns in other orders
             torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-5)
         else:
