@@ -23,9 +23,7 @@ random routes), stage by stage:
              and that GEMM alone (mok_fp8_gemm_only; on a GPU also with other tiles,
              mok_fp8_gemm_only_<tile>); random d_output and d_gate_up;
   quantize_rows_*  quantize_row_blocks of each weight gradient's operand (d_output by token
-             with router weights, h, d_gate_up, x by token), the layer's programs and others
-             (mok.ops.tuning.QuantizeTiles, n<block_n>_g<group>_w<warps>[_l<loop>_s<stages>];
-             each checked bit for bit against the layer's): ms and GB/s (bf16 read, e4m3
+             with router weights, h, d_gate_up, x by token): ms and GB/s (bf16 read, e4m3
              written, per schedule row);
   dense      the ceilings at gate/up's and down's FLOPs, all T*k routes as one matrix: bf16
              torch.mm, and e4m3 torch._scaled_mm with one scale per tensor.
@@ -59,12 +57,7 @@ from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
 from mok.ops.fp8_wgrad import gluon_takes_fp8_wgrad
 from mok.ops.fp8_wgrad import grouped_wgrad_fp8_quantized as wgrad_fp8_quantized
 from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
-from mok.ops.tuning import (
-    FP8_WGRAD_GLUON_TILES,
-    FP8_WGRAD_TILES,
-    QUANTIZE_ROW_BLOCKS_TILES,
-    QuantizeTiles,
-)
+from mok.ops.tuning import FP8_WGRAD_GLUON_TILES, FP8_WGRAD_TILES
 from mok.reference import dequantize_e4m3, swiglu
 from mok.testing import SHAPES_BY_NAME, MoEShape, make_shape_inputs
 
@@ -78,15 +71,7 @@ FP8_SHAPES = {shape.name: shape for shape in (*SHAPES_BY_NAME.values(), SMALL)}
 # Other tiles of the FP8 weight-gradient GEMM timed on a GPU: (block_m, block_n, warps, stages).
 # Blocks of the dSwiGLU run apart timed (rows, warps, a row block's column blocks next to each
 # other); mok.ops.fp8's is the first.
-DSWIGLU_APART_VARIANTS = ((16, 8, False), (16, 8, True), (16, 4, False), (32, 8, False),
-                          (32, 8, True), (64, 8, True))
-# Other programs of quantize_row_blocks timed (the layer's, QUANTIZE_ROW_BLOCKS_TILES, first).
-QUANTIZE_VARIANTS = (QuantizeTiles(64, 8, 4), QuantizeTiles(64, 32, 4), QuantizeTiles(64, 0, 8),
-                     QuantizeTiles(64, 8, 8), QuantizeTiles(128, 0, 8), QuantizeTiles(128, 8, 8),
-                     QuantizeTiles(256, 8, 8), QuantizeTiles(64, 0, 4, loop=4, num_stages=2),
-                     QuantizeTiles(64, 0, 4, loop=8, num_stages=3),
-                     QuantizeTiles(64, 16, 4, loop=8, num_stages=3),
-                     QuantizeTiles(64, 0, 8, loop=4, num_stages=2))
+DSWIGLU_APART_VARIANTS = ((16, 8, True), (16, 8, False), (16, 4, True), (32, 8, True))
 
 
 def _dswiglu_rows_with(rows: int, warps: int, columns_first: bool, *args) -> None:
@@ -207,39 +192,13 @@ def partial_checked(d_out_q, down_t, kept, routing) -> torch.Tensor:
     return out
 
 
-def quantize_stages(routing, errors: dict, operands: dict) -> list:
-    """The quantize_rows_<name> stages of quantize_row_blocks over operands {name: (src,
-    gather, router weights)}: the layer's programs, then QUANTIZE_VARIANTS (their codes and
-    scales over the experts' rows checked against the layer's; 0 in errors when bit for bit,
-    else 1)."""
-    offsets = routing.expert_offsets.long().cpu()
-    used = int(offsets[-1])
-    sub = math.gcd(routing.align, QUANT_BLOCK)
-    slots = torch.zeros(routing.capacity_rows // sub, dtype=torch.bool)
-    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
-        slots[min(start, used) // sub:min(start, used) // sub + -(-(min(end, used) - min(
-            start, used)) // QUANT_BLOCK)] = True
-    stages = []
-    for name, (src, gather, weights) in operands.items():
-        nbytes = routing.capacity_rows * src.shape[1] * (src.element_size() + 1)
-        layer = ops.quantize_row_blocks(src, routing, gather=gather, router_weights=weights)
-        for tiles in (QUANTIZE_ROW_BLOCKS_TILES, *QUANTIZE_VARIANTS):
-            impl = f"n{tiles.block_n}_g{tiles.group}_w{tiles.num_warps}" + (
-                f"_l{tiles.loop}_s{tiles.num_stages}" if tiles.loop > 1 else "")
-            if tiles is not QUANTIZE_ROW_BLOCKS_TILES:
-                mine = ops.quantize_row_blocks(src, routing, gather=gather,
-                                               router_weights=weights, tiles=tiles)
-                same = (torch.equal(mine.data[:, :used].view(torch.uint8),
-                                    layer.data[:, :used].view(torch.uint8))
-                        and torch.equal(mine.scales[slots.to(src.device)],
-                                        layer.scales[slots.to(src.device)]))
-                errors[(f"quantize_rows_{name}", impl)] = 0.0 if same else 1.0
-                if not same:
-                    print(f"   quantize_rows_{name} {impl}: NOT the layer's bits", flush=True)
-            stages.append((f"quantize_rows_{name}", impl, functools.partial(
-                ops.quantize_row_blocks, src, routing, gather=gather, router_weights=weights,
-                tiles=tiles), 0, nbytes))
-    return stages
+def quantize_stages(routing, operands: dict) -> list:
+    """The quantize_rows_<name> stages: quantize_row_blocks of operands {name: (src, gather,
+    router weights)}, bytes per schedule row (src read, e4m3 written)."""
+    return [(f"quantize_rows_{name}", "mok_fp8", functools.partial(
+                ops.quantize_row_blocks, src, routing, gather=gather, router_weights=weights), 0,
+             routing.capacity_rows * src.shape[1] * (src.element_size() + 1))
+            for name, (src, gather, weights) in operands.items()]
 
 
 def shape_schedule(shape: MoEShape, device: torch.device):
@@ -526,7 +485,7 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                 routing,
                 router_weights, None, d_gate_up_out, scales_out, h_out, partial_out), 0,
                 routes * inter * (4 + 4 + 2 + 4 + 2)))
-    stages += quantize_stages(routing, errors, {
+    stages += quantize_stages(routing, {
         "d_out": (d_out, True, router_weights), "h": (h, False, None),
         "d_gate_up": (d_gate_up, False, None), "x": (x, True, None)})
     if device.type == "cuda":  # torch._scaled_mm needs a GPU

@@ -452,7 +452,6 @@ def main(argv=None) -> None:
             return ops.Quantized(torch.empty(width, rows, **e4m3),
                                  torch.empty(rows // fp8_wgrad._rows_per_slot(routing), width))
 
-        from benchmarks.fp8 import QUANTIZE_VARIANTS
         from mok.ops.tuning import FP8_WGRAD_TILES as wgrad8
         runs += [
             ("wgrad_down fp8", wgrad8, lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
@@ -470,11 +469,6 @@ def main(argv=None) -> None:
             ("quantize rows fp8 for weight gradients", wgrad8,
              lambda tt: fp8_wgrad.quantize_row_blocks(x, routing, gather=True,
                                                       router_weights=rw)),
-            *((f"quantize rows fp8 for weight gradients n{q.block_n} g{q.group} "
-               f"w{q.num_warps}", wgrad8,
-               lambda tt, q=q: fp8_wgrad.quantize_row_blocks(x, routing, gather=True,
-                                                             router_weights=rw, tiles=q))
-              for q in QUANTIZE_VARIANTS),
         ]
         # The Gluon FP8 kernels (mok.kernels.gluon_fp8, gluon_fp8_wgrad), as an sm_90 GPU would
         # run them.

@@ -16,8 +16,7 @@ scales never meet).
 quantize_row_blocks_kernel: the codes transposed, qa [P, C] (each column's rows contiguous, the
 K-major operand an e4m3 MMA reads), and the scales [C / SUB, P], of a source read by row or,
 GATHER, by token (src row = route // topk), WEIGHTED rows scaled by their route's router weight
-first; padding rows are zeros. A program per block slot and LOOP blocks of BLOCK_N columns,
-in groups of GROUP slots (mok.ops.tuning.QuantizeTiles).
+first; padding rows are zeros. A program per block slot and BLOCK_N columns.
 
 fp8_wgrad_kernel: one [BLOCK_P, BLOCK_Q] tile of one expert's gradient; each block's e4m3
 product is scaled by the outer product of the two scale vectors and added to an fp32
@@ -56,30 +55,14 @@ def _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN: t
 
 
 @triton.jit
-def _slot_and_columns(pid, num_slots, num_column_blocks, GROUP: tl.constexpr):
-    """(block slot, column block) of program pid: groups of GROUP slots (the last one cut at
-    num_slots), a group's slots next to each other, then its column blocks; GROUP 0: one
-    group of all slots."""
-    if GROUP == 0:
-        return pid % num_slots, pid // num_slots
-    per_group = GROUP * num_column_blocks
-    first = (pid // per_group) * GROUP
-    size = tl.minimum(num_slots - first, GROUP)
-    return first + (pid % per_group) % size, (pid % per_group) // size
-
-
-@triton.jit
 def quantize_row_blocks_kernel(
     src_ptr, q_ptr, scale_ptr, row_route_ptr, block_expert_ptr, expert_offsets_ptr,
-    router_weights_ptr, N, topk, num_experts, num_slots, stride_src, stride_q, stride_s,
+    router_weights_ptr, N, topk, num_experts, stride_src, stride_q, stride_s,
     GATHER: tl.constexpr, WEIGHTED: tl.constexpr, ALIGN: tl.constexpr, SUB: tl.constexpr,
-    BLOCK_N: tl.constexpr, LOOP: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """q[n, r] and scale[slot, n] of one block slot and LOOP blocks of BLOCK_N columns, one
-    after another (_slot_and_columns; STAGES: the loop's loads pipelined so deep)."""
-    slot, chunk = _slot_and_columns(tl.program_id(0), num_slots,
-                                    tl.cdiv(tl.cdiv(N, BLOCK_N), LOOP), GROUP)
+    """q[n, r] and scale[slot, n] of block slot program_id(0), columns program_id(1)."""
+    slot = tl.program_id(0)
     first, end, used = _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN,
                                   SUB)
     if not used:
@@ -89,22 +72,19 @@ def quantize_row_blocks_kernel(
     route = tl.load(row_route_ptr + rows, mask=mine, other=-1)
     valid = route >= 0
     src = (route // topk if GATHER else rows).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = cols < N
+    x = tl.load(src_ptr + src[:, None] * stride_src + cols[None, :],
+                mask=valid[:, None] & in_n[None, :], other=0.0).to(tl.float32)
     if WEIGHTED:
-        weight = tl.load(router_weights_ptr + route, mask=valid, other=0.0)
-    for j in tl.range(0, LOOP, num_stages=STAGES):
-        cols = (chunk * LOOP + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_n = cols < N
-        x = tl.load(src_ptr + src[:, None] * stride_src + cols[None, :],
-                    mask=valid[:, None] & in_n[None, :], other=0.0).to(tl.float32)
-        if WEIGHTED:
-            x *= weight[:, None]
-        magnitude = tl.abs(x)
-        magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of the amax
-        scale, inverse = _block_scale(tl.max(magnitude, axis=0), False)
-        q = to_e4m3(x * inverse[None, :], UPCAST)
-        tl.store(scale_ptr + slot.to(tl.int64) * stride_s + cols, scale, mask=in_n)
-        tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + rows[None, :], tl.trans(q),
-                 mask=in_n[:, None] & mine[None, :])
+        x *= tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
+    magnitude = tl.abs(x)
+    magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of the amax
+    scale, inverse = _block_scale(tl.max(magnitude, axis=0), False)
+    q = to_e4m3(x * inverse[None, :], UPCAST)
+    tl.store(scale_ptr + slot.to(tl.int64) * stride_s + cols, scale, mask=in_n)
+    tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + rows[None, :], tl.trans(q),
+             mask=in_n[:, None] & mine[None, :])
 
 
 @triton.jit

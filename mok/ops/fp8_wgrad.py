@@ -21,20 +21,20 @@ from mok.ops.fp8 import _GLUON_LOAD_REGS, _GLUON_MMA_REGS, _SMEM
 from mok.ops.launch import cdiv, launch
 from mok.ops.quantize import QUANT_BLOCK, Quantized
 from mok.ops.routing import Routing, check_router_weights
-from mok.ops.tuning import FP8_WGRAD_TILES, QUANTIZE_ROW_BLOCKS_TILES, QuantizeTiles, RowTiles
+from mok.ops.tuning import FP8_WGRAD_TILES, RowTiles
 
 E4M3 = torch.float8_e4m3fn
+_QUANTIZE_COLUMNS = 64
 
 
 def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
-                        router_weights: torch.Tensor | None = None,
-                        tiles: QuantizeTiles = QUANTIZE_ROW_BLOCKS_TILES) -> Quantized:
+                        router_weights: torch.Tensor | None = None) -> Quantized:
     """src's schedule rows in e4m3, quantized along the rows: (codes [N, C] transposed, each
     column's rows contiguous; scales [C // gcd(align, 128), N] fp32), a scale per column and
     block of 128 of an expert's rows (mok.kernels.fp8_wgrad). src [T, N] by token (gather: row
     r reads token row_route[r] // topk) or [C, N] by row; router_weights (a value per route,
     [T, k] or [T * k]): each row is first scaled by its route's weight. Padding rows are
-    zeros. tiles: the programs' (same results whatever they are)."""
+    zeros."""
     rows, topk = routing.capacity_rows, routing.topk
     check_rows(src, "the rows to quantize")
     expected = routing.num_tokens if gather else rows
@@ -48,15 +48,12 @@ def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
     codes = torch.empty(width, rows, dtype=E4M3, device=src.device)
     scales = torch.empty(rows // sub, width, dtype=torch.float32, device=src.device)
     if rows and width:
-        slots = rows // sub
-        chunks = cdiv(cdiv(width, tiles.block_n), tiles.loop)
-        launch(kernels.quantize_row_blocks_kernel, (slots * chunks,))(
+        launch(kernels.quantize_row_blocks_kernel, (rows // sub, cdiv(width, _QUANTIZE_COLUMNS)))(
             src, codes, scales, routing.row_route, routing.block_expert, routing.expert_offsets,
             router_weights if router_weights is not None else scales, width, topk,
-            routing.num_local_experts, slots, src.stride(0), codes.stride(0), scales.stride(0),
+            routing.num_local_experts, src.stride(0), codes.stride(0), scales.stride(0),
             GATHER=gather, WEIGHTED=router_weights is not None, ALIGN=routing.align, SUB=sub,
-            BLOCK_N=tiles.block_n, LOOP=tiles.loop, GROUP=tiles.group,
-            STAGES=tiles.num_stages, UPCAST=_env.INTERPRET, num_warps=tiles.num_warps,
+            BLOCK_N=_QUANTIZE_COLUMNS, UPCAST=_env.INTERPRET, num_warps=4,
         )
     return Quantized(codes, scales)
 

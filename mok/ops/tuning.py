@@ -424,25 +424,6 @@ FP8_WGRAD_TILES = RowTiles(128, 128, 128, num_warps=8, num_stages=3)
 FP8_WGRAD_GLUON_TILES = RowTiles(128, 128, 128, num_warps=4, num_stages=5, gluon=True)
 
 
-
-@dataclass(frozen=True)
-class QuantizeTiles:
-    """Programs of quantize_row_blocks (mok.kernels.fp8_wgrad): each quantizes one 128-row
-    block slot's `loop` blocks of block_n columns, one after another (the loop's loads
-    pipelined num_stages deep), with num_warps warps. group: programs are ordered in groups
-    of `group` slots, the slots of a group next to each other, then their columns (0: one
-    group of all slots)."""
-
-    block_n: int = 64
-    group: int = 0
-    num_warps: int = 4
-    loop: int = 1
-    num_stages: int = 1
-
-
-# quantize_row_blocks' programs.
-QUANTIZE_ROW_BLOCKS_TILES = QuantizeTiles()
-
 def fp8_tiles(kind: str, align: int, *, gluon: bool = False) -> RowTiles:
     """The tiles of an FP8 row GEMM (FP8_KINDS): K steps of one scale block (128), 128 columns
     (an e4m3 output's 1 x 128 blocks). The Triton kernel's (mok.kernels.fp8_gemm), as measured

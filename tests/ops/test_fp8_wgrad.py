@@ -13,7 +13,7 @@ from mok.errors import MoKInputError
 from mok.ops import build_routing
 from mok.ops.fp8_wgrad import grouped_wgrad_fp8, quantize_row_blocks
 from mok.ops.quantize import QUANT_BLOCK
-from mok.ops.tuning import QuantizeTiles, RowTiles
+from mok.ops.tuning import RowTiles
 from mok.testing import RoutingPattern, make_topk
 
 TILES = RowTiles(128, 64, QUANT_BLOCK, num_warps=4, num_stages=2)
@@ -81,36 +81,6 @@ def test_quantize_row_blocks_matches_reference(device, align, gather):
         blocks = expected_scales.shape[1]
         assert torch.equal(scales[start // sub:start // sub + blocks].T.cpu(), expected_scales)
     assert routing.expert_counts[1] == 0
-
-
-@pytest.mark.parametrize("tiles", [QuantizeTiles(32, 1, 4), QuantizeTiles(128, 3, 8),
-                                   QuantizeTiles(64, 64, 2), QuantizeTiles(32, 2, 4, loop=3),
-                                   QuantizeTiles(32, 0, 4, loop=8, num_stages=2)],
-                         ids=lambda t: f"n{t.block_n}_g{t.group}_w{t.num_warps}_l{t.loop}")
-@pytest.mark.parametrize("align", [16, 192], ids=lambda a: f"align{a}")
-def test_quantize_row_blocks_same_bits_whatever_the_programs(device, align, tiles):
-    # Other column blocks, slot groups (one slot; 3, the last group cut; more than the slots),
-    # warps and column loops (3 blocks, the last loop cut at N; 8, past N): the same codes and
-    # scales as the default programs.
-    routing, router_weights = schedule(device, tokens=150, experts=3, topk=2, align=align,
-                                       seed=5, unused=(0,))
-    generator = torch.Generator().manual_seed(6)
-    by_token = (torch.randn(routing.num_tokens, 200, generator=generator) * 2).bfloat16()
-    by_row = torch.randn(routing.capacity_rows, 136, generator=generator).bfloat16()
-    for src, gather, weights in ((by_token, True, router_weights), (by_row, False, None)):
-        src = src.to(device)
-        default = quantize_row_blocks(src, routing, gather=gather, router_weights=weights)
-        mine = quantize_row_blocks(src, routing, gather=gather, router_weights=weights,
-                                   tiles=tiles)
-        offsets = routing.expert_offsets.long().cpu()
-        sub = math.gcd(align, QUANT_BLOCK)
-        for e in range(routing.num_local_experts):  # what each expert's blocks are
-            start, end = int(offsets[e]), int(offsets[e + 1])
-            slots = slice(start // sub, start // sub + -(-(end - start) // QUANT_BLOCK))
-            assert torch.equal(mine.data[:, start:end].view(torch.uint8),
-                               default.data[:, start:end].view(torch.uint8)), e
-            assert torch.equal(mine.scales[slots], default.scales[slots]), e
-        assert default.scales[slots].abs().sum() > 0
 
 
 @pytest.mark.parametrize("align", [16, 128, 192], ids=lambda a: f"align{a}")
