@@ -482,8 +482,7 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
             impl = f"mok_fp8_{rows_}x128_w{warps}" + ("_columns_first" if columns_first else "")
             stages.append(("dswiglu_rows", impl, functools.partial(
                 _dswiglu_rows_with, rows_, warps, columns_first, dh0, kept_buffers["rows"],
-                routing,
-                router_weights, None, d_gate_up_out, scales_out, h_out, partial_out), 0,
+                routing, router_weights, None, d_gate_up_out, scales_out, h_out, partial_out), 0,
                 routes * inter * (4 + 4 + 2 + 4 + 2)))
     stages += quantize_stages(routing, {
         "d_out": (d_out, True, router_weights), "h": (h, False, None),
