@@ -30,7 +30,10 @@ random routes), stage by stage:
 
 Each FP8 launch is first checked against the same math on its dequantized operands
 (max relative error column); the bf16 ones are mok's tested kernels. Times are medians of
---repeats calls between CUDA events, the GPU idle before each; TFLOP/s count 2 * rows * N * K
+--repeats calls between CUDA events, the GPU idle before each (the timing column: idle), or
+with --host-ahead held busy while the host queues the call (queued: the kernels alone, without
+the launch's latency, which weighs on launches of a few hundred microseconds and less);
+TFLOP/s count 2 * rows * N * K
 per GEMM (gate/up two of them). Rows go to --csv (benchmarks/results/fp8.csv). On CPU it runs
 a small shape under Triton's interpreter and writes under runs/bench/: a check of the pipeline,
 not a measurement.
@@ -51,6 +54,7 @@ import torch
 
 import mok.functional as F
 from benchmarks import append_rows, commit_id
+from benchmarks.timing import hold_device
 from mok import ops, plan
 from mok.arch import arch_of
 from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
@@ -65,7 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "fp8.csv"
 CPU_RESULTS = ROOT / "runs" / "bench" / "fp8.csv"
 FIELDS = ("gpu", "commit", "date", "shape", "stage", "impl", "ms", "tflops", "gbps",
-          "max_rel_err")
+          "max_rel_err", "timing")
 SMALL = MoEShape("fp8-small", 4, 256, 256, 2, 64)  # CPU: every launch, in seconds
 FP8_SHAPES = {shape.name: shape for shape in (*SHAPES_BY_NAME.values(), SMALL)}
 # Other tiles of the FP8 weight-gradient GEMM timed on a GPU: (block_m, block_n, warps, stages).
@@ -91,9 +95,10 @@ def _dswiglu_rows_with(rows: int, warps: int, columns_first: bool, *args) -> Non
 WGRAD_FP8_VARIANTS = ((128, 128, 8, 4), (64, 128, 4, 6), (64, 128, 4, 4))
 
 
-def median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
+def median_ms(fn, device: torch.device, repeats: int, warmup: int,
+              host_ahead: bool = False) -> float:
     """Median ms of `repeats` calls after `warmup`: CUDA events on a GPU (idle before each
-    call), wall clock on CPU."""
+    call; host_ahead: held busy while the call is queued), wall clock on CPU."""
     for _ in range(warmup):
         fn()
     times = []
@@ -101,6 +106,8 @@ def median_ms(fn, device: torch.device, repeats: int, warmup: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            if host_ahead:
+                hold_device()
             start.record()
             fn()
             end.record()
@@ -195,7 +202,7 @@ def partial_checked(d_out_q, down_t, kept, routing) -> torch.Tensor:
 def quantize_stages(routing, operands: dict) -> list:
     """The quantize_rows_<name> stages: quantize_row_blocks of operands {name: (src, gather,
     router weights)}, bytes per schedule row (src read, e4m3 written)."""
-    return [(f"quantize_rows_{name}", "mok_fp8", functools.partial(
+    return [(f"quantize_rows_{name}", "row_blocks", functools.partial(
                 ops.quantize_row_blocks, src, routing, gather=gather, router_weights=weights), 0,
              routing.capacity_rows * src.shape[1] * (src.element_size() + 1))
             for name, (src, gather, weights) in operands.items()]
@@ -214,8 +221,9 @@ def shape_schedule(shape: MoEShape, device: torch.device):
 
 
 def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int, *,
-                only: tuple[str, ...] = ()) -> list[dict]:
-    """The rows of one shape's stages (only: those whose names start so; default all)."""
+                only: tuple[str, ...] = (), host_ahead: bool = False) -> list[dict]:
+    """The rows of one shape's stages (only: those whose names start so; default all;
+    host_ahead: median_ms's)."""
     inputs, schedule = shape_schedule(shape, device)
     x, router_weights = inputs.x, inputs.router_weights.reshape(-1).float()
     w_gate, w_up, w_down = inputs.routed_weights
@@ -505,13 +513,14 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
     for stage, impl, fn, flops, nbytes in stages:
         if only and not any(stage.startswith(name) for name in only):
             continue
-        ms = median_ms(fn, device, repeats, warmup)
+        ms = median_ms(fn, device, repeats, warmup, host_ahead)
         error = errors.get((stage, impl))
         rows.append(dict(gpu=gpu, commit=commit_id(), date=date, shape=shape.name, stage=stage,
                          impl=impl, ms=f"{ms:.4f}",
                          tflops=f"{flops / ms / 1e9:.1f}" if flops else "",
                          gbps=f"{nbytes / ms / 1e6:.0f}" if nbytes else "",
-                         max_rel_err="" if error is None else f"{error:.2e}"))
+                         max_rel_err="" if error is None else f"{error:.2e}",
+                         timing="queued" if host_ahead else "idle"))
         rate = f"{flops / ms / 1e9:7.1f} TFLOP/s" if flops else f"{nbytes / ms / 1e6:7.0f} GB/s"
         print(f"  {stage:14s} {impl:14s} {ms:8.3f} ms {rate}", flush=True)
     return rows
@@ -528,6 +537,9 @@ def main(argv=None) -> None:
     parser.add_argument("--csv", type=Path, default=RESULTS if cuda else CPU_RESULTS)
     parser.add_argument("--stages", nargs="+", metavar="STAGE", default=(),
                         help="time only the stages whose names start so (default: all)")
+    parser.add_argument("--host-ahead", action="store_true",
+                        help="hold the GPU busy while each timed call is queued (its kernels "
+                             "alone, without the launch's latency)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
     for name in args.shapes:
@@ -537,7 +549,8 @@ def main(argv=None) -> None:
                   f"({shape.hidden_size}, {shape.intermediate_size})")
             continue
         append_rows(args.csv, FIELDS, bench_shape(shape, device, args.repeats, args.warmup,
-                                                  only=tuple(args.stages)))
+                                                  only=tuple(args.stages),
+                                                  host_ahead=args.host_ahead and cuda))
     print(f"rows appended to {args.csv}")
 
 
