@@ -34,9 +34,8 @@ Each FP8 launch is first checked against the same math on its dequantized operan
 with --host-ahead held busy while the host queues the call (queued: the kernels alone, without
 the launch's latency, which weighs on launches of a few hundred microseconds and less);
 TFLOP/s count 2 * rows * N * K per GEMM (gate/up two of them). Rows go to --csv
-(benchmarks/results/fp8.csv). On CPU it runs
-a small shape under Triton's interpreter and writes under runs/bench/: a check of the pipeline,
-not a measurement.
+(benchmarks/results/fp8.csv). On CPU it runs a small shape under Triton's interpreter and
+writes under runs/bench/: a check of the pipeline, not a measurement.
 """
 
 from __future__ import annotations
