@@ -35,10 +35,11 @@ E4M3_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn
 @triton.jit
 def to_e4m3(x, UPCAST: tl.constexpr):
     """fp32 x -> float8e4nv, rounding to nearest even and saturating: |x| > 448 (inf too) gives
-    +-448, NaN stays NaN, as sm_89+'s cvt.rn.satfinite does. With UPCAST (the interpreter, whose
-    fp8 casts can round the wrong way) the same by integer arithmetic on x's bits."""
-    x = tl.where(x > E4M3_MAX, E4M3_MAX, tl.where(x < -E4M3_MAX, -E4M3_MAX, x))
+    +-448, NaN stays NaN, as sm_89+'s cvt.rn.satfinite (the compiled cast) does. With UPCAST (the
+    interpreter, whose fp8 casts can round the wrong way) the same by integer arithmetic on x's
+    bits."""
     if UPCAST:
+        x = tl.where(x > E4M3_MAX, E4M3_MAX, tl.where(x < -E4M3_MAX, -E4M3_MAX, x))
         bits = x.to(tl.uint32, bitcast=True)
         sign = (bits >> 24) & 0x80
         mag = bits & 0x7FFFFFFF
