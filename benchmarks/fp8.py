@@ -470,13 +470,13 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                 if only and not stage.startswith(only):
                     continue
                 kind, op, flops = variant_ops[stage]
-                tiles = dataclasses.replace(gluon_tiles[kind], **changes)
-                mine = op(tiles, out_dtype=torch.float32)
+                variant = dataclasses.replace(gluon_tiles[kind], **changes)
+                mine = op(variant, out_dtype=torch.float32)
                 theirs = op(gluon_tiles[kind], out_dtype=torch.float32)
                 errors[(stage, impl)] = max_rel_err(mine[used], theirs[used])
                 print(f"   {stage} {impl} against the Gluon launch: bit for bit "
                       f"{torch.equal(mine[used], theirs[used])}", flush=True)
-                stages.append((stage, impl, functools.partial(op, tiles), flops, 0))
+                stages.append((stage, impl, functools.partial(op, variant), flops, 0))
         # the dSwiGLU apart, its second launch alone (bytes: dh0 fp32, the kept gate and up
         # read; h, d_gate_up in bf16 and in e4m3 written) and with other blocks
         dh0 = torch.randn(routing.capacity_rows, inter, device=device)
