@@ -97,6 +97,29 @@ def test_quantize_row_blocks_matches_reference(device, align, gather):
     assert routing.expert_counts[1] == 0
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["by_token", "by_row"])
+def test_quantize_row_blocks_leaves_nan_out_of_the_scales(device, gather):
+    routing, _ = schedule(device, tokens=150, experts=3, topk=2, align=16, seed=8)
+    generator = torch.Generator().manual_seed(9)
+    rows = routing.num_tokens if gather else routing.capacity_rows
+    src = torch.randn(rows, 192, generator=generator).bfloat16()
+    src[:, 70] = float("nan")  # a column all NaN: scale 1 in every block, as zeros
+    src[::7, 3] = float("nan")  # a few NaN in another: the scales from its numbers
+    src = src.to(device)
+    codes, scales = quantize_row_blocks(src, routing, gather=gather)
+    offsets = routing.expert_offsets.long().cpu()
+    for e, mine in enumerate(expert_rows(src, routing, gather=gather)):
+        start, sub = int(offsets[e]), math.gcd(16, QUANT_BLOCK)
+        expected_codes, expected_scales = column_blocks(mine)
+        blocks = expected_scales.shape[1]
+        assert torch.equal(scales[start // sub:start // sub + blocks].T.cpu(), expected_scales)
+        got = codes[:, start:start + mine.shape[0]].cpu().float()
+        nan = mine.T.isnan()
+        assert got[nan].isnan().all() and not got[~nan].isnan().any()
+        assert torch.equal(got[~nan], expected_codes.float()[~nan])
+        assert (expected_scales[70] == 1.0).all()
+
+
 @pytest.mark.parametrize("align", [16, 128, 192], ids=lambda a: f"align{a}")
 def test_grouped_wgrad_fp8_matches_dequantized_math(device, align):
     # d_w_down's form (a by token, scaled by the route's weight; b by row) and d_w_gate/up's

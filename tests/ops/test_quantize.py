@@ -114,6 +114,18 @@ def test_quantize_weights_matches_reference(device, shape, pow2_scales):
     assert torch.equal(scales, scales_ref)
 
 
+def test_weight_blocks_leave_nan_out_of_their_scale(device):
+    w = spread_values((256, 256), seed=8, dtype=torch.bfloat16, device=device)
+    w[3, 7] = float("nan")  # one NaN in block (0, 0)
+    w[128:, 128:] = float("nan")  # block (1, 1) all NaN: scale 1, as a block of zeros
+    q, scales = quantize_weights(w)
+    q_ref, scales_ref = quantize_e4m3(w.cpu(), (QUANT_BLOCK, QUANT_BLOCK))
+    assert torch.equal(scales.cpu(), scales_ref) and scales[1, 1] == 1.0
+    nan = w.isnan()
+    assert q.float()[nan].isnan().all()
+    assert_same_codes(q[~nan], q_ref.to(device)[~nan])
+
+
 @pytest.mark.parametrize("pow2_scales", [False, True], ids=["scales", "pow2"])
 def test_quantize_weights_into_writes_the_transposed_copy(device, pow2_scales):
     # The transposed codes and scales, into views of wider buffers (as gate's and up's halves
@@ -166,12 +178,14 @@ def test_dequantized_values_are_within_e4m3_rounding(device):
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf * 0
 def test_special_values_stay_in_their_block(device):
-    x = spread_values((4, 256), seed=7, dtype=torch.bfloat16, device=device)
+    x = spread_values((5, 256), seed=7, dtype=torch.bfloat16, device=device)
     x[0, :128] = 0.0
     x[1, 5] = float("nan")
     x[2, 200] = float("inf")
+    x[4, 128:] = float("nan")
     q, scales = quantize_rows(x)
     assert scales[0, 0] == 1.0 and (q[0, :128].float() == 0).all()
+    assert scales[4, 1] == 1.0 and q[4, 128:].float().isnan().all()  # all NaN: as zeros
     assert q[1, 5].float().isnan()
     finite = torch.cat([x[1, :5], x[1, 6:128]]).float().abs().max()
     finite = finite / torch.full_like(finite, E4M3_MAX)  # tensor / tensor: correctly rounded
