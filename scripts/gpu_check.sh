@@ -10,7 +10,7 @@
 # (benchmarks.compare; COMPARE_ARGS names the base: on a copy of the tree without its git
 # history, --base REV --base-dir DIR with REV's mok extracted in DIR beforehand) (1 runs
 # it); *_TIMEOUT seconds; *_ARGS extra arguments; TESTS_JOBS groups of tests side by side,
-# TESTS_BY_ID=1 dealt by test rather than by file.
+# TESTS_BY_ID=1 dealt by test rather than by file, TESTS_SHARD=K/N every N-th test from the K-th.
 # The tests leave $OUT/tests.log (every group's tests and log) and
 # $OUT/gpu-tests/<date>_<commit>.log (benchmarks.gpu_test_log: commit, date,
 # GPU, versions, the pytest commands, each group's failures and counts). It is meant to be
@@ -34,13 +34,26 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
   # one log per group, each group under the same time limit. TESTS_BY_ID=1 deals the tests
   # themselves (node ids, TESTS_ARGS applied when collecting) instead of whole files, so that
   # one long file is spread over the groups too; each group's ids go to $OUT/pytest.J.ids.
+  # TESTS_SHARD=K/N (by id) runs every N-th test from the K-th: the suite over N calls, each
+  # call's log named shardKofN.
   shopt -s nullglob
   jobs=${TESTS_JOBS:-5} files=(tests/test_*.py tests/*/test_*.py) pids=() commands=() summary=()
   shopt -u nullglob
+  log_args=()
+  [ -n "${TESTS_SHARD:-}" ] && TESTS_BY_ID=1
   if [ "${TESTS_BY_ID:-0}" = 1 ]; then
     mapfile -t files < <(python3 -m pytest --collect-only -q -p no:cacheprovider \
                          ${TESTS_ARGS:-} 2>/dev/null | grep '::')
   fi
+  if [ -n "${TESTS_SHARD:-}" ]; then
+    shard=${TESTS_SHARD%/*} shards=${TESTS_SHARD#*/} kept=()
+    for ((i = shard - 1; i < ${#files[@]}; i += shards)); do kept+=("${files[$i]}"); done
+    files=("${kept[@]}")
+    log_args=(--suite "shard${shard}of${shards}")
+    echo "== shard $TESTS_SHARD: ${#files[@]} tests"
+  fi
+  # no more groups than tests (an empty group would run pytest on everything)
+  if [ "${#files[@]}" -lt "$jobs" ]; then jobs=${#files[@]}; fi
   echo "== tests in $jobs groups (limit ${TESTS_TIMEOUT:-330}s each)"
   for ((j = 0; j < jobs; j++)); do
     group=()
@@ -64,7 +77,7 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
     summary+=(--group "$OUT/pytest.$j.log" "$?" "${commands[$j]% }")
   done
   for ((j = 0; j < jobs; j++)); do echo "-- group $j"; tail -n 25 "$OUT/pytest.$j.log"; done
-  python3 -m benchmarks.gpu_test_log --out-dir "$OUT/gpu-tests" "${summary[@]}"
+  python3 -m benchmarks.gpu_test_log --out-dir "$OUT/gpu-tests" "${log_args[@]}" "${summary[@]}"
   # The groups' logs and test ids in one file: a call brings back a few files only.
   for ((j = 0; j < jobs; j++)); do
     echo "== group $j"

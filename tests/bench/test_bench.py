@@ -673,10 +673,9 @@ def test_gpu_test_log_command_line(tmp_path, capsys):
     assert str(path) in capsys.readouterr().out
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_gpu_check_script_writes_the_test_log(tmp_path):
-    # scripts/gpu_check.sh's test step on two made-up test files (one fails), nothing else:
-    # the groups' commands and exit statuses reach the log.
+def run_gpu_check_tests(tmp_path, **env_vars):
+    """scripts/gpu_check.sh's test step alone in tmp_path, on two made-up test files (test_bad
+    fails, test_good passes), with these TESTS_* variables."""
     for name in ("mok", "benchmarks"):
         (tmp_path / name).symlink_to(REPO_ROOT / name)
     (tmp_path / "tests").mkdir()
@@ -689,9 +688,15 @@ def test_gpu_check_script_writes_the_test_log(tmp_path):
     (bin_dir / "python3").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GIT_", "RUN_", "TESTS_"))}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", OUT=str(tmp_path / "out"),
-               MOK_COMMIT="c0ffee1", TESTS_JOBS="2", RUN_BENCH="0", PYTHONPATH="")
-    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_check.sh")], cwd=tmp_path,
+               MOK_COMMIT="c0ffee1", TESTS_JOBS="2", RUN_BENCH="0", PYTHONPATH="", **env_vars)
+    return subprocess.run(["bash", str(REPO_ROOT / "scripts" / "gpu_check.sh")], cwd=tmp_path,
                           env=env, text=True, capture_output=True, timeout=300)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_script_writes_the_test_log(tmp_path):
+    # The groups' commands and exit statuses reach the log.
+    done = run_gpu_check_tests(tmp_path)
     logs = list((tmp_path / "out" / "gpu-tests").glob("*_c0ffee1.log"))
     assert len(logs) == 1, done.stdout + done.stderr
     text = logs[0].read_text()
@@ -708,6 +713,20 @@ def test_gpu_check_script_writes_the_test_log(tmp_path):
     assert not list(out.glob("pytest.*"))
     merged = (out / "tests.log").read_text()
     assert "== group 0" in merged and "== group 1" in merged and "test_bad" in merged
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_check_script_runs_a_shard_of_the_tests(tmp_path):
+    # TESTS_SHARD=2/2: the second of the two test ids alone, in one group (not two: an empty
+    # group would run pytest on everything), its log named for the shard.
+    done = run_gpu_check_tests(tmp_path, TESTS_SHARD="2/2")
+    logs = list((tmp_path / "out" / "gpu-tests").glob("*_c0ffee1_shard2of2.log"))
+    assert len(logs) == 1, done.stdout + done.stderr
+    text = logs[0].read_text()
+    assert "result: all 1 pytest groups passed" in text, text
+    assert "<the 1 tests of pytest.0.ids>" in text
+    merged = (tmp_path / "out" / "tests.log").read_text()
+    assert "tests/test_good.py::test_good" in merged and "test_bad" not in merged
 
 
 def test_rows_gain_new_columns_without_losing_old_ones(tmp_path):
