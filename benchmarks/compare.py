@@ -1,14 +1,16 @@
 """mok's layer in two trees side by side: the working tree against an earlier commit.
 
     python -m benchmarks.compare --base REV [--shapes SHAPE ...] [--rounds 2] [--repeats 30]
-        [--warmup 3] [--recompute] [--forward] [--base-dir DIR] [--csv FILE]
+        [--warmup 3] [--recompute] [--forward] [--precision fp8 [--fp8-weight-gradients]]
+        [--base-dir DIR] [--csv FILE]
 
 What a change did to the layer, measured one way every time. Each tree runs in a process of its
 own: the base's mok is `git archive REV mok` in a temporary folder, imported ahead of this
 tree's (--base-dir: a folder holding the base's `mok`, for a copy of the tree without its git
 history; REV then only names it). The two alternate --rounds times, so a drift of the machine
 (its host's pace moves between calls) shows in both. Each process times mok's forward+backward
-(schedule included) at each shape (--forward: the forward alone, schedule included) with
+(schedule included) at each shape (--forward: the forward alone, schedule included; --precision
+fp8: MoKConfig(precision="fp8"), its e4m3 weight copies made once, as in a training step) with
 benchmarks.timing.measure over three input sets: from an idle GPU (the layer benchmark's way,
 the host's issuing included), queued ahead (the GPU's time alone), the host's time to issue a
 call, and the peak memory. Prints a row per shape and tree with each round's numbers and the
@@ -32,11 +34,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV_FIELDS = ("gpu", "base", "new", "date", "shape", "mode", "tree", "round", "idle_ms",
-              "ahead_ms", "host_ms", "peak_gib")
+              "ahead_ms", "host_ms", "peak_gib", "precision")
 
 
 def _worker(specs: list[str], repeats: int, warmup: int, recompute: bool,
-            forward_only: bool) -> None:
+            forward_only: bool, precision: str, fp8_weight_gradients: bool) -> None:
     """In the tree's process: one JSON line per shape spec (name:E,H,I,k,T,Is)."""
     import torch
 
@@ -50,7 +52,8 @@ def _worker(specs: list[str], repeats: int, warmup: int, recompute: bool,
         name, sizes = spec.split(":")
         shape = MoEShape(name, *(int(v) for v in sizes.split(",")))
         sets = [make_shape_inputs(shape, device=device, seed=seed) for seed in range(3)]
-        config = F.MoKConfig(recompute_gate_up=recompute)
+        config = F.MoKConfig(recompute_gate_up=recompute, precision=precision,
+                             fp8_weight_gradients=fp8_weight_gradients)
         workspace = F.create_workspace(config, None, device=device,
                                        num_local_tokens=shape.num_tokens,
                                        hidden_size=shape.hidden_size, topk=shape.topk)
@@ -92,6 +95,9 @@ def _run_tree(mok_root: Path, commit: str, args, specs: list[str]) -> list[dict]
         command.append("--recompute")
     if args.forward:
         command.append("--forward")
+    command += ["--precision", args.precision]
+    if args.fp8_weight_gradients:
+        command.append("--fp8-weight-gradients")
     done = subprocess.run(command, cwd=mok_root, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the {commit} tree's process failed:\n{done.stderr[-3000:]}")
@@ -137,13 +143,15 @@ def compare(args) -> list[dict]:
                           f"{row['idle_ms']:.3f} ms, ahead {_fmt([row['ahead_ms']])} ms, host "
                           f"{row['host_ms']:.3f} ms", flush=True)
     mode = "forward" if args.forward else "forward+backward"
-    _print_table(measured, args.shapes, base, new, mode)
+    precision = args.precision + ("+fp8_weight_gradients" if args.fp8_weight_gradients else "")
+    _print_table(measured, args.shapes, base, new, f"{mode}, {precision}")
     gpu = _gpu_name()
     date = datetime.datetime.now().isoformat(timespec="seconds")
     return [dict(gpu=gpu, base=base, new=new, date=date, shape=row["shape"], mode=mode,
                  tree=row["tree"],
                  round=row["round"], idle_ms=row["idle_ms"], ahead_ms=row["ahead_ms"],
-                 host_ms=row["host_ms"], peak_gib=row["peak_gib"]) for row in measured]
+                 host_ms=row["host_ms"], peak_gib=row["peak_gib"], precision=precision)
+            for row in measured]
 
 
 def _gpu_name() -> str:
@@ -196,15 +204,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="a folder holding the base's mok (instead of git archive REV)")
     parser.add_argument("--forward", action="store_true",
                         help="the forward alone (schedule included), not forward+backward")
+    parser.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                        help="MoKConfig.precision of both trees")
+    parser.add_argument("--fp8-weight-gradients", action="store_true",
+                        help="MoKConfig.fp8_weight_gradients (with --precision fp8)")
     parser.add_argument("--csv", type=Path, default=None, help="append every measurement here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--specs", nargs="+", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.specs, args.repeats, args.warmup, args.recompute, args.forward)
+        _worker(args.specs, args.repeats, args.warmup, args.recompute, args.forward,
+                args.precision, args.fp8_weight_gradients)
         return
     if args.base is None:
         parser.error("--base REV is required")
+    if args.fp8_weight_gradients and args.precision != "fp8":
+        parser.error("--fp8-weight-gradients needs --precision fp8")
     if args.shapes is None:
         import torch
 

@@ -2,7 +2,8 @@
 
     python -m mok bench [--shapes ...] [--impls ...] [--modes ...] [--repeats N] [--out DIR]
 
-For each shape (docs/design.md section 4; `tiny` is a small one for CPU runs) and each mode
+For each shape (docs/design.md section 4; `tiny` and `tiny-fp8` are small ones for CPU runs,
+the second FP8's smallest) and each mode
 (forward, backward, forward+backward), every implementation of benchmarks/implementations.py is
 first compared with the mok.testing reference on the first input set (y for forward; y and every
 gradient for the training modes, bf16 tolerances of mok.testing.tolerance), then timed: median
@@ -69,7 +70,8 @@ CPU_RESULTS = REPO_ROOT / "runs" / "bench"
 CSV_FIELDS = ("gpu", "commit", "date", "shape", "impl", "mode", "ms", "tflops", "peak_mem_gb",
               "max_rel_err", "fallbacks")
 TINY = MoEShape("tiny", 4, 64, 32, 2, 64, 32)  # every path, shared expert included, in seconds
-BENCH_SHAPES = {shape.name: shape for shape in (*SHAPES, *UNTUNED_SHAPES, TINY)}
+TINY_FP8 = MoEShape("tiny-fp8", 4, 128, 128, 2, 64)  # the smallest the FP8 path takes (I % 128)
+BENCH_SHAPES = {shape.name: shape for shape in (*SHAPES, *UNTUNED_SHAPES, TINY, TINY_FP8)}
 
 
 class Mode(enum.Enum):
