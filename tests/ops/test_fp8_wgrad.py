@@ -73,6 +73,26 @@ def column_blocks(rows):
     return reference.quantize_e4m3(rows.T.contiguous(), (1, QUANT_BLOCK))
 
 
+def assert_column_blocks(codes, scales, src, routing, *, gather, router_weights=None):
+    """quantize_row_blocks' codes and scales of src equal column_blocks of each expert's rows:
+    scales and codes bit for bit, a NaN value's code NaN. Returns the experts' scales."""
+    sub = math.gcd(routing.align, QUANT_BLOCK)
+    offsets = routing.expert_offsets.long().cpu()
+    expected = []
+    for e, mine in enumerate(expert_rows(src, routing, gather=gather,
+                                         router_weights=router_weights)):
+        start = int(offsets[e])
+        expected_codes, expected_scales = column_blocks(mine)
+        blocks = expected_scales.shape[1]
+        assert torch.equal(scales[start // sub:start // sub + blocks].T.cpu(), expected_scales), e
+        got = codes[:, start:start + mine.shape[0]].cpu()
+        nan = mine.T.isnan()
+        assert got.float()[nan].isnan().all() and not got.float()[~nan].isnan().any(), e
+        assert torch.equal(got.view(torch.uint8)[~nan], expected_codes.view(torch.uint8)[~nan]), e
+        expected.append(expected_scales)
+    return expected
+
+
 @pytest.mark.parametrize("align", [16, 128, 192], ids=lambda a: f"align{a}")
 @pytest.mark.parametrize("gather", [True, False], ids=["by_token", "by_row"])
 def test_quantize_row_blocks_matches_reference(device, align, gather):
@@ -86,14 +106,7 @@ def test_quantize_row_blocks_matches_reference(device, align, gather):
     sub = math.gcd(align, QUANT_BLOCK)
     assert codes.shape == (200, routing.capacity_rows)
     assert scales.shape == (routing.capacity_rows // sub, 200)
-    offsets = routing.expert_offsets.long().cpu()
-    for e, mine in enumerate(expert_rows(src, routing, gather=gather, router_weights=weights)):
-        start = int(offsets[e])
-        expected_codes, expected_scales = column_blocks(mine)
-        got = codes[:, start:start + mine.shape[0]].cpu()
-        assert torch.equal(got.view(torch.uint8), expected_codes.view(torch.uint8)), e
-        blocks = expected_scales.shape[1]
-        assert torch.equal(scales[start // sub:start // sub + blocks].T.cpu(), expected_scales)
+    assert_column_blocks(codes, scales, src, routing, gather=gather, router_weights=weights)
     assert routing.expert_counts[1] == 0
 
 
@@ -107,16 +120,7 @@ def test_quantize_row_blocks_leaves_nan_out_of_the_scales(device, gather):
     src[::7, 3] = float("nan")  # a few NaN in another: the scales from its numbers
     src = src.to(device)
     codes, scales = quantize_row_blocks(src, routing, gather=gather)
-    offsets = routing.expert_offsets.long().cpu()
-    for e, mine in enumerate(expert_rows(src, routing, gather=gather)):
-        start, sub = int(offsets[e]), math.gcd(16, QUANT_BLOCK)
-        expected_codes, expected_scales = column_blocks(mine)
-        blocks = expected_scales.shape[1]
-        assert torch.equal(scales[start // sub:start // sub + blocks].T.cpu(), expected_scales)
-        got = codes[:, start:start + mine.shape[0]].cpu().float()
-        nan = mine.T.isnan()
-        assert got[nan].isnan().all() and not got[~nan].isnan().any()
-        assert torch.equal(got[~nan], expected_codes.float()[~nan])
+    for expected_scales in assert_column_blocks(codes, scales, src, routing, gather=gather):
         assert (expected_scales[70] == 1.0).all()
 
 
