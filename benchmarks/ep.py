@@ -310,11 +310,6 @@ def _rank_main(rank, world_size, shape_names, iters, warmup, commit, variants,
 
     for name in shape_names:
         shape = ep_shape(BENCH_SHAPES[name], world_size)
-        if fp8 and shape.intermediate_size % 128:
-            if rank == 0:
-                print(f"== {shape.name}: skipped: FP8 needs I a multiple of 128, got "
-                      f"{shape.intermediate_size}")
-            continue
         fwd_flops = shape.flops() / 3
         mode_flops = {"forward": fwd_flops, "forward+backward": 3 * fwd_flops}
         if rank == 0:
@@ -683,9 +678,8 @@ def main(argv=None) -> None:
                              "(the GPU sleeps until a sample's calls are queued): the kernels "
                              "alone; rows IMPL@ahead")
     parser.add_argument("--fp8", action="store_true",
-                        help="MoKConfig(precision='fp8') for mok and its compute-only time "
-                             "(shapes whose I is not a multiple of 128 are skipped); rows named "
-                             "mok_fp8, compute_only_fp8")
+                        help="MoKConfig(precision='fp8') for mok and its compute-only time; "
+                             "rows named mok_fp8, compute_only_fp8")
     parser.add_argument("--gluon-pull", action="store_true",
                         help="MoKConfig(fwd_pull_in_gluon=True): the Gluon gate/up pulls its "
                              "rows itself; rows named mok_gpull")

@@ -70,7 +70,7 @@ CPU_RESULTS = REPO_ROOT / "runs" / "bench"
 CSV_FIELDS = ("gpu", "commit", "date", "shape", "impl", "mode", "ms", "tflops", "peak_mem_gb",
               "max_rel_err", "fallbacks")
 TINY = MoEShape("tiny", 4, 64, 32, 2, 64, 32)  # every path, shared expert included, in seconds
-TINY_FP8 = MoEShape("tiny-fp8", 4, 128, 128, 2, 64)  # the smallest the FP8 path takes (I % 128)
+TINY_FP8 = MoEShape("tiny-fp8", 4, 128, 128, 2, 64)  # FP8 with whole scale blocks, in seconds
 BENCH_SHAPES = {shape.name: shape for shape in (*SHAPES, *UNTUNED_SHAPES, TINY, TINY_FP8)}
 
 

@@ -109,7 +109,7 @@ class MoKConfig:
         scale per 1 x 128 block of a row and per 128 x 128 block of a weight, summed in fp32
         (mok.ops.fp8), the weights quantized once per version (mok.ops.
         cached_quantize_experts); the weight gradients, the router-weight gradient and the
-        combine as with "bf16". fp8 needs expert widths (I, I_s) that are multiples of 128.
+        combine as with "bf16".
         Under expert parallelism it pulls the rows in launches of their own (the forward's in
         e4m3, the backward's in x's dtype) rather than copying them (fwd_copy_rows,
         bwd_copy_rows) or pulling them inside the GEMMs.
@@ -756,17 +756,11 @@ def _gate_up(config, schedule, x, router_weights, shared: _Experts | None, route
 
 # -- FP8 (MoKConfig.precision "fp8"): the row GEMMs of mok.ops.fp8 ----------------------------
 
-def _check_fp8(config: MoKConfig, workspace: Workspace, shared: _Experts | None,
-               routed: _Experts) -> None:
+def _check_fp8(config: MoKConfig, workspace: Workspace) -> None:
     if workspace.ep_size > 1 and (config.fwd_copy_rows or config.bwd_copy_rows):
         raise MoKInputError("MoKConfig(precision='fp8') pulls the rows under expert "
                             "parallelism: fwd_copy_rows and bwd_copy_rows apply to 16-bit "
                             "precision only")
-    for name, experts in (("intermediate_size", routed), ("the shared intermediate size", shared)):
-        if experts is not None and experts.intermediate % ops.QUANT_BLOCK:
-            raise MoKInputError(f"MoKConfig(precision='fp8') needs {name} a multiple of "
-                                f"{ops.QUANT_BLOCK} (the scales' block), got "
-                                f"{experts.intermediate}")
 
 
 def _fp8_plan(schedule: Schedule, x: torch.Tensor, experts: _Experts, *,
@@ -929,7 +923,7 @@ def forward(
     router_weights = router_weights.contiguous()
     shared, routed = _Experts.shared(*shared), _Experts(*routed)
     if config.precision == "fp8":
-        _check_fp8(config, workspace, shared, routed)
+        _check_fp8(config, workspace)
         y, context = _forward_fp8(config, schedule, x, router_weights, shared, routed,
                                   swiglu_limit)
         workspace._publish_schedule_errors()
@@ -988,7 +982,7 @@ def recompute_forward_context(
     shared = _Experts.shared(w_shared_gate, w_shared_up, None)
     routed = _Experts(w_routed_gate, w_routed_up, None)
     if config.precision == "fp8":
-        _check_fp8(config, workspace, shared, routed)
+        _check_fp8(config, workspace)
         return _made_for(_recompute_fp8(config, schedule, x, router_weights, shared, routed,
                                         swiglu_limit), schedule)
     context, _ = _gate_up(config, schedule, x, router_weights, shared, routed, swiglu_limit,
@@ -1184,7 +1178,7 @@ def backward(
     x, d_output = _rowmajor(x), _rowmajor(d_output)
     router_weights = router_weights.contiguous()
     if fp8:
-        _check_fp8(config, workspace, shared, routed)
+        _check_fp8(config, workspace)
     object.__setattr__(context, "used", True)
     if fp8:
         return _backward_fp8(config, schedule, context, d_output, x, router_weights, shared, routed,

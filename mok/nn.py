@@ -25,7 +25,7 @@ from torch import nn
 
 from mok import functional as F
 from mok.errors import MoKInputError
-from mok.ops import QUANT_BLOCK, capacity_rows, default_tiles
+from mok.ops import capacity_rows, default_tiles
 from mok.reference import moe_reference
 
 
@@ -342,11 +342,9 @@ def moe_experts(
 # -- the module -------------------------------------------------------------------------------
 
 def _check_options(backend: Backend, *, swiglu_limit, recompute_gate_up, precision,
-                   ep_max_tokens, ep_timeout_s, widths: tuple[tuple[str, int], ...],
-                   ep_macrobatch_size: int | None = None) -> None:
+                   ep_max_tokens, ep_timeout_s, ep_macrobatch_size: int | None = None) -> None:
     """ValueError naming the first of a layer's options it cannot run with (MoE's and
-    mok.integrations.huggingface's); widths: the expert widths, by name (FP8 takes multiples
-    of 128 on the mok backend)."""
+    mok.integrations.huggingface's)."""
     if swiglu_limit is not None and not (_is_real(swiglu_limit)
                                          and 0 < swiglu_limit < math.inf):
         raise ValueError(f"swiglu_limit must be a positive finite number or None, got "
@@ -354,12 +352,6 @@ def _check_options(backend: Backend, *, swiglu_limit, recompute_gate_up, precisi
     if not isinstance(recompute_gate_up, bool):
         raise ValueError(f"recompute_gate_up must be a bool, got {recompute_gate_up!r}")
     F.MoKConfig(precision=precision)  # checks it
-    if precision == "fp8" and backend is Backend.MOK:
-        for name, value in widths:
-            if value % QUANT_BLOCK:
-                raise ValueError(f"{name}={value}: precision='fp8' needs a multiple of "
-                                 f"{QUANT_BLOCK} (the scales' block); use precision='bf16' "
-                                 "or sizes that are multiples of 128")
     if ep_max_tokens is not None and not (_is_int(ep_max_tokens) and ep_max_tokens >= 1):
         raise ValueError(f"ep_max_tokens must be a positive integer or None, got "
                          f"{ep_max_tokens!r}")
@@ -707,7 +699,7 @@ class MoE(nn.Module):
     Under expert parallelism state_dict also holds `ep_expert_ids`, the global ids of the
     rank's experts, and load_state_dict refuses a state dict of other experts (MoKInputError).
     precision="fp8" runs the experts' row GEMMs on e4m3 operands with blockwise scales
-    (MoKConfig.precision; I and I_s multiples of 128), keeping an e4m3 copy of the
+    (MoKConfig.precision), keeping an e4m3 copy of the
     expert weights per optimizer step.
 
     Compute dtype: the autocast dtype under torch.autocast (the output then has that dtype, as
@@ -743,9 +735,7 @@ class MoE(nn.Module):
                      shared_intermediate_size, backend)
         _check_options(backend, swiglu_limit=swiglu_limit, recompute_gate_up=recompute_gate_up,
                        precision=precision, ep_max_tokens=ep_max_tokens,
-                       ep_timeout_s=ep_timeout_s, ep_macrobatch_size=ep_macrobatch_size,
-                       widths=(("intermediate_size", intermediate_size),
-                               ("shared_intermediate_size", shared_intermediate_size)))
+                       ep_timeout_s=ep_timeout_s, ep_macrobatch_size=ep_macrobatch_size)
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} is not a multiple of the "

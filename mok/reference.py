@@ -217,7 +217,8 @@ def _fp8_expert(xq, x, dq, d_out, weight, w_gate, w_up, w_down, limit, dtype, fp
         d_gate = torch.where(gate <= limit, d_gate, 0.0)
         d_up = torch.where((up >= -limit) & (up <= limit), d_up, 0.0)
     d_gate_up = torch.cat((d_gate, d_up), dim=1)
-    d_x_rows = rnd(_quantized(d_gate_up, (1, 128)) @ torch.cat((w_gate, w_up), dim=0))
+    d_gate_up_q = torch.cat((_quantized(d_gate, (1, 128)), _quantized(d_up, (1, 128))), dim=1)
+    d_x_rows = rnd(d_gate_up_q @ torch.cat((w_gate, w_up), dim=0))
     d_gate_up_b = rnd(d_gate_up)
     x32 = x.float()
     d_out_w, h_w = weight[:, None] * d_out.float(), rnd(h_b)
@@ -237,7 +238,7 @@ def moe_reference_fp8_grads(
     `inputs` is a MoEInputs (one process, no group); the gradients are those of
     sum(y * inputs.d_output) in moe_reference_grads' order: (d_x, d_router_weights,
     d_w_routed_gate, d_w_routed_up, d_w_routed_down, d_w_shared_gate, d_w_shared_up,
-    d_w_shared_down), None for absent shared weights. I and I_s must be multiples of 128.
+    d_w_shared_down), None for absent shared weights.
 
     Q(a) below is quantize_e4m3 then dequantize_e4m3 (fp32): rows in 1x128 blocks, weights in
     128x128 blocks of each expert's matrix. dt is x.dtype; all math is fp32 otherwise.
@@ -250,9 +251,9 @@ def moe_reference_fp8_grads(
     Backward: the pre-activations g, u are rounded to dt and h_b = swiglu of them;
     dh0 = Q(d_output)[t] @ Q(w_down)[e]; d_router_weights = sum(dh0 * h_b); d_gate, d_up =
     dSwiGLU(w * dh0) at the rounded pre-activations (zero where the fp32 value was clamped);
-    d_x[t] = sum of Q([d_gate, d_up]) @ [Q(w_gate)[e]; Q(w_up)[e]], each rounded to dt, over the
-    shared expert then the routes, in fp32, rounded to dt. Weight gradients on dt operands,
-    fp32 sums:
+    d_x[t] = sum of [Q(d_gate), Q(d_up)] @ [Q(w_gate)[e]; Q(w_up)[e]] (each half its own
+    blocks), each rounded to dt, over the shared expert then the routes, in fp32, rounded to
+    dt. Weight gradients on dt operands, fp32 sums:
     d_w_gate[e], d_w_up[e] = sum of round(d_gate), round(d_up) outer x[t]; d_w_down[e] = sum of
     (w * d_output[t]) outer round(h_b). An expert without routes gets zero gradients. With
     fp8_weight_gradients each of those four operands, an expert's routes in route order, is
@@ -263,10 +264,6 @@ def moe_reference_fp8_grads(
     x, topk_experts, d_output = inputs.x, inputs.topk_experts, inputs.d_output
     routed = inputs.routed_weights
     shared = inputs.shared_weights
-    for name, w in (("intermediate_size", routed[0]), ("shared_intermediate_size", shared[0])):
-        if w is not None and w.shape[-2] % 128:
-            raise ValueError(f"the FP8 backward needs {name} a multiple of 128, got "
-                             f"{w.shape[-2]}")
     num_tokens, topk = topk_experts.shape
     num_experts = routed[0].shape[0]
     expert = topk_experts.reshape(-1).long()

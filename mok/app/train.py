@@ -13,7 +13,6 @@ Backends of the feed-forward (`--backend`):
              seconds per layer and step even for the tiny model).
   mok_fp8    mok with MoE(precision="fp8"): the experts' row GEMMs on e4m3 operands with
              blockwise scales (the weight gradients in bf16); its weights quantized once a step.
-             Its expert widths must be multiples of 128: sizes small and 1b.
   reference  mok.reference, the pure-PyTorch layer, behind the same module and parameters.
   hf         Hugging Face's Qwen3MoeSparseMoeBlock, built with the same sizes and started from the
              same weights (copied from a mok.nn.MoE created with the same seed), with transformers'
@@ -1358,12 +1357,6 @@ def main(argv: list[str] | None = None) -> dict:
         step_mode = resolve_step_mode(args.step_mode, device)
     except ValueError as exc:
         raise _fail(f"--step-mode: {exc}") from None
-    if backend == "mok_fp8":
-        widths = (model_config.moe_intermediate_size, model_config.shared_intermediate_size)
-        if any(width % 128 for width in widths):
-            raise _fail(f"--backend mok_fp8 needs expert widths that are multiples of 128; size "
-                        f"{size} has {model_config.moe_intermediate_size} (sizes small and 1b "
-                        "run it)")
     # A resumed run reads the corpus and the reporting options of its checkpoint unless given.
     saved = resume.get("settings", {}) if resume is not None else {}
 

@@ -293,15 +293,11 @@ class MokSparseMoeBlock(nn.Module):
                                  f"expert-parallel group's {ranks} ranks")
             per_rank = num_experts // ranks
             self._local_experts = slice(rank * per_rank, (rank + 1) * per_rank)
-        widths = [("expert intermediate size", two_i // 2)]
-        mlp = self._shared()
-        if mlp is not None and self._shared_gate_name is None and _fused_shared(mlp, hidden):
-            widths.append(("shared expert intermediate size", mlp.gate_proj.weight.shape[0]))
         try:
             _check_options(self.backend, swiglu_limit=swiglu_limit,
                            recompute_gate_up=recompute_gate_up, precision=precision,
                            ep_max_tokens=ep_max_tokens, ep_timeout_s=ep_timeout_s,
-                           widths=tuple(widths), ep_macrobatch_size=ep_macrobatch_size)
+                           ep_macrobatch_size=ep_macrobatch_size)
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
         self.swiglu_limit = swiglu_limit

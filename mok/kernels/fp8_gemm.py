@@ -187,8 +187,9 @@ def _dswiglu_epilogue(dh0, rows, route, valid, keep, cols, in_n, pid_n, N, out_p
                       HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr,
                       QUANTIZE_OUT: tl.constexpr, UPCAST: tl.constexpr):
     """dSwiGLU of dh0 = d_out[token] @ w_down[e] over the kept pre-activations gate_up [C, 2N]:
-    d_gate_up in bf16 over them (in place), and with QUANTIZE_OUT in e4m3 into out [C, 2N]
-    (scales [C, 2N / 128]: d_gate's blocks, then d_up's); h into h_ptr; with WEIGHTED, d_h
+    d_gate_up in bf16 over them (in place), and with QUANTIZE_OUT in e4m3 into out [C, 2N']
+    (N' = N rounded up to a multiple of 128: d_up from column N', zero codes between; scales
+    [C, 2N' / 128]: d_gate's blocks, then d_up's); h into h_ptr; with WEIGHTED, d_h
     scaled by the route's router weight and the router-weight gradient's partial sums
     sum_n dh0 * h into partial[r, pid_n]."""
     gu_ptrs = gate_up_ptr + rows[:, None] * stride_gum + cols[None, :]
@@ -214,8 +215,10 @@ def _dswiglu_epilogue(dh0, rows, route, valid, keep, cols, in_n, pid_n, N, out_p
     tl.store(gu_ptrs, cast_to(d_gate, gate_up_ptr.dtype.element_ty, UPCAST), mask=in_n[None, :])
     tl.store(gu_ptrs + N, cast_to(d_up, gate_up_ptr.dtype.element_ty, UPCAST),
              mask=in_n[None, :])
-    if QUANTIZE_OUT:
+    if QUANTIZE_OUT:  # a tile is one 128-column block: its columns past N store zero codes
+        blocks = tl.cdiv(N, 128)
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         scale_ptrs = out_scale_ptr + rows * stride_osm + pid_n
-        _store_e4m3(d_gate, out_ptrs, scale_ptrs, in_n, UPCAST)
-        _store_e4m3(d_up, out_ptrs + N, scale_ptrs + tl.cdiv(N, 128), in_n, UPCAST)
+        in_block = cols < blocks * 128
+        _store_e4m3(d_gate, out_ptrs, scale_ptrs, in_block, UPCAST)
+        _store_e4m3(d_up, out_ptrs + blocks * 128, scale_ptrs + blocks, in_block, UPCAST)

@@ -122,11 +122,20 @@ def fp8_wgrad_kernel(
         b_scale_ptrs += stride_bs
     value = cast_to(acc, out_ptr.dtype.element_ty, UPCAST)
     keep = in_p[:, None] & in_q[None, :]
-    if pid_p * BLOCK_P < SPLIT:  # the tile lies on one side of SPLIT (BLOCK_P divides it)
-        base = out_ptr + expert.to(tl.int64) * stride_oe
-        first_row = pid_p * BLOCK_P
-    else:
-        base = out2_ptr + expert.to(tl.int64) * stride_oe2
-        first_row = pid_p * BLOCK_P - SPLIT
-    rows_out = first_row + tl.arange(0, BLOCK_P)
-    tl.store(base + rows_out.to(tl.int64)[:, None] * stride_op + qs[None, :], value, mask=keep)
+    rows_out = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # rows from SPLIT on go to out2
+    first = rows_out < SPLIT
+    if pid_p * BLOCK_P + BLOCK_P <= SPLIT:
+        tl.store(out_ptr + expert.to(tl.int64) * stride_oe
+                 + rows_out.to(tl.int64)[:, None] * stride_op + qs[None, :], value, mask=keep)
+    elif pid_p * BLOCK_P >= SPLIT:
+        tl.store(out2_ptr + expert.to(tl.int64) * stride_oe2
+                 + (rows_out - SPLIT).to(tl.int64)[:, None] * stride_op + qs[None, :], value,
+                 mask=keep)
+    else:  # a tile across SPLIT
+        tl.store(out_ptr + expert.to(tl.int64) * stride_oe
+                 + rows_out.to(tl.int64)[:, None] * stride_op + qs[None, :], value,
+                 mask=keep & first[:, None])
+        second = tl.where(first, 0, rows_out - SPLIT)
+        tl.store(out2_ptr + expert.to(tl.int64) * stride_oe2
+                 + second.to(tl.int64)[:, None] * stride_op + qs[None, :], value,
+                 mask=keep & ~first[:, None])

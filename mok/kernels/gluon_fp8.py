@@ -453,7 +453,10 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
                 gate, up = activation.clamp(gate, up, swiglu_limit)
             h = activation.swiglu(gate, up)
             if QUANTIZE_H:
-                q, scale = _quantize_rows(h)
+                # columns past N (the next expert's weight rows, or TMA's zeros) out of the
+                # scale: the last block of an I that is no multiple of 128
+                cols = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+                q, scale = _quantize_rows(gl.where((cols < N)[None, :], h, 0.0))
                 _put(h_desc, q, r, c0, h_smem)
                 gl.store(h_scale_ptr + (r0 + rows).to(gl.int64) * stride_hs + c0 // 128, scale)
             else:

@@ -35,8 +35,9 @@ FP8_TILES = fp8_tiles("gate_up", 128)  # the launchers' default: 64 x 128 x 128
 
 class Fp8Experts(NamedTuple):
     """The expert weights in e4m3 as the FP8 launchers read them: gate, up [E, I, H] and down
-    [E, H, I] for the forward; down_t [E, I, H] (w_down transposed) and gate_up_t [E, H, 2I]
-    (w_gate and w_up transposed, side by side) for the backward's input gradients."""
+    [E, H, I] for the forward; down_t [E, I, H] (w_down transposed) and gate_up_t [E, H, 2I']
+    (w_gate and w_up transposed, side by side; I' is I rounded up to a multiple of 128, up's
+    columns from I', zero codes between) for the backward's input gradients."""
 
     gate: Quantized
     up: Quantized
@@ -45,13 +46,19 @@ class Fp8Experts(NamedTuple):
     gate_up_t: Quantized
 
 
+def padded_width(inter: int) -> int:
+    """I rounded up to a multiple of 128: where up's half starts in the backward's e4m3
+    d_gate_up and gate_up_t, so that no scale block holds columns of both halves."""
+    return cdiv(inter, QUANT_BLOCK) * QUANT_BLOCK
+
+
 def quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
                      pow2_scales: bool = False) -> Fp8Experts:
     """Fp8Experts of bf16 (or fp16, fp32) w_gate, w_up [E, I, H] and w_down [E, H, I], each
     matrix with a scale per 128 x 128 block (mok.ops.quantize_weights). A block's transpose has
-    the same amax, so the transposed copies are the e4m3 codes and scales transposed (gate_up_t:
-    gate's and up's side by side, the same blocks when I is a multiple of 128): what quantizing
-    the transposed weights gives, bit for bit."""
+    the same amax, so the transposed copies are the e4m3 codes and scales transposed: what
+    quantizing the transposed weights gives, bit for bit (gate_up_t: gate's, then up's from
+    column padded_width(I))."""
     if w_gate.shape != w_up.shape or w_down.shape != (*w_gate.shape[:1], *w_gate.shape[:0:-1]):
         raise MoKInputError(f"w_gate, w_up [E, I, H] and w_down [E, H, I] do not match: "
                             f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}")
@@ -60,18 +67,13 @@ def quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
 
 
 def _quantize_experts(w_gate, w_up, w_down, pow2_scales: bool) -> Fp8Experts:
-    num, inter, hidden = w_gate.shape
-    if inter % QUANT_BLOCK:  # gate's last block and up's first would share one
-        gate, up, down = (quantize_weights(w, pow2_scales=pow2_scales)
-                          for w in (w_gate, w_up, w_down))
-        gate_up_t = quantize_weights(torch.cat([w_gate, w_up], dim=1).transpose(1, 2),
-                                     pow2_scales=pow2_scales)
-        down_t = quantize_weights(w_down.transpose(1, 2), pow2_scales=pow2_scales)
-        return Fp8Experts(gate, up, down, down_t, gate_up_t)
     # Each launch writes its weight's transposed copy too (gate's and up's side by side).
-    blocks_i, blocks_h = inter // QUANT_BLOCK, cdiv(hidden, QUANT_BLOCK)
+    num, inter, hidden = w_gate.shape
+    padded = padded_width(inter)
+    blocks_i, blocks_h = padded // QUANT_BLOCK, cdiv(hidden, QUANT_BLOCK)
     device = w_gate.device
-    gate_up_t = Quantized(torch.empty(num, hidden, 2 * inter, dtype=E4M3, device=device),
+    empty = torch.empty if padded == inter else torch.zeros  # zero codes between the halves
+    gate_up_t = Quantized(empty(num, hidden, 2 * padded, dtype=E4M3, device=device),
                           torch.empty(num, blocks_h, 2 * blocks_i, dtype=torch.float32,
                                       device=device))
     down_t = Quantized(torch.empty(num, inter, hidden, dtype=E4M3, device=device),
@@ -79,7 +81,7 @@ def _quantize_experts(w_gate, w_up, w_down, pow2_scales: bool) -> Fp8Experts:
     gate = quantize_weights_into(w_gate, Quantized(gate_up_t.data[..., :inter],
                                                    gate_up_t.scales[..., :blocks_i]),
                                  pow2_scales=pow2_scales)
-    up = quantize_weights_into(w_up, Quantized(gate_up_t.data[..., inter:],
+    up = quantize_weights_into(w_up, Quantized(gate_up_t.data[..., padded:padded + inter],
                                                gate_up_t.scales[..., blocks_i:]),
                                pow2_scales=pow2_scales)
     down = quantize_weights_into(w_down, down_t, pow2_scales=pow2_scales)
@@ -276,25 +278,24 @@ def dswiglu_fp8(
 ) -> tuple[Quantized, torch.Tensor, torch.Tensor | None]:
     """The backward's first GEMM on e4m3 operands and the dSwiGLU after it: dh0 = d_output[token]
     @ w_down[e] (w_down_t [E, I, H], the transposed w_down quantized), d_h = router weight * dh0,
-    (d_gate, d_up) from the kept pre-activations gate_up [C, 2I] (gate_up_fp8's), I a multiple
-    of 128. Returns (d_gate_up in e4m3 [C, 2I] with 1 x 128 scales [C, 2I / 128], h [C, I] in
-    gate_up's dtype, the router-weight gradient's partial sums [C, I / 128] fp32 or None without
-    router_weights); d_gate_up also replaces gate_up in place, in its dtype. apart (Gluon tiles
+    (d_gate, d_up) from the kept pre-activations gate_up [C, 2I] (gate_up_fp8's). Returns
+    (d_gate_up in e4m3 [C, 2I'] with 1 x 128 scales [C, 2I' / 128], I' = padded_width(I): d_up
+    from column I', zero codes between; h [C, I] in gate_up's dtype; the router-weight
+    gradient's partial sums [C, I' / 128] fp32 or None without router_weights); d_gate_up also
+    replaces gate_up in place, in its dtype ([C, 2I]). apart (Gluon tiles
     always run so): two launches, the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over
     it. The same results (on a GPU the partial sums up to their order over each 128
     columns)."""
     _, hidden = _rows_operand(d_output, "d_output")
     check_tokens(d_output.data, "d_output", routing.num_tokens)
     _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
-    if inter % QUANT_BLOCK:
-        raise MoKInputError(f"the FP8 backward needs I a multiple of {QUANT_BLOCK}, got {inter}")
     _check_gate_up(gate_up, routing, inter)
     check_router_weights(router_weights, routing, fp32=True)
     # apart, the GEMM writes fp32 dh0 and the second launch quantizes: any width the GEMM takes
     _check_tiles(tiles, routing, quantize_out=not (apart or tiles.gluon))
     device = gate_up.device
-    rows, blocks = routing.capacity_rows, inter // QUANT_BLOCK
-    out = torch.empty(rows, 2 * inter, dtype=E4M3, device=device)
+    rows, blocks = routing.capacity_rows, cdiv(inter, QUANT_BLOCK)
+    out = torch.empty(rows, 2 * padded_width(inter), dtype=E4M3, device=device)
     out_scales = torch.empty(rows, 2 * blocks, dtype=torch.float32, device=device)
     h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
     partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
@@ -325,8 +326,9 @@ def d_x_rows_fp8(
     scatter: ScatterRows | None = None,
 ) -> torch.Tensor:
     """rows [C, H] = d_gate_up[r] @ w_gate_up_t[e]^T in out_dtype: d_gate @ w_gate[e] + d_up @
-    w_up[e] as one GEMM over K = 2I, with d_gate_up [C, 2I] in e4m3 (dswiglu_fp8's) and
-    w_gate_up_t [E, H, 2I] the transposed gate and up weights side by side, quantized.
+    w_up[e] as one GEMM over K = 2I', with d_gate_up [C, 2I'] in e4m3 (dswiglu_fp8's) and
+    w_gate_up_t [E, H, 2I'] the transposed gate and up weights side by side, quantized
+    (quantize_experts'; I' = padded_width(I)).
     scatter: each row goes to its token's rank's buffer instead (returns scatter.out)."""
     return _schedule_rows_gemm(d_gate_up, "d_gate_up", w_gate_up_t, "w_gate_up_t", routing,
                                tiles, None, out_dtype, scatter)
@@ -576,7 +578,7 @@ def _dswiglu_rows(dh0: torch.Tensor, gate_up: torch.Tensor, routing: Routing,
     weighted = router_weights is not None
     partial = partial if weighted else out_scales
     block = math.gcd(_DSWIGLU_ROWS, routing.align)  # blocks within the schedule's rows
-    launch(kernels.fp8_dswiglu_rows_kernel, (rows // block * (inter // QUANT_BLOCK),))(
+    launch(kernels.fp8_dswiglu_rows_kernel, (rows // block * cdiv(inter, QUANT_BLOCK),))(
         dh0, out, out_scales, routing.row_route, routing.used_rows,
         router_weights if weighted else out_scales, gate_up, h, partial, inter, routing.topk,
         swiglu_limit if swiglu_limit is not None else 0.0, dh0.stride(0), out.stride(0),

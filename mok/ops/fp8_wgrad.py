@@ -80,7 +80,7 @@ def grouped_wgrad_fp8(
     (quantize_row_blocks of each, a's rows scaled by their route's router weight when given),
     fp32 sums, in out_dtype. a and b: by token (gather_*) or by schedule row. split: rows
     [0, split) of the gradient in one tensor and [split, P) in another (d_w_gate and d_w_up
-    from [d_gate, d_up]); split a multiple of tiles.block_m."""
+    from [d_gate, d_up])."""
     if tiles.block_k != QUANT_BLOCK:
         raise ValueError(f"the FP8 weight gradients take K steps of {QUANT_BLOCK} rows, got "
                          f"block_k={tiles.block_k}")
@@ -109,9 +109,8 @@ def grouped_wgrad_fp8_quantized(
     if split is None:
         outs = [torch.empty(num, width_a, width_b, dtype=out_dtype, device=device)]
     else:
-        if not 0 < split < width_a or split % tiles.block_m:
-            raise ValueError(f"split={split} must lie inside the gradient's {width_a} rows and "
-                             f"be a multiple of block_m={tiles.block_m}")
+        if not 0 < split < width_a:
+            raise ValueError(f"split={split} must lie inside the gradient's {width_a} rows")
         outs = [torch.empty(num, split, width_b, dtype=out_dtype, device=device),
                 torch.empty(num, width_a - split, width_b, dtype=out_dtype, device=device)]
     num_p, num_q = cdiv(width_a, tiles.block_m), cdiv(width_b, tiles.block_n)

@@ -9,6 +9,7 @@ from mok.testing.inputs import (
     make_inputs,
     make_shape_inputs,
     make_topk,
+    pad_expert_widths,
 )
 from mok.testing.scheduling import programs_last_first
 from mok.testing.shapes import SHAPES, SHAPES_BY_NAME, UNTUNED_SHAPES, MoEShape
@@ -38,6 +39,7 @@ __all__ = [
     "free_port",
     "make_inputs",
     "make_shape_inputs",
+    "pad_expert_widths",
     "make_topk",
     "moe_reference",
     "moe_reference_grads",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -115,6 +115,24 @@ def make_inputs(
               normal(num_local, hidden_size, intermediate_size, fan_in=intermediate_size))
     d_output = normal(num_tokens, hidden_size)
     return MoEInputs(x, topk_experts.to(device), router_weights, *shared, *routed, d_output)
+
+
+def pad_expert_widths(inputs: MoEInputs, multiple: int = 128) -> MoEInputs:
+    """inputs with each expert's I (and I_s) padded with zero weights to a multiple of
+    `multiple`: gate and up get zero rows, down zero columns. The layer's outputs are the
+    same; its weight gradients are the padded ones'."""
+    def pad(w: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+        if w is None:
+            return None
+        shape = list(w.shape)
+        shape[dim] = -shape[dim] % multiple
+        return torch.cat([w, w.new_zeros(shape)], dim=dim)
+
+    return replace(inputs, **{name: pad(getattr(inputs, name), -1 if name.endswith("down")
+                                        else -2)
+                              for group in ("shared", "routed")
+                              for name in (f"w_{group}_gate", f"w_{group}_up",
+                                           f"w_{group}_down")})
 
 
 def make_shape_inputs(shape, *, device: torch.device | str = "cuda", seed: int = 0,

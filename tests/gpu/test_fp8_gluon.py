@@ -145,12 +145,15 @@ def _token_rows(tokens, width, generator):
 
 
 @SM90
-@pytest.mark.parametrize(("hidden", "limit"), [(512, None), (400, 1.5)],
-                         ids=["plain", "k_tail_limit"])
-def test_gluon_fp8_gate_up_matches_dequantized_math_and_the_triton_kernel(hidden, limit):
+@pytest.mark.parametrize(("hidden", "inter", "limit"),
+                         [(512, 256, None), (400, 256, 1.5), (512, 192, None)],
+                         ids=["plain", "k_tail_limit", "i192"])
+def test_gluon_fp8_gate_up_matches_dequantized_math_and_the_triton_kernel(hidden, inter, limit):
     # hidden 400: 4 K blocks, the last one 16 columns deep (TMA and the gather zero past K).
-    weights, _, routing, generator = _setup(tokens=3000, hidden=hidden, inter=256, experts=16,
-                                            topk=4, seed=hidden)
+    # inter 192: each expert's last column tile reads the next expert's weight rows, which h's
+    # scales must leave out.
+    weights, _, routing, generator = _setup(tokens=3000, hidden=hidden, inter=inter,
+                                            experts=16, topk=4, seed=hidden + inter)
     xq = _token_rows(3000, hidden, generator)
     tiles, saved = (fp8_tiles(kind, ALIGN, gluon=True) for kind in ("gate_up", "gate_up_saved"))
     assert tiles.gluon and saved.gluon
@@ -181,7 +184,7 @@ def test_gluon_fp8_gate_up_matches_dequantized_math_and_the_triton_kernel(hidden
 
     # h in e4m3 with its row scales: the quantization of the unquantized h (mok's rule), and
     # the pre-activations kept alongside, as gate_up_fp8 stores them.
-    kept = torch.empty(routing.capacity_rows, 512, dtype=torch.bfloat16, device="cuda")
+    kept = torch.empty(routing.capacity_rows, 2 * inter, dtype=torch.bfloat16, device="cuda")
     hq = gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, tiles, limit, gate_up=kept)
     again = gate_up_swiglu_fp8(xq, weights.gate, weights.up, routing, tiles, limit)
     assert torch.equal(hq.data[:n].view(torch.uint8), again.data[:n].view(torch.uint8))
@@ -200,9 +203,10 @@ def test_gluon_fp8_gate_up_matches_dequantized_math_and_the_triton_kernel(hidden
 
 
 @SM90
-@pytest.mark.parametrize(("recompute", "limit"), [(True, None), (False, 7.0)],
-                         ids=["recompute", "kept_limit"])
-def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
+@pytest.mark.parametrize(("recompute", "limit", "inter"),
+                         [(True, None, 256), (False, 7.0, 256), (False, None, 320)],
+                         ids=["recompute", "kept_limit", "i320"])
+def test_fp8_layer_on_the_gluon_kernels(recompute, limit, inter, monkeypatch):
     # MOK_FP8_GLUON (the default): the layer's FP8 plan takes the Gluon kernels (the dSwiGLU
     # apart, its GEMM on the Gluon kernel), which give the Triton kernels' layer
     # (MOK_FP8_GLUON=0) within the recipe's tolerance (other sums inside each K block move
@@ -215,7 +219,7 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
     from ..conftest import run_layer
     from ..layer.test_fp8 import RECIPE
 
-    inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
+    inputs = make_inputs(3000, 512, inter, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=5)
     config = F.MoKConfig(precision="fp8", recompute_gate_up=recompute)
     monkeypatch.setattr(_env, "FP8_GLUON", False)

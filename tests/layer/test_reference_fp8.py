@@ -14,7 +14,7 @@ from mok.reference import (
     quantize_e4m3,
     swiglu,
 )
-from mok.testing import GRAD_NAMES, RoutingPattern, error_report, make_inputs
+from mok.testing import GRAD_NAMES, RoutingPattern, error_report, make_inputs, pad_expert_widths
 
 # e4m3 keeps 3 mantissa bits: ~6.5% relative error of the outputs at these sizes (section 3.5).
 FP8_REL_RMS = 0.12
@@ -162,8 +162,13 @@ def test_empty_expert_and_few_tokens():
     assert y.shape == (0, 256) and all(not g.any() for g in grads[2:])
 
 
-def test_needs_intermediate_multiple_of_128():
-    with pytest.raises(ValueError, match="multiple of 128"):
-        moe_reference_fp8_grads(make_inputs(8, 256, 64, 4, 2))
-    with pytest.raises(ValueError, match="shared_intermediate_size"):
-        moe_reference_fp8_grads(make_inputs(8, 256, 128, 4, 2, shared_intermediate_size=96))
+def test_d_gate_and_d_up_are_quantized_apart():
+    # d_x's e4m3 d_gate_up: each half its own 1 x 128 blocks, so an I that is no multiple of
+    # 128 gives what the same experts padded with zero weights to 256 give.
+    inputs = make_inputs(8, 256, 192, 4, 2, shared_intermediate_size=64, seed=6)
+    y, grads = moe_reference_fp8_grads(inputs)
+    y_pad, grads_pad = moe_reference_fp8_grads(pad_expert_widths(inputs))
+    torch.testing.assert_close(y, y_pad, rtol=1e-6, atol=1e-6)
+    for grad, wide in zip(grads, grads_pad, strict=True):
+        torch.testing.assert_close(grad, wide[tuple(slice(0, n) for n in grad.shape)],
+                                   rtol=1e-6, atol=1e-6)

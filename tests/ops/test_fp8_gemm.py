@@ -388,6 +388,46 @@ def test_quantize_experts_gives_every_copy_the_launchers_read(device):
         quantize_experts(w_g, w_u, w_d[:, :128])
 
 
+def test_a_partial_scale_block_gives_the_zero_padded_experts_bits(device):
+    # I = 192: every e4m3 copy, h and the backward's d_gate_up (each half from column 0 and
+    # 256, zero codes between) are those of the experts padded with zero weights to I = 256.
+    x, (w_g, w_u, w_d), _, router_weights, routing = setup(device, inter=192, seed=10)
+    wide = [torch.cat([w, w.new_zeros(shape)], dim=dim) for w, shape, dim in (
+        (w_g, (4, 64, 256), 1), (w_u, (4, 64, 256), 1), (w_d, (4, 256, 64), 2))]
+    d_out_q = quantize_rows(torch.randn_like(x))
+    outs = []
+    for weights in ((w_g, w_u, w_d), wide):
+        experts = quantize_experts(*weights)
+        xq = quantize_rows(x)
+        h = gate_up_swiglu_fp8(xq, experts.gate, experts.up, routing, H_TILES)
+        y = down_proj_fp8(h, experts.down, routing, TILES, router_weights)
+        gate_up = gate_up_fp8(xq, experts.gate, experts.up, routing, H_TILES)
+        d_gate_up, _, partial = dswiglu_fp8(d_out_q, experts.down_t, gate_up, routing, H_TILES,
+                                            router_weights)
+        d_x = d_x_rows_fp8(d_gate_up, experts.gate_up_t, routing, TILES)
+        outs.append((experts, h, y, d_gate_up, partial, d_x))
+    (narrow, h, y, d_gate_up, partial, d_x), (padded, h_p, y_p, d_gate_up_p, partial_p,
+                                              d_x_p) = outs
+    n = used(routing)
+
+    def bits(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    assert d_gate_up.data.shape == (routing.capacity_rows, 512)
+    for name, a, b in (("gate_up_t", narrow.gate_up_t, padded.gate_up_t),
+                       ("d_gate_up", d_gate_up, d_gate_up_p)):
+        assert torch.equal(bits(a.data[:n] if name == "d_gate_up" else a.data),
+                           bits(b.data[:n] if name == "d_gate_up" else b.data)), name
+    for name, a, b in (("gate", narrow.gate.data, padded.gate.data[:, :192]),
+                       ("down_t", narrow.down_t.data, padded.down_t.data[:, :192]),
+                       ("down", narrow.down.data, padded.down.data[..., :192]),
+                       ("h", h.data[:n], h_p.data[:n, :192]),
+                       ("h scales", h.scales[:n], h_p.scales[:n]),
+                       ("y", y[:n], y_p[:n]), ("partial", partial[:n], partial_p[:n]),
+                       ("d_x", d_x[:n], d_x_p[:n])):
+        assert torch.equal(bits(a), bits(b)), name
+
+
 def test_fp8_tiles_fit_the_schedule():
     from mok.ops.tuning import FP8_GLUON_KINDS, FP8_KINDS, fp8_tiles
 

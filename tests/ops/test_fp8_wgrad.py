@@ -124,10 +124,12 @@ def test_quantize_row_blocks_leaves_nan_out_of_the_scales(device, gather):
         assert (expected_scales[70] == 1.0).all()
 
 
-@pytest.mark.parametrize("align", [16, 128, 192], ids=lambda a: f"align{a}")
-def test_grouped_wgrad_fp8_matches_dequantized_math(device, align):
+@pytest.mark.parametrize(("align", "split"), [(16, 128), (128, 128), (192, 128), (16, 96)],
+                         ids=["align16", "align128", "align192", "split_in_a_tile"])
+def test_grouped_wgrad_fp8_matches_dequantized_math(device, align, split):
     # d_w_down's form (a by token, scaled by the route's weight; b by row) and d_w_gate/up's
-    # (a by row split in two; b by token); an expert without routes gets zeros.
+    # (a by row split in two, at 96 inside a 128-row tile; b by token); an expert without
+    # routes gets zeros.
     routing, router_weights = schedule(device, tokens=150, experts=3, topk=2, align=align,
                                        seed=3, unused=(2,))
     generator = torch.Generator().manual_seed(4)
@@ -136,7 +138,7 @@ def test_grouped_wgrad_fp8_matches_dequantized_math(device, align):
     down = grouped_wgrad_fp8(by_token, by_row, routing, TILES, gather_a=True, gather_b=False,
                              router_weights=router_weights, out_dtype=torch.float32)
     gate, up = grouped_wgrad_fp8(by_row, by_token, routing, TILES, gather_a=False,
-                                 gather_b=True, out_dtype=torch.bfloat16, split=128)
+                                 gather_b=True, out_dtype=torch.bfloat16, split=split)
     weighted = expert_rows(by_token, routing, gather=True, router_weights=router_weights)
     tokens = expert_rows(by_token, routing, gather=True)
     rows = expert_rows(by_row, routing, gather=False)
@@ -145,8 +147,8 @@ def test_grouped_wgrad_fp8_matches_dequantized_math(device, align):
                       for each in (weighted, tokens, rows))
         assert_products(down[e], qw, qr)
         # qr @ qt.T [256, 96]: gate's rows, then up's, rounded to bf16
-        assert_products(gate[e].float(), qr[:128], qt, rtol=2.0**-8)
-        assert_products(up[e].float(), qr[128:], qt, rtol=2.0**-8)
+        assert_products(gate[e].float(), qr[:split], qt, rtol=2.0**-8)
+        assert_products(up[e].float(), qr[split:], qt, rtol=2.0**-8)
     assert not down[2].any() and not gate[2].any() and not up[2].any()
     again = grouped_wgrad_fp8(by_token, by_row, routing, TILES, gather_a=True, gather_b=False,
                               router_weights=router_weights, out_dtype=torch.float32)
@@ -178,7 +180,7 @@ def test_fp8_wgrad_rejects_bad_operands(device):
     rows = torch.randn(routing.capacity_rows, 128, device=device).bfloat16()
     with pytest.raises(ValueError, match="split"):
         grouped_wgrad_fp8(rows, x, routing, TILES, gather_a=False, gather_b=True,
-                          out_dtype=torch.float32, split=64)
+                          out_dtype=torch.float32, split=128)
     with pytest.raises(ValueError, match="K steps"):
         grouped_wgrad_fp8(rows, x, routing, RowTiles(128, 64, 64), gather_a=False,
                           gather_b=True, out_dtype=torch.float32)
