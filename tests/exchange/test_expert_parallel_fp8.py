@@ -57,10 +57,10 @@ def _counts(world_size: int, uneven: bool) -> list[int]:
     return [_uneven_tokens(r) if uneven else MAX_TOKENS for r in range(world_size)]
 
 
-def _inputs(rank, world_size, *, uneven, shared) -> MoEInputs:
+def _inputs(rank, world_size, *, uneven, shared, inter=INTER) -> MoEInputs:
     return _shared_alike(_rank_inputs(
         rank, world_size, tokens=_counts(world_size, uneven)[rank], hidden=HIDDEN,
-        intermediate=INTER, num_local=NUM_LOCAL, topk=TOPK, shared=INTER if shared else 0,
+        intermediate=inter, num_local=NUM_LOCAL, topk=TOPK, shared=inter if shared else 0,
         pattern=RoutingPattern.SKEWED, seed=7))
 
 
@@ -141,8 +141,8 @@ def _check_against_union(rank, inputs, y, grads, limit, counts, *, left_out=None
 
 
 def _fp8_body(rank, world_size, *, shared, recompute, limit, uneven, ranks_per_node=None,
-              fp8_wgrad=False):
-    inputs = _inputs(rank, world_size, uneven=uneven, shared=shared)
+              fp8_wgrad=False, inter=INTER):
+    inputs = _inputs(rank, world_size, uneven=uneven, shared=shared, inter=inter)
     config = _config(recompute, fp8_wgrad)
     workspace = F.create_workspace(config, dist.group.WORLD, device=inputs.x.device,
                                    num_local_tokens=MAX_TOKENS, hidden_size=HIDDEN, topk=TOPK,
@@ -191,9 +191,9 @@ def test_ep_fp8_shared_kept_limit_uneven(rank, world_size):
 @distributed_test(world_sizes=(2,))
 def test_ep_fp8_weight_gradients(rank, world_size):
     # MoKConfig(fp8_weight_gradients=True): the pulled x and d_output rows quantized along the
-    # rows like this rank's own.
+    # rows like this rank's own. Experts 96 wide: a partial scale block.
     _fp8_body(rank, world_size, shared=True, recompute=False, limit=None, uneven=True,
-              fp8_wgrad=True)
+              fp8_wgrad=True, inter=96)
 
 
 @distributed_test(world_sizes=(2,))
