@@ -166,8 +166,8 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
              scatter: bool = False) -> Fp8Plan:
     """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment):
     with MOK_FP8_GLUON (the default) the Gluon kernels where the GPU runs them (their operands
-    are mok's own buffers and e4m3 weight copies, which they can read whenever H is a multiple
-    of 16); the dSwiGLU apart, its GEMM on the Gluon kernel, where that takes it
+    are mok's own buffers and e4m3 weight copies, which they can read whenever H and I are
+    multiples of 16); the dSwiGLU apart, its GEMM on the Gluon kernel, where that takes it
     (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight gradients on
     the Gluon kernel where the alignment, H and I are multiples of 128; scatter: down and d_x
     write their rows to other ranks (the Triton kernel's epilogue); down, d_x and the
@@ -183,7 +183,9 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
               wide_wgrad_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
-    gluon = gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
+    # TMA: e4m3 rows of H (x, d_output) and of I (h, down's weights) in 16-byte multiples
+    gluon = (gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
+             and intermediate % 16 == 0)
     triton = ("down", "d_x") if scatter else ()
     if not apart_on:
         triton += ("down_bwd_saved",)

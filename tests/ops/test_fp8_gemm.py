@@ -482,7 +482,7 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     # By default (MOK_FP8_GLUON) on an sm_90 GPU: gate/up, the pre-activations, down and d_x on
     # the Gluon kernels, the dSwiGLU apart with its GEMM on the Gluon kernel (in one launch the
     # Triton kernel's, where _FP8_DSWIGLU_APART is off); scattering rows to other ranks (expert
-    # parallelism), down and d_x on the Triton one; H not a multiple of 16, or
+    # parallelism), down and d_x on the Triton one; H or I not a multiple of 16, or
     # MOK_FP8_GLUON=0, every launch on the Triton kernels, the dSwiGLU in one launch.
     from mok import _env, plan
     from mok.arch import HOPPER
@@ -492,11 +492,12 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     operands = plan.Operands.of(x, w_g, w_u, w_d)
     tiles = dataclasses.replace(ops.default_tiles(device), align=128)
 
-    def gluon(**kwargs):
-        fp8 = plan.fp8_plan(tiles, operands, intermediate=256, **kwargs)
+    def gluon(intermediate=256, **kwargs):
+        fp8 = plan.fp8_plan(tiles, operands, intermediate=intermediate, **kwargs)
         assert fp8.dswiglu_apart == fp8.dswiglu.gluon
         # the FP8 weight gradients: Gluon where H and I are multiples of 128
-        assert fp8.wgrad_fp8.gluon == (fp8.gate_up.gluon and kwargs["hidden"] % 128 == 0)
+        assert fp8.wgrad_fp8.gluon == (fp8.gate_up.gluon and kwargs["hidden"] % 128 == 0
+                                       and intermediate % 128 == 0)
         return tuple(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.dswiglu,
                                        fp8.d_x))
 
@@ -505,6 +506,8 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     assert gluon(hidden=256, scatter=True) == (True, True, False, True, False)
     assert gluon(hidden=264) == (False,) * 5
     assert gluon(hidden=272) == (True,) * 5  # H a multiple of 16, not of 128
+    assert gluon(hidden=256, intermediate=208) == (True,) * 5  # I likewise
+    assert gluon(hidden=256, intermediate=200) == (False,) * 5
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", False)
     assert gluon(hidden=256) == (True, True, True, False, True)
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", True)
