@@ -544,8 +544,8 @@ def main(argv=None) -> None:
     for name in args.shapes:
         shape = FP8_SHAPES[name]
         if shape.hidden_size % 128 or shape.intermediate_size % 128:
-            print(f"skipped {name}: FP8 needs H and I multiples of 128, got "
-                  f"({shape.hidden_size}, {shape.intermediate_size})")
+            print(f"skipped {name}: these stages time whole scale blocks (H and I multiples "
+                  f"of 128), got ({shape.hidden_size}, {shape.intermediate_size})")
             continue
         append_rows(args.csv, FIELDS, bench_shape(shape, device, args.repeats, args.warmup,
                                                   only=tuple(args.stages),
