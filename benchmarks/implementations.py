@@ -179,13 +179,6 @@ def with_shared(y: torch.Tensor, x: torch.Tensor, shared: tuple | None) -> torch
 def mok_implementation(shape: MoEShape, settings: Settings, *, name: str = "mok",
                        config: F.MoKConfig | None = None) -> Implementation:
     config = config or F.MoKConfig()
-    if config.precision == "fp8":
-        from mok.ops import QUANT_BLOCK
-
-        widths = (shape.intermediate_size, shape.shared_intermediate_size)
-        if any(width % QUANT_BLOCK for width in widths):
-            raise Unavailable(f"FP8 needs expert widths that are multiples of {QUANT_BLOCK}, "
-                              f"got {widths}")
     workspace = F.get_workspace(config, None, device=settings.device,
                                 num_local_tokens=shape.num_tokens,
                                 hidden_size=shape.hidden_size, topk=shape.topk)
