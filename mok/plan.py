@@ -166,11 +166,11 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
              scatter: bool = False) -> Fp8Plan:
     """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment):
     with MOK_FP8_GLUON (the default) the Gluon kernels where the GPU runs them (their operands
-    are mok's own buffers and e4m3 weight copies, which they can read whenever H and I are
-    multiples of 16); the dSwiGLU apart, its GEMM on the Gluon kernel, where that takes it
-    (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight gradients on
-    the Gluon kernel where the alignment, H and I are multiples of 128; scatter: down and d_x
-    write their rows to other ranks (the Triton kernel's epilogue); down, d_x and the
+    are mok's own buffers and e4m3 weight copies, which they can read whenever H is a multiple
+    of 16; I a multiple of 128); the dSwiGLU apart, its GEMM on the Gluon kernel, where that
+    takes it (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight
+    gradients on the Gluon kernel where the alignment, H and I are multiples of 128; scatter:
+    down and d_x write their rows to other ranks (the Triton kernel's epilogue); down, d_x and the
     dSwiGLU's GEMM with Gluon tiles of 128 rows at 128 x 256 where _FP8_WIDE_ROWS (the
     default), the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD (the
     default). Remembered per arguments and switches (`_remembered`)."""
@@ -183,9 +183,10 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
               wide_wgrad_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
-    # TMA: e4m3 rows of H (x, d_output) and of I (h, down's weights) in 16-byte multiples
+    # TMA: e4m3 rows of H (x, d_output) in 16-byte multiples. I a multiple of 128: the Gluon
+    # kernels' partial last block of I (gate/up's h scales) has not yet run on a GPU.
     gluon = (gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
-             and intermediate % 16 == 0)
+             and intermediate % 128 == 0)
     triton = ("down", "d_x") if scatter else ()
     if not apart_on:
         triton += ("down_bwd_saved",)

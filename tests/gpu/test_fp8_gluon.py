@@ -203,10 +203,9 @@ def test_gluon_fp8_gate_up_matches_dequantized_math_and_the_triton_kernel(hidden
 
 
 @SM90
-@pytest.mark.parametrize(("recompute", "limit", "inter"),
-                         [(True, None, 256), (False, 7.0, 256), (False, None, 320)],
-                         ids=["recompute", "kept_limit", "i320"])
-def test_fp8_layer_on_the_gluon_kernels(recompute, limit, inter, monkeypatch):
+@pytest.mark.parametrize(("recompute", "limit"), [(True, None), (False, 7.0)],
+                         ids=["recompute", "kept_limit"])
+def test_fp8_layer_on_the_gluon_kernels(recompute, limit, monkeypatch):
     # MOK_FP8_GLUON (the default): the layer's FP8 plan takes the Gluon kernels (the dSwiGLU
     # apart, its GEMM on the Gluon kernel), which give the Triton kernels' layer
     # (MOK_FP8_GLUON=0) within the recipe's tolerance (other sums inside each K block move
@@ -219,7 +218,7 @@ def test_fp8_layer_on_the_gluon_kernels(recompute, limit, inter, monkeypatch):
     from ..conftest import run_layer
     from ..layer.test_fp8 import RECIPE
 
-    inputs = make_inputs(3000, 512, inter, 16, 4, shared_intermediate_size=256, device="cuda",
+    inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
                          seed=5)
     config = F.MoKConfig(precision="fp8", recompute_gate_up=recompute)
     monkeypatch.setattr(_env, "FP8_GLUON", False)

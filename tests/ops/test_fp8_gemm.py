@@ -482,7 +482,7 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     # By default (MOK_FP8_GLUON) on an sm_90 GPU: gate/up, the pre-activations, down and d_x on
     # the Gluon kernels, the dSwiGLU apart with its GEMM on the Gluon kernel (in one launch the
     # Triton kernel's, where _FP8_DSWIGLU_APART is off); scattering rows to other ranks (expert
-    # parallelism), down and d_x on the Triton one; H or I not a multiple of 16, or
+    # parallelism), down and d_x on the Triton one; H not a multiple of 16, I not one of 128, or
     # MOK_FP8_GLUON=0, every launch on the Triton kernels, the dSwiGLU in one launch.
     from mok import _env, plan
     from mok.arch import HOPPER
@@ -506,8 +506,8 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     assert gluon(hidden=256, scatter=True) == (True, True, False, True, False)
     assert gluon(hidden=264) == (False,) * 5
     assert gluon(hidden=272) == (True,) * 5  # H a multiple of 16, not of 128
-    assert gluon(hidden=256, intermediate=208) == (True,) * 5  # I likewise
-    assert gluon(hidden=256, intermediate=200) == (False,) * 5
+    assert gluon(hidden=256, intermediate=384) == (True,) * 5
+    assert gluon(hidden=256, intermediate=208) == (False,) * 5  # a partial block of I
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", False)
     assert gluon(hidden=256) == (True, True, True, False, True)
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", True)
