@@ -405,8 +405,8 @@ def patch_moe_blocks(model: nn.Module, *, backend: Backend | str = Backend.MOK,
     precision="fp8": the experts' row GEMMs on e4m3 operands with blockwise scales
     (mok.functional.MoKConfig.precision).
     Raises ValueError (before changing anything) when a block has a layout mok cannot run, or
-    (backend "mok") sizes its kernels cannot (H and I multiples of 8; in FP8, I and the shared
-    expert's multiples of 128), or an option mok.nn.MoE refuses. A model whose blocks are
+    (backend "mok") sizes its kernels cannot (H and I multiples of 8), or an option mok.nn.MoE
+    refuses. A model whose blocks are
     already mok's is left as it is, as is one without a supported block (a warning says so).
     """
     block_types = supported_block_types()

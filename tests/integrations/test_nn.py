@@ -937,7 +937,7 @@ def test_expert_parallel_rank_over_max_tokens_is_named(rank, world_size):
 
 
 def test_fp8_module_trains_close_to_the_reference_and_compiles():
-    # MoE(precision="fp8"): the experts' row GEMMs in e4m3 (widths multiples of 128).
+    # MoE(precision="fp8"): the experts' row GEMMs in e4m3.
     torch.manual_seed(5)
     module = MoE(256, 128, 4, 2, 128, precision="fp8", device=DEVICE)
     assert "precision=fp8" in repr(module)
