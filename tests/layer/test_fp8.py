@@ -30,6 +30,16 @@ from ..conftest import run_layer, tiles_for_tests
 RECIPE = Tolerance(rel_rms=1.5e-2, max_rel=0.1)
 
 
+def assert_recipe(y, grads, y_ref, grads_ref):
+    """The layer's output and gradients against the recipe's, within RECIPE."""
+    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
+    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
+        assert (actual is None) == (expected is None), name
+        if expected is not None:
+            assert actual.shape == expected.shape, name
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+
+
 def fp8_run(inputs, *, recompute=True, limit=None):
     config = F.MoKConfig(precision="fp8", recompute_gate_up=recompute)
     return run_layer(inputs, config=config, swiglu_limit=limit, tiles=tiles_for_tests(32))
@@ -44,12 +54,7 @@ def test_fp8_layer_matches_the_recipe(device, shared, recompute, limit, dtype):
                          seed=2, dtype=dtype)
     y, grads, _, context = fp8_run(inputs, recompute=recompute, limit=limit)
     y_ref, grads_ref = moe_reference_fp8_grads(inputs, swiglu_limit=limit)
-    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
-    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
-        assert (actual is None) == (expected is None), name
-        if expected is not None:
-            assert actual.shape == expected.shape, name
-            assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+    assert_recipe(y, grads, y_ref, grads_ref)
     if limit is None:  # against the exact layer: what e4m3's 3 mantissa bits give (a limit
         # adds to it: the rounding moves pre-activations across it, switching their gradients)
         y_exact, grads_exact = moe_reference_grads(inputs)
@@ -73,10 +78,7 @@ def test_fp8_weight_gradients_match_the_recipe(device, recompute):
     y, grads, _, _ = run_layer(inputs, config=config, swiglu_limit=3.0, tiles=tiles_for_tests(32))
     y_ref, grads_ref = moe_reference_fp8_grads(inputs, swiglu_limit=3.0,
                                                fp8_weight_gradients=True)
-    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
-    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
-        assert actual.shape == expected.shape, name
-        assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+    assert_recipe(y, grads, y_ref, grads_ref)
     y_bf16, grads_bf16, _, _ = fp8_run(inputs, recompute=recompute, limit=3.0)
     assert torch.equal(y, y_bf16)
     for name, a, b in zip(GRAD_NAMES, grads, grads_bf16, strict=True):
@@ -148,14 +150,9 @@ def test_fp8_widths_that_are_no_multiple_of_128(device, hidden, inter, shared, r
                                tiles=tiles_for_tests(32))
     y_ref, grads_ref = moe_reference_fp8_grads(inputs, swiglu_limit=limit,
                                                fp8_weight_gradients=wgrad)
-    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
-    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
-        assert (actual is None) == (expected is None), name
-        if expected is not None:
-            assert actual.shape == expected.shape, name
-            assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
-    y_pad, grads_pad, _, _ = run_layer(pad_expert_widths(inputs), config=config, swiglu_limit=limit,
-                                       tiles=tiles_for_tests(32))
+    assert_recipe(y, grads, y_ref, grads_ref)
+    y_pad, grads_pad, _, _ = run_layer(pad_expert_widths(inputs), config=config,
+                                       swiglu_limit=limit, tiles=tiles_for_tests(32))
     torch.testing.assert_close(y, y_pad, rtol=1e-6, atol=1e-6)
     for name, actual, wide in zip(GRAD_NAMES, grads, grads_pad, strict=True):
         if actual is not None:
@@ -212,10 +209,7 @@ def test_fp8_layer_stays_finite_with_tokens_of_tiny_values(device):
     for name, grad in zip(GRAD_NAMES, grads, strict=True):
         assert grad is None or torch.isfinite(grad).all(), name
     y_ref, grads_ref = moe_reference_fp8_grads(inputs)
-    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
-    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
-        if expected is not None:
-            assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+    assert_recipe(y, grads, y_ref, grads_ref)
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
@@ -389,10 +383,7 @@ def test_fp8_layer_takes_an_alignment_that_is_no_power_of_two(device):
     y, grads, _, _ = run_layer(inputs, config=F.MoKConfig(precision="fp8"),
                                tiles=small_tiles(16, 48))
     y_ref, grads_ref = moe_reference_fp8_grads(inputs)
-    assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
-    for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
-        if expected is not None:
-            assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+    assert_recipe(y, grads, y_ref, grads_ref)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
