@@ -402,8 +402,20 @@ def test_a_partial_scale_block_gives_the_zero_padded_experts_bits(device):
         h = gate_up_swiglu_fp8(xq, experts.gate, experts.up, routing, H_TILES)
         y = down_proj_fp8(h, experts.down, routing, TILES, router_weights)
         gate_up = gate_up_fp8(xq, experts.gate, experts.up, routing, H_TILES)
+        kept = gate_up.clone()
         d_gate_up, _, partial = dswiglu_fp8(d_out_q, experts.down_t, gate_up, routing, H_TILES,
                                             router_weights)
+        # the two launches: the same bits (compiled, the partial sums up to their order)
+        apart = dswiglu_fp8(d_out_q, experts.down_t, kept, routing, H_TILES, router_weights,
+                            apart=True)
+        n = used(routing)
+        assert torch.equal(kept[:n], gate_up[:n])
+        assert torch.equal(d_gate_up.data[:n].view(torch.uint8), apart[0].data[:n].view(
+            torch.uint8))
+        assert torch.equal(d_gate_up.scales[:n], apart[0].scales[:n])
+        torch.testing.assert_close(partial[:n], apart[2][:n], rtol=1e-5, atol=1e-5)
+        if not partial.is_cuda:
+            assert torch.equal(partial[:n], apart[2][:n])
         d_x = d_x_rows_fp8(d_gate_up, experts.gate_up_t, routing, TILES)
         outs.append((experts, h, y, d_gate_up, partial, d_x))
     (narrow, h, y, d_gate_up, partial, d_x), (padded, h_p, y_p, d_gate_up_p, partial_p,
