@@ -378,7 +378,8 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
                            BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, ALIGN: gl.constexpr,
                            NUM_STAGES: gl.constexpr, HAS_LIMIT: gl.constexpr,
                            SWIGLU: gl.constexpr, QUANTIZE_H: gl.constexpr,
-                           SAVE_GATE_UP: gl.constexpr, HALF: gl.constexpr):
+                           SAVE_GATE_UP: gl.constexpr, PARTIAL_N: gl.constexpr,
+                           HALF: gl.constexpr):
     """Rows HALF * 64 .. + 64 of every tile: per K step the gate product, scaled and added,
     then the up product; then the epilogue."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -441,10 +442,10 @@ def _gate_up_mma_partition(h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bar
                 gate, up = activation.clamp(gate, up, swiglu_limit)
             h = activation.swiglu(gate, up)
             if QUANTIZE_H:
-                # columns past N (the next expert's weight rows, or TMA's zeros) out of the
-                # scale: the last block of an I that is no multiple of 128
-                cols = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-                q, scale = _quantize_rows(gl.where((cols < N)[None, :], h, 0.0))
+                if PARTIAL_N:  # columns past N (the next expert's weight rows) out of the scale
+                    cols = c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+                    h = gl.where((cols < N)[None, :], h, 0.0)
+                q, scale = _quantize_rows(h)
                 _put(h_desc, q, r, c0, h_smem)
                 gl.store(h_scale_ptr + (r0 + rows).to(gl.int64) * stride_hs + c0 // 128, scale)
             else:
@@ -461,18 +462,19 @@ def fp8_gate_up_ws_kernel(
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, A_LAYOUT: gl.constexpr,
     HAS_LIMIT: gl.constexpr, SWIGLU: gl.constexpr, QUANTIZE_H: gl.constexpr,
-    SAVE_GATE_UP: gl.constexpr,
+    SAVE_GATE_UP: gl.constexpr, PARTIAL_N: gl.constexpr,
 ):
     """The FP8 gate/up of mok.kernels.fp8_gemm ("swiglu" and "gate_up" epilogues) with BLOCK_M
     128 (two MMA partitions of 64 rows) and BLOCK_N 128: g = x[token(r)] . w_gate[e, n], u =
     x[token(r)] . w_up[e, n], each K block's product scaled by x's row scale and the weight
     block's. SWIGLU: h = swiglu(g, u) (with HAS_LIMIT clamped first) into h_desc's [R, N], as
-    e4m3 with a scale per row and 128 columns into h_scale [R, N / 128] (QUANTIZE_H) or in
+    e4m3 with a scale per row and 128 columns into h_scale [R, cdiv(N, 128)] (QUANTIZE_H; with
+    PARTIAL_N, N no multiple of BLOCK_N, the last block's scale from its columns below N) or in
     h_desc's dtype. SAVE_GATE_UP: the pre-activations into gate_up's halves (gate_desc,
     up_desc: [R, N] with row stride 2N), a value the limit clamps as +-inf. Padding rows get 0
     (h's scale 1). Launched with one program per SM and num_warps = 4; x [T, K] e4m3 (row
     stride stride_xm, K a multiple of 16) with x_scale [T, cdiv(K, 128)]; w viewed [E * N, K]
-    with [BLOCK_N, BLOCK_K] boxes, scales [E, N / 128, cdiv(K, 128)]; the outputs' boxes
+    with [BLOCK_N, BLOCK_K] boxes, scales [E, cdiv(N, 128), cdiv(K, 128)]; the outputs' boxes
     [64, BLOCK_N]; A_LAYOUT the A buffers' shared layout ([BLOCK_M, BLOCK_K] e4m3)."""
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, 2 * BLOCK_N, BLOCK_K],
@@ -503,14 +505,14 @@ def fp8_gate_up_ws_kernel(
                                   used_rows_ptr, N, K, topk, swiglu_limit, stride_xs,
                                   stride_wse, stride_wsn, stride_hs, BLOCK_M, BLOCK_N, BLOCK_K,
                                   GROUP_M, ALIGN, NUM_STAGES, HAS_LIMIT, SWIGLU, QUANTIZE_H,
-                                  SAVE_GATE_UP, 0)),
+                                  SAVE_GATE_UP, PARTIAL_N, 0)),
         (_gate_up_mma_partition, (h_desc, gate_desc, up_desc, a_bufs, b_bufs, ready_bars,
                                   empty_bars, h_smem2, kept_smem2, x_scale_ptr,
                                   w_gate_scale_ptr, w_up_scale_ptr, h_scale_ptr, row_route_ptr,
                                   block_expert_ptr, used_rows_ptr, N, K, topk, swiglu_limit,
                                   stride_xs, stride_wse, stride_wsn, stride_hs, BLOCK_M,
                                   BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES, HAS_LIMIT,
-                                  SWIGLU, QUANTIZE_H, SAVE_GATE_UP, 1)),
+                                  SWIGLU, QUANTIZE_H, SAVE_GATE_UP, PARTIAL_N, 1)),
         (_gather_load_partition, (x_ptr, w_gate_desc, w_up_desc, row_route_ptr,
                                   block_expert_ptr, used_rows_ptr, a_bufs, b_bufs, ready_bars,
                                   empty_bars, N, K, topk, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,

@@ -650,6 +650,6 @@ def _gate_up_gluon(x: Quantized, w_gate: Quantized, w_up: Quantized, routing: Ro
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=stages, LOAD_WARPS=_GLUON_GATHER_WARPS, LOAD_REGS=_GLUON_GATHER_REGS,
         MMA_REGS=_GLUON_MMA_REGS, A_LAYOUT=_nvmma_layout((bm, bk), gl.float8e4nv),
-        HAS_LIMIT=swiglu_limit is not None, SWIGLU=h is not None,
+        HAS_LIMIT=swiglu_limit is not None, SWIGLU=h is not None, PARTIAL_N=n % bn != 0,
         QUANTIZE_H=h_scales is not None, SAVE_GATE_UP=kept, num_warps=4,
     )
