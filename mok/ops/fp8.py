@@ -108,9 +108,9 @@ def cached_quantize_experts(w_gate: torch.Tensor, w_up: torch.Tensor,
     by in-place writes) are those it was made at and no torch.optim optimizer has stepped since
     (a step post hook clears the cache: fused optimizers write without bumping the counters).
     An entry is dropped with its weights' storages; its e4m3 copies take as many bytes as its
-    weights. Writes neither the counters nor an optimizer step announce (through `.data`,
-    torch.distributed collectives, another process or another library's kernels) need
-    `clear_fp8_cache`.
+    weights (and gate_up_t's padding). Writes neither the counters nor an optimizer step
+    announce (through `.data`, torch.distributed collectives, another process or another
+    library's kernels) need `clear_fp8_cache`.
     While a CUDA graph is being captured only entries made in the same capture serve, so the
     graph quantizes the weights it reads once (a step's forward quantizes, its backward reuses
     that copy) and each replay quantizes them afresh; those entries serve nothing after the
