@@ -395,6 +395,7 @@ def test_a_partial_scale_block_gives_the_zero_padded_experts_bits(device):
     wide = [torch.cat([w, w.new_zeros(shape)], dim=dim) for w, shape, dim in (
         (w_g, (4, 64, 256), 1), (w_u, (4, 64, 256), 1), (w_d, (4, 256, 64), 2))]
     d_out_q = quantize_rows(torch.randn_like(x))
+    n = used(routing)
     outs = []
     for weights in ((w_g, w_u, w_d), wide):
         experts = quantize_experts(*weights)
@@ -408,7 +409,6 @@ def test_a_partial_scale_block_gives_the_zero_padded_experts_bits(device):
         # the two launches: the same bits (compiled, the partial sums up to their order)
         apart = dswiglu_fp8(d_out_q, experts.down_t, kept, routing, H_TILES, router_weights,
                             apart=True)
-        n = used(routing)
         assert torch.equal(kept[:n], gate_up[:n])
         assert torch.equal(d_gate_up.data[:n].view(torch.uint8), apart[0].data[:n].view(
             torch.uint8))
@@ -420,7 +420,6 @@ def test_a_partial_scale_block_gives_the_zero_padded_experts_bits(device):
         outs.append((experts, h, y, d_gate_up, partial, d_x))
     (narrow, h, y, d_gate_up, partial, d_x), (padded, h_p, y_p, d_gate_up_p, partial_p,
                                               d_x_p) = outs
-    n = used(routing)
 
     def bits(t):
         return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
