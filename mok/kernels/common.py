@@ -61,6 +61,18 @@ def to_e4m3(x, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def abs_max(x, AXIS: tl.constexpr, UPCAST: tl.constexpr):
+    """max |x| along AXIS with NaN left out, 0 where all are NaN. Compiled, max.f32 returns the
+    operand that is not NaN, so only the result is tested; the interpreter's max keeps NaN, so
+    with UPCAST each value is."""
+    magnitude = tl.abs(x)
+    if UPCAST:
+        return tl.max(tl.where(magnitude == magnitude, magnitude, 0.0), axis=AXIS)
+    largest = tl.max(magnitude, axis=AXIS)
+    return tl.where(largest == largest, largest, 0.0)
+
+
+@triton.jit
 def from_e4m3(q, UPCAST: tl.constexpr):
     """float8e4nv q -> fp32. With UPCAST the NaN codes (0x7F, 0xFF) read as NaN: the interpreter
     reads them as +-480."""

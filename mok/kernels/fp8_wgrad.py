@@ -28,7 +28,7 @@ CPU interpreter (mok.kernels.common).
 import triton
 import triton.language as tl
 
-from mok.kernels.common import cast_to, to_e4m3
+from mok.kernels.common import abs_max, cast_to, to_e4m3
 from mok.kernels.fp8_gemm import _dot_e4m3
 from mok.kernels.quantize import _block_scale
 
@@ -78,9 +78,7 @@ def quantize_row_blocks_kernel(
                 mask=valid[:, None] & in_n[None, :], other=0.0).to(tl.float32)
     if WEIGHTED:
         x *= tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
-    magnitude = tl.abs(x)
-    magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)  # NaN left out of the amax
-    scale, inverse = _block_scale(tl.max(magnitude, axis=0), False)
+    scale, inverse = _block_scale(abs_max(x, 0, UPCAST), False)
     q = to_e4m3(x * inverse[None, :], UPCAST)
     tl.store(scale_ptr + slot.to(tl.int64) * stride_s + cols, scale, mask=in_n)
     tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + rows[None, :], tl.trans(q),

@@ -106,12 +106,15 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
                    used_rows_ptr, N, K, topk, stride_as, stride_wse, stride_wsn,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   HAS_WEIGHT: gl.constexpr, GATHER: gl.constexpr, HALF: gl.constexpr):
+                   HAS_WEIGHT: gl.constexpr, GATHER: gl.constexpr, HALF: gl.constexpr,
+                   OUT_COPIES: gl.constexpr):
     """Rows HALF * 64 .. + 64 of every tile: the scaled K loop, then the epilogue. GATHER: the
     A rows are tokens' rows (their scales by token), landed by cp.async. Each K step's scales
     (the rows' and the weight block's) are loaded a step ahead. BLOCK_N 256: two products of
     128 columns a K step (two weight-scale blocks), one after the other through the one
-    scratch accumulator, as gate/up's, the first added before the second is issued."""
+    scratch accumulator, as gate/up's, the first added before the second is issued; the two
+    halves are stored through c_smem's OUT_COPIES buffers (with 2 the second store does not
+    wait for the first)."""
     WIDTH: gl.constexpr = BLOCK_N if BLOCK_N <= 128 else 128  # one wgmma's columns
     TWO: gl.constexpr = BLOCK_N > 128
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -177,20 +180,28 @@ def _mma_partition(out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem, a_s
 
         if not HAS_WEIGHT:
             weight = valid  # not read
-        _put_rows(out_desc, acc, weight, valid, r0 + HALF * 64, c0, c_smem, HAS_WEIGHT)
+        _put_rows(out_desc, acc, weight, valid, r0 + HALF * 64, c0, c_smem.index(0),
+                  HAS_WEIGHT, True)
         if TWO:
-            _put_rows(out_desc, acc_hi, weight, valid, r0 + HALF * 64, c0 + WIDTH, c_smem,
-                      HAS_WEIGHT)
+            # with a second buffer: its last store (the previous tile's) was waited on above
+            _put_rows(out_desc, acc_hi, weight, valid, r0 + HALF * 64, c0 + WIDTH,
+                      c_smem.index(OUT_COPIES - 1), HAS_WEIGHT, OUT_COPIES == 1)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _put_rows(out_desc, acc, weight, valid, r, c, c_smem, HAS_WEIGHT: gl.constexpr):
+def _put_rows(out_desc, acc, weight, valid, r, c, c_smem, HAS_WEIGHT: gl.constexpr,
+              WAIT: gl.constexpr):
     """acc (times the rows' router weights with HAS_WEIGHT; padding rows 0 whatever their
-    codes) -> out_desc's box at (r, c) through c_smem (waited on before its next use)."""
+    codes) -> out_desc's box at (r, c) through c_smem; WAIT: once every store issued before
+    has read its buffer."""
     if HAS_WEIGHT:
         acc = acc * weight[:, None]
-    _put(out_desc, gl.where(valid[:, None], acc, 0.0), r, c, c_smem)
+    if WAIT:
+        tma.store_wait(pendings=0)
+    c_smem.store(gl.where(valid[:, None], acc, 0.0).to(out_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [r, c], c_smem)
 
 
 @gluon.jit
@@ -199,39 +210,41 @@ def fp8_rows_ws_kernel(
     block_expert_ptr, used_rows_ptr, N, K, stride_as, stride_wse, stride_wsn,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     ALIGN: gl.constexpr, NUM_STAGES: gl.constexpr, LOAD_REGS: gl.constexpr,
-    MMA_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr,
+    MMA_REGS: gl.constexpr, HAS_WEIGHT: gl.constexpr, OUT_COPIES: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = 4 (the first MMA partition).
     Descriptors: a [R, K] e4m3 with [BLOCK_M, BLOCK_K] boxes, w viewed [E * N, K] e4m3 with
     [BLOCK_N, BLOCK_K] boxes (TMA zero-fills both past K), out [R, N] with [64, min(BLOCK_N,
     128)] boxes. BLOCK_M 64 or 128, BLOCK_N 64, 128 or 256 (two products of 128 columns a K
-    step), BLOCK_K 128.
+    step), BLOCK_K 128. OUT_COPIES: each MMA partition's output buffers, 1, or 2 with BLOCK_N
+    256 (one a half).
     router_weights_ptr: fp32 [T * topk] by route (unused without HAS_WEIGHT)."""
     NUM_MMA: gl.constexpr = BLOCK_M // 64
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
                                        a_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K],
                                        w_desc.layout)
-    c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
+    box: gl.constexpr = out_desc.block_type.shape
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, [OUT_COPIES, box[0], box[1]],
                                        out_desc.layout)
     ready_bars, empty_bars = _ring_barriers(NUM_STAGES, 1, NUM_MMA)
 
     # (The partitions' arguments stay literal tuples: a tuple held in a variable loses its
     # constexprs.)
     if NUM_MMA == 2:
-        c_smem2 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
+        c_smem2 = gl.allocate_shared_memory(out_desc.dtype, [OUT_COPIES, box[0], box[1]],
                                             out_desc.layout)
         gl.warp_specialize([
             (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem,
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 0)),
+                              HAS_WEIGHT, False, 0, OUT_COPIES)),
             (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 1)),
+                              HAS_WEIGHT, False, 1, OUT_COPIES)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
                                ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ALIGN, NUM_STAGES)),
@@ -242,7 +255,7 @@ def fp8_rows_ws_kernel(
                               a_scale_ptr, w_scale_ptr, router_weights_ptr, row_route_ptr,
                               block_expert_ptr, used_rows_ptr, N, K, 1, stride_as, stride_wse,
                               stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                              HAS_WEIGHT, False, 0)),
+                              HAS_WEIGHT, False, 0, OUT_COPIES)),
             (_load_partition, (a_desc, w_desc, block_expert_ptr, used_rows_ptr, a_bufs, b_bufs,
                                ready_bars, empty_bars, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                ALIGN, NUM_STAGES)),
@@ -269,10 +282,9 @@ def fp8_gather_ws_kernel(
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_N, BLOCK_K],
                                        w_desc.layout)
-    c_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
-                                       out_desc.layout)
-    c_smem2 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
-                                        out_desc.layout)
+    box: gl.constexpr = out_desc.block_type.shape
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, [1, box[0], box[1]], out_desc.layout)
+    c_smem2 = gl.allocate_shared_memory(out_desc.dtype, [1, box[0], box[1]], out_desc.layout)
     ready_bars, empty_bars = _ring_barriers(NUM_STAGES, LOAD_WARPS * 32 + 1, 2)
 
     gl.warp_specialize([
@@ -280,12 +292,12 @@ def fp8_gather_ws_kernel(
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, 0)),
+                          False, True, 0, 1)),
         (_mma_partition, (out_desc, a_bufs, b_bufs, ready_bars, empty_bars, c_smem2,
                           a_scale_ptr, w_scale_ptr, a_scale_ptr, row_route_ptr,
                           block_expert_ptr, used_rows_ptr, N, K, topk, stride_as, stride_wse,
                           stride_wsn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN, NUM_STAGES,
-                          False, True, 1)),
+                          False, True, 1, 1)),
         (_gather_load_partition, (a_ptr, w_desc, w_desc, row_route_ptr, block_expert_ptr,
                                   used_rows_ptr, a_bufs, b_bufs, ready_bars, empty_bars, N, K,
                                   topk, stride_am, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN,

@@ -17,7 +17,7 @@ block dequantizes to NaN). x = q * scale up to e4m3's rounding.
 import triton
 import triton.language as tl
 
-from mok.kernels.common import E4M3_MAX, to_e4m3
+from mok.kernels.common import E4M3_MAX, abs_max, to_e4m3
 
 AMAX_FLOOR = tl.constexpr(448.0 * 2.0 ** -126)  # the least amax a block's scale is taken from
 
@@ -39,13 +39,11 @@ def _block_scale(amax, POW2: tl.constexpr):
 def quantize_tile(x, ROW_SCALES: tl.constexpr, POW2: tl.constexpr, UPCAST: tl.constexpr):
     """(e4m3 q, scale) of an fp32 tile: a scale per row (ROW_SCALES) or one for the tile, from
     the amax with NaN left out (the module's rule)."""
-    magnitude = tl.abs(x)
-    magnitude = tl.where(magnitude == magnitude, magnitude, 0.0)
     if ROW_SCALES:
-        scale, inverse = _block_scale(tl.max(magnitude, axis=1), POW2)
+        scale, inverse = _block_scale(abs_max(x, 1, UPCAST), POW2)
         scaled = x * inverse[:, None]
     else:
-        scale, inverse = _block_scale(tl.max(tl.max(magnitude, axis=1), axis=0), POW2)
+        scale, inverse = _block_scale(tl.max(abs_max(x, 1, UPCAST), axis=0), POW2)
         scaled = x * inverse
     return to_e4m3(scaled, UPCAST), scale
 

@@ -439,8 +439,11 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
         raise ValueError(_NOT_TAKEN)
     experts, n, k = w.data.shape
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-    # the MMA partitions' output buffers: their rows, at most 128 columns
-    stages = _fitted_stages(tiles, bn, bm * min(bn, 128) * out.element_size())
+    # the MMA partitions' output buffers: their rows, at most 128 columns; at 256 columns a
+    # second one each where it costs no stage, so that a tile's two stores do not queue
+    box = bm * min(bn, 128) * out.element_size()
+    stages = _fitted_stages(tiles, bn, box)
+    copies = 2 if bn > 128 and _fitted_stages(tiles, bn, 2 * box) == stages else 1
     launch(gluon_fp8.fp8_rows_ws_kernel, (_num_programs(out.device),))(
         a_desc=_descriptor(a.data, [bm, bk], gl.float8e4nv),
         w_desc=_descriptor(w.data.view(experts * n, k), [bn, bk], gl.float8e4nv),
@@ -452,7 +455,7 @@ def _rows_gluon(a: Quantized, w: Quantized, out: torch.Tensor, routing: Routing,
         stride_wse=w.scales.stride(0), stride_wsn=w.scales.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=tiles.group_m, ALIGN=routing.align,
         NUM_STAGES=stages, LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_GLUON_MMA_REGS,
-        HAS_WEIGHT=router_weights is not None, num_warps=4,
+        HAS_WEIGHT=router_weights is not None, OUT_COPIES=copies, num_warps=4,
     )
 
 
