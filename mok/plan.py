@@ -183,10 +183,9 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
               wide_wgrad_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
-    # TMA: e4m3 rows of H (x, d_output) in 16-byte multiples. I a multiple of 128: the Gluon
-    # kernels' partial last block of I (gate/up's h scales) has not yet run on a GPU.
+    # TMA: e4m3 rows of H (x, d_output) and of I (h) in 16-byte multiples.
     gluon = (gluon_on and arch_of(operands.device).warp_specialized and hidden % 16 == 0
-             and intermediate % 128 == 0)
+             and intermediate % 16 == 0)
     triton = ("down", "d_x") if scatter else ()
     if not apart_on:
         triton += ("down_bwd_saved",)

@@ -133,8 +133,8 @@ def test_fp8_layer_with_the_dswiglu_apart_is_the_layer_in_one_launch(device, mon
 
 
 @pytest.mark.parametrize(("hidden", "inter", "shared", "recompute", "limit", "wgrad"),
-                         [(256, 192, 0, True, None, False), (200, 200, 136, False, 2.5, True)],
-                         ids=["i192", "h200_i200_shared_kept_limit_wgrad"])
+                         [(256, 192, 0, True, 2.5, False), (200, 200, 136, False, None, True)],
+                         ids=["i192_limit", "h200_i200_shared_kept_wgrad"])
 def test_fp8_widths_that_are_no_multiple_of_128(device, hidden, inter, shared, recompute,
                                                 limit, wgrad):
     # Expert widths with a partial last scale block (gate's and up's halves padded apart in the

@@ -518,7 +518,8 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     assert gluon(hidden=264) == (False,) * 5
     assert gluon(hidden=272) == (True,) * 5  # H a multiple of 16, not of 128
     assert gluon(hidden=256, intermediate=384) == (True,) * 5
-    assert gluon(hidden=256, intermediate=208) == (False,) * 5  # a partial block of I
+    assert gluon(hidden=256, intermediate=208) == (True,) * 5  # a partial block of I
+    assert gluon(hidden=256, intermediate=200) == (False,) * 5  # h's rows: 16-byte multiples
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", False)
     assert gluon(hidden=256) == (True, True, True, False, True)
     monkeypatch.setattr(plan, "_FP8_DSWIGLU_APART", True)
