@@ -28,16 +28,25 @@ from ..conftest import run_layer, tiles_for_tests
 # and d_gate_up (0.5% of d_gate_up's codes): 2e-4 rel_rms under the interpreter, 3e-3 (y) to
 # 7e-3 (d_x) on the H200; still a tenth of FP8's own error against the exact layer.
 RECIPE = Tolerance(rel_rms=1.5e-2, max_rel=0.1)
+# FP8 weight gradients against the recipe. Their operands are quantized along the routes: a
+# column's 128-route block shares one scale, so a value that moves its block's amax moves every
+# code of the block. Measured on the recipe itself (CPU): 1% of x's values moved by one bf16
+# ulp moves the weight gradients by up to 0.17 max_rel and 1.4e-2 rel_rms (bf16 weight
+# gradients: 0.075 and 5.7e-3); on an H100 the layer's were 0.12 and 5.9e-3 off the recipe.
+RECIPE_WGRAD = Tolerance(rel_rms=3e-2, max_rel=0.3)
 
 
-def assert_recipe(y, grads, y_ref, grads_ref):
-    """The layer's output and gradients against the recipe's, within RECIPE."""
+def assert_recipe(y, grads, y_ref, grads_ref, *, fp8_weight_gradients=False):
+    """The layer's output and gradients against the recipe's, within RECIPE (the weight
+    gradients within RECIPE_WGRAD with fp8_weight_gradients)."""
     assert_close(y, y_ref, dtype=torch.bfloat16, name="y", tolerance=RECIPE)
     for name, actual, expected in zip(GRAD_NAMES, grads, grads_ref, strict=True):
         assert (actual is None) == (expected is None), name
         if expected is not None:
             assert actual.shape == expected.shape, name
-            assert_close(actual, expected, dtype=torch.bfloat16, name=name, tolerance=RECIPE)
+            wgrad = fp8_weight_gradients and name.startswith("d_w")
+            assert_close(actual, expected, dtype=torch.bfloat16, name=name,
+                         tolerance=RECIPE_WGRAD if wgrad else RECIPE)
 
 
 def fp8_run(inputs, *, recompute=True, limit=None):
@@ -78,7 +87,7 @@ def test_fp8_weight_gradients_match_the_recipe(device, recompute):
     y, grads, _, _ = run_layer(inputs, config=config, swiglu_limit=3.0, tiles=tiles_for_tests(32))
     y_ref, grads_ref = moe_reference_fp8_grads(inputs, swiglu_limit=3.0,
                                                fp8_weight_gradients=True)
-    assert_recipe(y, grads, y_ref, grads_ref)
+    assert_recipe(y, grads, y_ref, grads_ref, fp8_weight_gradients=True)
     y_bf16, grads_bf16, _, _ = fp8_run(inputs, recompute=recompute, limit=3.0)
     assert torch.equal(y, y_bf16)
     for name, a, b in zip(GRAD_NAMES, grads, grads_bf16, strict=True):
@@ -143,9 +152,7 @@ def test_fp8_widths_that_are_no_multiple_of_128(device, tokens, experts, hidden,
     # backward's e4m3 d_gate_up, the weight gradients' split inside a tile): the recipe, and
     # the layer whose experts are padded with zero weights to a multiple of 128, which gives
     # the same numbers (zero blocks and columns add nothing, a partial block's scale is its
-    # values' amax). FP8 weight gradients with experts of more than 128 rows: on Hopper an
-    # e4m3 code the MMA's rounding moves is one of few products in a gradient of 24 rows (0.12
-    # of the gradient's rms against the recipe).
+    # values' amax). FP8 weight gradients with experts of more than 128 rows (two row blocks).
     inputs = make_inputs(tokens, hidden, inter, experts, 2, shared_intermediate_size=shared,
                          device=device, seed=9)
     config = F.MoKConfig(precision="fp8", recompute_gate_up=recompute,
@@ -154,7 +161,7 @@ def test_fp8_widths_that_are_no_multiple_of_128(device, tokens, experts, hidden,
                                tiles=tiles_for_tests(32))
     y_ref, grads_ref = moe_reference_fp8_grads(inputs, swiglu_limit=limit,
                                                fp8_weight_gradients=wgrad)
-    assert_recipe(y, grads, y_ref, grads_ref)
+    assert_recipe(y, grads, y_ref, grads_ref, fp8_weight_gradients=wgrad)
     y_pad, grads_pad, _, _ = run_layer(pad_expert_widths(inputs), config=config,
                                        swiglu_limit=limit, tiles=tiles_for_tests(32))
     torch.testing.assert_close(y, y_pad, rtol=1e-6, atol=1e-6)
