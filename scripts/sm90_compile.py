@@ -490,6 +490,14 @@ def main(argv=None) -> None:
              lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
                  by_rows(2 * inter), by_rows(hid), routing, tt, out_dtype=torch.float32,
                  split=inter)),
+            # H and I 64 short of a multiple of 128: each MMA partition picks its output
+            ("wgrad_down fp8 gluon tma 128x256 partial", r(wgrad8_gluon, block_n=256),
+             lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
+                 by_rows(hid - 64), by_rows(inter - 64), routing, tt, out_dtype=torch.bfloat16)),
+            ("wgrad_gate_up fp8 gluon tma 128x256 partial", r(wgrad8_gluon, block_n=256),
+             lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
+                 by_rows(2 * inter - 128), by_rows(hid - 64), routing, tt,
+                 out_dtype=torch.bfloat16, split=inter - 64)),
         ]
         gate_up_gluon = ops.fp8_tiles("gate_up", 128, gluon=True)
         runs += [

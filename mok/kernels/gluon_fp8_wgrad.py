@@ -10,7 +10,9 @@ the K-major operands an e4m3 wgmma reads), scales [C / 128, P] and [C / 128, Q].
 alignment is a multiple of 128, so expert e's rows [start, end) (expert_offsets, cut at the rows
 in use) are whole blocks of 128 and block j's scales sit at g(e, j) = start / 128 + j: the
 boxes never reach another expert's rows, no mask is needed. Rows p >= SPLIT go to out2 (row
-p - SPLIT): d_w_gate and d_w_up from one [d_gate, d_up] operand.
+p - SPLIT): d_w_gate and d_w_up from one [d_gate, d_up] operand. SPLIT and P are multiples of
+64: where one is no multiple of BLOCK_P (PARTIAL_P), each MMA partition's 64 rows of a tile lie
+on one side of SPLIT or past P (not stored), and each partition picks its output.
 
 One CTA per SM strides over the [BLOCK_P, BLOCK_Q] output tiles, expert by expert (the tiles of
 one expert read the same rows and share them in L2). Partitions, as mok.kernels.gluon_fp8's
@@ -84,7 +86,7 @@ def _load_partition(a_desc, b_desc, a_scale_desc, b_scale_desc, expert_offsets_p
 def _mma_partition(out_desc, out2_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready_bars,
                    empty_bars, c_smem, expert_offsets_ptr, num_experts, num_p, num_q, P, SPLIT,
                    BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   HALF: gl.constexpr):
+                   HALF: gl.constexpr, PARTIAL_P: gl.constexpr):
     """Rows HALF * 64 .. + 64 of P of every tile: the scaled K loop, then the store. Columns
     past Q read the next scales of the flat scale tensor (or TMA's zeros) against qb's
     zero-filled rows: never stored. BLOCK_Q 256: two wgmmas of 128 columns a K step through
@@ -128,10 +130,19 @@ def _mma_partition(out_desc, out2_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bu
                 mbarrier.arrive(empty_bars.index(s))
                 acc += tmp * (a_scale[:, None] * b_scale[None, :])
             i += 1
-        # the tile lies on one side of SPLIT (BLOCK_P divides it)
         p0 = pid_p * BLOCK_P + HALF * 64
         q0 = pid_q * BLOCK_Q
-        if pid_p * BLOCK_P < SPLIT:
+        if PARTIAL_P:  # this partition's 64 rows: on one side of SPLIT, or past P
+            if p0 < SPLIT:
+                _put(out_desc, acc, expert * SPLIT + p0, q0, c_smem)
+                if TWO:
+                    _put(out_desc, acc_hi, expert * SPLIT + p0, q0 + WIDTH, c_smem)
+            elif p0 < P:
+                _put(out2_desc, acc, expert * (P - SPLIT) + p0 - SPLIT, q0, c_smem)
+                if TWO:
+                    _put(out2_desc, acc_hi, expert * (P - SPLIT) + p0 - SPLIT, q0 + WIDTH,
+                         c_smem)
+        elif pid_p * BLOCK_P < SPLIT:  # the tile lies on one side of SPLIT (BLOCK_P divides it)
             _put(out_desc, acc, expert * SPLIT + p0, q0, c_smem)
             if TWO:
                 _put(out_desc, acc_hi, expert * SPLIT + p0, q0 + WIDTH, c_smem)
@@ -147,15 +158,16 @@ def fp8_wgrad_ws_kernel(
     a_desc, b_desc, a_scale_desc, b_scale_desc, out_desc, out2_desc, expert_offsets_ptr,
     num_experts, num_p, num_q, P, SPLIT, stride_as, stride_bs,
     BLOCK_P: gl.constexpr, BLOCK_Q: gl.constexpr, NUM_STAGES: gl.constexpr,
-    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, PARTIAL_P: gl.constexpr,
 ):
     """Launched with one program per SM and num_warps = 4 (the first MMA partition).
     Descriptors: a_desc qa [P, C] e4m3 with [BLOCK_P, 128] boxes, b_desc qb [Q, C] e4m3 with
     [BLOCK_Q, 128] boxes, a_scale_desc and b_scale_desc the scales flattened (row stride
     stride_as, stride_bs; multiples of 4) with [BLOCK_P] and [BLOCK_Q] boxes, out_desc out
     viewed [E * SPLIT, Q] and out2_desc out2 viewed [E * (P - SPLIT), Q] with [64,
-    min(BLOCK_Q, 128)] boxes (without a split, SPLIT = P and out2 = out). BLOCK_P 128 dividing
-    SPLIT and P - SPLIT; BLOCK_Q 64, 128 or 256."""
+    min(BLOCK_Q, 128)] boxes (without a split, SPLIT = P and out2 = out). BLOCK_P 128; SPLIT
+    and P multiples of 64, PARTIAL_P where BLOCK_P does not divide both; BLOCK_Q 64, 128 or
+    256."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_P, ROWS], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_Q, ROWS], b_desc.layout)
     a_scale_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_P],
@@ -171,10 +183,10 @@ def fp8_wgrad_ws_kernel(
     gl.warp_specialize([
         (_mma_partition, (out_desc, out2_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs,
                           ready_bars, empty_bars, c_smem, expert_offsets_ptr, num_experts,
-                          num_p, num_q, P, SPLIT, BLOCK_P, BLOCK_Q, NUM_STAGES, 0)),
+                          num_p, num_q, P, SPLIT, BLOCK_P, BLOCK_Q, NUM_STAGES, 0, PARTIAL_P)),
         (_mma_partition, (out_desc, out2_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bufs,
                           ready_bars, empty_bars, c_smem2, expert_offsets_ptr, num_experts,
-                          num_p, num_q, P, SPLIT, BLOCK_P, BLOCK_Q, NUM_STAGES, 1)),
+                          num_p, num_q, P, SPLIT, BLOCK_P, BLOCK_Q, NUM_STAGES, 1, PARTIAL_P)),
         (_load_partition, (a_desc, b_desc, a_scale_desc, b_scale_desc, expert_offsets_ptr,
                            a_bufs, b_bufs, a_scale_bufs, b_scale_bufs, ready_bars, empty_bars,
                            num_experts, num_p, num_q, stride_as, stride_bs, BLOCK_P, BLOCK_Q,

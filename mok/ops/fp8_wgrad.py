@@ -136,7 +136,7 @@ def gluon_takes_fp8_wgrad(qa: Quantized, qb: Quantized, routing: Routing, tiles:
                           out_dtype: torch.dtype, split: int | None) -> bool:
     """Whether the Gluon kernel (mok.kernels.gluon_fp8_wgrad) runs this weight gradient: an
     sm_90 GPU, the schedule's alignment a multiple of 128 (whole blocks of rows per expert),
-    128-row tiles dividing the gradient's rows on each side of the split, 64, 128 or 256
+    128-row tiles, the gradient's rows on each side of the split multiples of 64, 64, 128 or 256
     columns, an output TMA can store (16-bit or fp32 rows of 16-byte multiples), scales TMA
     can load (contiguous, rows of 16-byte multiples)."""
     width_a, width_b = qa.data.shape[0], qb.data.shape[0]
@@ -144,7 +144,7 @@ def gluon_takes_fp8_wgrad(qa: Quantized, qb: Quantized, routing: Routing, tiles:
     return (qa.data.is_cuda and arch_of(qa.data.device).warp_specialized
             and routing.align % QUANT_BLOCK == 0 and tiles.block_k == QUANT_BLOCK
             and tiles.block_m == 128 and tiles.block_n in (64, 128, 256)
-            and cut % 128 == 0 and (width_a - cut) % 128 == 0
+            and cut % 64 == 0 and (width_a - cut) % 64 == 0
             and out_dtype in _GLUON_OUT and (width_b * out_dtype.itemsize) % 16 == 0
             and all(q.scales.is_contiguous() and q.scales.stride(0) % 4 == 0 for q in (qa, qb)))
 
@@ -175,7 +175,7 @@ def _wgrad_gluon(qa: Quantized, qb: Quantized, outs: list[torch.Tensor], routing
         num_q=cdiv(width_b, bq), P=width_a, SPLIT=split, stride_as=qa.scales.stride(0),
         stride_bs=qb.scales.stride(0), BLOCK_P=bp, BLOCK_Q=bq, NUM_STAGES=stages,
         LOAD_REGS=_GLUON_LOAD_REGS, MMA_REGS=_WIDE_MMA_REGS if bq > 128 else _GLUON_MMA_REGS,
-        num_warps=4,
+        PARTIAL_P=split % bp != 0 or width_a % bp != 0, num_warps=4,
     )
 
 

@@ -343,18 +343,21 @@ def test_gluon_fp8_dswiglu_matches_dequantized_math_and_the_triton_kernel(limit,
 
 
 @SM90
-@pytest.mark.parametrize(("kind", "stages", "block_n", "inter"),
-                         [("down", 5, 128, 256), ("gate_up", 5, 128, 256),
-                          ("gate_up", 3, 128, 256), ("down", 5, 256, 384),
-                          ("gate_up", 5, 256, 256)],
+@pytest.mark.parametrize(("kind", "stages", "block_n", "inter", "hidden"),
+                         [("down", 5, 128, 256, 512), ("gate_up", 5, 128, 256, 512),
+                          ("gate_up", 3, 128, 256, 512), ("down", 5, 256, 384, 512),
+                          ("gate_up", 5, 256, 256, 512), ("down", 5, 256, 192, 448),
+                          ("gate_up", 5, 256, 192, 448)],
                          ids=["down", "gate_up", "gate_up_s3", "down_128x256_i384",
-                              "gate_up_128x256"])
-def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages, block_n, inter):
+                              "gate_up_128x256", "down_h448_i192", "gate_up_h448_i192"])
+def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages, block_n, inter, hidden):
     # The FP8 weight gradients' GEMM (mok.kernels.gluon_fp8_wgrad) against the Triton one on
     # the same quantized operands (the same blocks in the same order): down (a = d_output by
     # token, weighted; b = h by row), gate/up (a = [d_gate, d_up] by row, split at I; b = x by
     # token); an expert without rows gives zeros; bitwise deterministic. 256 columns (down's
     # I = 384: a tile's second half wholly past the columns) give the 128-column tiles' bits.
+    # H = 448 and I = 192 (multiples of 64, not of 128): a tile's 64-row halves on each side
+    # of the split, or past the rows.
     from mok.ops.fp8_wgrad import (
         gluon_takes_fp8_wgrad,
         grouped_wgrad_fp8_quantized,
@@ -362,7 +365,7 @@ def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages, block_n, inter)
     )
     from mok.ops.tuning import FP8_WGRAD_GLUON_TILES, FP8_WGRAD_TILES
 
-    tokens, hidden, experts = 3000, 512, 17
+    tokens, experts = 3000, 17
     generator = torch.Generator().manual_seed(17)
     topk_experts = make_topk(tokens, experts - 1, 4, RoutingPattern.SKEWED, generator).cuda()
     routing = build_routing(topk_experts, torch.zeros(4, dtype=torch.int32, device="cuda"),
