@@ -105,6 +105,8 @@ def _mma_partition(out_desc, out2_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bu
         acc = gl.zeros([64, WIDTH], gl.float32, acc_layout)
         if TWO:
             acc_hi = gl.zeros([64, WIDTH], gl.float32, acc_layout)
+        else:
+            acc_hi = acc  # not stored
         for _ in range(blocks):
             s = i % NUM_STAGES
             mbarrier.wait(ready_bars.index(s), (i // NUM_STAGES) & 1)
@@ -134,23 +136,24 @@ def _mma_partition(out_desc, out2_desc, a_bufs, b_bufs, a_scale_bufs, b_scale_bu
         q0 = pid_q * BLOCK_Q
         if PARTIAL_P:  # this partition's 64 rows: on one side of SPLIT, or past P
             if p0 < SPLIT:
-                _put(out_desc, acc, expert * SPLIT + p0, q0, c_smem)
-                if TWO:
-                    _put(out_desc, acc_hi, expert * SPLIT + p0, q0 + WIDTH, c_smem)
+                _put_tile(out_desc, acc, acc_hi, expert * SPLIT + p0, q0, c_smem, TWO, WIDTH)
             elif p0 < P:
-                _put(out2_desc, acc, expert * (P - SPLIT) + p0 - SPLIT, q0, c_smem)
-                if TWO:
-                    _put(out2_desc, acc_hi, expert * (P - SPLIT) + p0 - SPLIT, q0 + WIDTH,
-                         c_smem)
+                _put_tile(out2_desc, acc, acc_hi, expert * (P - SPLIT) + p0 - SPLIT, q0, c_smem,
+                          TWO, WIDTH)
         elif pid_p * BLOCK_P < SPLIT:  # the tile lies on one side of SPLIT (BLOCK_P divides it)
-            _put(out_desc, acc, expert * SPLIT + p0, q0, c_smem)
-            if TWO:
-                _put(out_desc, acc_hi, expert * SPLIT + p0, q0 + WIDTH, c_smem)
+            _put_tile(out_desc, acc, acc_hi, expert * SPLIT + p0, q0, c_smem, TWO, WIDTH)
         else:
-            _put(out2_desc, acc, expert * (P - SPLIT) + p0 - SPLIT, q0, c_smem)
-            if TWO:
-                _put(out2_desc, acc_hi, expert * (P - SPLIT) + p0 - SPLIT, q0 + WIDTH, c_smem)
+            _put_tile(out2_desc, acc, acc_hi, expert * (P - SPLIT) + p0 - SPLIT, q0, c_smem,
+                      TWO, WIDTH)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _put_tile(desc, acc, acc_hi, row, q0, c_smem, TWO: gl.constexpr, WIDTH: gl.constexpr):
+    """A partition's tile rows -> desc at (row, q0): acc, then with TWO acc_hi WIDTH columns on."""
+    _put(desc, acc, row, q0, c_smem)
+    if TWO:
+        _put(desc, acc_hi, row, q0 + WIDTH, c_smem)
 
 
 @gluon.jit
