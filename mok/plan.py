@@ -166,13 +166,13 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
              scatter: bool = False) -> Fp8Plan:
     """The FP8 path's kernels and tiles (the row GEMMs' tiles fit the schedule's alignment):
     with MOK_FP8_GLUON (the default) the Gluon kernels where the GPU runs them (their operands
-    are mok's own buffers and e4m3 weight copies, which they can read whenever H is a multiple
-    of 16; I a multiple of 128); the dSwiGLU apart, its GEMM on the Gluon kernel, where that
-    takes it (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight
-    gradients on the Gluon kernel where the alignment, H and I are multiples of 128; scatter:
-    down and d_x write their rows to other ranks (the Triton kernel's epilogue); down, d_x and the
-    dSwiGLU's GEMM with Gluon tiles of 128 rows at 128 x 256 where _FP8_WIDE_ROWS (the
-    default), the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD (the
+    are mok's own buffers and e4m3 weight copies, which they can read whenever H and I are
+    multiples of 16); the dSwiGLU apart, its GEMM on the Gluon kernel, where that takes it
+    (_FP8_DSWIGLU_APART), else in one launch of the Triton kernel; the FP8 weight gradients on
+    the Gluon kernel where the alignment is a multiple of 128 and H and I are multiples of 64;
+    scatter: down and d_x write their rows to other ranks (the Triton kernel's epilogue); down,
+    d_x and the dSwiGLU's GEMM with Gluon tiles of 128 rows at 128 x 256 where _FP8_WIDE_ROWS
+    (the default), the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD (the
     default). Remembered per arguments and switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
                        _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_WIDE_WGRAD)
@@ -192,9 +192,7 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
     made = Fp8Plan(*(fp8_tiles(kind, tiles.align, gluon=gluon and kind not in triton)
                      for kind in FP8_KINDS),
                    *_wgrads(pick, operands, tiles.align, sizes))
-    # The Gluon weight gradients take H and I in multiples of 64, which no GPU has run yet where
-    # they are no multiples of 128 (tests/gpu/test_fp8_gluon.py's h448_i192 cases).
-    if gluon and tiles.align % 128 == 0 and hidden % 128 == 0 and intermediate % 128 == 0:
+    if gluon and tiles.align % 128 == 0 and hidden % 64 == 0 and intermediate % 64 == 0:
         made = dataclasses.replace(made, wgrad_fp8=dataclasses.replace(
             FP8_WGRAD_GLUON_TILES, block_n=256 if wide_wgrad_on else 128))
     if wide_on:

@@ -506,9 +506,9 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     def gluon(intermediate=256, **kwargs):
         fp8 = plan.fp8_plan(tiles, operands, intermediate=intermediate, **kwargs)
         assert fp8.dswiglu_apart == fp8.dswiglu.gluon
-        # the FP8 weight gradients: Gluon where H and I are multiples of 128
-        assert fp8.wgrad_fp8.gluon == (fp8.gate_up.gluon and kwargs["hidden"] % 128 == 0
-                                       and intermediate % 128 == 0)
+        # the FP8 weight gradients: Gluon where H and I are multiples of 64
+        assert fp8.wgrad_fp8.gluon == (fp8.gate_up.gluon and kwargs["hidden"] % 64 == 0
+                                       and intermediate % 64 == 0)
         return tuple(t.gluon for t in (fp8.gate_up, fp8.gate_up_saved, fp8.down, fp8.dswiglu,
                                        fp8.d_x))
 
