@@ -56,6 +56,7 @@ from benchmarks import append_rows, commit_id
 from benchmarks.timing import hold_device
 from mok import ops, plan
 from mok.arch import arch_of
+from mok.ops import fp8_wgrad
 from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
 from mok.ops.fp8_wgrad import gluon_takes_fp8_wgrad
 from mok.ops.fp8_wgrad import grouped_wgrad_fp8_quantized as wgrad_fp8_quantized
@@ -200,11 +201,47 @@ def partial_checked(d_out_q, down_t, kept, routing) -> torch.Tensor:
 
 def quantize_stages(routing, operands: dict) -> list:
     """The quantize_rows_<name> stages: quantize_row_blocks of operands {name: (src, gather,
-    router weights)}, bytes per schedule row (src read, e4m3 written)."""
-    return [(f"quantize_rows_{name}", "row_blocks", functools.partial(
-                ops.quantize_row_blocks, src, routing, gather=gather, router_weights=weights), 0,
-             routing.capacity_rows * src.shape[1] * (src.element_size() + 1))
-            for name, (src, gather, weights) in operands.items()]
+    router weights)}, bytes per schedule row (src read, e4m3 written). Where the Gluon kernel
+    runs, also the Triton kernel (row_blocks_triton) and the Gluon kernel's other threads
+    (QUANTIZE_THREADS), each checked bit for bit against the Triton kernel first."""
+    stages = []
+    for name, (src, gather, weights) in operands.items():
+        bytes_ = routing.capacity_rows * src.shape[1] * (src.element_size() + 1)
+        run = functools.partial(ops.quantize_row_blocks, src, routing, gather=gather,
+                                router_weights=weights)
+        stages.append((f"quantize_rows_{name}", "row_blocks", run, 0, bytes_))
+        if not fp8_wgrad.gluon_takes_quantize_rows(src):
+            continue
+        triton_run = functools.partial(_quantize_with, False, None, run)
+        theirs = triton_run()
+        stages.append((f"quantize_rows_{name}", "row_blocks_triton", triton_run, 0, bytes_))
+        for threads in (None, *QUANTIZE_THREADS):
+            mine = _quantize_with(True, threads, run)
+            same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                   b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                       for a, b in zip(mine, theirs, strict=True))
+            label = "row_blocks" if threads is None else "row_blocks_{}x{}_w{}".format(*threads)
+            print(f"   quantize_rows_{name} {label} against the Triton kernel: bit for bit "
+                  f"{same}", flush=True)
+            if threads is not None:
+                stages.append((f"quantize_rows_{name}", label,
+                               functools.partial(_quantize_with, True, threads, run), 0, bytes_))
+    return stages
+
+
+# Other threads of the Gluon quantize_row_blocks (rows, columns a thread, warps)
+QUANTIZE_THREADS = ((16, 4, 4), (8, 8, 4), (8, 4, 8), (4, 16, 4))
+
+
+def _quantize_with(gluon: bool, threads, run):
+    """run() with the Gluon quantize_row_blocks on or off, with these threads."""
+    saved = fp8_wgrad._GLUON_QUANTIZE, fp8_wgrad._GLUON_QUANTIZE_THREADS
+    fp8_wgrad._GLUON_QUANTIZE = gluon
+    fp8_wgrad._GLUON_QUANTIZE_THREADS = threads or saved[1]
+    try:
+        return run()
+    finally:
+        fp8_wgrad._GLUON_QUANTIZE, fp8_wgrad._GLUON_QUANTIZE_THREADS = saved
 
 
 def shape_schedule(shape: MoEShape, device: torch.device):

@@ -100,6 +100,16 @@ def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
                                for key in ("REG", "LOCAL", "STACK")))
 
 
+def _gluon_quantize(fp8_wgrad, *args, **kwargs) -> None:
+    """fp8_wgrad.quantize_row_blocks on the Gluon kernel, as an sm_90 GPU runs it."""
+    takes = fp8_wgrad.gluon_takes_quantize_rows
+    fp8_wgrad.gluon_takes_quantize_rows = lambda src: True
+    try:
+        fp8_wgrad.quantize_row_blocks(*args, **kwargs)
+    finally:
+        fp8_wgrad.gluon_takes_quantize_rows = takes
+
+
 def main(argv=None) -> None:
     from mok import ops
     from mok.ops import experts as experts_ops
@@ -476,6 +486,10 @@ def main(argv=None) -> None:
         fp8_wgrad.gluon_takes_fp8_wgrad = lambda *args, **kwargs: True
         from mok.ops.tuning import FP8_WGRAD_GLUON_TILES as wgrad8_gluon
         runs += [
+            ("quantize rows fp8 for weight gradients gluon", wgrad8_gluon,
+             lambda tt: _gluon_quantize(fp8_wgrad, x, routing, gather=True, router_weights=rw)),
+            ("quantize rows fp8 for weight gradients gluon by row", wgrad8_gluon,
+             lambda tt: _gluon_quantize(fp8_wgrad, h, routing, gather=False)),
             ("wgrad_down fp8 gluon tma", wgrad8_gluon,
              lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
                  by_rows(hid), by_rows(inter), routing, tt, out_dtype=torch.bfloat16)),

@@ -4,6 +4,7 @@ grouped GEMM over the experts' rows."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -14,7 +15,7 @@ from mok import _env
 from mok.arch import arch_of
 from mok.errors import MoKInputError
 from mok.kernels import fp8_wgrad as kernels
-from mok.kernels import gluon_fp8_wgrad
+from mok.kernels import gluon_fp8_wgrad, gluon_quantize
 from mok.ops.checks import check_out_dtype, check_rows
 from mok.ops.experts import _gluon_descriptor, _num_programs
 from mok.ops.fp8 import _GLUON_LOAD_REGS, _GLUON_MMA_REGS, _SMEM
@@ -48,14 +49,37 @@ def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
     codes = torch.empty(width, rows, dtype=E4M3, device=src.device)
     scales = torch.empty(rows // sub, width, dtype=torch.float32, device=src.device)
     if rows and width:
-        launch(kernels.quantize_row_blocks_kernel, (rows // sub, cdiv(width, _QUANTIZE_COLUMNS)))(
-            src, codes, scales, routing.row_route, routing.block_expert, routing.expert_offsets,
-            router_weights if router_weights is not None else scales, width, topk,
-            routing.num_local_experts, src.stride(0), codes.stride(0), scales.stride(0),
-            GATHER=gather, WEIGHTED=router_weights is not None, ALIGN=routing.align, SUB=sub,
-            BLOCK_N=_QUANTIZE_COLUMNS, UPCAST=_env.INTERPRET, num_warps=4,
-        )
+        grid = (rows // sub, cdiv(width, _QUANTIZE_COLUMNS))
+        args = (src, codes, scales, routing.row_route, routing.block_expert,
+                routing.expert_offsets, router_weights if router_weights is not None else scales,
+                width, topk, routing.num_local_experts, src.stride(0), codes.stride(0),
+                scales.stride(0))
+        flags = dict(GATHER=gather, WEIGHTED=router_weights is not None, ALIGN=routing.align,
+                     SUB=sub, BLOCK_N=_QUANTIZE_COLUMNS)
+        if gluon_takes_quantize_rows(src):
+            rows_t, cols_t, warps = _GLUON_QUANTIZE_THREADS
+            by_row, by_col = _tile_layouts(rows_t, cols_t, warps)
+            assert by_row.shape[1] == _QUANTIZE_COLUMNS
+            launch(gluon_quantize.quantize_row_blocks_kernel, grid)(
+                *args, **flags, BY_ROW=by_row, BY_COL=by_col, num_warps=warps)
+        else:
+            launch(kernels.quantize_row_blocks_kernel, grid)(
+                *args, **flags, UPCAST=_env.INTERPRET, num_warps=4)
     return Quantized(codes, scales)
+
+
+def gluon_takes_quantize_rows(src: torch.Tensor) -> bool:
+    """Whether the Gluon kernel (mok.kernels.gluon_quantize) quantizes these rows: an sm_90
+    GPU, with _GLUON_QUANTIZE on."""
+    return _GLUON_QUANTIZE and src.is_cuda and arch_of(src.device).warp_specialized
+
+
+# The weight gradients' operands quantized by the Gluon kernel on sm_90 (False: the Triton
+# kernel everywhere).
+_GLUON_QUANTIZE = True
+# The Gluon kernel's threads: (rows, columns) a thread, warps (gluon_quantize.tile_layouts).
+_GLUON_QUANTIZE_THREADS = (8, 8, 4)
+_tile_layouts = functools.cache(gluon_quantize.tile_layouts)
 
 
 def _rows_per_slot(routing: Routing) -> int:

@@ -5,6 +5,7 @@ deterministic, 0 on padding rows, and the layer on them (MOK_FP8_GLUON) against 
 the Triton kernels."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -402,3 +403,51 @@ def test_gluon_fp8_wgrad_matches_the_triton_kernel(kind, stages, block_n, inter,
     if block_n != 128:
         for mine, narrow in zip(ours, run(FP8_WGRAD_GLUON_TILES), strict=True):
             assert torch.equal(mine, narrow)
+
+
+@SM90
+@pytest.mark.parametrize("threads", [(8, 8, 4), (16, 4, 4), (8, 4, 8), (4, 16, 4)],
+                         ids=lambda t: "{}x{}_w{}".format(*t))
+@pytest.mark.parametrize(("align", "width"), [(128, 2048), (16, 200)],
+                         ids=["align128_w2048", "align16_w200"])
+def test_gluon_quantize_row_blocks_gives_the_triton_kernels_bits(threads, align, width,
+                                                                 monkeypatch):
+    # mok.kernels.gluon_quantize against mok.kernels.fp8_wgrad's kernel, codes and scales bit
+    # for bit: by token (router-weighted or not) and by row, an expert without rows, a partial
+    # last block of each expert, a partial last column block (200), zeros, NaN and inf.
+    from mok.ops import fp8_wgrad
+
+    tokens, experts, topk = 1500, 9, 4
+    generator = torch.Generator().manual_seed(23)
+    topk_experts = make_topk(tokens, experts - 1, topk, RoutingPattern.SKEWED, generator).cuda()
+    routing = build_routing(topk_experts, torch.zeros(4, dtype=torch.int32, device="cuda"),
+                            num_experts=experts, first_local_expert=0,
+                            num_local_experts=experts, align=align,
+                            route_capacity=tokens * topk)
+    weights = torch.rand(tokens * topk, generator=generator).cuda()
+    by_token = (torch.randn(tokens, width, generator=generator) * 4).bfloat16()
+    by_row = (torch.randn(routing.capacity_rows, width, generator=generator) * 4).bfloat16()
+    for src in (by_token, by_row):
+        src[:, 5] = 0.0
+        src[::3, 7] = float("nan")
+        src[::11, 9] = float("inf")
+        src[:, 11] = float("nan")
+    by_token, by_row = by_token.cuda(), by_row.cuda()
+    monkeypatch.setattr(fp8_wgrad, "_GLUON_QUANTIZE_THREADS", threads)
+    for src, gather, router_weights in ((by_token, True, weights), (by_token, True, None),
+                                        (by_row, False, None)):
+        assert fp8_wgrad.gluon_takes_quantize_rows(src)
+        mine = fp8_wgrad.quantize_row_blocks(src, routing, gather=gather,
+                                             router_weights=router_weights)
+        monkeypatch.setattr(fp8_wgrad, "_GLUON_QUANTIZE", False)
+        theirs = fp8_wgrad.quantize_row_blocks(src, routing, gather=gather,
+                                               router_weights=router_weights)
+        monkeypatch.setattr(fp8_wgrad, "_GLUON_QUANTIZE", True)
+        # what the kernels write: each expert's rows and their blocks' scales
+        sub = math.gcd(align, QUANT_BLOCK)
+        offsets = routing.expert_offsets.tolist()
+        for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+            blocks = slice(start // sub, start // sub + -(-(end - start) // QUANT_BLOCK))
+            assert torch.equal(mine.data[:, start:end].view(torch.uint8),
+                               theirs.data[:, start:end].view(torch.uint8))
+            assert torch.equal(mine.scales[blocks], theirs.scales[blocks])
