@@ -217,9 +217,8 @@ def quantize_stages(routing, operands: dict) -> list:
         stages.append((f"quantize_rows_{name}", "row_blocks_triton", triton_run, 0, bytes_))
         for threads in (None, *QUANTIZE_THREADS):
             mine = _quantize_with(True, threads, run)
-            same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                                   b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
-                       for a, b in zip(mine, theirs, strict=True))
+            same = all(torch.equal(a, b) for a, b in zip(_written(mine, routing),
+                                                         _written(theirs, routing), strict=True))
             label = "row_blocks" if threads is None else "row_blocks_{}x{}_w{}".format(*threads)
             print(f"   quantize_rows_{name} {label} against the Triton kernel: bit for bit "
                   f"{same}", flush=True)
@@ -231,6 +230,16 @@ def quantize_stages(routing, operands: dict) -> list:
 
 # Other threads of the Gluon quantize_row_blocks (rows, columns a thread, warps)
 QUANTIZE_THREADS = ((16, 4, 4), (8, 8, 4), (8, 4, 8), (4, 16, 4))
+
+
+def _written(quantized, routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """What quantize_row_blocks writes (the rest of its buffers is left as allocated): the
+    codes (as bytes) of the rows in use, the scales of each expert's blocks."""
+    offsets = routing.expert_offsets.tolist()
+    sub = math.gcd(routing.align, QUANT_BLOCK)
+    slots = [quantized.scales[start // sub:start // sub + math.ceil((end - start) / QUANT_BLOCK)]
+             for start, end in zip(offsets[:-1], offsets[1:], strict=True)]
+    return quantized.data[:, :offsets[-1]].view(torch.uint8), torch.cat(slots)
 
 
 def _quantize_with(gluon: bool, threads, run):
