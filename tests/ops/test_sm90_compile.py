@@ -68,3 +68,18 @@ def test_weight_gradients_keep_a_buffer_per_stage(compiled):
             assert row["shared_kb"] >= row["stages"] * per_stage, (name, row)
             checked += 1
     assert checked >= 2
+
+
+def test_gluon_quantize_row_blocks_transposes_without_shared_memory(compiled):
+    # mok.kernels.gluon_quantize: the codes leave each thread transposed, so shared memory
+    # holds only the columns' amax and scales (a few hundred bytes), where the Triton kernel
+    # moves its [128, 64] e4m3 tile through it (8 KB); fewer registers than the Triton kernel.
+    rows = {name.split(" #")[0]: row for name, row in compiled.items()
+            if name.startswith("quantize rows fp8 for weight gradients")}
+    triton = rows["quantize rows fp8 for weight gradients"]
+    assert triton["shared_kb"] >= 8
+    gluon = [row for name, row in rows.items() if "gluon" in name]
+    assert len(gluon) == 2  # by token, by row
+    for row in gluon:
+        assert row["kernel"] == "quantize_row_blocks_kernel"
+        assert row["shared_kb"] <= 1 and row["regs"] < triton["regs"], row
