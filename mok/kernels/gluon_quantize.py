@@ -2,13 +2,15 @@
 quantize_row_blocks_kernel) for Hopper (sm_90), in Gluon; GPUs only (Gluon kernels do not run
 under Triton's interpreter).
 
-The same codes and scales as the Triton kernel, bit for bit: a program per block slot and 64
-columns, codes stored transposed (qa [N, C], each column's rows contiguous). What differs is
-where the values sit: a thread holds 4 consecutive rows of 16 columns, the lanes of a warp run
-along the rows and the warps along the columns. The source is read 32 bytes of a row at a time,
-each column's amax is reduced within the thread and across the warp's lanes (shuffles, no
-shared memory), and each column's 4 codes of a thread leave in one 4-byte store, the 32 lanes
-writing 128 consecutive bytes of that column: the transpose costs no shared memory.
+The same codes and scales as the Triton kernel, bit for bit: a program per block slot and
+BLOCK_N columns, codes stored transposed (qa [N, C], each column's rows contiguous). What
+differs is where the values sit (tile_layouts): a thread holds a few consecutive rows of a few
+consecutive columns, the lanes of a warp run mostly along the rows and the warps along the
+columns. The source is read a row's columns of a thread at a time, each column's amax is
+reduced within the thread and across the warp's lanes (shuffles), the scales' divisions run a
+column a thread, and each column's codes of a thread leave in one vector store: the
+transpose costs no shared memory. mok.ops.fp8_wgrad picks the threads (8 rows of 8 columns,
+4 warps).
 """
 
 from triton.experimental import gluon
