@@ -184,3 +184,47 @@ def test_fp8_wgrad_rejects_bad_operands(device):
     with pytest.raises(ValueError, match="K steps"):
         grouped_wgrad_fp8(rows, x, routing, RowTiles(128, 64, 64), gather_a=False,
                           gather_b=True, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("threads", [(8, 8, 4), (16, 4, 4), (8, 4, 8), (4, 16, 4)],
+                         ids=lambda t: "{}x{}_w{}".format(*t))
+def test_gluon_quantize_layouts_cover_the_tile_once_in_both_orders(threads):
+    # mok.kernels.gluon_quantize.tile_layouts (the Gluon kernel runs on sm_90 GPUs only,
+    # tests/gpu/test_fp8_gluon.py): each (register, lane, warp) holds one element of the
+    # [128, BLOCK_N] tile and each element is held once; by_col holds the same elements in the
+    # same threads as by_row, a thread's registers along its rows instead of its columns, and
+    # a thread's rows and columns are consecutive.
+    from mok.kernels.gluon_quantize import tile_layouts
+    from mok.ops import fp8_wgrad
+
+    rows_t, cols_t, warps = threads
+    by_row, by_col = tile_layouts(*threads)
+    assert by_row.shape == by_col.shape == [128, fp8_wgrad._QUANTIZE_COLUMNS]
+
+    def held(layout):
+        def at(bases, index):
+            row = col = 0
+            for bit, (r, c) in enumerate(bases):
+                if index >> bit & 1:
+                    row, col = row ^ r, col ^ c
+            return row, col
+
+        out = {}
+        for warp in range(warps):
+            for lane in range(32):
+                w, la = at(layout.warp_bases, warp), at(layout.lane_bases, lane)
+                out[warp, lane] = [tuple(a ^ b ^ c for a, b, c in zip(w, la, at(
+                    layout.reg_bases, reg), strict=True)) for reg in range(rows_t * cols_t)]
+        return out
+
+    mine, theirs = held(by_row), held(by_col)
+    every = [element for values in mine.values() for element in values]
+    assert sorted(every) == [(r, c) for r in range(128) for c in range(by_row.shape[1])]
+    for thread, values in mine.items():
+        assert sorted(values) == sorted(theirs[thread])
+        assert values[1] == (values[0][0], values[0][1] + 1)  # along the columns
+        assert theirs[thread][1] == (values[0][0] + 1, values[0][1])  # along the rows
+        rows = {r for r, _ in values}
+        cols = {c for _, c in values}
+        assert rows == set(range(min(rows), min(rows) + rows_t))
+        assert cols == set(range(min(cols), min(cols) + cols_t))
