@@ -537,6 +537,30 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                 _dswiglu_rows_with, rows_, warps, columns_first, dh0, kept_buffers["rows"],
                 routing, router_weights, None, d_gate_up_out, scales_out, h_out, partial_out), 0,
                 routes * inter * (4 + 4 + 2 + 4 + 2)))
+    if gluon and ops.fp8.gluon_takes_dswiglu_for_wgrad(kept, routing):
+        # the FP8 weight gradients' path: the dSwiGLU apart then its 16-bit d_gate_up and h
+        # quantized along the rows (two launches), against the second launch doing both
+        def unfused(buffer):
+            _, h_rows, _ = ops.dswiglu_fp8(d_out_q, fp8_experts.down_t, buffer, routing,
+                                           gluon_tiles["down_bwd_saved"], router_weights,
+                                           apart=True)
+            return (ops.quantize_row_blocks(buffer, routing, gather=False),
+                    ops.quantize_row_blocks(h_rows, routing, gather=False))
+
+        def fused(buffer):
+            return ops.fp8.dswiglu_fp8_for_wgrad(d_out_q, fp8_experts.down_t, buffer, routing,
+                                                 gluon_tiles["down_bwd_saved"],
+                                                 router_weights)[2:]
+
+        theirs, mine = unfused(kept.clone()), fused(kept.clone())
+        same = all(torch.equal(a, b) for pair in zip(mine, theirs, strict=True)
+                   for a, b in zip(_written(pair[0], routing), _written(pair[1], routing),
+                                   strict=True))
+        print(f"   dswiglu for the FP8 weight gradients, fused against unfused: bit for bit "
+              f"{same}", flush=True)
+        stages += [("dswiglu_wgrad", "mok_fp8_unfused",
+                     functools.partial(unfused, kept_buffers["rows"]), gemm, 0),
+                   ("dswiglu_wgrad", "mok_fp8_fused", functools.partial(fused, kept), gemm, 0)]
     stages += quantize_stages(routing, {
         "d_out": (d_out, True, router_weights), "h": (h, False, None),
         "d_gate_up": (d_gate_up, False, None), "x": (x, True, None)})

@@ -17,7 +17,7 @@ from mok import _env
 from mok.arch import HOPPER, arch_of
 from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
-from mok.kernels import gluon_fp8
+from mok.kernels import gluon_fp8, gluon_quantize
 from mok.ops import graphs
 from mok.ops.checks import FLOATS, check_out_dtype, check_row_tiles, check_tokens
 from mok.ops.comm import ScatterRows
@@ -301,19 +301,98 @@ def dswiglu_fp8(
     partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
                if router_weights is not None else None)
     if apart or tiles.gluon:
-        dh0 = torch.empty(rows, inter, dtype=torch.float32, device=device)
-        if tiles.gluon and rows > 0:
-            _gather_gluon(d_output, w_down_t, dh0, routing, tiles)
-        else:
-            _launch(d_output, w_down_t, None, dh0, dh0, routing, tiles, None, None, gather=True,
-                    epilogue="plain", quantize_out=False)
-        _dswiglu_rows(dh0, gate_up, routing, router_weights, swiglu_limit, out, out_scales, h,
-                      partial)
+        _dswiglu_rows(_dh0(d_output, w_down_t, routing, tiles, inter), gate_up, routing,
+                      router_weights, swiglu_limit, out, out_scales, h, partial)
     else:
         _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
                 swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True,
                 gate_up=gate_up, h=h, partial=partial)
     return Quantized(out, out_scales), h, partial
+
+
+def dswiglu_fp8_for_wgrad(
+    d_output: Quantized,
+    w_down_t: Quantized,
+    gate_up: torch.Tensor,
+    routing: Routing,
+    tiles: RowTiles = FP8_TILES,
+    router_weights: torch.Tensor | None = None,
+) -> tuple[Quantized, torch.Tensor | None, Quantized, Quantized]:
+    """dswiglu_fp8 apart without a SwiGLU limit, its second launch also quantizing the FP8
+    weight gradients' operands along the rows (mok.kernels.gluon_quantize.dswiglu_rows_kernel;
+    an sm_90 GPU, the schedule's alignment a multiple of 128: gluon_takes_dswiglu_for_wgrad).
+    Returns d_gate_up in e4m3 with 1 x 128 scales and the partial sums, as dswiglu_fp8 does,
+    then d_gate_up and h as mok.ops.quantize_row_blocks gives them from dswiglu_fp8's 16-bit
+    d_gate_up and h. No 16-bit d_gate_up or h is written: gate_up keeps the
+    pre-activations."""
+    _, hidden = _rows_operand(d_output, "d_output")
+    check_tokens(d_output.data, "d_output", routing.num_tokens)
+    _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
+    _check_gate_up(gate_up, routing, inter)
+    check_router_weights(router_weights, routing, fp32=True)
+    _check_tiles(tiles, routing, quantize_out=False)
+    if not gluon_takes_dswiglu_for_wgrad(gate_up, routing):
+        raise ValueError("dswiglu_fp8_for_wgrad runs on an sm_90 GPU, the schedule's alignment "
+                         "a multiple of 128 (gluon_takes_dswiglu_for_wgrad)")
+    device = gate_up.device
+    rows, blocks = routing.capacity_rows, cdiv(inter, QUANT_BLOCK)
+    out = torch.empty(rows, 2 * padded_width(inter), dtype=E4M3, device=device)
+    out_scales = torch.empty(rows, 2 * blocks, dtype=torch.float32, device=device)
+    weighted = router_weights is not None
+    partial = torch.empty(rows, blocks, dtype=torch.float32, device=device) if weighted else None
+    slots = rows // QUANT_BLOCK
+    d_gate_up = Quantized(torch.empty(2 * inter, rows, dtype=E4M3, device=device),
+                          torch.empty(slots, 2 * inter, dtype=torch.float32, device=device))
+    h = Quantized(torch.empty(inter, rows, dtype=E4M3, device=device),
+                  torch.empty(slots, inter, dtype=torch.float32, device=device))
+    if rows and inter:
+        dh0 = _dh0(d_output, w_down_t, routing, tiles, inter)
+        (by_row, by_col), (by_chunk, _) = _dswiglu_layouts()
+        launch(gluon_quantize.dswiglu_rows_kernel, (slots * blocks,))(
+            dh0, gate_up, routing.row_route, routing.used_rows,
+            router_weights if weighted else out_scales, out, out_scales,
+            partial if weighted else out_scales, d_gate_up.data, d_gate_up.scales, h.data,
+            h.scales, inter, dh0.stride(0), gate_up.stride(0), out.stride(0),
+            out_scales.stride(0), partial.stride(0) if weighted else 0,
+            d_gate_up.data.stride(0), d_gate_up.scales.stride(0), h.data.stride(0),
+            h.scales.stride(0), WEIGHTED=weighted, BY_ROW=by_row, BY_COL=by_col,
+            BY_CHUNK=by_chunk, num_warps=_DSWIGLU_WGRAD_THREADS[2])
+    return Quantized(out, out_scales), partial, d_gate_up, h
+
+
+def gluon_takes_dswiglu_for_wgrad(gate_up: torch.Tensor, routing: Routing) -> bool:
+    """Whether dswiglu_fp8_for_wgrad runs: an sm_90 GPU and whole 128-row scale slots (the
+    schedule's alignment a multiple of 128)."""
+    return (gate_up.is_cuda and arch_of(gate_up.device).warp_specialized
+            and routing.align % QUANT_BLOCK == 0)
+
+
+# dswiglu_fp8_for_wgrad's threads: (rows, columns) a thread, warps, over [128, 128] blocks
+# (mok.kernels.gluon_quantize.tile_layouts).
+_DSWIGLU_WGRAD_THREADS = (8, 4, 16)
+
+
+@functools.cache
+def _dswiglu_layouts():
+    """The [128, 128] block's layouts, and the same threads over half its columns (the
+    dSwiGLU's values are computed a half at a time)."""
+    rows, cols, warps = _DSWIGLU_WGRAD_THREADS
+    return (gluon_quantize.tile_layouts(rows, cols, warps),
+            gluon_quantize.tile_layouts(rows, cols // 2, warps))
+
+
+def _dh0(d_output: Quantized, w_down_t: Quantized, routing: Routing, tiles: RowTiles,
+         inter: int) -> torch.Tensor:
+    """The dSwiGLU's product apart: dh0 [C, I] fp32 = d_output[token] @ w_down[e] (the Gluon
+    kernel on Gluon tiles)."""
+    rows = routing.capacity_rows
+    dh0 = torch.empty(rows, inter, dtype=torch.float32, device=d_output.data.device)
+    if tiles.gluon and rows > 0:
+        _gather_gluon(d_output, w_down_t, dh0, routing, tiles)
+    else:
+        _launch(d_output, w_down_t, None, dh0, dh0, routing, tiles, None, None, gather=True,
+                epilogue="plain", quantize_out=False)
+    return dh0
 
 
 def d_x_rows_fp8(

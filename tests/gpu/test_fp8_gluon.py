@@ -451,3 +451,82 @@ def test_gluon_quantize_row_blocks_gives_the_triton_kernels_bits(threads, align,
             assert torch.equal(mine.data[:, start:end].view(torch.uint8),
                                theirs.data[:, start:end].view(torch.uint8))
             assert torch.equal(mine.scales[blocks], theirs.scales[blocks])
+
+
+@SM90
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "unweighted"])
+@pytest.mark.parametrize("inter", [256, 192], ids=["i256", "i192"])
+def test_dswiglu_for_wgrad_gives_the_unfused_bits(weighted, inter):
+    # mok.ops.fp8.dswiglu_fp8_for_wgrad (the dSwiGLU's second launch quantizing the weight
+    # gradients' operands too) against dswiglu_fp8 apart followed by quantize_row_blocks of the
+    # 16-bit d_gate_up and h it leaves: codes and scales bit for bit, the partial sums up to
+    # their order; the pre-activations untouched. I = 192: a partial column block.
+    from mok.ops.fp8 import dswiglu_fp8_for_wgrad, gluon_takes_dswiglu_for_wgrad
+    from mok.ops.fp8_wgrad import quantize_row_blocks
+
+    weights, router_weights, routing, generator = _setup(
+        tokens=1500, hidden=384, inter=inter, experts=9, topk=4, seed=29)
+    d_output = quantize_rows(torch.randn(1500, 384, generator=generator).bfloat16().cuda())
+    gate_up = (torch.randn(routing.capacity_rows, 2 * inter, generator=generator) * 2).bfloat16()
+    gate_up = gate_up.cuda()
+    rw = router_weights if weighted else None
+    tiles = fp8_tiles("down_bwd_saved", ALIGN, gluon=True)
+    assert gluon_takes_dswiglu_for_wgrad(gate_up, routing)
+    kept = gate_up.clone()
+    out, partial, d_gate_up, h = dswiglu_fp8_for_wgrad(d_output, weights.down_t, kept, routing,
+                                                       tiles, rw)
+    assert torch.equal(kept, gate_up)
+    unfused = gate_up.clone()
+    out_ref, h_ref, partial_ref = dswiglu_fp8(d_output, weights.down_t, unfused, routing, tiles,
+                                              rw, apart=True)
+    d_gate_up_ref = quantize_row_blocks(unfused, routing, gather=False)
+    h_q_ref = quantize_row_blocks(h_ref, routing, gather=False)
+    used = int(routing.expert_offsets[-1])
+    slots = used // QUANT_BLOCK
+    assert torch.equal(out.data[:used].view(torch.uint8), out_ref.data[:used].view(torch.uint8))
+    assert torch.equal(out.scales[:used], out_ref.scales[:used])
+    for mine, theirs in ((d_gate_up, d_gate_up_ref), (h, h_q_ref)):
+        assert torch.equal(mine.data[:, :used].view(torch.uint8),
+                           theirs.data[:, :used].view(torch.uint8))
+        assert torch.equal(mine.scales[:slots], theirs.scales[:slots])
+    if weighted:
+        torch.testing.assert_close(partial[:used], partial_ref[:used], rtol=1e-5, atol=1e-5)
+    else:
+        assert partial is None
+
+
+@SM90
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recompute"])
+def test_fp8_layer_with_the_dswiglu_quantizing_for_the_weight_gradients(recompute,
+                                                                         monkeypatch):
+    # plan._FP8_DSWIGLU_FOR_WGRAD with MoKConfig(fp8_weight_gradients=True): the layer gives
+    # the bits of the unfused path (the router weights' gradient up to the order of its sums),
+    # bitwise deterministic, the fused launch taken for the routed and the shared experts.
+    import mok.functional as F
+    from mok import ops, plan
+    from mok.testing import GRAD_NAMES, make_inputs
+
+    from ..conftest import run_layer
+
+    inputs = make_inputs(3000, 512, 256, 16, 4, shared_intermediate_size=256, device="cuda",
+                         seed=5)
+    config = F.MoKConfig(precision="fp8", recompute_gate_up=recompute,
+                         fp8_weight_gradients=True)
+    y_ref, grads_ref, _, _ = run_layer(inputs, config=config)
+    monkeypatch.setattr(plan, "_FP8_DSWIGLU_FOR_WGRAD", True)
+    calls = []
+    fused = ops.dswiglu_fp8_for_wgrad  # mok.functional calls it through mok.ops
+    monkeypatch.setattr(ops, "dswiglu_fp8_for_wgrad",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
+    y, grads, _, _ = run_layer(inputs, config=config)
+    assert len(calls) == 2  # the routed and the shared experts
+    y2, grads2, _, _ = run_layer(inputs, config=config)
+    assert torch.equal(y, y_ref) and torch.equal(y, y2)
+    for name, a, b, theirs in zip(GRAD_NAMES, grads, grads2, grads_ref, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), name
+        if theirs is None:
+            continue
+        if "router" in name:
+            torch.testing.assert_close(a, theirs, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(a, theirs), name
