@@ -286,17 +286,12 @@ def dswiglu_fp8(
     always run so): two launches, the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over
     it. The same results (on a GPU the partial sums up to their order over each 128
     columns)."""
-    _, hidden = _rows_operand(d_output, "d_output")
-    check_tokens(d_output.data, "d_output", routing.num_tokens)
-    _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
-    _check_gate_up(gate_up, routing, inter)
-    check_router_weights(router_weights, routing, fp32=True)
+    inter = _dswiglu_operands(d_output, w_down_t, gate_up, routing, router_weights)
     # apart, the GEMM writes fp32 dh0 and the second launch quantizes: any width the GEMM takes
     _check_tiles(tiles, routing, quantize_out=not (apart or tiles.gluon))
     device = gate_up.device
     rows, blocks = routing.capacity_rows, cdiv(inter, QUANT_BLOCK)
-    out = torch.empty(rows, 2 * padded_width(inter), dtype=E4M3, device=device)
-    out_scales = torch.empty(rows, 2 * blocks, dtype=torch.float32, device=device)
+    out, out_scales = _d_gate_up_rows(rows, inter, device)
     h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
     partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
                if router_weights is not None else None)
@@ -325,19 +320,14 @@ def dswiglu_fp8_for_wgrad(
     then d_gate_up and h as mok.ops.quantize_row_blocks gives them from dswiglu_fp8's 16-bit
     d_gate_up and h. No 16-bit d_gate_up or h is written: gate_up keeps the
     pre-activations."""
-    _, hidden = _rows_operand(d_output, "d_output")
-    check_tokens(d_output.data, "d_output", routing.num_tokens)
-    _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
-    _check_gate_up(gate_up, routing, inter)
-    check_router_weights(router_weights, routing, fp32=True)
+    inter = _dswiglu_operands(d_output, w_down_t, gate_up, routing, router_weights)
     _check_tiles(tiles, routing, quantize_out=False)
     if not gluon_takes_dswiglu_for_wgrad(gate_up, routing):
         raise ValueError("dswiglu_fp8_for_wgrad runs on an sm_90 GPU, the schedule's alignment "
                          "a multiple of 128 (gluon_takes_dswiglu_for_wgrad)")
     device = gate_up.device
     rows, blocks = routing.capacity_rows, cdiv(inter, QUANT_BLOCK)
-    out = torch.empty(rows, 2 * padded_width(inter), dtype=E4M3, device=device)
-    out_scales = torch.empty(rows, 2 * blocks, dtype=torch.float32, device=device)
+    out, out_scales = _d_gate_up_rows(rows, inter, device)
     weighted = router_weights is not None
     partial = torch.empty(rows, blocks, dtype=torch.float32, device=device) if weighted else None
     slots = rows // QUANT_BLOCK
@@ -358,6 +348,25 @@ def dswiglu_fp8_for_wgrad(
             h.scales.stride(0), WEIGHTED=weighted, BY_ROW=by_row, BY_COL=by_col,
             BY_CHUNK=by_chunk, num_warps=_DSWIGLU_WGRAD_THREADS[2])
     return Quantized(out, out_scales), partial, d_gate_up, h
+
+
+def _dswiglu_operands(d_output: Quantized, w_down_t: Quantized, gate_up: torch.Tensor,
+                      routing: Routing, router_weights: torch.Tensor | None) -> int:
+    """I, once the dSwiGLU's operands are checked."""
+    _, hidden = _rows_operand(d_output, "d_output")
+    check_tokens(d_output.data, "d_output", routing.num_tokens)
+    _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
+    _check_gate_up(gate_up, routing, inter)
+    check_router_weights(router_weights, routing, fp32=True)
+    return inter
+
+
+def _d_gate_up_rows(rows: int, inter: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """d_gate_up's buffers in e4m3 with 1 x 128 scales: [C, 2I'] codes, [C, 2I' / 128]."""
+    codes = torch.empty(rows, 2 * padded_width(inter), dtype=E4M3, device=device)
+    return codes, torch.empty(rows, 2 * cdiv(inter, QUANT_BLOCK), dtype=torch.float32,
+                              device=device)
 
 
 def gluon_takes_dswiglu_for_wgrad(gate_up: torch.Tensor, routing: Routing) -> bool:
