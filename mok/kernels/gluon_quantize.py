@@ -18,6 +18,8 @@ columns and 4 warps for quantize_row_blocks; 8 rows of 4 columns and 16 warps ov
 dswiglu_rows_kernel's [128, 128] blocks).
 """
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -27,13 +29,14 @@ from mok.kernels.gluon_fp8 import _scales
 ROWS = gl.constexpr(128)  # the scales' block along the rows (mok.kernels.fp8_wgrad.ROWS)
 
 
+@functools.cache
 def tile_layouts(rows_per_thread: int, cols_per_thread: int, num_warps: int):
     """(by_row, by_col): the distribution of a [128, BLOCK_N] tile, BLOCK_N = cols_per_thread
     * lanes along the columns * num_warps: a thread holds rows_per_thread consecutive rows of
     cols_per_thread consecutive columns, 128 / rows_per_thread lanes along the rows, the rest of
     the warp's 32 along the columns, the warps along the columns. The two are the same threads
     and values, by_row with a thread's registers along its columns (the loads' vectors), by_col
-    along its rows (the stores' vectors)."""
+    along its rows (the stores' vectors). Remembered per arguments."""
     def bits(n):
         return [1 << i for i in range(n.bit_length() - 1)]
 

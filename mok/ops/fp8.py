@@ -381,7 +381,6 @@ def gluon_takes_dswiglu_for_wgrad(gate_up: torch.Tensor, routing: Routing) -> bo
 _DSWIGLU_WGRAD_THREADS = (8, 4, 16)
 
 
-@functools.cache
 def _dswiglu_layouts():
     """The [128, 128] block's layouts, and the same threads over half its columns (the
     dSwiGLU's values are computed a half at a time)."""

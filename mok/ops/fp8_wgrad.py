@@ -4,7 +4,6 @@ grouped GEMM over the experts' rows."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -58,7 +57,7 @@ def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
                      SUB=sub, BLOCK_N=_QUANTIZE_COLUMNS)
         if gluon_takes_quantize_rows(src):
             rows_t, cols_t, warps = _GLUON_QUANTIZE_THREADS
-            by_row, by_col = _tile_layouts(rows_t, cols_t, warps)
+            by_row, by_col = gluon_quantize.tile_layouts(rows_t, cols_t, warps)
             assert by_row.shape[1] == _QUANTIZE_COLUMNS
             launch(gluon_quantize.quantize_row_blocks_kernel, grid)(
                 *args, **flags, BY_ROW=by_row, BY_COL=by_col, num_warps=warps)
@@ -79,7 +78,6 @@ def gluon_takes_quantize_rows(src: torch.Tensor) -> bool:
 _GLUON_QUANTIZE = True
 # The Gluon kernel's threads: (rows, columns) a thread, warps (gluon_quantize.tile_layouts).
 _GLUON_QUANTIZE_THREADS = (8, 8, 4)
-_tile_layouts = functools.cache(gluon_quantize.tile_layouts)
 
 
 def _rows_per_slot(routing: Routing) -> int:
