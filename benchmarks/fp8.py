@@ -253,6 +253,17 @@ def _quantize_with(gluon: bool, threads, run):
         fp8_wgrad._GLUON_QUANTIZE, fp8_wgrad._GLUON_QUANTIZE_THREADS = saved
 
 
+def _dswiglu_for_wgrad_with(threads, run, *args):
+    """run(*args) with dswiglu_fp8_for_wgrad's step (columns, warps) set to threads (None: its
+    default)."""
+    saved = ops.fp8._DSWIGLU_WGRAD_THREADS
+    ops.fp8._DSWIGLU_WGRAD_THREADS = threads or saved
+    try:
+        return run(*args)
+    finally:
+        ops.fp8._DSWIGLU_WGRAD_THREADS = saved
+
+
 def shape_schedule(shape: MoEShape, device: torch.device):
     """(inputs, schedule) of a shape: mok.testing's inputs (seed 7) and the layer's schedule of
     their routes."""
@@ -552,15 +563,20 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                                                  gluon_tiles["down_bwd_saved"],
                                                  router_weights)[2:]
 
-        theirs, mine = unfused(kept.clone()), fused(kept.clone())
-        same = all(torch.equal(a, b) for pair in zip(mine, theirs, strict=True)
-                   for a, b in zip(_written(pair[0], routing), _written(pair[1], routing),
-                                   strict=True))
-        print(f"   dswiglu for the FP8 weight gradients, fused against unfused: bit for bit "
-              f"{same}", flush=True)
-        stages += [("dswiglu_wgrad", "mok_fp8_unfused",
-                     functools.partial(unfused, kept_buffers["rows"]), gemm, 0),
-                   ("dswiglu_wgrad", "mok_fp8_fused", functools.partial(fused, kept), gemm, 0)]
+        theirs = unfused(kept.clone())
+        stages.append(("dswiglu_wgrad", "mok_fp8_unfused",
+                       functools.partial(unfused, kept_buffers["rows"]), gemm, 0))
+        # the fused launch at its default step, then at other steps (columns, warps)
+        for threads in (None, (32, 16)):
+            impl = "mok_fp8_fused" + (f"_{threads[0]}c_w{threads[1]}" if threads else "")
+            run = functools.partial(_dswiglu_for_wgrad_with, threads, fused)
+            mine = run(kept.clone())
+            same = all(torch.equal(a, b) for pair in zip(mine, theirs, strict=True)
+                       for a, b in zip(_written(pair[0], routing), _written(pair[1], routing),
+                                       strict=True))
+            print(f"   dswiglu for the FP8 weight gradients, {impl} against unfused: bit for "
+                  f"bit {same}", flush=True)
+            stages.append(("dswiglu_wgrad", impl, functools.partial(run, kept), gemm, 0))
     stages += quantize_stages(routing, {
         "d_out": (d_out, True, router_weights), "h": (h, False, None),
         "d_gate_up": (d_gate_up, False, None), "x": (x, True, None)})

@@ -337,7 +337,8 @@ def dswiglu_fp8_for_wgrad(
                   torch.empty(slots, inter, dtype=torch.float32, device=device))
     if rows and inter:
         dh0 = _dh0(d_output, w_down_t, routing, tiles, inter)
-        (by_row, by_col), (by_chunk, _) = _dswiglu_layouts()
+        columns, warps = _DSWIGLU_WGRAD_THREADS
+        by_value, (by_row, by_col) = _dswiglu_layouts(columns, warps)
         launch(gluon_quantize.dswiglu_rows_kernel, (slots * blocks,))(
             dh0, gate_up, routing.row_route, routing.used_rows,
             router_weights if weighted else out_scales, out, out_scales,
@@ -345,8 +346,8 @@ def dswiglu_fp8_for_wgrad(
             h.scales, inter, dh0.stride(0), gate_up.stride(0), out.stride(0),
             out_scales.stride(0), partial.stride(0) if weighted else 0,
             d_gate_up.data.stride(0), d_gate_up.scales.stride(0), h.data.stride(0),
-            h.scales.stride(0), WEIGHTED=weighted, BY_ROW=by_row, BY_COL=by_col,
-            BY_CHUNK=by_chunk, num_warps=_DSWIGLU_WGRAD_THREADS[2])
+            h.scales.stride(0), WEIGHTED=weighted, BY_VALUE=by_value, BY_ROW=by_row,
+            BY_COL=by_col, num_warps=warps)
     return Quantized(out, out_scales), partial, d_gate_up, h
 
 
@@ -376,17 +377,18 @@ def gluon_takes_dswiglu_for_wgrad(gate_up: torch.Tensor, routing: Routing) -> bo
             and routing.align % QUANT_BLOCK == 0)
 
 
-# dswiglu_fp8_for_wgrad's threads: (rows, columns) a thread, warps, over [128, 128] blocks
-# (mok.kernels.gluon_quantize.tile_layouts).
-_DSWIGLU_WGRAD_THREADS = (8, 4, 16)
+# dswiglu_fp8_for_wgrad's columns a pass step and warps over [128, 128] blocks.
+_DSWIGLU_WGRAD_THREADS = (16, 8)
 
 
-def _dswiglu_layouts():
-    """The [128, 128] block's layouts, and the same threads over half its columns (the
-    dSwiGLU's values are computed a half at a time)."""
-    rows, cols, warps = _DSWIGLU_WGRAD_THREADS
-    return (gluon_quantize.tile_layouts(rows, cols, warps),
-            gluon_quantize.tile_layouts(rows, cols // 2, warps))
+@functools.cache
+def _dswiglu_layouts(columns: int, warps: int):
+    """The layouts of a [128, columns] step of dswiglu_rows_kernel: the values as loaded (4
+    consecutive columns a thread, a row's columns over neighbouring lanes, the warps along the
+    rows), and tile_layouts' two for quantizing them along the rows (8 rows a thread).
+    Remembered per arguments."""
+    by_value = gl.BlockedLayout([1, 4], [32 * 4 // columns, columns // 4], [warps, 1], [1, 0])
+    return by_value, gluon_quantize.tile_layouts(8, columns // (2 * warps), warps)
 
 
 def _dh0(d_output: Quantized, w_down_t: Quantized, routing: Routing, tiles: RowTiles,
