@@ -253,17 +253,6 @@ def _quantize_with(gluon: bool, threads, run):
         fp8_wgrad._GLUON_QUANTIZE, fp8_wgrad._GLUON_QUANTIZE_THREADS = saved
 
 
-def _dswiglu_for_wgrad_with(threads, run, *args):
-    """run(*args) with dswiglu_fp8_for_wgrad's step (columns, warps) set to threads (None: its
-    default)."""
-    saved = ops.fp8._DSWIGLU_WGRAD_THREADS
-    ops.fp8._DSWIGLU_WGRAD_THREADS = threads or saved
-    try:
-        return run(*args)
-    finally:
-        ops.fp8._DSWIGLU_WGRAD_THREADS = saved
-
-
 def shape_schedule(shape: MoEShape, device: torch.device):
     """(inputs, schedule) of a shape: mok.testing's inputs (seed 7) and the layer's schedule of
     their routes."""
@@ -548,35 +537,6 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
                 _dswiglu_rows_with, rows_, warps, columns_first, dh0, kept_buffers["rows"],
                 routing, router_weights, None, d_gate_up_out, scales_out, h_out, partial_out), 0,
                 routes * inter * (4 + 4 + 2 + 4 + 2)))
-    if gluon and ops.fp8.gluon_takes_dswiglu_for_wgrad(kept, routing):
-        # the FP8 weight gradients' path: the dSwiGLU apart then its 16-bit d_gate_up and h
-        # quantized along the rows (two launches), against the second launch doing both
-        def unfused(buffer):
-            _, h_rows, _ = ops.dswiglu_fp8(d_out_q, fp8_experts.down_t, buffer, routing,
-                                           gluon_tiles["down_bwd_saved"], router_weights,
-                                           apart=True)
-            return (ops.quantize_row_blocks(buffer, routing, gather=False),
-                    ops.quantize_row_blocks(h_rows, routing, gather=False))
-
-        def fused(buffer):
-            return ops.fp8.dswiglu_fp8_for_wgrad(d_out_q, fp8_experts.down_t, buffer, routing,
-                                                 gluon_tiles["down_bwd_saved"],
-                                                 router_weights)[2:]
-
-        theirs = unfused(kept.clone())
-        stages.append(("dswiglu_wgrad", "mok_fp8_unfused",
-                       functools.partial(unfused, kept_buffers["rows"]), gemm, 0))
-        # the fused launch at its default step, then at other steps (columns, warps)
-        for threads in (None, (32, 16)):
-            impl = "mok_fp8_fused" + (f"_{threads[0]}c_w{threads[1]}" if threads else "")
-            run = functools.partial(_dswiglu_for_wgrad_with, threads, fused)
-            mine = run(kept.clone())
-            same = all(torch.equal(a, b) for pair in zip(mine, theirs, strict=True)
-                       for a, b in zip(_written(pair[0], routing), _written(pair[1], routing),
-                                       strict=True))
-            print(f"   dswiglu for the FP8 weight gradients, {impl} against unfused: bit for "
-                  f"bit {same}", flush=True)
-            stages.append(("dswiglu_wgrad", impl, functools.partial(run, kept), gemm, 0))
     stages += quantize_stages(routing, {
         "d_out": (d_out, True, router_weights), "h": (h, False, None),
         "d_gate_up": (d_gate_up, False, None), "x": (x, True, None)})

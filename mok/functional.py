@@ -845,19 +845,13 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
             gate_up = _fp8_pre_activations(schedule, x, ops.quantize_rows(x_rows), experts,
                                            weights, routing, swiglu_limit,
                                            moved=scatter is not None)
-        if fp8.dswiglu_for_wgrad and config.fp8_weight_gradients and swiglu_limit is None:
-            # the weight gradients' operands d_gate_up and h, quantized along the rows
-            d_gate_up_q, partial, *saved = ops.dswiglu_fp8_for_wgrad(
-                dq, weights.down_t, gate_up, routing, fp8.dswiglu, route_weights)
-        else:
-            d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
-                                                      fp8.dswiglu, route_weights, swiglu_limit,
-                                                      apart=fp8.dswiglu_apart)
-            saved = [gate_up, h]  # gate_up holds d_gate_up now
+        d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
+                                                  fp8.dswiglu, route_weights, swiglu_limit,
+                                                  apart=fp8.dswiglu_apart)
         _overwritten(gate_up)
         d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, fp8.d_x,
                                     out_dtype=dtype, scatter=scatter)
-        return fp8, d_x_rows, partial, saved
+        return fp8, d_x_rows, partial, [gate_up, h]  # gate_up holds d_gate_up now
 
     d_shared = (None, None, None)
     d_x_shared_rows = None
@@ -1078,10 +1072,6 @@ def _weight_grads(plan: BackwardPlan | Fp8Plan, routing, d_output, x, saved, rou
     saved.clear()
 
     def gate_up():
-        if isinstance(d_gate_up, ops.Quantized):  # quantized along the rows already
-            return ops.grouped_wgrad_fp8_quantized(
-                d_gate_up, ops.quantize_row_blocks(x, routing, gather=True), routing,
-                plan.wgrad_fp8, out_dtype=experts.gate.dtype, split=experts.intermediate)
         if fp8:
             return ops.grouped_wgrad_fp8(d_gate_up, x, routing, plan.wgrad_fp8, gather_a=False,
                                          gather_b=True, out_dtype=experts.gate.dtype,
@@ -1090,11 +1080,6 @@ def _weight_grads(plan: BackwardPlan | Fp8Plan, routing, d_output, x, saved, rou
                                          gather_x=True, out_dtype=experts.gate.dtype)
 
     def down():
-        if isinstance(h, ops.Quantized):
-            return ops.grouped_wgrad_fp8_quantized(
-                ops.quantize_row_blocks(d_output, routing, gather=True,
-                                        router_weights=route_weights), h, routing,
-                plan.wgrad_fp8, out_dtype=experts.down.dtype)
         if fp8:
             return ops.grouped_wgrad_fp8(d_output, h, routing, plan.wgrad_fp8, gather_a=True,
                                          gather_b=False, router_weights=route_weights,

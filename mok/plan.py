@@ -149,9 +149,7 @@ class Fp8Plan:
     recomputing backward's), down, dswiglu, d_x; the weight gradients, in the inputs' dtype, as
     the 16-bit plan's; wgrad_fp8, those of the weight gradients on e4m3 operands
     (MoKConfig.fp8_weight_gradients); dswiglu_apart: the dSwiGLU as two launches (its GEMM
-    into fp32 on the dswiglu tiles, then the dSwiGLU over it; mok.ops.dswiglu_fp8's apart);
-    dswiglu_for_wgrad: with FP8 weight gradients and no SwiGLU limit, the dSwiGLU's second
-    launch quantizes their operands too (mok.ops.dswiglu_fp8_for_wgrad)."""
+    into fp32 on the dswiglu tiles, then the dSwiGLU over it; mok.ops.dswiglu_fp8's apart)."""
 
     gate_up: RowTiles
     gate_up_saved: RowTiles
@@ -162,7 +160,6 @@ class Fp8Plan:
     wgrad_down: WgradTiles
     wgrad_fp8: RowTiles = FP8_WGRAD_TILES
     dswiglu_apart: bool = False
-    dswiglu_for_wgrad: bool = False
 
 
 def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate: int,
@@ -178,13 +175,12 @@ def fp8_plan(tiles: TileConfig, operands: Operands, *, hidden: int, intermediate
     (the default), the FP8 weight gradients' Gluon tiles at 128 x 256 where _FP8_WIDE_WGRAD (the
     default). Remembered per arguments and switches (`_remembered`)."""
     return _remembered(_fp8_plan, tiles, operands, hidden, intermediate, scatter,
-                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_WIDE_WGRAD,
-                       _FP8_DSWIGLU_FOR_WGRAD)
+                       _env.FP8_GLUON, _FP8_DSWIGLU_APART, _FP8_WIDE_ROWS, _FP8_WIDE_WGRAD)
 
 
 def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: int,
               scatter: bool, gluon_on: bool, apart_on: bool, wide_on: bool,
-              wide_wgrad_on: bool, for_wgrad_on: bool) -> Fp8Plan:
+              wide_wgrad_on: bool) -> Fp8Plan:
     sizes = dict(hidden=hidden, intermediate=intermediate)
     pick = _picker(tiles, operands.dtype, sizes)
     # TMA: e4m3 rows of H (x, d_output) and of I (h) in 16-byte multiples.
@@ -206,9 +202,7 @@ def _fp8_plan(tiles: TileConfig, operands: Operands, hidden: int, intermediate: 
             if getattr(made, field).gluon and getattr(made, field).block_m == 128})
     # the dSwiGLU's Gluon kernel in one launch ran slower than the Triton one (181 against 242
     # TFLOP/s at qwen3-30b-a3b; docs/measurements.md, 2026-12-05): Gluon tiles mean apart
-    return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon,
-                               dswiglu_for_wgrad=(for_wgrad_on and made.dswiglu.gluon
-                                                  and tiles.align % 128 == 0))
+    return dataclasses.replace(made, dswiglu_apart=made.dswiglu.gluon)
 
 
 # The dSwiGLU on sm_90: apart (its GEMM on the Gluon kernel, then the dSwiGLU), or False: in one
@@ -223,10 +217,6 @@ _FP8_WIDE_ROWS = True
 # False: 128 x 128, 5 stages; the same bits). On one H100 (docs/measurements.md, 2026-12-07)
 # 4-18% faster for both weight gradients at qwen3-30b-a3b and kimi-ep64-slice.
 _FP8_WIDE_WGRAD = True
-# With FP8 weight gradients and no SwiGLU limit, the dSwiGLU's second launch quantizes their
-# operands along the rows too, instead of writing d_gate_up and h in 16 bits for two launches
-# that quantize them (mok.kernels.gluon_quantize.dswiglu_rows_kernel). Off: no GPU has run it.
-_FP8_DSWIGLU_FOR_WGRAD = False
 
 
 # Each kind's (n, k) as the tile table keys it (mok.ops.tuning.KINDS).

@@ -483,7 +483,6 @@ def main(argv=None) -> None:
         # The Gluon FP8 kernels (mok.kernels.gluon_fp8, gluon_fp8_wgrad), as an sm_90 GPU would
         # run them.
         fp8.gluon_takes_fp8 = lambda *args, **kwargs: True
-        fp8.gluon_takes_dswiglu_for_wgrad = lambda *args, **kwargs: True
         fp8_wgrad.gluon_takes_fp8_wgrad = lambda *args, **kwargs: True
         from mok.ops.tuning import FP8_WGRAD_GLUON_TILES as wgrad8_gluon
         runs += [
@@ -530,14 +529,6 @@ def main(argv=None) -> None:
              lambda tt: fp8.dswiglu_fp8(
                 x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1), 7.0,
                 apart=True)),
-            ("down_bwd saved for wgrad fp8 gluon tma",
-             ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
-             lambda tt: fp8.dswiglu_fp8_for_wgrad(
-                x8, quantized(experts, inter, hid), dgu, routing, tt, rw.view(-1))),
-            ("down_bwd saved for wgrad fp8 gluon tma unweighted",
-             ops.fp8_tiles("down_bwd_saved", 128, gluon=True),
-             lambda tt: fp8.dswiglu_fp8_for_wgrad(
-                x8, quantized(experts, inter, hid), dgu, routing, tt)),
             ("down_bwd saved apart fp8 gluon tma 128x256",
              r(ops.fp8_tiles("down_bwd_saved", 128, gluon=True), block_n=256),
              lambda tt: fp8.dswiglu_fp8(

@@ -31,16 +31,11 @@ from mok.ops.fp8 import (
     d_x_rows_fp8,
     down_proj_fp8,
     dswiglu_fp8,
-    dswiglu_fp8_for_wgrad,
     gate_up_fp8,
     gate_up_swiglu_fp8,
     quantize_experts,
 )
-from mok.ops.fp8_wgrad import (
-    grouped_wgrad_fp8,
-    grouped_wgrad_fp8_quantized,
-    quantize_row_blocks,
-)
+from mok.ops.fp8_wgrad import grouped_wgrad_fp8, quantize_row_blocks
 from mok.ops.quantize import (
     QUANT_BLOCK,
     Quantized,
@@ -91,7 +86,6 @@ __all__ = [
     "cached_quantize_experts",
     "gather_within",
     "grouped_wgrad_fp8",
-    "grouped_wgrad_fp8_quantized",
     "quantize_row_blocks",
     "clear_fp8_cache",
     "d_x_rows_fp8",
@@ -102,7 +96,6 @@ __all__ = [
     "down_proj_fp8",
     "dswiglu_apart",
     "dswiglu_fp8",
-    "dswiglu_fp8_for_wgrad",
     "exchange_routes",
     "fp8_tiles",
     "gate_up_buffer",

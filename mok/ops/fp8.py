@@ -17,7 +17,7 @@ from mok import _env
 from mok.arch import HOPPER, arch_of
 from mok.errors import MoKInputError
 from mok.kernels import fp8_gemm as kernels
-from mok.kernels import gluon_fp8, gluon_quantize
+from mok.kernels import gluon_fp8
 from mok.ops import graphs
 from mok.ops.checks import FLOATS, check_out_dtype, check_row_tiles, check_tokens
 from mok.ops.comm import ScatterRows
@@ -305,52 +305,6 @@ def dswiglu_fp8(
     return Quantized(out, out_scales), h, partial
 
 
-def dswiglu_fp8_for_wgrad(
-    d_output: Quantized,
-    w_down_t: Quantized,
-    gate_up: torch.Tensor,
-    routing: Routing,
-    tiles: RowTiles = FP8_TILES,
-    router_weights: torch.Tensor | None = None,
-) -> tuple[Quantized, torch.Tensor | None, Quantized, Quantized]:
-    """dswiglu_fp8 apart without a SwiGLU limit, its second launch also quantizing the FP8
-    weight gradients' operands along the rows (mok.kernels.gluon_quantize.dswiglu_rows_kernel;
-    an sm_90 GPU, the schedule's alignment a multiple of 128: gluon_takes_dswiglu_for_wgrad).
-    Returns d_gate_up in e4m3 with 1 x 128 scales and the partial sums, as dswiglu_fp8 does,
-    then d_gate_up and h as mok.ops.quantize_row_blocks gives them from dswiglu_fp8's 16-bit
-    d_gate_up and h. No 16-bit d_gate_up or h is written: gate_up keeps the
-    pre-activations."""
-    inter = _dswiglu_operands(d_output, w_down_t, gate_up, routing, router_weights)
-    _check_tiles(tiles, routing, quantize_out=False)
-    if not gluon_takes_dswiglu_for_wgrad(gate_up, routing):
-        raise ValueError("dswiglu_fp8_for_wgrad runs on an sm_90 GPU, the schedule's alignment "
-                         "a multiple of 128 (gluon_takes_dswiglu_for_wgrad)")
-    device = gate_up.device
-    rows, blocks = routing.capacity_rows, cdiv(inter, QUANT_BLOCK)
-    out, out_scales = _d_gate_up_rows(rows, inter, device)
-    weighted = router_weights is not None
-    partial = torch.empty(rows, blocks, dtype=torch.float32, device=device) if weighted else None
-    slots = rows // QUANT_BLOCK
-    d_gate_up = Quantized(torch.empty(2 * inter, rows, dtype=E4M3, device=device),
-                          torch.empty(slots, 2 * inter, dtype=torch.float32, device=device))
-    h = Quantized(torch.empty(inter, rows, dtype=E4M3, device=device),
-                  torch.empty(slots, inter, dtype=torch.float32, device=device))
-    if rows and inter:
-        dh0 = _dh0(d_output, w_down_t, routing, tiles, inter)
-        columns, warps = _DSWIGLU_WGRAD_THREADS
-        by_value, (by_row, by_col) = _dswiglu_layouts(columns, warps)
-        launch(gluon_quantize.dswiglu_rows_kernel, (slots * blocks,))(
-            dh0, gate_up, routing.row_route, routing.used_rows,
-            router_weights if weighted else out_scales, out, out_scales,
-            partial if weighted else out_scales, d_gate_up.data, d_gate_up.scales, h.data,
-            h.scales, inter, dh0.stride(0), gate_up.stride(0), out.stride(0),
-            out_scales.stride(0), partial.stride(0) if weighted else 0,
-            d_gate_up.data.stride(0), d_gate_up.scales.stride(0), h.data.stride(0),
-            h.scales.stride(0), WEIGHTED=weighted, BY_VALUE=by_value, BY_ROW=by_row,
-            BY_COL=by_col, num_warps=warps)
-    return Quantized(out, out_scales), partial, d_gate_up, h
-
-
 def _dswiglu_operands(d_output: Quantized, w_down_t: Quantized, gate_up: torch.Tensor,
                       routing: Routing, router_weights: torch.Tensor | None) -> int:
     """I, once the dSwiGLU's operands are checked."""
@@ -368,27 +322,6 @@ def _d_gate_up_rows(rows: int, inter: int,
     codes = torch.empty(rows, 2 * padded_width(inter), dtype=E4M3, device=device)
     return codes, torch.empty(rows, 2 * cdiv(inter, QUANT_BLOCK), dtype=torch.float32,
                               device=device)
-
-
-def gluon_takes_dswiglu_for_wgrad(gate_up: torch.Tensor, routing: Routing) -> bool:
-    """Whether dswiglu_fp8_for_wgrad runs: an sm_90 GPU and whole 128-row scale slots (the
-    schedule's alignment a multiple of 128)."""
-    return (gate_up.is_cuda and arch_of(gate_up.device).warp_specialized
-            and routing.align % QUANT_BLOCK == 0)
-
-
-# dswiglu_fp8_for_wgrad's columns a pass step and warps over [128, 128] blocks.
-_DSWIGLU_WGRAD_THREADS = (16, 8)
-
-
-@functools.cache
-def _dswiglu_layouts(columns: int, warps: int):
-    """The layouts of a [128, columns] step of dswiglu_rows_kernel: the values as loaded (4
-    consecutive columns a thread, a row's columns over neighbouring lanes, the warps along the
-    rows), and tile_layouts' two for quantizing them along the rows (8 rows a thread).
-    Remembered per arguments."""
-    by_value = gl.BlockedLayout([1, 4], [32 * 4 // columns, columns // 4], [warps, 1], [1, 0])
-    return by_value, gluon_quantize.tile_layouts(8, columns // (2 * warps), warps)
 
 
 def _dh0(d_output: Quantized, w_down_t: Quantized, routing: Routing, tiles: RowTiles,

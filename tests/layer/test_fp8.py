@@ -78,40 +78,6 @@ def test_fp8_layer_matches_the_recipe(device, shared, recompute, limit, dtype):
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
-def test_fp8_weight_gradients_from_the_dswiglu_quantizing_them(device, recompute, monkeypatch):
-    # Fp8Plan.dswiglu_for_wgrad (on sm_90 GPUs only, tests/gpu/test_fp8_gluon.py): the backward
-    # takes d_gate_up and h already quantized along the rows from mok.ops.dswiglu_fp8_for_wgrad,
-    # here its unfused equivalent (the dSwiGLU, then quantize_row_blocks of the 16-bit
-    # d_gate_up and h it leaves), and gives the layer's bits without it.
-    import mok.functional as functional_module
-
-    inputs = make_inputs(160, 256, 128, 2, 2, shared_intermediate_size=128, device=device,
-                         seed=11)
-    config = F.MoKConfig(precision="fp8", recompute_gate_up=recompute, fp8_weight_gradients=True)
-    tiles = tiles_for_tests(32)
-    y_ref, grads_ref, _, _ = run_layer(inputs, config=config, tiles=tiles)
-    plan_of = functional_module._fp8_plan
-    monkeypatch.setattr(functional_module, "_fp8_plan", lambda *a, **k: dataclasses.replace(
-        plan_of(*a, **k), dswiglu_for_wgrad=True))
-    calls = []
-
-    def unfused(d_output, w_down_t, gate_up, routing, tiles, router_weights):
-        calls.append(router_weights is not None)
-        d_gate_up = gate_up.clone()
-        out, h, partial = ops.dswiglu_fp8(d_output, w_down_t, d_gate_up, routing, tiles,
-                                          router_weights)
-        return (out, partial, ops.quantize_row_blocks(d_gate_up, routing, gather=False),
-                ops.quantize_row_blocks(h, routing, gather=False))
-
-    monkeypatch.setattr(ops, "dswiglu_fp8_for_wgrad", unfused)
-    y, grads, _, _ = run_layer(inputs, config=config, tiles=tiles)
-    assert sorted(calls) == [False, True]  # the shared experts, the routed ones
-    assert torch.equal(y, y_ref)
-    for name, a, b in zip(GRAD_NAMES, grads, grads_ref, strict=True):
-        assert torch.equal(a, b), name
-
-
-@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
 def test_fp8_weight_gradients_match_the_recipe(device, recompute):
     # MoKConfig(fp8_weight_gradients=True): experts of more than 128 rows (several row blocks)
     # and a shared expert; the other outputs are those of the default (bf16 weight gradients).

@@ -530,16 +530,6 @@ def test_fp8_plan_gives_the_gluon_kernels_on_sm90(device, monkeypatch):
     monkeypatch.setattr(plan, "_FP8_WIDE_WGRAD", False)
     assert plan.fp8_plan(tiles, operands, hidden=256, intermediate=256).wgrad_fp8.block_n == 128
     monkeypatch.setattr(plan, "_FP8_WIDE_WGRAD", True)
-    # the dSwiGLU quantizing the FP8 weight gradients' operands: off by default; switched on,
-    # wherever the dSwiGLU runs apart on the Gluon kernel at an alignment of 128
-    assert not plan._FP8_DSWIGLU_FOR_WGRAD
-    assert not plan.fp8_plan(tiles, operands, hidden=256, intermediate=256).dswiglu_for_wgrad
-    monkeypatch.setattr(plan, "_FP8_DSWIGLU_FOR_WGRAD", True)
-    assert plan.fp8_plan(tiles, operands, hidden=256, intermediate=256).dswiglu_for_wgrad
-    assert not plan.fp8_plan(tiles, operands, hidden=264, intermediate=256).dswiglu_for_wgrad
-    narrow = dataclasses.replace(tiles, align=64)
-    assert not plan.fp8_plan(narrow, operands, hidden=256, intermediate=256).dswiglu_for_wgrad
-    monkeypatch.setattr(plan, "_FP8_DSWIGLU_FOR_WGRAD", False)
     # the switch: 128 x 256 for down, d_x and the dSwiGLU's GEMM (scattering, down and d_x stay
     # on the Triton tiles)
     for wide in (True, False):

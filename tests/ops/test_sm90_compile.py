@@ -30,7 +30,7 @@ def compiled() -> dict[str, dict]:
 
 # Launches without a product: the FP8 dSwiGLU's second launch when it runs apart (the
 # quantizing launches are labelled "quantize ...").
-ELEMENTWISE = ("fp8_dswiglu_rows_kernel", "dswiglu_rows_kernel")
+ELEMENTWISE = ("fp8_dswiglu_rows_kernel",)
 
 
 def _has_product(name: str, row: dict) -> bool:
