@@ -286,56 +286,34 @@ def dswiglu_fp8(
     always run so): two launches, the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over
     it. The same results (on a GPU the partial sums up to their order over each 128
     columns)."""
-    inter = _dswiglu_operands(d_output, w_down_t, gate_up, routing, router_weights)
-    # apart, the GEMM writes fp32 dh0 and the second launch quantizes: any width the GEMM takes
-    _check_tiles(tiles, routing, quantize_out=not (apart or tiles.gluon))
-    device = gate_up.device
-    rows, blocks = routing.capacity_rows, cdiv(inter, QUANT_BLOCK)
-    out, out_scales = _d_gate_up_rows(rows, inter, device)
-    h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
-    partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
-               if router_weights is not None else None)
-    if apart or tiles.gluon:
-        _dswiglu_rows(_dh0(d_output, w_down_t, routing, tiles, inter), gate_up, routing,
-                      router_weights, swiglu_limit, out, out_scales, h, partial)
-    else:
-        _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
-                swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True,
-                gate_up=gate_up, h=h, partial=partial)
-    return Quantized(out, out_scales), h, partial
-
-
-def _dswiglu_operands(d_output: Quantized, w_down_t: Quantized, gate_up: torch.Tensor,
-                      routing: Routing, router_weights: torch.Tensor | None) -> int:
-    """I, once the dSwiGLU's operands are checked."""
     _, hidden = _rows_operand(d_output, "d_output")
     check_tokens(d_output.data, "d_output", routing.num_tokens)
     _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
     _check_gate_up(gate_up, routing, inter)
     check_router_weights(router_weights, routing, fp32=True)
-    return inter
-
-
-def _d_gate_up_rows(rows: int, inter: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """d_gate_up's buffers in e4m3 with 1 x 128 scales: [C, 2I'] codes, [C, 2I' / 128]."""
-    codes = torch.empty(rows, 2 * padded_width(inter), dtype=E4M3, device=device)
-    return codes, torch.empty(rows, 2 * cdiv(inter, QUANT_BLOCK), dtype=torch.float32,
-                              device=device)
-
-
-def _dh0(d_output: Quantized, w_down_t: Quantized, routing: Routing, tiles: RowTiles,
-         inter: int) -> torch.Tensor:
-    """The dSwiGLU's product apart: dh0 [C, I] fp32 = d_output[token] @ w_down[e] (the Gluon
-    kernel on Gluon tiles)."""
-    rows = routing.capacity_rows
-    dh0 = torch.empty(rows, inter, dtype=torch.float32, device=d_output.data.device)
-    if tiles.gluon and rows > 0:
-        _gather_gluon(d_output, w_down_t, dh0, routing, tiles)
+    # apart, the GEMM writes fp32 dh0 and the second launch quantizes: any width the GEMM takes
+    _check_tiles(tiles, routing, quantize_out=not (apart or tiles.gluon))
+    device = gate_up.device
+    rows, blocks = routing.capacity_rows, cdiv(inter, QUANT_BLOCK)
+    out = torch.empty(rows, 2 * padded_width(inter), dtype=E4M3, device=device)
+    out_scales = torch.empty(rows, 2 * blocks, dtype=torch.float32, device=device)
+    h = torch.empty(rows, inter, dtype=gate_up.dtype, device=device)
+    partial = (torch.empty(rows, blocks, dtype=torch.float32, device=device)
+               if router_weights is not None else None)
+    if apart or tiles.gluon:
+        dh0 = torch.empty(rows, inter, dtype=torch.float32, device=device)
+        if tiles.gluon and rows > 0:
+            _gather_gluon(d_output, w_down_t, dh0, routing, tiles)
+        else:
+            _launch(d_output, w_down_t, None, dh0, dh0, routing, tiles, None, None, gather=True,
+                    epilogue="plain", quantize_out=False)
+        _dswiglu_rows(dh0, gate_up, routing, router_weights, swiglu_limit, out, out_scales, h,
+                      partial)
     else:
-        _launch(d_output, w_down_t, None, dh0, dh0, routing, tiles, None, None, gather=True,
-                epilogue="plain", quantize_out=False)
-    return dh0
+        _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
+                swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True,
+                gate_up=gate_up, h=h, partial=partial)
+    return Quantized(out, out_scales), h, partial
 
 
 def d_x_rows_fp8(
