@@ -16,15 +16,17 @@ random routes), stage by stage:
              128 x 256, mok_fp8_gluon_256_*, checked bit for bit against it);
   dswiglu    dswiglu_fp8 on random e4m3 d_output rows over the kept pre-activations (one
              Triton launch, and on an sm_90 GPU apart: the Gluon GEMM into fp32, then the
-             dSwiGLU; dswiglu_rows times that second launch alone, GB/s, with several blocks);
+             dSwiGLU; dswiglu_rows times that second launch alone, GB/s, with several blocks,
+             and without d_gate_up in bf16, mok_fp8_not_in_place);
   d_x        d_x_rows_fp8 on random e4m3 d_gate_up rows (Triton, Gluon);
   wgrad_*    the weight gradients of down and of gate/up: mok's bf16 launches (the layer's
              plan), grouped_wgrad_fp8 (its operands quantized along the rows, then the GEMM),
              and that GEMM alone (mok_fp8_gemm_only; on a GPU also with other tiles,
              mok_fp8_gemm_only_<tile>); random d_output and d_gate_up;
   quantize_rows_*  quantize_row_blocks of each weight gradient's operand (d_output by token
-             with router weights, h, d_gate_up, x by token): ms and GB/s (bf16 read, e4m3
-             written, per schedule row);
+             with router weights, h, d_gate_up, x by token), from bf16 and (_e4m3) from e4m3
+             rows with 1 x 128 scales, as the layer quantizes d_output, d_gate_up and x: ms and
+             GB/s (the source read, e4m3 written, per schedule row);
   dense      the ceilings at gate/up's and down's FLOPs, all T*k routes as one matrix: bf16
              torch.mm, and e4m3 torch._scaled_mm with one scale per tensor.
 
@@ -57,7 +59,7 @@ from benchmarks.timing import hold_device
 from mok import ops, plan
 from mok.arch import arch_of
 from mok.ops import fp8_wgrad
-from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8
+from mok.ops.fp8 import down_proj_fp8, gate_up_swiglu_fp8, padded_width
 from mok.ops.fp8_wgrad import gluon_takes_fp8_wgrad
 from mok.ops.fp8_wgrad import grouped_wgrad_fp8_quantized as wgrad_fp8_quantized
 from mok.ops.quantize import QUANT_BLOCK, quantize_rows, quantize_weights
@@ -201,16 +203,20 @@ def partial_checked(d_out_q, down_t, kept, routing) -> torch.Tensor:
 
 def quantize_stages(routing, operands: dict) -> list:
     """The quantize_rows_<name> stages: quantize_row_blocks of operands {name: (src, gather,
-    router weights)}, bytes per schedule row (src read, e4m3 written). Where the Gluon kernel
-    runs, also the Triton kernel (row_blocks_triton) and the Gluon kernel's other threads
-    (QUANTIZE_THREADS), each checked bit for bit against the Triton kernel first."""
+    router weights, halves)}, src a tensor or e4m3 rows (Quantized), bytes per schedule row
+    (src read with its scales, e4m3 written). Where the Gluon kernel runs, also the Triton
+    kernel (row_blocks_triton) and the Gluon kernel's other threads (QUANTIZE_THREADS), each
+    checked bit for bit against the Triton kernel first."""
     stages = []
-    for name, (src, gather, weights) in operands.items():
-        bytes_ = routing.capacity_rows * src.shape[1] * (src.element_size() + 1)
+    for name, (src, gather, weights, halves) in operands.items():
+        data = src.data if isinstance(src, ops.Quantized) else src
+        width = 2 * halves if halves else data.shape[1]
+        read = data.element_size() + (4 / QUANT_BLOCK if data is not src else 0)
+        bytes_ = routing.capacity_rows * width * (read + 1)
         run = functools.partial(ops.quantize_row_blocks, src, routing, gather=gather,
-                                router_weights=weights)
+                                router_weights=weights, halves=halves)
         stages.append((f"quantize_rows_{name}", "row_blocks", run, 0, bytes_))
-        if not fp8_wgrad.gluon_takes_quantize_rows(src):
+        if not fp8_wgrad.gluon_takes_quantize_rows(data, halves):
             continue
         triton_run = functools.partial(_quantize_with, False, None, run)
         theirs = triton_run()
@@ -535,11 +541,26 @@ def bench_shape(shape: MoEShape, device: torch.device, repeats: int, warmup: int
             impl = f"mok_fp8_{rows_}x128_w{warps}" + ("_columns_first" if columns_first else "")
             stages.append(("dswiglu_rows", impl, functools.partial(
                 _dswiglu_rows_with, rows_, warps, columns_first, dh0, kept_buffers["rows"],
-                routing, router_weights, None, d_gate_up_out, scales_out, h_out, partial_out), 0,
-                routes * inter * (4 + 4 + 2 + 4 + 2)))
+                routing, router_weights, None, d_gate_up_out, scales_out, h_out, partial_out,
+                True), 0, routes * inter * (4 + 4 + 2 + 4 + 2)))
+        # without d_gate_up in the pre-activations' dtype (the FP8 weight gradients' backward)
+        rows_, warps, columns_first = DSWIGLU_APART_VARIANTS[0]
+        stages.append(("dswiglu_rows", "mok_fp8_not_in_place", functools.partial(
+            _dswiglu_rows_with, rows_, warps, columns_first, dh0, kept_buffers["rows"],
+            routing, router_weights, None, d_gate_up_out, scales_out, h_out, partial_out,
+            False), 0, routes * inter * (4 + 4 + 2 + 2)))
+    # from e4m3 rows (what the layer quantizes them from): d_output's and x's 1 x 128 codes,
+    # and d_gate_up's halves as the dSwiGLU lays them out
+    laid = torch.zeros(routing.capacity_rows, 2 * padded_width(inter), dtype=x.dtype,
+                       device=device)
+    laid[:, :inter] = d_gate_up[:, :inter]
+    laid[:, padded_width(inter):padded_width(inter) + inter] = d_gate_up[:, inter:]
     stages += quantize_stages(routing, {
-        "d_out": (d_out, True, router_weights), "h": (h, False, None),
-        "d_gate_up": (d_gate_up, False, None), "x": (x, True, None)})
+        "d_out": (d_out, True, router_weights, None), "h": (h, False, None, None),
+        "d_gate_up": (d_gate_up, False, None, None), "x": (x, True, None, None),
+        "d_out_e4m3": (quantize_rows(d_out), True, router_weights, None),
+        "d_gate_up_e4m3": (quantize_rows(laid), False, None, inter),
+        "x_e4m3": (x_q, True, None, None)})
     if device.type == "cuda":  # torch._scaled_mm needs a GPU
         stages += [
             ("dense_gate_up", "cublas_bf16", lambda: dense_mm(routes, hidden, 2 * inter, False),

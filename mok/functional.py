@@ -116,7 +116,9 @@ class MoKConfig:
     fp8_weight_gradients: with precision "fp8", the weight gradients on e4m3 operands too: each
         operand quantized along the rows, a scale per column and block of 128 of an expert's
         rows (DeepSeek's recipe for them; mok.ops.fp8_wgrad), in a launch of its own before each
-        GEMM, the sums in fp32. Off by default: in x's dtype, as "bf16" runs them.
+        GEMM, the sums in fp32. d_gate_up, d_output and x are quantized so from their e4m3 rows
+        with 1 x 128 scales (dequantized first), h from x's dtype. Off by default: in x's
+        dtype, as "bf16" runs them.
     """
 
     fwd_num_comm_sms: int = 32
@@ -836,37 +838,51 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
     exchange, plan = schedule.workspace.exchange, schedule.exchange
     dtype = x.dtype
     dq = ops.quantize_rows(d_output)
+    fp8_wgrad = config.fp8_weight_gradients
+    x_whole = []  # x in e4m3 rows, made once for the shared and the routed experts
+
+    def quantized_x(x_rows):
+        if x_rows is not x:
+            return ops.quantize_rows(x_rows)
+        if not x_whole:
+            x_whole.append(ops.quantize_rows(x))
+        return x_whole[0]
 
     def input_grads(experts: _Experts, routing: Routing, gate_up, route_weights, d_rows, dq,
                     x_rows, scatter=None):
+        """(plan, d_x rows, partial sums, [d_gate_up, h], (d_output, x)): the weight
+        gradients' operands, in e4m3 rows with fp8_wgrad (d_gate_up's halves as dswiglu_fp8
+        gives them)."""
         fp8 = _fp8_plan(schedule, x, experts, moved=scatter is not None)
         weights = _fp8_weights(experts)
+        xq = quantized_x(x_rows) if gate_up is None or fp8_wgrad else None
         if gate_up is None:
-            gate_up = _fp8_pre_activations(schedule, x, ops.quantize_rows(x_rows), experts,
-                                           weights, routing, swiglu_limit,
-                                           moved=scatter is not None)
+            gate_up = _fp8_pre_activations(schedule, x, xq, experts, weights, routing,
+                                           swiglu_limit, moved=scatter is not None)
         d_gate_up_q, h, partial = ops.dswiglu_fp8(dq, weights.down_t, gate_up, routing,
                                                   fp8.dswiglu, route_weights, swiglu_limit,
-                                                  apart=fp8.dswiglu_apart)
+                                                  apart=fp8.dswiglu_apart,
+                                                  in_place=not fp8_wgrad)
         _overwritten(gate_up)
         d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, fp8.d_x,
                                     out_dtype=dtype, scatter=scatter)
-        return fp8, d_x_rows, partial, [gate_up, h]  # gate_up holds d_gate_up now
+        if fp8_wgrad:
+            return fp8, d_x_rows, partial, [d_gate_up_q, h], (dq, xq)
+        return fp8, d_x_rows, partial, [gate_up, h], (d_rows, x_rows)  # gate_up: d_gate_up
 
     d_shared = (None, None, None)
     d_x_shared_rows = None
     if shared is not None:  # first: with expert parallelism it overlaps the exchange
-        fp8, d_x_shared_rows, _, saved = input_grads(
+        fp8, d_x_shared_rows, _, saved, operands = input_grads(
             shared, schedule.shared_routing, context.gate_up_shared, None, d_output, dq, x)
-        grads = _weight_grads(fp8, schedule.shared_routing, d_output, x, saved, None, shared,
-                              down_first=context.gate_up_shared is not None,
-                              fp8=config.fp8_weight_gradients)
+        grads = _weight_grads(fp8, schedule.shared_routing, *operands, saved, None, shared,
+                              down_first=context.gate_up_shared is not None, fp8=fp8_wgrad)
         d_shared = tuple(grad[0] for grad in grads)
     d_tokens, x_tokens, router_weights = exchange.tokens(d_output, x, router_weights)
     rows = exchange.backward_rows_fp8(plan, d_tokens, x_tokens, config=config)
     route_weights = context.weights_group if context.weights_group is not None else router_weights
     routing = schedule.routing
-    fp8, d_x_rows, partial, saved = input_grads(
+    fp8, d_x_rows, partial, saved, operands = input_grads(
         routed, routing, context.gate_up, route_weights, rows.d_output,
         dq if rows.d_output is d_output else ops.quantize_rows(rows.d_output), rows.x,
         exchange.scatter(plan, dtype))
@@ -879,10 +895,9 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
         # backward).
         d_x = exchange.combine(plan, d_x_rows, routing, d_x_shared_rows, dtype)
         d_x_rows = d_x_shared_rows = None
-    d_routed = _weight_grads(fp8, routing, rows.d_output, rows.x, saved, route_weights, routed,
-                             down_first=context.gate_up is not None,
-                             fp8=config.fp8_weight_gradients)
-    del rows
+    d_routed = _weight_grads(fp8, routing, *operands, saved, route_weights, routed,
+                             down_first=context.gate_up is not None, fp8=fp8_wgrad)
+    del rows, operands
     exchange.landed(Phase.BACKWARD)
     if d_x is None:
         d_x = exchange.combine(plan, d_x_rows, routing, d_x_shared_rows, dtype)
@@ -1067,7 +1082,9 @@ def _weight_grads(plan: BackwardPlan | Fp8Plan, routing, d_output, x, saved, rou
     """(d_w_gate, d_w_up, d_w_down) from saved = [d_gate_up, h] (emptied, so that the first
     one's operand is freed before the other gradients are allocated: d_gate_up [C, 2I], or with
     down_first h [C, I], where d_gate_up lives on in a kept context); d_output and x by token.
-    fp8 (MoKConfig.fp8_weight_gradients, plan an Fp8Plan): on e4m3 operands."""
+    fp8 (MoKConfig.fp8_weight_gradients, plan an Fp8Plan): on e4m3 operands, quantized along
+    the rows from d_gate_up, d_output and x in e4m3 rows (dswiglu_fp8's, quantize_rows') and
+    from h."""
     d_gate_up, h = saved
     saved.clear()
 

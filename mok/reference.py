@@ -222,8 +222,9 @@ def _fp8_expert(xq, x, dq, d_out, weight, w_gate, w_up, w_down, limit, dtype, fp
     d_gate_up_b = rnd(d_gate_up)
     x32 = x.float()
     d_out_w, h_w = weight[:, None] * d_out.float(), rnd(h_b)
-    if fp8_wgrad:
-        d_gate_up_b, x32, d_out_w, h_w = map(_rows_quantized, (d_gate_up_b, x32, d_out_w, h_w))
+    if fp8_wgrad:  # from the e4m3 rows of d_gate_up, x and d_output, and from h
+        d_gate_up_b, x32, d_out_w, h_w = map(_rows_quantized, (
+            d_gate_up_q, xq, weight[:, None] * dq, h_w))
     d_w_gate = d_gate_up_b[:, :w_gate.shape[0]].T @ x32
     d_w_up = d_gate_up_b[:, w_gate.shape[0]:].T @ x32
     d_w_down = d_out_w.T @ h_w
@@ -256,8 +257,11 @@ def moe_reference_fp8_grads(
     dt. Weight gradients on dt operands, fp32 sums:
     d_w_gate[e], d_w_up[e] = sum of round(d_gate), round(d_up) outer x[t]; d_w_down[e] = sum of
     (w * d_output[t]) outer round(h_b). An expert without routes gets zero gradients. With
-    fp8_weight_gradients each of those four operands, an expert's routes in route order, is
-    quantized along the routes: Q^r(a) with a scale per column and block of 128 routes.
+    fp8_weight_gradients the operands are quantized along the routes, Q^r(a) with a scale per
+    column and block of 128 of an expert's routes in route order, from the e4m3 rows where the
+    backward has them (DeepSeek-V3's recipe: dequantized, then quantized along the routes):
+    d_w_gate[e], d_w_up[e] = sum of Q^r([Q(d_gate), Q(d_up)]) outer Q^r(Q(x)[t]); d_w_down[e] =
+    sum of Q^r(w * Q(d_output)[t]) outer Q^r(round(h_b)).
 
     Returns y [T, H] and d_x [T, H] in dt, the other gradients in fp32.
     """

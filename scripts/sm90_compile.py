@@ -103,7 +103,7 @@ def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
 def _gluon_quantize(fp8_wgrad, *args, **kwargs) -> None:
     """fp8_wgrad.quantize_row_blocks on the Gluon kernel, as an sm_90 GPU runs it."""
     takes = fp8_wgrad.gluon_takes_quantize_rows
-    fp8_wgrad.gluon_takes_quantize_rows = lambda src: True
+    fp8_wgrad.gluon_takes_quantize_rows = lambda src, halves=None: True
     try:
         fp8_wgrad.quantize_row_blocks(*args, **kwargs)
     finally:
@@ -490,6 +490,11 @@ def main(argv=None) -> None:
              lambda tt: _gluon_quantize(fp8_wgrad, x, routing, gather=True, router_weights=rw)),
             ("quantize rows fp8 for weight gradients gluon by row", wgrad8_gluon,
              lambda tt: _gluon_quantize(fp8_wgrad, h, routing, gather=False)),
+            ("quantize rows fp8 for weight gradients gluon from codes", wgrad8_gluon,
+             lambda tt: _gluon_quantize(fp8_wgrad, x8, routing, gather=True, router_weights=rw)),
+            ("quantize rows fp8 for weight gradients gluon from codes in halves", wgrad8_gluon,
+             lambda tt: _gluon_quantize(fp8_wgrad, quantized(rows, 2 * inter), routing,
+                                        gather=False, halves=inter)),
             ("wgrad_down fp8 gluon tma", wgrad8_gluon,
              lambda tt: fp8_wgrad.grouped_wgrad_fp8_quantized(
                  by_rows(hid), by_rows(inter), routing, tt, out_dtype=torch.bfloat16)),

@@ -59,7 +59,7 @@ def fp8_rows_kernel(
     stride_om, stride_osm, stride_gum, stride_hm, stride_pm,
     GATHER: tl.constexpr, EPILOGUE: tl.constexpr, HAS_LIMIT: tl.constexpr,
     WEIGHTED: tl.constexpr, QUANTIZE_OUT: tl.constexpr, KEEP_GATE_UP: tl.constexpr,
-    SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, ALIGN: tl.constexpr,
+    IN_PLACE: tl.constexpr, SCATTER: tl.constexpr, ROW_ALIGN: tl.constexpr, ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -106,7 +106,7 @@ def fp8_rows_kernel(
         _dswiglu_epilogue(acc, rows, route, valid, keep, cols, in_n, pid_n, N, out_ptr,
                           out_scale_ptr, router_weights_ptr, gate_up_ptr, h_ptr, partial_ptr,
                           stride_om, stride_osm, stride_gum, stride_hm, stride_pm, swiglu_limit,
-                          HAS_LIMIT, WEIGHTED, QUANTIZE_OUT, UPCAST)
+                          HAS_LIMIT, WEIGHTED, QUANTIZE_OUT, IN_PLACE, UPCAST)
     else:
         out = acc
         if EPILOGUE == "swiglu":
@@ -130,8 +130,8 @@ def fp8_dswiglu_rows_kernel(
     dh0_ptr, out_ptr, out_scale_ptr, row_route_ptr, used_rows_ptr, router_weights_ptr,
     gate_up_ptr, h_ptr, partial_ptr, N, topk, swiglu_limit, stride_dm, stride_om, stride_osm,
     stride_gum, stride_hm, stride_pm,
-    HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
-    COLUMNS_FIRST: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr, IN_PLACE: tl.constexpr,
+    BLOCK_M: tl.constexpr, COLUMNS_FIRST: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """The "dswiglu" epilogue of fp8_rows_kernel (QUANTIZE_OUT) on dh0 [C, N] fp32 read from
     memory: one [BLOCK_M, 128] block a program (grid: row blocks times N / 128, a row block's
@@ -155,7 +155,7 @@ def fp8_dswiglu_rows_kernel(
     _dswiglu_epilogue(dh0, rows, route, valid, keep, cols, in_n, pid_n, N, out_ptr,
                       out_scale_ptr, router_weights_ptr, gate_up_ptr, h_ptr, partial_ptr,
                       stride_om, stride_osm, stride_gum, stride_hm, stride_pm, swiglu_limit,
-                      HAS_LIMIT, WEIGHTED, True, UPCAST)
+                      HAS_LIMIT, WEIGHTED, True, IN_PLACE, UPCAST)
 
 
 @triton.jit
@@ -185,9 +185,10 @@ def _dswiglu_epilogue(dh0, rows, route, valid, keep, cols, in_n, pid_n, N, out_p
                       out_scale_ptr, router_weights_ptr, gate_up_ptr, h_ptr, partial_ptr,
                       stride_om, stride_osm, stride_gum, stride_hm, stride_pm, swiglu_limit,
                       HAS_LIMIT: tl.constexpr, WEIGHTED: tl.constexpr,
-                      QUANTIZE_OUT: tl.constexpr, UPCAST: tl.constexpr):
+                      QUANTIZE_OUT: tl.constexpr, IN_PLACE: tl.constexpr, UPCAST: tl.constexpr):
     """dSwiGLU of dh0 = d_out[token] @ w_down[e] over the kept pre-activations gate_up [C, 2N]:
-    d_gate_up in bf16 over them (in place), and with QUANTIZE_OUT in e4m3 into out [C, 2N']
+    with IN_PLACE d_gate_up in gate_up's dtype over them, and with QUANTIZE_OUT in e4m3 into
+    out [C, 2N']
     (N' = N rounded up to a multiple of 128: d_up from column N', zero codes between; scales
     [C, 2N' / 128]: d_gate's blocks, then d_up's); h into h_ptr; with WEIGHTED, d_h
     scaled by the route's router weight and the router-weight gradient's partial sums
@@ -212,9 +213,11 @@ def _dswiglu_epilogue(dh0, rows, route, valid, keep, cols, in_n, pid_n, N, out_p
         d_up = tl.where(up_pass, d_up, 0.0)
     d_gate = tl.where(keep, d_gate, 0.0)
     d_up = tl.where(keep, d_up, 0.0)
-    tl.store(gu_ptrs, cast_to(d_gate, gate_up_ptr.dtype.element_ty, UPCAST), mask=in_n[None, :])
-    tl.store(gu_ptrs + N, cast_to(d_up, gate_up_ptr.dtype.element_ty, UPCAST),
-             mask=in_n[None, :])
+    if IN_PLACE:
+        tl.store(gu_ptrs, cast_to(d_gate, gate_up_ptr.dtype.element_ty, UPCAST),
+                 mask=in_n[None, :])
+        tl.store(gu_ptrs + N, cast_to(d_up, gate_up_ptr.dtype.element_ty, UPCAST),
+                 mask=in_n[None, :])
     if QUANTIZE_OUT:  # a tile is one 128-column block: its columns past N store zero codes
         blocks = tl.cdiv(N, 128)
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]

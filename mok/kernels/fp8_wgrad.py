@@ -16,7 +16,10 @@ scales never meet).
 quantize_row_blocks_kernel: the codes transposed, qa [P, C] (each column's rows contiguous, the
 K-major operand an e4m3 MMA reads), and the scales [C / SUB, P], of a source read by row or,
 GATHER, by token (src row = route // topk), WEIGHTED rows scaled by their route's router weight
-first; padding rows are zeros. A program per block slot and BLOCK_N columns.
+first; padding rows are zeros. CODES: the source is e4m3 codes with a scale per row and block
+of 128 columns (mok.kernels.quantize's 1 x 128 blocks), each value dequantized first; column
+p >= half reads source column p + gap (the two halves of the backward's e4m3 d_gate_up). A
+program per block slot and BLOCK_N columns.
 
 fp8_wgrad_kernel: one [BLOCK_P, BLOCK_Q] tile of one expert's gradient; each block's e4m3
 product is scaled by the outer product of the two scale vectors and added to an fp32
@@ -28,7 +31,7 @@ CPU interpreter (mok.kernels.common).
 import triton
 import triton.language as tl
 
-from mok.kernels.common import abs_max, cast_to, to_e4m3
+from mok.kernels.common import abs_max, cast_to, from_e4m3, to_e4m3
 from mok.kernels.fp8_gemm import _dot_e4m3
 from mok.kernels.quantize import _block_scale
 
@@ -57,9 +60,10 @@ def _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN: t
 @triton.jit
 def quantize_row_blocks_kernel(
     src_ptr, q_ptr, scale_ptr, row_route_ptr, block_expert_ptr, expert_offsets_ptr,
-    router_weights_ptr, N, topk, num_experts, stride_src, stride_q, stride_s,
-    GATHER: tl.constexpr, WEIGHTED: tl.constexpr, ALIGN: tl.constexpr, SUB: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    router_weights_ptr, src_scale_ptr, N, half, gap, topk, num_experts, stride_src, stride_q,
+    stride_s, stride_src_s,
+    GATHER: tl.constexpr, WEIGHTED: tl.constexpr, CODES: tl.constexpr, ALIGN: tl.constexpr,
+    SUB: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """q[n, r] and scale[slot, n] of block slot program_id(0), columns program_id(1)."""
     slot = tl.program_id(0)
@@ -74,8 +78,16 @@ def quantize_row_blocks_kernel(
     src = (route // topk if GATHER else rows).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = cols < N
-    x = tl.load(src_ptr + src[:, None] * stride_src + cols[None, :],
-                mask=valid[:, None] & in_n[None, :], other=0.0).to(tl.float32)
+    load = valid[:, None] & in_n[None, :]
+    if CODES:
+        cols_src = cols + tl.where(cols >= half, gap, 0)
+        x = from_e4m3(tl.load(src_ptr + src[:, None] * stride_src + cols_src[None, :],
+                              mask=load, other=0.0), UPCAST)
+        x *= tl.load(src_scale_ptr + src[:, None] * stride_src_s + (cols_src // 128)[None, :],
+                     mask=load, other=0.0)
+    else:
+        x = tl.load(src_ptr + src[:, None] * stride_src + cols[None, :], mask=load,
+                    other=0.0).to(tl.float32)
     if WEIGHTED:
         x *= tl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
     scale, inverse = _block_scale(abs_max(x, 0, UPCAST), False)

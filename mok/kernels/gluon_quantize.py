@@ -9,8 +9,9 @@ consecutive columns, the lanes of a warp run mostly along the rows and the warps
 columns. The source is read a row's columns of a thread at a time, each column's amax is
 reduced within the thread and across the warp's lanes (shuffles), the scales' divisions run a
 column a thread, and each column's codes of a thread leave in one vector store: the
-transpose costs no shared memory. mok.ops.fp8_wgrad picks the threads (8 rows of 8 columns,
-4 warps).
+transpose costs no shared memory. A source of e4m3 codes (CODES) is dequantized by one scale
+a row: a program's columns lie in one block of 128 of the source. mok.ops.fp8_wgrad picks the
+threads (8 rows of 8 columns, 4 warps).
 """
 
 import functools
@@ -49,14 +50,16 @@ def tile_layouts(rows_per_thread: int, cols_per_thread: int, num_warps: int):
 @gluon.jit
 def quantize_row_blocks_kernel(
     src_ptr, q_ptr, scale_ptr, row_route_ptr, block_expert_ptr, expert_offsets_ptr,
-    router_weights_ptr, N, topk: gl.constexpr, num_experts, stride_src, stride_q, stride_s,
-    GATHER: gl.constexpr, WEIGHTED: gl.constexpr, ALIGN: gl.constexpr, SUB: gl.constexpr,
-    BLOCK_N: gl.constexpr, BY_ROW: gl.constexpr, BY_COL: gl.constexpr,
+    router_weights_ptr, src_scale_ptr, N, half, gap, topk: gl.constexpr, num_experts,
+    stride_src, stride_q, stride_s, stride_src_s,
+    GATHER: gl.constexpr, WEIGHTED: gl.constexpr, CODES: gl.constexpr, ALIGN: gl.constexpr,
+    SUB: gl.constexpr, BLOCK_N: gl.constexpr, BY_ROW: gl.constexpr, BY_COL: gl.constexpr,
 ):
     """q[n, r] and scale[slot, n] of block slot program_id(0), columns program_id(1) * BLOCK_N
     onward (mok.kernels.fp8_wgrad.quantize_row_blocks_kernel's; topk a constant, so that a
     token's row is found without a division instruction); the tile distributed as tile_layouts
-    says."""
+    says. CODES: half a multiple of BLOCK_N, so that a program's columns share one source
+    scale a row."""
     row_of: gl.constexpr = gl.SliceLayout(1, BY_ROW)
     col_of: gl.constexpr = gl.SliceLayout(0, BY_ROW)
     # a column a thread for the scales' divisions (after the reduction a column's amax is in
@@ -79,10 +82,21 @@ def quantize_row_blocks_kernel(
         src = (route // topk).to(gl.int64)
     else:
         src = rows.to(gl.int64)
-    cols = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_of)
+    first_col = gl.program_id(1) * BLOCK_N
+    cols = first_col + gl.arange(0, BLOCK_N, layout=col_of)
     in_n = cols < N
-    x = gl.load(src_ptr + src[:, None] * stride_src + cols[None, :],
-                mask=valid[:, None] & in_n[None, :], other=0.0).to(gl.float32)
+    load = valid[:, None] & in_n[None, :]
+    if CODES:
+        shift = 0
+        if first_col >= half:
+            shift = gap
+        x = gl.load(src_ptr + src[:, None] * stride_src + (cols + shift)[None, :], mask=load,
+                    other=0.0).to(gl.float32)
+        x *= gl.load(src_scale_ptr + src * stride_src_s + (first_col + shift) // 128,
+                     mask=valid, other=0.0)[:, None]
+    else:
+        x = gl.load(src_ptr + src[:, None] * stride_src + cols[None, :], mask=load,
+                    other=0.0).to(gl.float32)
     if WEIGHTED:
         x *= gl.load(router_weights_ptr + route, mask=valid, other=0.0)[:, None]
     largest = gl.convert_layout(gl.max(gl.abs(x), axis=0), one_col)

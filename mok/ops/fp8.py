@@ -275,14 +275,16 @@ def dswiglu_fp8(
     swiglu_limit: float | None = None,
     *,
     apart: bool = False,
+    in_place: bool = True,
 ) -> tuple[Quantized, torch.Tensor, torch.Tensor | None]:
     """The backward's first GEMM on e4m3 operands and the dSwiGLU after it: dh0 = d_output[token]
     @ w_down[e] (w_down_t [E, I, H], the transposed w_down quantized), d_h = router weight * dh0,
     (d_gate, d_up) from the kept pre-activations gate_up [C, 2I] (gate_up_fp8's). Returns
     (d_gate_up in e4m3 [C, 2I'] with 1 x 128 scales [C, 2I' / 128], I' = padded_width(I): d_up
     from column I', zero codes between; h [C, I] in gate_up's dtype; the router-weight
-    gradient's partial sums [C, I' / 128] fp32 or None without router_weights); d_gate_up also
-    replaces gate_up in place, in its dtype ([C, 2I]). apart (Gluon tiles
+    gradient's partial sums [C, I' / 128] fp32 or None without router_weights); with in_place
+    d_gate_up also replaces gate_up, in its dtype ([C, 2I]), else gate_up is left as it was.
+    apart (Gluon tiles
     always run so): two launches, the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over
     it. The same results (on a GPU the partial sums up to their order over each 128
     columns)."""
@@ -308,11 +310,11 @@ def dswiglu_fp8(
             _launch(d_output, w_down_t, None, dh0, dh0, routing, tiles, None, None, gather=True,
                     epilogue="plain", quantize_out=False)
         _dswiglu_rows(dh0, gate_up, routing, router_weights, swiglu_limit, out, out_scales, h,
-                      partial)
+                      partial, in_place)
     else:
         _launch(d_output, w_down_t, None, out, out_scales, routing, tiles, router_weights,
                 swiglu_limit, gather=True, epilogue="dswiglu", quantize_out=True,
-                gate_up=gate_up, h=h, partial=partial)
+                gate_up=gate_up, h=h, partial=partial, in_place=in_place)
     return Quantized(out, out_scales), h, partial
 
 
@@ -527,7 +529,8 @@ def _check_tiles(tiles: RowTiles, routing: Routing, *, quantize_out: bool) -> No
 
 
 def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_limit, *,
-            gather, epilogue, quantize_out, gate_up=None, h=None, partial=None, scatter=None):
+            gather, epilogue, quantize_out, gate_up=None, h=None, partial=None, scatter=None,
+            in_place=True):
     rows = routing.capacity_rows
     n = w.data.shape[1]
     if rows == 0 or n == 0:
@@ -551,7 +554,7 @@ def _launch(a, w, w2, out, out_scales, routing, tiles, router_weights, swiglu_li
         gate_up.stride(0), h.stride(0), partial.stride(0),
         GATHER=gather, EPILOGUE=epilogue, HAS_LIMIT=swiglu_limit is not None,
         WEIGHTED=router_weights is not None, QUANTIZE_OUT=quantize_out,
-        KEEP_GATE_UP=keep_gate_up, SCATTER=scatter_args["SCATTER"],
+        KEEP_GATE_UP=keep_gate_up, IN_PLACE=in_place, SCATTER=scatter_args["SCATTER"],
         ROW_ALIGN=scatter_args["ROW_ALIGN"], ALIGN=routing.align,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, UPCAST=_env.INTERPRET, num_warps=tiles.num_warps,
@@ -570,7 +573,7 @@ _DSWIGLU_COLUMNS_FIRST = True
 def _dswiglu_rows(dh0: torch.Tensor, gate_up: torch.Tensor, routing: Routing,
                   router_weights: torch.Tensor | None, swiglu_limit: float | None,
                   out: torch.Tensor, out_scales: torch.Tensor, h: torch.Tensor,
-                  partial: torch.Tensor | None) -> None:
+                  partial: torch.Tensor | None, in_place: bool) -> None:
     """The dSwiGLU over dh0 computed apart (mok.kernels.fp8_gemm.fp8_dswiglu_rows_kernel)."""
     rows, inter = dh0.shape
     if rows == 0 or inter == 0:
@@ -583,8 +586,9 @@ def _dswiglu_rows(dh0: torch.Tensor, gate_up: torch.Tensor, routing: Routing,
         router_weights if weighted else out_scales, gate_up, h, partial, inter, routing.topk,
         swiglu_limit if swiglu_limit is not None else 0.0, dh0.stride(0), out.stride(0),
         out_scales.stride(0), gate_up.stride(0), h.stride(0), partial.stride(0),
-        HAS_LIMIT=swiglu_limit is not None, WEIGHTED=weighted, BLOCK_M=block,
-        COLUMNS_FIRST=_DSWIGLU_COLUMNS_FIRST, UPCAST=_env.INTERPRET, num_warps=_DSWIGLU_WARPS,
+        HAS_LIMIT=swiglu_limit is not None, WEIGHTED=weighted, IN_PLACE=in_place,
+        BLOCK_M=block, COLUMNS_FIRST=_DSWIGLU_COLUMNS_FIRST, UPCAST=_env.INTERPRET,
+        num_warps=_DSWIGLU_WARPS,
     )
 
 

@@ -17,7 +17,7 @@ from mok.kernels import fp8_wgrad as kernels
 from mok.kernels import gluon_fp8_wgrad, gluon_quantize
 from mok.ops.checks import check_out_dtype, check_rows
 from mok.ops.experts import _gluon_descriptor, _num_programs
-from mok.ops.fp8 import _GLUON_LOAD_REGS, _GLUON_MMA_REGS, _SMEM
+from mok.ops.fp8 import _GLUON_LOAD_REGS, _GLUON_MMA_REGS, _SMEM, _rows_operand, padded_width
 from mok.ops.launch import cdiv, launch
 from mok.ops.quantize import QUANT_BLOCK, Quantized
 from mok.ops.routing import Routing, check_router_weights
@@ -27,38 +27,57 @@ E4M3 = torch.float8_e4m3fn
 _QUANTIZE_COLUMNS = 64
 
 
-def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
-                        router_weights: torch.Tensor | None = None) -> Quantized:
+def quantize_row_blocks(src: torch.Tensor | Quantized, routing: Routing, *, gather: bool,
+                        router_weights: torch.Tensor | None = None,
+                        halves: int | None = None) -> Quantized:
     """src's schedule rows in e4m3, quantized along the rows: (codes [N, C] transposed, each
     column's rows contiguous; scales [C // gcd(align, 128), N] fp32), a scale per column and
     block of 128 of an expert's rows (mok.kernels.fp8_wgrad). src [T, N] by token (gather: row
-    r reads token row_route[r] // topk) or [C, N] by row; router_weights (a value per route,
-    [T, k] or [T * k]): each row is first scaled by its route's weight. Padding rows are
-    zeros."""
+    r reads token row_route[r] // topk) or [C, N] by row, in a float dtype or as e4m3 codes
+    with 1 x 128 scales (mok.ops.quantize_rows'; each value dequantized first);
+    router_weights (a value per route, [T, k] or [T * k]): each row is first scaled by its
+    route's weight. halves (codes only): src holds two halves of `halves` columns, the second
+    from column padded_width(halves) on (mok.ops.dswiglu_fp8's d_gate_up); the result has
+    2 * halves columns. Padding rows are zeros."""
     rows, topk = routing.capacity_rows, routing.topk
-    check_rows(src, "the rows to quantize")
+    codes_in = isinstance(src, Quantized)
+    if codes_in:
+        count, width = _rows_operand(src, "the rows to quantize")
+        gap = 0
+        if halves is not None:
+            if width != 2 * padded_width(halves):
+                raise MoKInputError(f"the rows to quantize must hold two halves of {halves} "
+                                    f"columns {padded_width(halves)} apart, got {width}")
+            width, gap = 2 * halves, padded_width(halves) - halves
+        half = halves if halves is not None else width
+        data, src_scales = src
+    else:
+        if halves is not None:
+            raise ValueError("halves applies to e4m3 rows (a Quantized source)")
+        check_rows(src, "the rows to quantize")
+        count, width = src.shape
+        data = src_scales = src
+        half, gap = width, 0
     expected = routing.num_tokens if gather else rows
-    if src.shape[0] != expected:
+    if count != expected:
         raise MoKInputError(f"the rows to quantize must be [{expected}, N] "
                             f"({'by token' if gather else 'by schedule row'}), got "
-                            f"{tuple(src.shape)}")
+                            f"{(count, width)}")
     check_router_weights(router_weights, routing)
     sub = _rows_per_slot(routing)
-    width = src.shape[1]
-    codes = torch.empty(width, rows, dtype=E4M3, device=src.device)
-    scales = torch.empty(rows // sub, width, dtype=torch.float32, device=src.device)
+    codes = torch.empty(width, rows, dtype=E4M3, device=data.device)
+    scales = torch.empty(rows // sub, width, dtype=torch.float32, device=data.device)
     if rows and width:
         grid = (rows // sub, cdiv(width, _QUANTIZE_COLUMNS))
-        args = (src, codes, scales, routing.row_route, routing.block_expert,
+        args = (data, codes, scales, routing.row_route, routing.block_expert,
                 routing.expert_offsets, router_weights if router_weights is not None else scales,
-                width, topk, routing.num_local_experts, src.stride(0), codes.stride(0),
-                scales.stride(0))
-        flags = dict(GATHER=gather, WEIGHTED=router_weights is not None, ALIGN=routing.align,
-                     SUB=sub, BLOCK_N=_QUANTIZE_COLUMNS)
-        if gluon_takes_quantize_rows(src):
+                src_scales, width, half, gap, topk, routing.num_local_experts, data.stride(0),
+                codes.stride(0), scales.stride(0), src_scales.stride(0))
+        flags = dict(GATHER=gather, WEIGHTED=router_weights is not None, CODES=codes_in,
+                     ALIGN=routing.align, SUB=sub, BLOCK_N=_QUANTIZE_COLUMNS)
+        if gluon_takes_quantize_rows(data, halves):
             rows_t, cols_t, warps = _GLUON_QUANTIZE_THREADS
             by_row, by_col = gluon_quantize.tile_layouts(rows_t, cols_t, warps)
-            assert by_row.shape[1] == _QUANTIZE_COLUMNS
             launch(gluon_quantize.quantize_row_blocks_kernel, grid)(
                 *args, **flags, BY_ROW=by_row, BY_COL=by_col, num_warps=warps)
         else:
@@ -67,10 +86,11 @@ def quantize_row_blocks(src: torch.Tensor, routing: Routing, *, gather: bool,
     return Quantized(codes, scales)
 
 
-def gluon_takes_quantize_rows(src: torch.Tensor) -> bool:
+def gluon_takes_quantize_rows(src: torch.Tensor, halves: int | None = None) -> bool:
     """Whether the Gluon kernel (mok.kernels.gluon_quantize) quantizes these rows: an sm_90
-    GPU, with _GLUON_QUANTIZE on."""
-    return _GLUON_QUANTIZE and src.is_cuda and arch_of(src.device).warp_specialized
+    GPU, with _GLUON_QUANTIZE on; with halves, each half a multiple of the kernel's columns."""
+    return (_GLUON_QUANTIZE and src.is_cuda and arch_of(src.device).warp_specialized
+            and (halves is None or halves % _QUANTIZE_COLUMNS == 0))
 
 
 # The weight gradients' operands quantized by the Gluon kernel on sm_90 (False: the Triton
@@ -87,8 +107,8 @@ def _rows_per_slot(routing: Routing) -> int:
 
 
 def grouped_wgrad_fp8(
-    a: torch.Tensor,
-    b: torch.Tensor,
+    a: torch.Tensor | Quantized,
+    b: torch.Tensor | Quantized,
     routing: Routing,
     tiles: RowTiles = FP8_WGRAD_TILES,
     *,
@@ -100,13 +120,16 @@ def grouped_wgrad_fp8(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """out [E, P, Q] = sum over expert e's rows of a[row, :P]^T b[row, :Q] on e4m3 operands
     (quantize_row_blocks of each, a's rows scaled by their route's router weight when given),
-    fp32 sums, in out_dtype. a and b: by token (gather_*) or by schedule row. split: rows
-    [0, split) of the gradient in one tensor and [split, P) in another (d_w_gate and d_w_up
-    from [d_gate, d_up])."""
+    fp32 sums, in out_dtype. a and b: by token (gather_*) or by schedule row, in a float dtype
+    or as e4m3 rows with 1 x 128 scales. split: rows [0, split) of the gradient in one tensor
+    and [split, P) in another (d_w_gate and d_w_up from [d_gate, d_up]; a in e4m3 then holds
+    its halves as mok.ops.dswiglu_fp8's d_gate_up, quantize_row_blocks' halves)."""
     if tiles.block_k != QUANT_BLOCK:
         raise ValueError(f"the FP8 weight gradients take K steps of {QUANT_BLOCK} rows, got "
                          f"block_k={tiles.block_k}")
-    qa = quantize_row_blocks(a, routing, gather=gather_a, router_weights=router_weights)
+    halves = split if isinstance(a, Quantized) else None
+    qa = quantize_row_blocks(a, routing, gather=gather_a, router_weights=router_weights,
+                             halves=halves)
     qb = quantize_row_blocks(b, routing, gather=gather_b)
     return grouped_wgrad_fp8_quantized(qa, qb, routing, tiles, out_dtype=out_dtype, split=split)
 

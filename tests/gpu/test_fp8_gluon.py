@@ -414,8 +414,11 @@ def test_gluon_quantize_row_blocks_gives_the_triton_kernels_bits(threads, align,
                                                                  monkeypatch):
     # mok.kernels.gluon_quantize against mok.kernels.fp8_wgrad's kernel, codes and scales bit
     # for bit: by token (router-weighted or not) and by row, an expert without rows, a partial
-    # last block of each expert, a partial last column block (200), zeros, NaN and inf.
-    from mok.ops import fp8_wgrad
+    # last block of each expert, a partial last column block (200), zeros, NaN and inf; from
+    # e4m3 rows with 1 x 128 scales too (by token weighted, by row, and in two halves of 64 and
+    # 1024 columns with padded_width between them).
+    from mok.ops import fp8_wgrad, quantize_rows
+    from mok.ops.fp8 import padded_width
 
     tokens, experts, topk = 1500, 9, 4
     generator = torch.Generator().manual_seed(23)
@@ -433,15 +436,24 @@ def test_gluon_quantize_row_blocks_gives_the_triton_kernels_bits(threads, align,
         src[::11, 9] = float("inf")
         src[:, 11] = float("nan")
     by_token, by_row = by_token.cuda(), by_row.cuda()
+    half = 64 if width < 1024 else 1024
+    halves = torch.zeros(routing.capacity_rows, 2 * padded_width(half), dtype=torch.bfloat16,
+                         device="cuda")
+    halves[:, :half] = by_row[:, :half]
+    halves[:, padded_width(half):padded_width(half) + half] = by_row[:, half:2 * half]
     monkeypatch.setattr(fp8_wgrad, "_GLUON_QUANTIZE_THREADS", threads)
-    for src, gather, router_weights in ((by_token, True, weights), (by_token, True, None),
-                                        (by_row, False, None)):
-        assert fp8_wgrad.gluon_takes_quantize_rows(src)
+    for src, gather, router_weights, split in (
+            (by_token, True, weights, None), (by_token, True, None, None),
+            (by_row, False, None, None), (quantize_rows(by_token), True, weights, None),
+            (quantize_rows(by_row), False, None, None), (quantize_rows(halves), False, None,
+                                                         half)):
+        assert fp8_wgrad.gluon_takes_quantize_rows(
+            src if isinstance(src, torch.Tensor) else src.data, split)
         mine = fp8_wgrad.quantize_row_blocks(src, routing, gather=gather,
-                                             router_weights=router_weights)
+                                             router_weights=router_weights, halves=split)
         monkeypatch.setattr(fp8_wgrad, "_GLUON_QUANTIZE", False)
         theirs = fp8_wgrad.quantize_row_blocks(src, routing, gather=gather,
-                                               router_weights=router_weights)
+                                               router_weights=router_weights, halves=split)
         monkeypatch.setattr(fp8_wgrad, "_GLUON_QUANTIZE", True)
         # what the kernels write: each expert's rows and their blocks' scales
         sub = math.gcd(align, QUANT_BLOCK)

@@ -11,8 +11,9 @@ import torch
 import mok.reference as reference
 from mok.errors import MoKInputError
 from mok.ops import build_routing
+from mok.ops.fp8 import padded_width
 from mok.ops.fp8_wgrad import grouped_wgrad_fp8, quantize_row_blocks
-from mok.ops.quantize import QUANT_BLOCK
+from mok.ops.quantize import QUANT_BLOCK, quantize_rows
 from mok.ops.tuning import RowTiles
 from mok.testing import RoutingPattern, make_topk
 
@@ -108,6 +109,48 @@ def test_quantize_row_blocks_matches_reference(device, align, gather):
     assert scales.shape == (routing.capacity_rows // sub, 200)
     assert_column_blocks(codes, scales, src, routing, gather=gather, router_weights=weights)
     assert routing.expert_counts[1] == 0
+
+
+@pytest.mark.parametrize("align", [16, 128], ids=lambda a: f"align{a}")
+@pytest.mark.parametrize("gather", [True, False], ids=["by_token", "by_row"])
+def test_quantize_row_blocks_from_e4m3_rows_matches_reference(device, align, gather):
+    # A source of e4m3 codes with 1 x 128 scales (quantize_rows'): each value dequantized
+    # (code times its block's scale, then times the route's weight), then quantized along the
+    # rows as a float source is; 200 columns: a partial last scale block.
+    routing, router_weights = schedule(device, tokens=150, experts=3, topk=2, align=align,
+                                       seed=12, unused=(2,))
+    generator = torch.Generator().manual_seed(13)
+    rows = routing.num_tokens if gather else routing.capacity_rows
+    src = quantize_rows((torch.randn(rows, 200, generator=generator) * 3).bfloat16().to(device))
+    values = reference.dequantize_e4m3(src.data.cpu(), src.scales.cpu(), (1, QUANT_BLOCK))
+    weights = router_weights if gather else None
+    codes, scales = quantize_row_blocks(src, routing, gather=gather, router_weights=weights)
+    assert codes.shape == (200, routing.capacity_rows)
+    assert_column_blocks(codes, scales, values, routing, gather=gather, router_weights=weights)
+
+
+@pytest.mark.parametrize("half", [96, 128], ids=lambda n: f"half{n}")
+def test_quantize_row_blocks_from_e4m3_halves(device, half):
+    # dswiglu_fp8's d_gate_up: d_gate's codes in columns [0, I), d_up's from padded_width(I)
+    # (128 for I = 96: 32 zero columns between); the result holds the 2I columns.
+    routing, _ = schedule(device, tokens=100, experts=2, topk=2, align=16, seed=14)
+    generator = torch.Generator().manual_seed(15)
+    gate, up = (torch.randn(routing.capacity_rows, half, generator=generator).bfloat16()
+                for _ in range(2))
+    wide = padded_width(half)
+    laid = torch.zeros(routing.capacity_rows, 2 * wide, dtype=torch.bfloat16)
+    laid[:, :half], laid[:, wide:wide + half] = gate, up
+    src = quantize_rows(laid.to(device))
+    values = reference.dequantize_e4m3(src.data.cpu(), src.scales.cpu(), (1, QUANT_BLOCK))
+    codes, scales = quantize_row_blocks(src, routing, gather=False, halves=half)
+    assert codes.shape == (2 * half, routing.capacity_rows)
+    assert_column_blocks(codes, scales, torch.cat((values[:, :half],
+                                                   values[:, wide:wide + half]), 1),
+                         routing, gather=False)
+    with pytest.raises(MoKInputError, match="two halves"):
+        quantize_row_blocks(src, routing, gather=False, halves=2 * half)
+    with pytest.raises(ValueError, match="halves"):
+        quantize_row_blocks(laid.to(device), routing, gather=False, halves=half)
 
 
 @pytest.mark.parametrize("gather", [True, False], ids=["by_token", "by_row"])
