@@ -1027,16 +1027,14 @@ def _recompute_fp8(config, schedule, x, router_weights, shared: _Experts | None,
 
     gate_up_shared = (pre_activations(shared, schedule.shared_routing, xq)
                       if shared is not None else None)
-    weights_group, rows = None, xq
-    if moved:
-        exchange = schedule.workspace.exchange
-        tokens, token_weights = exchange.tokens(x, router_weights)
-        landed = exchange.forward_rows_fp8(schedule.exchange, tokens,
-                                           xq if tokens is x else None, token_weights,
-                                           config=config)
-        weights_group, rows = landed.kept_weights, landed.x
-    return ForwardContext(None, None, weights_group=weights_group,
-                          gate_up=pre_activations(routed, schedule.routing, rows, moved),
+    # the tokens as the forward takes them (across nodes of one rank each they are the
+    # gathered tokens, though the rows stay here)
+    exchange = schedule.workspace.exchange
+    tokens, token_weights = exchange.tokens(x, router_weights)
+    landed = exchange.forward_rows_fp8(schedule.exchange, tokens, xq if tokens is x else None,
+                                       token_weights, config=config)
+    return ForwardContext(None, None, weights_group=landed.kept_weights,
+                          gate_up=pre_activations(routed, schedule.routing, landed.x, moved),
                           gate_up_shared=gate_up_shared, **context)
 
 
