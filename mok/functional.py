@@ -831,10 +831,12 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
     """backward in FP8: d_output quantized once; per group of experts the pre-activations (kept,
     or recomputed from x quantized), dSwiGLU (d_gate_up in e4m3 and in x's dtype, h, the
     router-weight gradient's partial sums) and the d_x rows on e4m3 operands; the weight
-    gradients in x's dtype from d_gate_up, h, x and d_output, as the 16-bit backward's. With
-    expert parallelism the routed experts' d_output and x rows come from their ranks in x's
-    dtype (the weight gradients read them so) and are quantized there; d_x rows and
-    router-weight gradients go back."""
+    gradients in x's dtype from d_gate_up, h, x and d_output, as the 16-bit backward's (with
+    fp8_weight_gradients on e4m3 operands from d_gate_up's, x's and d_output's e4m3 rows, and
+    no d_gate_up in x's dtype). With expert parallelism the routed experts' d_output and x
+    rows come from their ranks in x's dtype and are quantized here (with fp8_weight_gradients
+    they come in e4m3, quantized on their ranks); d_x rows and router-weight gradients go
+    back."""
     exchange, plan = schedule.workspace.exchange, schedule.exchange
     dtype = x.dtype
     dq = ops.quantize_rows(d_output)
@@ -842,6 +844,8 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
     x_whole = []  # x in e4m3 rows, made once for the shared and the routed experts
 
     def quantized_x(x_rows):
+        if isinstance(x_rows, ops.Quantized):  # pulled in e4m3
+            return x_rows
         if x_rows is not x:
             return ops.quantize_rows(x_rows)
         if not x_whole:
@@ -879,13 +883,16 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
                               down_first=context.gate_up_shared is not None, fp8=fp8_wgrad)
         d_shared = tuple(grad[0] for grad in grads)
     d_tokens, x_tokens, router_weights = exchange.tokens(d_output, x, router_weights)
-    rows = exchange.backward_rows_fp8(plan, d_tokens, x_tokens, config=config)
+    rows = exchange.backward_rows_fp8(
+        plan, d_tokens, x_tokens, config=config, dq=dq if d_tokens is d_output else None,
+        xq=quantized_x(x) if fp8_wgrad and x_tokens is x else None)
     route_weights = context.weights_group if context.weights_group is not None else router_weights
     routing = schedule.routing
+    d_rows = rows.d_output
     fp8, d_x_rows, partial, saved, operands = input_grads(
-        routed, routing, context.gate_up, route_weights, rows.d_output,
-        dq if rows.d_output is d_output else ops.quantize_rows(rows.d_output), rows.x,
-        exchange.scatter(plan, dtype))
+        routed, routing, context.gate_up, route_weights, d_rows,
+        d_rows if isinstance(d_rows, ops.Quantized) else dq if d_rows is d_output
+        else ops.quantize_rows(d_rows), rows.x, exchange.scatter(plan, dtype))
     by_route = ops.router_grad(partial, routing)
     exchange.send_route_values(plan, by_route)
     exchange.deliveries_done(plan, Phase.BACKWARD, dtype, values=True, wait=False)

@@ -81,11 +81,12 @@ class Fp8ForwardRows:
 
 @dataclass(frozen=True)
 class BackwardRows:
-    """What the backward's GEMMs read: d_output and x rows, the pull of the first GEMM's launch
-    and x_pull, a pull run by the d_x launch for the weight gradients alone (None: none)."""
+    """What the backward's GEMMs read: d_output and x rows (the FP8 backward's with
+    fp8_weight_gradients in e4m3), the pull of the first GEMM's launch and x_pull, a pull run by
+    the d_x launch for the weight gradients alone (None: none)."""
 
-    d_output: torch.Tensor
-    x: torch.Tensor
+    d_output: torch.Tensor | Quantized
+    x: torch.Tensor | Quantized
     pull: Pull | None = None
     x_pull: Pull | None = None
 
@@ -147,10 +148,13 @@ class Exchange:
         (xq: quantize_rows(x) where the caller has it, else quantized here)."""
         raise NotImplementedError
 
-    def backward_rows_fp8(self, plan, d_output: torch.Tensor, x: torch.Tensor, *,
-                          config) -> BackwardRows:
-        """The FP8 backward's rows, d_output and x in their dtype (the weight gradients read
-        them so), landed and read (no `rows_read` after); no pulls."""
+    def backward_rows_fp8(self, plan, d_output: torch.Tensor, x: torch.Tensor, *, config,
+                          dq: Quantized | None = None, xq: Quantized | None = None
+                          ) -> BackwardRows:
+        """The FP8 backward's rows, landed and read (no `rows_read` after); no pulls. d_output
+        and x in their dtype (the bf16 weight gradients read them so), or with
+        config.fp8_weight_gradients in e4m3 with their 1 x 128 scales (dq, xq: quantize_rows of
+        d_output and x where the caller has them, else quantized here)."""
         raise NotImplementedError
 
     def rows_read(self, phase: Phase) -> None:

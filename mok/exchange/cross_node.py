@@ -179,8 +179,9 @@ class CrossNodeExchange(Exchange):
     def forward_rows_fp8(self, plan, x, xq, router_weights, *, config):
         return self.inner.forward_rows_fp8(plan.inner, x, xq, router_weights, config=config)
 
-    def backward_rows_fp8(self, plan, d_output, x, *, config):
-        return self.inner.backward_rows_fp8(plan.inner, d_output, x, config=config)
+    def backward_rows_fp8(self, plan, d_output, x, *, config, dq=None, xq=None):
+        return self.inner.backward_rows_fp8(plan.inner, d_output, x, config=config, dq=dq,
+                                            xq=xq)
 
     def rows_read(self, phase):
         self.inner.rows_read(phase)

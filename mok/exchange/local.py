@@ -52,7 +52,10 @@ class LocalExchange(Exchange):
     def forward_rows_fp8(self, plan, x, xq, router_weights, *, config):
         return Fp8ForwardRows(xq if xq is not None else ops.quantize_rows(x), router_weights)
 
-    def backward_rows_fp8(self, plan, d_output, x, *, config):
+    def backward_rows_fp8(self, plan, d_output, x, *, config, dq=None, xq=None):
+        if config.fp8_weight_gradients:
+            return BackwardRows(dq if dq is not None else ops.quantize_rows(d_output),
+                                xq if xq is not None else ops.quantize_rows(x))
         return BackwardRows(d_output, x)
 
     def rows_read(self, phase):

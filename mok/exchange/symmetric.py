@@ -71,7 +71,7 @@ from mok.exchange.base import (
     Phase,
     route_capacity,
 )
-from mok.ops import Routing, comm
+from mok.ops import Quantized, Routing, comm
 from mok.ops.launch import cdiv
 
 # Published expert ids carry the publisher's expert count: id + E * EXPERT_TAG. A reader with
@@ -596,10 +596,15 @@ class SymmetricExchange(Exchange):
         self.pulled(peer, Phase.FORWARD)
         return Fp8ForwardRows(ops.unpack_rows(rows, width), weights_group, weights_group)
 
-    def backward_rows_fp8(self, plan, d_output, x, *, config):
-        """Publish d_output and x; pull the group's rows of both in launches of their own over
-        bwd_num_comm_sms programs each, then acknowledge them."""
+    def backward_rows_fp8(self, plan, d_output, x, *, config, dq=None, xq=None):
+        """Publish d_output and x (with fp8_weight_gradients in e4m3, packed as the forward's
+        x); pull the group's rows of both in launches of their own over bwd_num_comm_sms
+        programs each, then acknowledge them."""
         peer = self.peer_flags(self.errors)
+        if config.fp8_weight_gradients:
+            return self._backward_rows_e4m3(
+                peer, plan, dq if dq is not None else ops.quantize_rows(d_output),
+                xq if xq is not None else ops.quantize_rows(x), config=config)
         if self.window is not None:
             dy_group, x_group = self._ring_rows_in(
                 peer, Phase.BACKWARD, plan,
@@ -614,15 +619,46 @@ class SymmetricExchange(Exchange):
         self.pulled(peer, Phase.BACKWARD)
         return BackwardRows(dy_group, x_group)
 
-    def packed_pub(self, width: int) -> torch.Tensor:
-        """The published x as packed e4m3 rows of `width` columns (mok.ops.unpack_rows):
-        [T_max, packed_row_bytes(width)] uint8 over the 16-bit x's memory."""
+    def _backward_rows_e4m3(self, peer, plan, dq: Quantized, xq: Quantized, *, config):
+        """backward_rows_fp8's rows in e4m3: d_output's in the 16-bit d_output's published
+        memory and x's in x's, packed (mok.ops.unpack_rows)."""
+        tokens, width = dq.data.shape
+        packed = [self.packed_pub(width, self.dy_pub), self.packed_pub(width)]
+
+        def window_copies(at, start, count):
+            copies = []
+            for pub, rows in zip(packed, (dq, xq), strict=True):
+                codes, scales = ops.unpack_rows(pub[at:at + count], width)
+                copies += [(codes, rows.data[start:start + count]),
+                           (scales, rows.scales[start:start + count])]
+            return copies
+
+        if self.window is not None:
+            groups = self._ring_pulls(peer, Phase.BACKWARD, plan, packed, window_copies, tokens,
+                                      None, config=config)
+        else:
+            _check_pulls(plan)
+            self.publish(peer, Phase.BACKWARD, window_copies(0, 0, tokens))
+            groups = []
+            for pub in packed:
+                group, _, _, pull = self.pull(peer, Phase.BACKWARD, plan, src=pub, weights=None,
+                                              minibatch=config.minibatch_size,
+                                              num_programs=config.bwd_num_comm_sms)
+                pull.run_apart(group)
+                groups.append(group)
+            self.pulled(peer, Phase.BACKWARD)
+        return BackwardRows(*(ops.unpack_rows(group, width) for group in groups))
+
+    def packed_pub(self, width: int, pub=None) -> torch.Tensor:
+        """The published x (or pub's rows: dy_pub) as packed e4m3 rows of `width` columns
+        (mok.ops.unpack_rows): [T_max, packed_row_bytes(width)] uint8 over the 16-bit rows'
+        memory."""
         nbytes = ops.packed_row_bytes(width)
         if nbytes > 2 * self.hidden_size:
             raise MoKInputError(f"packed e4m3 rows of hidden size {width} take {nbytes} bytes, "
                                 f"more than a 16-bit row's {2 * self.hidden_size}: FP8 under "
                                 "expert parallelism needs a hidden size of at least 16")
-        return self.x_pub(torch.uint8)[:, :nbytes]
+        return (pub or self.x_pub)(torch.uint8)[:, :nbytes]
 
     def rows_read(self, phase):
         """After every pull (or copy) of the phase: the published rows may be overwritten (with

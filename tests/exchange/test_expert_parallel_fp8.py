@@ -192,10 +192,18 @@ def test_ep_fp8_shared_kept_limit_uneven(rank, world_size):
 
 @distributed_test(world_sizes=(2,))
 def test_ep_fp8_weight_gradients(rank, world_size):
-    # MoKConfig(fp8_weight_gradients=True): the pulled x and d_output rows quantized along the
-    # rows like this rank's own. Experts 96 wide: a partial scale block.
+    # MoKConfig(fp8_weight_gradients=True): the backward pulls d_output and x as packed e4m3
+    # rows quantized on their tokens' ranks, then quantizes them along the rows like this
+    # rank's own. Experts 96 wide: a partial scale block.
     _fp8_body(rank, world_size, shared=True, recompute=False, limit=None, uneven=True,
               fp8_wgrad=True, inter=96)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_fp8_weight_gradients_recomputing(rank, world_size):
+    # The recomputing backward's gate/up reads the pulled x's e4m3 rows.
+    _fp8_body(rank, world_size, shared=False, recompute=True, limit=None, uneven=False,
+              fp8_wgrad=True)
 
 
 @distributed_test(world_sizes=(2,))
@@ -204,6 +212,14 @@ def test_ep_fp8_across_nodes(rank, world_size):
     # experts' node.
     _fp8_body(rank, world_size, shared=True, recompute=True, limit=None, uneven=True,
               ranks_per_node=1)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ep_fp8_weight_gradients_across_nodes(rank, world_size):
+    # The same with FP8 weight gradients: the experts' node quantizes the gathered tokens and
+    # pulls them as packed e4m3 rows.
+    _fp8_body(rank, world_size, shared=True, recompute=False, limit=None, uneven=True,
+              ranks_per_node=1, fp8_wgrad=True)
 
 
 def _refusals_body(rank, world_size):

@@ -60,11 +60,12 @@ def _workspace(config, inputs, num_local_tokens=MAX_TOKENS):
 
 
 def _bitwise_body(rank, world_size, *, case, recompute, precision="bf16", shared=16,
-                  limit=0.8):
+                  limit=0.8, fp8_wgrad=False):
     sizes = dict(hidden=64, intermediate=128) if precision == "fp8" else {}
     inputs = _rank_inputs(rank, world_size, tokens=_tokens(rank, case), shared=shared,
                           pattern=RoutingPattern.RANDOM, seed=7, **sizes)
-    unbounded = dataclasses.replace(UNBOUNDED, recompute_gate_up=recompute, precision=precision)
+    unbounded = dataclasses.replace(UNBOUNDED, recompute_gate_up=recompute, precision=precision,
+                                    fp8_weight_gradients=fp8_wgrad)
     ring = dataclasses.replace(unbounded, macrobatch_size=WINDOW)
     plain, ringed = _workspace(unbounded, inputs), _workspace(ring, inputs)
     assert plain.exchange.window is None
@@ -107,6 +108,14 @@ def test_ring_fp8_bitwise_the_unbounded_path(rank, world_size):
     # FP8: the forward's rows travel as packed e4m3 rows through the ring's slots.
     _bitwise_body(rank, world_size, case="uneven", recompute=False, precision="fp8",
                   shared=0)
+
+
+@distributed_test(world_sizes=(2,))
+def test_ring_fp8_weight_gradients_bitwise_the_unbounded_path(rank, world_size):
+    # FP8 weight gradients: the backward's d_output and x rows travel as packed e4m3 rows
+    # through the ring's slots too; the recomputing backward reads the pulled x's codes.
+    _bitwise_body(rank, world_size, case="uneven", recompute=True, precision="fp8",
+                  shared=0, fp8_wgrad=True)
 
 
 def _across_nodes_body(rank, world_size):
