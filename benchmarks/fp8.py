@@ -204,9 +204,10 @@ def partial_checked(d_out_q, down_t, kept, routing) -> torch.Tensor:
 def quantize_stages(routing, operands: dict) -> list:
     """The quantize_rows_<name> stages: quantize_row_blocks of operands {name: (src, gather,
     router weights, halves)}, src a tensor or e4m3 rows (Quantized), bytes per schedule row
-    (src read with its scales, e4m3 written). Where the Gluon kernel runs, also the Triton
-    kernel (row_blocks_triton) and the Gluon kernel's other threads (QUANTIZE_THREADS), each
-    checked bit for bit against the Triton kernel first."""
+    (src read with its scales, e4m3 written): row_blocks the layer's kernel. Where the Gluon
+    kernel can run, also the Triton kernel (row_blocks_triton) and the Gluon kernel with each
+    of QUANTIZE_THREADS (for e4m3 sources too), each checked bit for bit against the Triton
+    kernel first."""
     stages = []
     for name, (src, gather, weights, halves) in operands.items():
         data = src.data if isinstance(src, ops.Quantized) else src
@@ -216,7 +217,8 @@ def quantize_stages(routing, operands: dict) -> list:
         run = functools.partial(ops.quantize_row_blocks, src, routing, gather=gather,
                                 router_weights=weights, halves=halves)
         stages.append((f"quantize_rows_{name}", "row_blocks", run, 0, bytes_))
-        if not fp8_wgrad.gluon_takes_quantize_rows(data, halves):
+        if not _quantize_with(True, None, functools.partial(
+                fp8_wgrad.gluon_takes_quantize_rows, data, halves)):
             continue
         triton_run = functools.partial(_quantize_with, False, None, run)
         theirs = triton_run()
@@ -249,14 +251,17 @@ def _written(quantized, routing) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _quantize_with(gluon: bool, threads, run):
-    """run() with the Gluon quantize_row_blocks on or off, with these threads."""
-    saved = fp8_wgrad._GLUON_QUANTIZE, fp8_wgrad._GLUON_QUANTIZE_THREADS
-    fp8_wgrad._GLUON_QUANTIZE = gluon
-    fp8_wgrad._GLUON_QUANTIZE_THREADS = threads or saved[1]
+    """run() with the Gluon quantize_row_blocks on or off (for e4m3 sources too), with these
+    threads."""
+    saved = (fp8_wgrad._GLUON_QUANTIZE, fp8_wgrad._GLUON_QUANTIZE_CODES,
+             fp8_wgrad._GLUON_QUANTIZE_THREADS)
+    fp8_wgrad._GLUON_QUANTIZE = fp8_wgrad._GLUON_QUANTIZE_CODES = gluon
+    fp8_wgrad._GLUON_QUANTIZE_THREADS = threads or saved[2]
     try:
         return run()
     finally:
-        fp8_wgrad._GLUON_QUANTIZE, fp8_wgrad._GLUON_QUANTIZE_THREADS = saved
+        (fp8_wgrad._GLUON_QUANTIZE, fp8_wgrad._GLUON_QUANTIZE_CODES,
+         fp8_wgrad._GLUON_QUANTIZE_THREADS) = saved
 
 
 def shape_schedule(shape: MoEShape, device: torch.device):

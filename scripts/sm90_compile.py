@@ -479,6 +479,12 @@ def main(argv=None) -> None:
             ("quantize rows fp8 for weight gradients", wgrad8,
              lambda tt: fp8_wgrad.quantize_row_blocks(x, routing, gather=True,
                                                       router_weights=rw)),
+            ("quantize rows fp8 for weight gradients from codes", wgrad8,
+             lambda tt: fp8_wgrad.quantize_row_blocks(x8, routing, gather=True,
+                                                      router_weights=rw)),
+            ("quantize rows fp8 for weight gradients from codes in halves", wgrad8,
+             lambda tt: fp8_wgrad.quantize_row_blocks(quantized(rows, 2 * inter), routing,
+                                                      gather=False, halves=inter)),
         ]
         # The Gluon FP8 kernels (mok.kernels.gluon_fp8, gluon_fp8_wgrad), as an sm_90 GPU would
         # run them.

@@ -62,10 +62,12 @@ def quantize_row_blocks_kernel(
     src_ptr, q_ptr, scale_ptr, row_route_ptr, block_expert_ptr, expert_offsets_ptr,
     router_weights_ptr, src_scale_ptr, N, half, gap, topk, num_experts, stride_src, stride_q,
     stride_s, stride_src_s,
-    GATHER: tl.constexpr, WEIGHTED: tl.constexpr, CODES: tl.constexpr, ALIGN: tl.constexpr,
-    SUB: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, WEIGHTED: tl.constexpr, CODES: tl.constexpr, WHOLE: tl.constexpr,
+    ALIGN: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """q[n, r] and scale[slot, n] of block slot program_id(0), columns program_id(1)."""
+    """q[n, r] and scale[slot, n] of block slot program_id(0), columns program_id(1). WHOLE
+    (CODES): half a multiple of BLOCK_N, so that a program's columns share one source scale a
+    row."""
     slot = tl.program_id(0)
     first, end, used = _slot_rows(block_expert_ptr, expert_offsets_ptr, slot, num_experts, ALIGN,
                                   SUB)
@@ -80,11 +82,18 @@ def quantize_row_blocks_kernel(
     in_n = cols < N
     load = valid[:, None] & in_n[None, :]
     if CODES:
-        cols_src = cols + tl.where(cols >= half, gap, 0)
+        if WHOLE:
+            first_col = tl.program_id(1) * BLOCK_N
+            shift = tl.where(first_col >= half, gap, 0)
+            cols_src = cols + shift
+            scale_src = tl.load(src_scale_ptr + src * stride_src_s + (first_col + shift) // 128,
+                                mask=valid, other=0.0)[:, None]
+        else:
+            cols_src = cols + tl.where(cols >= half, gap, 0)
+            scale_src = tl.load(src_scale_ptr + src[:, None] * stride_src_s
+                                + (cols_src // 128)[None, :], mask=load, other=0.0)
         x = from_e4m3(tl.load(src_ptr + src[:, None] * stride_src + cols_src[None, :],
-                              mask=load, other=0.0), UPCAST)
-        x *= tl.load(src_scale_ptr + src[:, None] * stride_src_s + (cols_src // 128)[None, :],
-                     mask=load, other=0.0)
+                              mask=load, other=0.0), UPCAST) * scale_src
     else:
         x = tl.load(src_ptr + src[:, None] * stride_src + cols[None, :], mask=load,
                     other=0.0).to(tl.float32)

@@ -442,6 +442,7 @@ def test_gluon_quantize_row_blocks_gives_the_triton_kernels_bits(threads, align,
     halves[:, :half] = by_row[:, :half]
     halves[:, padded_width(half):padded_width(half) + half] = by_row[:, half:2 * half]
     monkeypatch.setattr(fp8_wgrad, "_GLUON_QUANTIZE_THREADS", threads)
+    monkeypatch.setattr(fp8_wgrad, "_GLUON_QUANTIZE_CODES", True)
     for src, gather, router_weights, split in (
             (by_token, True, weights, None), (by_token, True, None, None),
             (by_row, False, None, None), (quantize_rows(by_token), True, weights, None),
