@@ -867,7 +867,7 @@ def _backward_fp8(config, schedule, context: ForwardContext, d_output, x, router
                                                   fp8.dswiglu, route_weights, swiglu_limit,
                                                   apart=fp8.dswiglu_apart,
                                                   in_place=not fp8_wgrad)
-        _overwritten(gate_up)
+        _overwritten(gate_up)  # in place or not: a second backward is refused alike
         d_x_rows = ops.d_x_rows_fp8(d_gate_up_q, weights.gate_up_t, routing, fp8.d_x,
                                     out_dtype=dtype, scatter=scatter)
         if fp8_wgrad:
