@@ -94,39 +94,28 @@ def assert_column_blocks(codes, scales, src, routing, *, gather, router_weights=
     return expected
 
 
+@pytest.mark.parametrize("source", ["bf16", "e4m3"])
 @pytest.mark.parametrize("align", [16, 128, 192], ids=lambda a: f"align{a}")
 @pytest.mark.parametrize("gather", [True, False], ids=["by_token", "by_row"])
-def test_quantize_row_blocks_matches_reference(device, align, gather):
+def test_quantize_row_blocks_matches_reference(device, align, gather, source):
+    # e4m3: a source of codes with 1 x 128 scales (quantize_rows'), each value dequantized
+    # (code times its block's scale, then times the route's weight), then quantized along the
+    # rows as a float source is; 200 columns: a partial last scale block.
     routing, router_weights = schedule(device, tokens=150, experts=3, topk=2, align=align,
                                        seed=1, unused=(1,))
     generator = torch.Generator().manual_seed(2)
     rows = routing.num_tokens if gather else routing.capacity_rows
-    src = (torch.randn(rows, 200, generator=generator) * 3).bfloat16().to(device)
+    src = values = (torch.randn(rows, 200, generator=generator) * 3).bfloat16().to(device)
+    if source == "e4m3":
+        src = quantize_rows(values)
+        values = reference.dequantize_e4m3(src.data.cpu(), src.scales.cpu(), (1, QUANT_BLOCK))
     weights = router_weights if gather else None
     codes, scales = quantize_row_blocks(src, routing, gather=gather, router_weights=weights)
     sub = math.gcd(align, QUANT_BLOCK)
     assert codes.shape == (200, routing.capacity_rows)
     assert scales.shape == (routing.capacity_rows // sub, 200)
-    assert_column_blocks(codes, scales, src, routing, gather=gather, router_weights=weights)
-    assert routing.expert_counts[1] == 0
-
-
-@pytest.mark.parametrize("align", [16, 128], ids=lambda a: f"align{a}")
-@pytest.mark.parametrize("gather", [True, False], ids=["by_token", "by_row"])
-def test_quantize_row_blocks_from_e4m3_rows_matches_reference(device, align, gather):
-    # A source of e4m3 codes with 1 x 128 scales (quantize_rows'): each value dequantized
-    # (code times its block's scale, then times the route's weight), then quantized along the
-    # rows as a float source is; 200 columns: a partial last scale block.
-    routing, router_weights = schedule(device, tokens=150, experts=3, topk=2, align=align,
-                                       seed=12, unused=(2,))
-    generator = torch.Generator().manual_seed(13)
-    rows = routing.num_tokens if gather else routing.capacity_rows
-    src = quantize_rows((torch.randn(rows, 200, generator=generator) * 3).bfloat16().to(device))
-    values = reference.dequantize_e4m3(src.data.cpu(), src.scales.cpu(), (1, QUANT_BLOCK))
-    weights = router_weights if gather else None
-    codes, scales = quantize_row_blocks(src, routing, gather=gather, router_weights=weights)
-    assert codes.shape == (200, routing.capacity_rows)
     assert_column_blocks(codes, scales, values, routing, gather=gather, router_weights=weights)
+    assert routing.expert_counts[1] == 0
 
 
 @pytest.mark.parametrize("half", [96, 128], ids=lambda n: f"half{n}")
