@@ -284,10 +284,9 @@ def dswiglu_fp8(
     from column I', zero codes between; h [C, I] in gate_up's dtype; the router-weight
     gradient's partial sums [C, I' / 128] fp32 or None without router_weights); with in_place
     d_gate_up also replaces gate_up, in its dtype ([C, 2I]), else gate_up is left as it was.
-    apart (Gluon tiles
-    always run so): two launches, the GEMM (tiles) into an fp32 dh0 [C, I], then the dSwiGLU over
-    it. The same results (on a GPU the partial sums up to their order over each 128
-    columns)."""
+    apart (Gluon tiles always run so): two launches, the GEMM (tiles) into an fp32 dh0 [C, I],
+    then the dSwiGLU over it. The same results (on a GPU the partial sums up to their order over
+    each 128 columns)."""
     _, hidden = _rows_operand(d_output, "d_output")
     check_tokens(d_output.data, "d_output", routing.num_tokens)
     _, inter, _ = _weights_operand(w_down_t, "w_down_t", hidden, routing)
